@@ -1,0 +1,1 @@
+//! Configuration: the serde model of vLLM's `kv_connector_extra_config`, merge and validation.

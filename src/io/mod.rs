@@ -1,0 +1,85 @@
+//! How bytes move between the primary region and files: the I/O engine trait and its
+//! implementations (`uring`, `psync`, `faulty`), plus path probes.
+//!
+//! An engine owns a table of open files and holds the [`PrimaryRegion`] whose rows are the only
+//! buffers it transfers to or from (registered as io_uring fixed buffers where possible). A
+//! request names a file by index, a file offset, and a byte range of the region. The engine
+//! completes each request exactly once: `Ok(len)` only when all `len` bytes moved (short
+//! transfers are resubmitted for the remainder or failed), otherwise an error. Engines never
+//! busy-spin: their threads block when idle.
+
+use std::sync::Arc;
+
+use crossbeam_channel::Receiver;
+
+use crate::error::Result;
+use crate::region::PrimaryRegion;
+
+/// Direction of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IoDir {
+    /// File -> region.
+    Read,
+    /// Region -> file.
+    Write,
+}
+
+/// One transfer between a file and a range of the engine's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoRequest {
+    /// Read or write.
+    pub dir: IoDir,
+    /// Index into the engine's file table.
+    pub file: usize,
+    /// Byte offset in the file (4096-aligned for O_DIRECT files).
+    pub file_offset: u64,
+    /// Byte offset of the buffer inside the region (4096-aligned).
+    pub region_offset: usize,
+    /// Bytes to move (a multiple of 4096 for O_DIRECT files).
+    pub len: usize,
+    /// Caller's tag, returned in the completion.
+    pub tag: u64,
+}
+
+/// The completion of one [`IoRequest`].
+#[derive(Debug)]
+pub struct IoCompletion {
+    /// The request's tag.
+    pub tag: u64,
+    /// `Ok(len)` iff every byte moved; otherwise why not.
+    pub result: Result<usize>,
+}
+
+/// Which engine to use (config key `io_engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoEngineKind {
+    /// io_uring when it works here, else psync with the reason logged once and exported.
+    #[default]
+    Auto,
+    /// io_uring or an error.
+    Uring,
+    /// pread/pwrite on a small thread pool.
+    Psync,
+}
+
+/// A pluggable I/O engine.
+pub trait IoEngine: Send + Sync {
+    /// `"uring"`, `"psync"`, `"faulty(uring)"`, ...
+    fn name(&self) -> String;
+
+    /// Queues requests and returns at once. Each request completes exactly once on
+    /// [`IoEngine::completions`]. Requests are validated (file index, region bounds, and
+    /// alignment when the file is O_DIRECT); an invalid request completes with an error rather
+    /// than failing the call. Returns an error only when the engine is shut down.
+    fn submit(&self, reqs: &[IoRequest]) -> Result<()>;
+
+    /// Where completions arrive.
+    fn completions(&self) -> &Receiver<IoCompletion>;
+
+    /// The region the engine transfers to and from.
+    fn region(&self) -> &Arc<PrimaryRegion>;
+
+    /// Waits for every submitted request to complete, then stops the engine's threads and
+    /// releases registrations. Idempotent.
+    fn shutdown(&self);
+}

@@ -1,0 +1,24 @@
+//! kvtier: a storage engine for LLM KV cache outside GPU memory.
+//!
+//! * [`region`]: the primary memory region (rows of `row_stride` bytes).
+//! * [`primary`]: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
+//! * [`io`]: I/O engines (io_uring, psync, fault injection) and path probes.
+//! * [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
+//! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
+//! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
+//! * [`config`]: configuration model, merge and validation.
+//! * [`cli`]: the `kvtier` command line.
+
+pub mod canonical;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod g3;
+pub mod io;
+pub mod key;
+pub mod primary;
+pub mod region;
+pub mod tiering;
+
+pub use error::{Error, ErrorKind, Result};
+pub use key::ChunkKey;

@@ -1,0 +1,5 @@
+//! The `kvtier` binary: see `kvtier --help`.
+
+fn main() -> std::process::ExitCode {
+    kvtier::cli::main()
+}

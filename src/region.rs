@@ -1,0 +1,353 @@
+//! The primary memory region: `num_rows` rows of `row_stride` bytes, page-aligned, shared.
+//!
+//! Row `c` is `[base + c * row_stride, base + (c + 1) * row_stride)`. Every transfer in kvtier
+//! (GPU <-> primary, primary <-> NVMe) moves whole rows, so the row is the unit of alignment:
+//! `row_stride` is a multiple of 4096 and the base is page-aligned, which is what O_DIRECT and
+//! io_uring fixed buffers need.
+//!
+//! # Memory and aliasing model
+//! The region is memory that other agents write behind Rust's back: the kernel (io_uring, DMA),
+//! GPU copies, and, for an adopted region, another runtime. kvtier therefore never keeps a
+//! long-lived `&[u8]` or `&mut [u8]` over it. Access goes through raw pointers, and the only
+//! slice views are the `unsafe` [`PrimaryRegion::row`] / [`PrimaryRegion::row_mut`], whose
+//! callers must own the row through the slot manager (a row reserved for a write has one
+//! writer; a pinned row has readers only). The region itself only guarantees that every row
+//! address stays valid and unmoved until the region is dropped, and it is only dropped once
+//! every holder of its `Arc` (I/O engines with registered buffers included) has let go.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+
+use crate::error::{Error, ErrorKind, Result};
+
+/// Alignment of the region base and of every row (the x86-64 page size).
+pub const ROW_ALIGNMENT: usize = 4096;
+
+/// Where the region's memory comes from.
+#[derive(Debug)]
+enum Backing {
+    /// A memfd mapped `MAP_SHARED`; kvtier owns and unmaps it.
+    Memfd { fd: OwnedFd },
+    /// Memory owned by someone else (e.g. vLLM's shared offload region); never unmapped here.
+    Adopted,
+}
+
+/// A page-aligned region of rows. Shared between threads behind an `Arc`.
+#[derive(Debug)]
+pub struct PrimaryRegion {
+    base: NonNull<u8>,
+    row_stride: usize,
+    num_rows: usize,
+    backing: Backing,
+    prefault: PrefaultMethod,
+}
+
+/// How the region's pages were faulted in at creation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefaultMethod {
+    /// `madvise(MADV_POPULATE_WRITE)` (Linux >= 5.14).
+    PopulateWrite,
+    /// One write per page, used when `MADV_POPULATE_WRITE` is unavailable.
+    TouchPages,
+    /// Not pre-faulted (adopted memory is the owner's business).
+    None,
+}
+
+// SAFETY: the region is a plain block of memory; all access goes through raw pointers whose
+// exclusivity is arbitrated by the slot manager (see the module docs). The pointer itself is
+// never mutated after construction.
+unsafe impl Send for PrimaryRegion {}
+// SAFETY: as above; `&PrimaryRegion` only hands out addresses and `unsafe` views.
+unsafe impl Sync for PrimaryRegion {}
+
+fn check_geometry(row_stride: usize, num_rows: usize) -> Result<usize> {
+    if row_stride == 0 || !row_stride.is_multiple_of(ROW_ALIGNMENT) {
+        return Err(Error::new(
+            ErrorKind::Misaligned,
+            format!("row_stride {row_stride} is not a positive multiple of {ROW_ALIGNMENT}"),
+        )
+        .with("expected", format!("multiple of {ROW_ALIGNMENT}"))
+        .with("found", row_stride.to_string()));
+    }
+    if num_rows == 0 {
+        return Err(Error::new(
+            ErrorKind::Config,
+            "the primary region needs at least one row",
+        ));
+    }
+    num_rows.checked_mul(row_stride).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Config,
+            format!("{num_rows} rows of {row_stride} bytes overflow the address space"),
+        )
+    })
+}
+
+impl PrimaryRegion {
+    /// Creates an anonymous shared region (memfd, `MAP_SHARED`) of `num_rows` rows and
+    /// pre-faults it, so that it can be registered with io_uring and used for O_DIRECT.
+    pub fn create(num_rows: usize, row_stride: usize) -> Result<Self> {
+        let len = check_geometry(row_stride, num_rows)?;
+        let name = c"kvtier-primary";
+        // SAFETY: `name` is a valid NUL-terminated string; flags are valid for memfd_create.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(Error::new(ErrorKind::Io, "memfd_create failed")
+                .with_source(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `raw` is a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: valid fd; ftruncate sets the memfd size.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("cannot size the primary region to {len} bytes: {err}"),
+            )
+            .with_source(err));
+        }
+        // SAFETY: mapping a valid fd of at least `len` bytes; we check for MAP_FAILED.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let err = std::io::Error::last_os_error();
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("cannot map the primary region ({len} bytes): {err}"),
+            )
+            .with_source(err));
+        }
+        let base = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "mmap returned a null address"))?;
+        let mut region = PrimaryRegion {
+            base,
+            row_stride,
+            num_rows,
+            backing: Backing::Memfd { fd },
+            prefault: PrefaultMethod::None,
+        };
+        region.prefault = region.prefault_pages();
+        Ok(region)
+    }
+
+    /// Wraps memory owned by someone else (for example vLLM's `SharedOffloadRegion`, handed
+    /// over by pointer). Nothing is mapped, faulted or unmapped here.
+    ///
+    /// # Safety
+    /// `base` must point to `num_rows * row_stride` bytes that are readable and writable and
+    /// stay mapped, unmoved, for the whole life of the returned value and of every clone of the
+    /// `Arc` it is put in (I/O engines keep one until their last completion).
+    pub unsafe fn adopt(base: *mut u8, row_stride: usize, num_rows: usize) -> Result<Self> {
+        check_geometry(row_stride, num_rows)?;
+        let base = NonNull::new(base)
+            .ok_or_else(|| Error::new(ErrorKind::Config, "cannot adopt a null region pointer"))?;
+        if !(base.as_ptr() as usize).is_multiple_of(ROW_ALIGNMENT) {
+            return Err(Error::new(
+                ErrorKind::Misaligned,
+                format!(
+                    "adopted region base {:p} is not {ROW_ALIGNMENT}-byte aligned",
+                    base.as_ptr()
+                ),
+            ));
+        }
+        Ok(PrimaryRegion {
+            base,
+            row_stride,
+            num_rows,
+            backing: Backing::Adopted,
+            prefault: PrefaultMethod::None,
+        })
+    }
+
+    fn prefault_pages(&self) -> PrefaultMethod {
+        const MADV_POPULATE_WRITE: libc::c_int = 23;
+        // SAFETY: the range is exactly our own mapping.
+        let rc =
+            unsafe { libc::madvise(self.base.as_ptr().cast(), self.len(), MADV_POPULATE_WRITE) };
+        if rc == 0 {
+            return PrefaultMethod::PopulateWrite;
+        }
+        log::info!(
+            "MADV_POPULATE_WRITE unavailable ({}); pre-faulting the primary region page by page",
+            std::io::Error::last_os_error()
+        );
+        let page = ROW_ALIGNMENT;
+        let mut off = 0;
+        while off < self.len() {
+            // SAFETY: `off < len`, inside our mapping; nobody else holds the region yet. A
+            // volatile read-modify-write of one byte faults the page in without changing it.
+            unsafe {
+                let p = self.base.as_ptr().add(off);
+                std::ptr::write_volatile(p, std::ptr::read_volatile(p));
+            }
+            off += page;
+        }
+        PrefaultMethod::TouchPages
+    }
+
+    /// Bytes per row (a multiple of 4096).
+    pub fn row_stride(&self) -> usize {
+        self.row_stride
+    }
+
+    /// Number of rows.
+    pub fn num_rows(&self) -> usize {
+        self.num_rows
+    }
+
+    /// Total bytes (`num_rows * row_stride`).
+    pub fn len(&self) -> usize {
+        self.num_rows * self.row_stride
+    }
+
+    /// Always false: a region has at least one row.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The base address. Valid for `len()` bytes while `self` lives.
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// How the pages were faulted in.
+    pub fn prefault_method(&self) -> PrefaultMethod {
+        self.prefault
+    }
+
+    /// Whether kvtier created (and will unmap) this memory.
+    pub fn is_owned(&self) -> bool {
+        matches!(self.backing, Backing::Memfd { .. })
+    }
+
+    /// The memfd behind an owned region (to share it with another process), if any.
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.backing {
+            Backing::Memfd { fd } => Some(fd.as_fd()),
+            Backing::Adopted => None,
+        }
+    }
+
+    /// Byte offset of `row` from the base, or an error if `row` is out of range.
+    pub fn row_offset(&self, row: usize) -> Result<usize> {
+        if row >= self.num_rows {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "row {row} is out of range (region has {} rows)",
+                    self.num_rows
+                ),
+            ));
+        }
+        Ok(row * self.row_stride)
+    }
+
+    /// Address of `row`. Valid for `row_stride` bytes while the region lives.
+    pub fn row_ptr(&self, row: usize) -> Result<*mut u8> {
+        let off = self.row_offset(row)?;
+        // SAFETY: `off + row_stride <= len`, inside the mapping.
+        Ok(unsafe { self.base.as_ptr().add(off) })
+    }
+
+    /// A shared view of `row`.
+    ///
+    /// # Safety
+    /// No one may write the row (CPU, kernel I/O or device) while the returned slice lives;
+    /// the caller holds it pinned or reserved through the slot manager.
+    pub unsafe fn row(&self, row: usize) -> Result<&[u8]> {
+        let p = self.row_ptr(row)?;
+        // SAFETY: in bounds and valid for the region's life; exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.row_stride) })
+    }
+
+    /// An exclusive view of `row`.
+    ///
+    /// # Safety
+    /// No one else may read or write the row while the returned slice lives; the caller holds
+    /// it reserved for writing through the slot manager.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn row_mut(&self, row: usize) -> Result<&mut [u8]> {
+        let p = self.row_ptr(row)?;
+        // SAFETY: in bounds; exclusivity is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, self.row_stride) })
+    }
+}
+
+impl Drop for PrimaryRegion {
+    fn drop(&mut self) {
+        if let Backing::Memfd { .. } = self.backing {
+            // SAFETY: we mapped exactly this range in `create` and no one holds the region any
+            // more (it is dropped only when the last `Arc` goes, engines included).
+            unsafe {
+                libc::munmap(self.base.as_ptr().cast(), self.len());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_page_aligned_and_distinct() {
+        let r = PrimaryRegion::create(8, 8192).unwrap();
+        assert_eq!(r.len(), 65536);
+        assert!(r.is_owned());
+        assert!(r.fd().is_some());
+        assert_ne!(r.prefault_method(), PrefaultMethod::None);
+        for c in 0..8 {
+            let p = r.row_ptr(c).unwrap() as usize;
+            assert_eq!(p % ROW_ALIGNMENT, 0);
+            assert_eq!(p - r.base_ptr() as usize, c * 8192);
+        }
+        assert_eq!(r.row_ptr(8).unwrap_err().kind(), ErrorKind::Contract);
+        // SAFETY: this test is the only user of the region.
+        unsafe {
+            r.row_mut(3).unwrap().fill(0xAB);
+            assert!(r.row(3).unwrap().iter().all(|&b| b == 0xAB));
+            assert!(r.row(2).unwrap().iter().all(|&b| b == 0));
+        }
+    }
+
+    #[test]
+    fn bad_geometry_is_rejected() {
+        assert_eq!(
+            PrimaryRegion::create(4, 1000).unwrap_err().kind(),
+            ErrorKind::Misaligned
+        );
+        assert_eq!(
+            PrimaryRegion::create(0, 4096).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            PrimaryRegion::create(usize::MAX / 4096, 8192)
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Config
+        );
+    }
+
+    #[test]
+    fn adopt_checks_alignment_and_never_unmaps() {
+        let owner = PrimaryRegion::create(2, 4096).unwrap();
+        // SAFETY: `owner` outlives `adopted`.
+        let adopted = unsafe { PrimaryRegion::adopt(owner.base_ptr(), 4096, 2) }.unwrap();
+        assert!(!adopted.is_owned());
+        assert_eq!(adopted.row_ptr(1).unwrap(), owner.row_ptr(1).unwrap());
+        drop(adopted);
+        // SAFETY: `owner` is still mapped and unused elsewhere.
+        unsafe { owner.row_mut(1).unwrap()[0] = 1 };
+        // SAFETY: pointer + 8 is inside `owner` but misaligned; adopt must refuse it.
+        let err = unsafe { PrimaryRegion::adopt(owner.base_ptr().add(8), 4096, 1) }.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Misaligned);
+    }
+}

@@ -1,0 +1,95 @@
+//! The contract every secondary tier implements (vLLM `SecondaryTierManager`, contract doc
+//! section 3). The manager calls these from one thread at a time; every call except
+//! [`SecondaryTier::drain_jobs`] and [`SecondaryTier::shutdown`] must return in microseconds:
+//! validate, enqueue to the tier's own I/O threads, return.
+
+use crate::error::Result;
+use crate::key::ChunkKey;
+use crate::tiering::job::{
+    JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
+    TransferJob,
+};
+
+/// Whether a tier metric is a counter or a gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierMetricKind {
+    /// Monotonic total.
+    Counter,
+    /// Current value.
+    Gauge,
+}
+
+/// One tier-owned metric sample (bytes in flight, checksum failures, direct-I/O mode...).
+/// The manager adds the `tier` label and its namespace prefix.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierMetric {
+    /// Name without prefix, e.g. `g3_checksum_failures`.
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// Counter or gauge.
+    pub kind: TierMetricKind,
+    /// Extra labels from small fixed sets (never keys or free text).
+    pub labels: Vec<(&'static str, String)>,
+    /// The value.
+    pub value: f64,
+}
+
+/// A secondary tier: holds chunks outside the primary and moves whole rows to and from it.
+pub trait SecondaryTier: Send {
+    /// The tier's type name (`"nvme"`, `"memory"`), used in the metric label `<i+1>:<type>`.
+    fn tier_type(&self) -> &str;
+
+    /// The medium (`Storage` for NVMe).
+    fn medium(&self) -> Option<Medium>;
+
+    /// The configured locality.
+    fn locality(&self) -> Option<Locality>;
+
+    /// `Hit` = present and loadable now; `Miss` = absent; `Retry` = not known yet (e.g. while
+    /// the index is being recovered). Never blocks.
+    fn lookup(&mut self, key: &ChunkKey, req: &RequestContext) -> LookupResult;
+
+    /// Primary -> tier. The job's rows are pinned until the job is reported. Keys already held
+    /// are skipped. Must be reported even if empty.
+    fn submit_store(&mut self, job: TransferJob);
+
+    /// Tier -> primary. Writes each key's whole row into `chunk_ids[i]` and no other row.
+    fn submit_load(&mut self, job: TransferJob);
+
+    /// Every job finished since the last call, exactly once each.
+    fn get_finished_jobs(&mut self) -> Vec<JobResult>;
+
+    /// A request starts; the answer says which chunks the tier wants.
+    fn on_new_request(&mut self, _req: &RequestContext) -> OffloadPolicy {
+        OffloadPolicy::ChunkLevel
+    }
+
+    /// No further submissions for this request (jobs may still be in flight).
+    fn on_request_finished(&mut self, _req: &RequestContext) {}
+
+    /// Last call of each scheduling step.
+    fn on_schedule_end(&mut self) {}
+
+    /// True while jobs are outstanding.
+    fn has_pending_work(&self) -> bool;
+
+    /// Stored / removed events since the last call.
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        Vec::new()
+    }
+
+    /// Blocks until every submitted job has completed or failed. Transfers in flight are never
+    /// aborted; queued ones may be cancelled and reported failed. Results are then available
+    /// from [`SecondaryTier::get_finished_jobs`].
+    fn drain_jobs(&mut self);
+
+    /// Drains, persists what must survive a restart, and releases threads and registrations.
+    /// An error means I/O may still reference the primary region: keep it mapped.
+    fn shutdown(&mut self) -> Result<()>;
+
+    /// Tier-owned metrics (engine, queue depth, checksum failures, ...).
+    fn metrics(&self) -> Vec<TierMetric> {
+        Vec::new()
+    }
+}
