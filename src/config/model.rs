@@ -1,0 +1,102 @@
+//! The resolved configuration: what the rest of kvtier consumes after parsing, merging and
+//! validation. Every value here has already been checked.
+
+use serde::Serialize;
+
+use crate::tiering::job::Locality;
+
+/// How big a chunk is, in GPU blocks or in tokens (mutually exclusive in the config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChunkSizing {
+    /// `blocks_per_chunk` (default 1, > 0).
+    BlocksPerChunk(u32),
+    /// `block_size` in tokens (a multiple of the GPU block size; resolved against it later).
+    BlockSizeTokens(u32),
+}
+
+/// The primary tier's eviction policy (`eviction_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictionPolicyKind {
+    /// Least recently used (default).
+    #[default]
+    Lru,
+    /// Adaptive replacement cache (Megiddo and Modha).
+    Arc,
+}
+
+/// Back-pressure settings for one tier after the field-by-field merge (top level, then the
+/// tier's own dict) and after the tier-type-aware presets filled what was still missing.
+/// Field names and meanings are vLLM 0.33.0's `EMABackpressureDetector` kwargs.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct BackpressureConfig {
+    /// Detector class name (`EMABackpressureDetector`).
+    pub backpressure_cls: Option<String>,
+    /// Drop policy class name (`ThrottledDropPolicy` default, or `DropStorePolicy`).
+    pub policy_cls: Option<String>,
+    /// EMA above this (s/MiB) means pressure.
+    pub high_water_s: Option<f64>,
+    /// EMA below this (s/MiB) clears pressure.
+    pub low_water_s: Option<f64>,
+    /// EMA smoothing factor, 0 < alpha <= 1 (default 0.15).
+    pub alpha: Option<f64>,
+    /// Completions collected before the EMA starts (default 10).
+    pub warmup_completions: Option<u32>,
+    /// Idle decay half-life in seconds (default 2.0).
+    pub decay_half_life_s: Option<f64>,
+    /// Cooldown after pressure clears, in seconds (default 1.0).
+    pub cooldown_s: Option<f64>,
+    /// Consecutive failed stores that trip pressure (kvtier storage tiers: 3).
+    pub failure_threshold: Option<u32>,
+}
+
+/// One entry of `secondary_tiers`, resolved.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TierConfig {
+    /// Position in `secondary_tiers` (0-based); the metric label is `<index+1>:<type>`.
+    pub index: usize,
+    /// The tier type (`nvme`, `memory`, ...).
+    #[serde(rename = "type")]
+    pub tier_type: String,
+    /// `LOCAL` or `REMOTE`, if configured.
+    #[serde(serialize_with = "ser_locality")]
+    pub locality: Option<Locality>,
+    /// Merged back-pressure config; `None` = no detector, the tier never drops stores.
+    pub backpressure: Option<BackpressureConfig>,
+    /// Type-specific keys, validated by the tier's own config parser.
+    pub params: serde_json::Map<String, serde_json::Value>,
+}
+
+impl TierConfig {
+    /// The key path prefix of this entry for error messages: `secondary_tiers[3]`.
+    pub fn key_path(&self) -> String {
+        format!("secondary_tiers[{}]", self.index)
+    }
+}
+
+fn ser_locality<S: serde::Serializer>(l: &Option<Locality>, s: S) -> Result<S::Ok, S::Error> {
+    match l {
+        Some(l) => s.serialize_str(l.as_str()),
+        None => s.serialize_none(),
+    }
+}
+
+/// The whole resolved configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KvtierConfig {
+    /// Total bytes of the primary region (`cpu_bytes_to_use`).
+    pub cpu_bytes_to_use: u64,
+    /// Chunk sizing.
+    pub chunk: ChunkSizing,
+    /// Primary eviction policy.
+    pub eviction_policy: EvictionPolicyKind,
+    /// `store_threshold` (0 or 1; >= 2 is rejected for tiering).
+    pub store_threshold: u32,
+    /// Store chunks in the canonical (parallelism-agnostic) layout.
+    pub canonical_layout: bool,
+    /// Engine id (names the region; unique per DP replica).
+    pub engine_id: Option<String>,
+    /// Secondary tiers in lookup order.
+    pub secondary_tiers: Vec<TierConfig>,
+}
