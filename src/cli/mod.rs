@@ -1,10 +1,67 @@
 //! The `kvtier` command line.
+//!
+//! Each command lives in its own module with a `clap::Args` struct and a
+//! `run(args) -> Result<ExitCode>` function; this module only parses and dispatches.
+//! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
+//! unreadable or invalid config, tier locked by another process, layout mismatch).
 
 use std::process::ExitCode;
 
-/// Runs the CLI with the process arguments and returns the exit code
-/// (0 success, 1 internal failure, 2 user mistake).
+use clap::{Parser, Subcommand};
+
+use crate::error::{Error, ErrorKind};
+
+/// kvtier: a fast, trustworthy storage tier for LLM KV cache.
+#[derive(Debug, Parser)]
+#[command(name = "kvtier", version, about, long_about = None)]
+pub struct Cli {
+    /// The command to run.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// kvtier's commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the version and build features.
+    Version,
+}
+
+/// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
+pub fn is_user_error(e: &Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Config
+            | ErrorKind::InvalidPath
+            | ErrorKind::Locked
+            | ErrorKind::IncompatibleLayout
+            | ErrorKind::Misaligned
+            | ErrorKind::NoSpace
+            | ErrorKind::Unsupported
+    )
+}
+
+/// Prints an error as one line on stderr and maps it to the exit code.
+pub fn report(e: &Error) -> ExitCode {
+    eprintln!("kvtier: error: {e}");
+    if is_user_error(e) {
+        ExitCode::from(2)
+    } else {
+        ExitCode::from(1)
+    }
+}
+
+/// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
-    eprintln!("kvtier: no commands yet");
-    ExitCode::from(2)
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Version => {
+            println!("kvtier {}", env!("CARGO_PKG_VERSION"));
+            Ok(ExitCode::SUCCESS)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => report(&e),
+    }
 }
