@@ -1,45 +1,16 @@
-//! Every configuration rule: keys, types, ranges, back-pressure merge precedence and presets,
-//! JSON / TOML equivalence and the `kv_transfer_config` wrapper.
+//! Configuration rules: keys, types, ranges, tiers, vLLM-owned keys, the `kv_transfer_config`
+//! wrapper, JSON / TOML equivalence and file loading. Back-pressure: `config_backpressure.rs`.
 
+mod common;
+
+use common::{err, notes_of, ok, with_tiers};
+use kvtier::ErrorKind;
 use kvtier::config::{
-    self, BackpressureConfig, ChunkSizing, EvictionPolicyKind, Format, KvtierConfig, TierConfig,
-    backpressure::{LOCAL_PRESET, NETWORK_PRESET},
+    self, ChunkSizing, EvictionPolicyKind, Format, KvtierConfig, TierConfig,
+    backpressure::LOCAL_PRESET,
 };
 use kvtier::tiering::job::Locality;
-use kvtier::{Error, ErrorKind};
-use serde_json::{Value, json};
-
-fn ok(v: Value) -> KvtierConfig {
-    config::from_value(v.clone()).unwrap_or_else(|e| panic!("{v} should be valid: {e}"))
-}
-
-fn err(v: Value) -> Error {
-    match config::from_value(v.clone()) {
-        Ok(c) => panic!("{v} should be invalid, got {c:?}"),
-        Err(e) => {
-            assert_eq!(e.kind(), ErrorKind::Config, "{e}");
-            assert!(!e.to_string().contains('\n'), "one line: {e}");
-            e
-        }
-    }
-}
-
-/// A config with the given tiers and optional top-level backpressure.
-fn with_tiers(top_bp: Option<Value>, tiers: Value) -> Value {
-    let mut v = json!({"cpu_bytes_to_use": 1 << 30, "secondary_tiers": tiers});
-    if let Some(bp) = top_bp {
-        v["backpressure"] = bp;
-    }
-    v
-}
-
-fn bp_of(v: Value, tier: usize) -> Option<BackpressureConfig> {
-    ok(v).secondary_tiers[tier].backpressure.clone()
-}
-
-fn notes_of(v: Value) -> Vec<String> {
-    config::resolve(&v).unwrap().notes
-}
+use serde_json::json;
 
 // ---- defaults and simple keys -------------------------------------------------------------
 
@@ -227,9 +198,8 @@ fn tier_keys_split_into_common_and_params() {
     assert_eq!(t.tier_type, "nvme");
     assert_eq!(t.key_path(), "secondary_tiers[0]");
     assert_eq!(t.locality, Some(Locality::Remote));
-    assert_eq!(t.module_path.as_deref(), Some("kvtier.vllm"));
     let keys: Vec<&str> = t.params.keys().map(String::as_str).collect();
-    assert_eq!(keys, ["capacity_bytes", "fsync", "paths"]);
+    assert_eq!(keys, ["capacity_bytes", "fsync", "module_path", "paths"]);
     assert_eq!(t.params["paths"], json!(["/a", "/b"]));
     let e = err(with_tiers(
         None,
@@ -237,249 +207,6 @@ fn tier_keys_split_into_common_and_params() {
     ));
     assert_eq!(e.context_value("key"), Some("secondary_tiers[0].locality"));
     assert_eq!(e.context_value("found"), Some("\"EDGE\""));
-}
-
-// ---- back-pressure merge ------------------------------------------------------------------
-
-#[test]
-fn neither_source_leaves_tier_unconfigured() {
-    assert_eq!(bp_of(with_tiers(None, json!([{"type": "nvme"}])), 0), None);
-}
-
-#[test]
-fn top_level_only_applies_to_every_tier() {
-    let v = with_tiers(
-        Some(json!({"backpressure_cls": "EMABackpressureDetector", "alpha": 0.3})),
-        json!([{"type": "nvme"}, {"type": "custom"}]),
-    );
-    let c = ok(v);
-    for t in &c.secondary_tiers {
-        let bp = t.backpressure.as_ref().unwrap();
-        assert_eq!(bp.alpha, Some(0.3));
-        assert_eq!(bp.high_water_s, Some(LOCAL_PRESET.high_water_s));
-    }
-}
-
-#[test]
-fn tier_only_configures_only_that_tier() {
-    let v = with_tiers(
-        None,
-        json!([{"type": "custom", "backpressure": {"cooldown_s": 0.5}}, {"type": "custom"}]),
-    );
-    let c = ok(v);
-    assert_eq!(
-        c.secondary_tiers[0]
-            .backpressure
-            .as_ref()
-            .unwrap()
-            .cooldown_s,
-        Some(0.5)
-    );
-    assert_eq!(c.secondary_tiers[1].backpressure, None);
-}
-
-#[test]
-fn tier_fields_override_top_level_field_by_field() {
-    let v = with_tiers(
-        Some(
-            json!({"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy",
-                    "alpha": 0.3, "high_water_s": 0.2}),
-        ),
-        json!([{"type": "custom", "backpressure": {"alpha": 0.5, "low_water_s": 0.1}}]),
-    );
-    let bp = bp_of(v, 0).unwrap();
-    assert_eq!(bp.alpha, Some(0.5), "tier wins");
-    assert_eq!(bp.low_water_s, Some(0.1), "tier-only field");
-    assert_eq!(bp.high_water_s, Some(0.2), "inherited from the top level");
-    assert_eq!(
-        bp.policy_cls.as_deref(),
-        Some("DropStorePolicy"),
-        "inherited"
-    );
-}
-
-#[test]
-fn explicit_empty_dict_configures_tier_with_presets() {
-    let v = with_tiers(None, json!([{"type": "custom", "backpressure": {}}]));
-    let bp = bp_of(v.clone(), 0).unwrap();
-    assert_eq!(
-        bp.backpressure_cls.as_deref(),
-        Some("EMABackpressureDetector")
-    );
-    assert_eq!(bp.policy_cls.as_deref(), Some("ThrottledDropPolicy"));
-    assert_eq!(bp.high_water_s, Some(LOCAL_PRESET.high_water_s));
-    assert_eq!(bp.low_water_s, Some(LOCAL_PRESET.low_water_s));
-    assert_eq!(bp.alpha, Some(0.15));
-    assert_eq!(bp.warmup_completions, Some(10));
-    assert_eq!(bp.decay_half_life_s, Some(2.0));
-    assert_eq!(bp.cooldown_s, Some(1.0));
-    assert_eq!(bp.failure_threshold, None, "not a storage tier type");
-    let notes = notes_of(v);
-    assert!(
-        notes.iter().any(|n| n.contains("backpressure_cls missing")),
-        "{notes:?}"
-    );
-}
-
-#[test]
-fn empty_top_level_dict_configures_nothing() {
-    let v = with_tiers(
-        Some(json!({})),
-        json!([{"type": "nvme"}, {"type": "nvme", "backpressure": {}}]),
-    );
-    let c = ok(v.clone());
-    assert_eq!(c.secondary_tiers[0].backpressure, None);
-    assert!(c.secondary_tiers[1].backpressure.is_some());
-    let notes = notes_of(v);
-    assert!(
-        notes.iter().any(|n| n.contains("empty top-level dict")),
-        "{notes:?}"
-    );
-}
-
-#[test]
-fn remote_locality_and_obj_type_get_network_preset() {
-    let v = with_tiers(
-        None,
-        json!([{"type": "custom", "locality": "REMOTE", "backpressure": {}},
-               {"type": "obj", "backpressure": {}},
-               {"type": "custom", "locality": "LOCAL", "backpressure": {}}]),
-    );
-    let c = ok(v);
-    let marks = |i: usize| {
-        let bp = c.secondary_tiers[i].backpressure.as_ref().unwrap();
-        (bp.high_water_s.unwrap(), bp.low_water_s.unwrap())
-    };
-    let network = (NETWORK_PRESET.high_water_s, NETWORK_PRESET.low_water_s);
-    assert_eq!(marks(0), network);
-    assert_eq!(marks(1), network);
-    assert_eq!(
-        marks(2),
-        (LOCAL_PRESET.high_water_s, LOCAL_PRESET.low_water_s)
-    );
-    assert_eq!(
-        c.secondary_tiers[1]
-            .backpressure
-            .as_ref()
-            .unwrap()
-            .failure_threshold,
-        Some(3)
-    );
-}
-
-#[test]
-fn storage_tier_types_get_failure_threshold() {
-    for (ty, want) in [
-        ("nvme", Some(3)),
-        ("fs", Some(3)),
-        ("obj", Some(3)),
-        ("custom", None),
-    ] {
-        let v = with_tiers(None, json!([{"type": ty, "backpressure": {}}]));
-        assert_eq!(bp_of(v, 0).unwrap().failure_threshold, want, "{ty}");
-    }
-}
-
-#[test]
-fn explicit_values_are_never_overwritten_by_presets() {
-    let v = with_tiers(
-        Some(json!({"failure_threshold": 7, "low_water_s": 0.3})),
-        json!([{"type": "nvme", "locality": "REMOTE",
-                "backpressure": {"high_water_s": 0.4, "alpha": 1.0, "warmup_completions": 0,
-                                 "cooldown_s": 0, "decay_half_life_s": 9}}]),
-    );
-    let bp = bp_of(v, 0).unwrap();
-    assert_eq!(bp.high_water_s, Some(0.4));
-    assert_eq!(bp.low_water_s, Some(0.3));
-    assert_eq!(bp.failure_threshold, Some(7));
-    assert_eq!(bp.alpha, Some(1.0));
-    assert_eq!(bp.warmup_completions, Some(0));
-    assert_eq!(bp.cooldown_s, Some(0.0));
-    assert_eq!(bp.decay_half_life_s, Some(9.0));
-}
-
-#[test]
-fn water_mark_conflict_names_both_origins() {
-    let v = with_tiers(
-        None,
-        json!([{"type": "nvme", "backpressure": {"high_water_s": 0.001}}]),
-    );
-    let e = err(v);
-    assert_eq!(
-        e.context_value("key"),
-        Some("secondary_tiers[0].backpressure")
-    );
-    assert_eq!(
-        e.context_value("low_water_s"),
-        Some("0.002 from LOCAL preset")
-    );
-    assert_eq!(
-        e.context_value("high_water_s"),
-        Some("0.001 from secondary_tiers[0].backpressure.high_water_s")
-    );
-}
-
-#[test]
-fn backpressure_ranges_and_types() {
-    for (key, bad) in [
-        ("alpha", json!(0)),
-        ("alpha", json!(1.01)),
-        ("failure_threshold", json!(0)),
-        ("high_water_s", json!(0)),
-        ("low_water_s", json!(-0.1)),
-        ("decay_half_life_s", json!(0)),
-        ("cooldown_s", json!(-1)),
-        ("warmup_completions", json!(2.5)),
-        ("alpha", json!("0.2")),
-    ] {
-        let e = err(with_tiers(Some(json!({key: bad})), json!([])));
-        assert_eq!(
-            e.context_value("key"),
-            Some(format!("backpressure.{key}").as_str()),
-            "{e}"
-        );
-        assert!(e.context_value("found").is_some(), "{e}");
-    }
-    let e = err(with_tiers(
-        None,
-        json!([{"type": "x", "backpressure": null}]),
-    ));
-    assert!(e.to_string().contains("use {}"), "{e}");
-    err(with_tiers(Some(json!([])), json!([])));
-}
-
-#[test]
-fn class_names_are_checked() {
-    let e = err(with_tiers(
-        Some(json!({"policy_cls": "DropStorePolicyy"})),
-        json!([]),
-    ));
-    assert_eq!(e.context_value("did_you_mean"), Some("DropStorePolicy"));
-    let e = err(with_tiers(
-        Some(json!({"backpressure_cls": "my.Detector"})),
-        json!([]),
-    ));
-    assert_eq!(e.context_value("allowed"), Some("EMABackpressureDetector"));
-    let v = with_tiers(
-        Some(
-            json!({"backpressure_cls": "vllm.v1.kv_offload.tiering.backpressure.EMABackpressureDetector"}),
-        ),
-        json!([{"type": "x"}]),
-    );
-    assert_eq!(
-        bp_of(v, 0).unwrap().backpressure_cls.as_deref(),
-        Some("EMABackpressureDetector")
-    );
-}
-
-#[test]
-fn p2p_tier_refuses_backpressure() {
-    ok(with_tiers(None, json!([{"type": "p2p"}])));
-    let e = err(with_tiers(
-        Some(json!({"alpha": 0.2})),
-        json!([{"type": "p2p"}]),
-    ));
-    assert!(e.to_string().contains("p2p"), "{e}");
 }
 
 // ---- vLLM-owned keys, wrapper, formats ----------------------------------------------------
@@ -542,7 +269,7 @@ fn contract_example_parses() {
     let bp = t.backpressure.as_ref().unwrap();
     assert_eq!(bp.failure_threshold, Some(3));
     assert_eq!(bp.low_water_s, Some(LOCAL_PRESET.low_water_s));
-    assert_eq!(t.params.len(), 2);
+    assert_eq!(t.params.len(), 3, "g3_paths, o_direct, module_path");
 }
 
 const EQUIV_JSON: &str = r#"{

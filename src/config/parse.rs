@@ -45,7 +45,11 @@ pub const WRAPPER_KEYS: [&str; 5] = [
 ];
 
 /// Keys common to every `secondary_tiers[i]`; every other key belongs to the tier's parser.
+/// `module_path` is type-checked and left in [`TierConfig::params`] for the tier to ignore.
 pub const TIER_COMMON_KEYS: [&str; 4] = ["type", "module_path", "locality", "backpressure"];
+
+/// Common keys taken out of the entry (not passed on in `params`).
+const EXTRACTED_TIER_KEYS: [&str; 3] = ["type", "locality", "backpressure"];
 
 /// The connector whose extra config this is.
 const CONNECTOR: &str = "OffloadingConnector";
@@ -369,10 +373,9 @@ fn resolve_tier(
             t.to_string()
         }
     };
-    let module_path = match entry.get("module_path") {
-        None => None,
-        Some(m) => Some(fields::string(&join(&tier_path, "module_path"), m)?.to_string()),
-    };
+    if let Some(m) = entry.get("module_path") {
+        fields::string(&join(&tier_path, "module_path"), m)?;
+    }
     let locality = match entry.get("locality") {
         None => None,
         Some(l) => {
@@ -395,7 +398,7 @@ fn resolve_tier(
 
     let mut params = Map::new();
     for (k, v) in entry {
-        if TIER_COMMON_KEYS.contains(&k.as_str()) {
+        if EXTRACTED_TIER_KEYS.contains(&k.as_str()) {
             continue;
         }
         if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
@@ -410,7 +413,6 @@ fn resolve_tier(
     Ok(TierConfig {
         index: i,
         tier_type,
-        module_path,
         locality,
         backpressure,
         params,
