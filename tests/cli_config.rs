@@ -190,3 +190,41 @@ fn bad_arguments_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a byte size"));
 }
+
+#[test]
+fn documented_examples_are_valid_and_equivalent() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut configs = Vec::new();
+    for name in ["kvtier.json", "kvtier.toml"] {
+        let out = check(
+            &root.join("docs/examples").join(name),
+            &["--bytes-per-block", "2MiB"],
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["geometry"]["num_chunks"], 8192);
+        configs.push(v["config"].clone());
+    }
+    assert_eq!(configs[0], configs[1]);
+    let bp = &configs[0]["secondary_tiers"][0]["backpressure"];
+    assert_eq!(bp["low_water_s"], 0.002);
+    assert_eq!(bp["failure_threshold"], 3);
+
+    // The JSON shown in docs/configuration.md is the example file.
+    let doc = std::fs::read_to_string(root.join("docs/configuration.md")).unwrap();
+    let example = doc.split("## Example").nth(1).expect("an Example section");
+    let block = example
+        .split("```json")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("a json block");
+    let file = std::fs::read_to_string(root.join("docs/examples/kvtier.json")).unwrap();
+    let doc_value: Value = serde_json::from_str(block).unwrap();
+    let file_value: Value = serde_json::from_str(&file).unwrap();
+    assert_eq!(doc_value, file_value);
+}
