@@ -235,6 +235,7 @@ fn vllm_owned_keys_are_type_checked_and_noted() {
 #[test]
 fn kv_transfer_config_wrapper_is_accepted() {
     let v = json!({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": "e1",
+                   "kv_buffer_device": "cuda", "kv_rank": 0,
                    "kv_connector_extra_config": {"cpu_bytes_to_use": 8192}});
     let c = ok(v);
     assert_eq!(c.cpu_bytes_to_use, 8192);

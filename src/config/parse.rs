@@ -35,13 +35,23 @@ pub const VLLM_OWNED_KEYS: [&str; 8] = [
     "cache_policy_module_path",
 ];
 
-/// Keys of vLLM's `--kv-transfer-config` object accepted around `kv_connector_extra_config`.
-pub const WRAPPER_KEYS: [&str; 5] = [
+/// Keys of vLLM's `--kv-transfer-config` object (`KVTransferConfig`) accepted around
+/// `kv_connector_extra_config`. kvtier reads `kv_connector` (must be `OffloadingConnector`),
+/// `engine_id` and `kv_connector_extra_config`; the others are vLLM's and ignored.
+pub const WRAPPER_KEYS: [&str; 13] = [
     "kv_connector",
-    "kv_role",
-    "kv_connector_module_path",
     "engine_id",
     "kv_connector_extra_config",
+    "kv_role",
+    "kv_connector_module_path",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_load_failure_policy",
+    "enable_permute_local_kv",
 ];
 
 /// Keys common to every `secondary_tiers[i]`; every other key belongs to the tier's parser.
@@ -97,11 +107,9 @@ pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
                     .with("found", name));
                 }
             }
-            "kv_role" | "kv_connector_module_path" => {
-                fields::string(p, v)?;
-            }
             "engine_id" => outer_engine_id = Some(engine_id(p, v)?),
             "kv_connector_extra_config" => {}
+            _ if WRAPPER_KEYS.contains(&p) => {}
             _ => return Err(fields::unknown_key("", k, &WRAPPER_KEYS)),
         }
     }
