@@ -247,3 +247,118 @@ fn p2p_tier_refuses_backpressure() {
     ));
     assert!(e.to_string().contains("p2p"), "{e}");
 }
+
+mod model {
+    //! A reference model of vLLM's merge (`TieringOffloadingSpec.__init__`) and of
+    //! `default_config` + detector defaults, checked against kvtier on random inputs.
+
+    use super::common::with_tiers;
+    use kvtier::config::{self, BackpressureConfig};
+    use proptest::prelude::*;
+    use serde_json::{Map, Value, json};
+
+    /// Per key: a few valid values.
+    fn key_values() -> Vec<(&'static str, Vec<Value>)> {
+        vec![
+            ("backpressure_cls", vec![json!("EMABackpressureDetector")]),
+            (
+                "policy_cls",
+                vec![json!("ThrottledDropPolicy"), json!("DropStorePolicy")],
+            ),
+            ("high_water_s", vec![json!(0.004), json!(0.03), json!(0.5)]),
+            ("low_water_s", vec![json!(0.0), json!(0.005), json!(0.04)]),
+            ("alpha", vec![json!(0.1), json!(1.0)]),
+            ("warmup_completions", vec![json!(0), json!(5)]),
+            ("decay_half_life_s", vec![json!(0.5), json!(4)]),
+            ("cooldown_s", vec![json!(0), json!(2.5)]),
+            ("failure_threshold", vec![json!(1), json!(9)]),
+        ]
+    }
+
+    /// A random partial back-pressure dict.
+    fn dict() -> impl Strategy<Value = Map<String, Value>> {
+        let per_key: Vec<_> = key_values()
+            .into_iter()
+            .map(|(k, vals)| {
+                proptest::option::of(proptest::sample::select(vals)).prop_map(move |v| (k, v))
+            })
+            .collect();
+        per_key.prop_map(|kvs| {
+            kvs.into_iter()
+                .filter_map(|(k, v)| v.map(|v| (k.to_string(), v)))
+                .collect()
+        })
+    }
+
+    /// Expected resolution, or `None` for "unconfigured", or `Err(())` for "rejected".
+    fn expected(
+        top: &Option<Map<String, Value>>,
+        tier: &Option<Map<String, Value>>,
+        ty: &str,
+        remote: bool,
+    ) -> Result<Option<BackpressureConfig>, ()> {
+        let mut merged = Map::new();
+        for src in [top, tier].into_iter().flatten() {
+            for (k, v) in src {
+                merged.insert(k.clone(), v.clone());
+            }
+        }
+        if merged.is_empty() && tier.is_none() {
+            return Ok(None);
+        }
+        let (high, low) = if remote || ty == "obj" {
+            (0.05, 0.01)
+        } else {
+            (0.01, 0.002)
+        };
+        let f = |k: &str, d: f64| merged.get(k).and_then(Value::as_f64).unwrap_or(d);
+        let n = |k: &str| merged.get(k).and_then(Value::as_u64).map(|x| x as u32);
+        let s = |k: &str, d: &str| {
+            merged
+                .get(k)
+                .and_then(Value::as_str)
+                .unwrap_or(d)
+                .to_string()
+        };
+        let storage = ["nvme", "fs", "obj"].contains(&ty);
+        let bp = BackpressureConfig {
+            backpressure_cls: Some(s("backpressure_cls", "EMABackpressureDetector")),
+            policy_cls: Some(s("policy_cls", "ThrottledDropPolicy")),
+            high_water_s: Some(f("high_water_s", high)),
+            low_water_s: Some(f("low_water_s", low)),
+            alpha: Some(f("alpha", 0.15)),
+            warmup_completions: Some(n("warmup_completions").unwrap_or(10)),
+            decay_half_life_s: Some(f("decay_half_life_s", 2.0)),
+            cooldown_s: Some(f("cooldown_s", 1.0)),
+            failure_threshold: n("failure_threshold").or(if storage { Some(3) } else { None }),
+        };
+        if bp.low_water_s > bp.high_water_s {
+            return Err(());
+        }
+        Ok(Some(bp))
+    }
+
+    proptest! {
+        #[test]
+        fn merge_matches_reference_model(
+            top in proptest::option::of(dict()),
+            tier in proptest::option::of(dict()),
+            ty in proptest::sample::select(vec!["nvme", "fs", "obj", "custom"]),
+            remote in any::<bool>(),
+        ) {
+            let mut entry = json!({"type": ty, "locality": if remote { "REMOTE" } else { "LOCAL" }});
+            if let Some(t) = &tier {
+                entry["backpressure"] = Value::Object(t.clone());
+            }
+            let v = with_tiers(top.clone().map(Value::Object), json!([entry]));
+            let got = config::from_value(v).map(|c| c.secondary_tiers[0].backpressure.clone());
+            match expected(&top, &tier, ty, remote) {
+                Ok(want) => prop_assert_eq!(got.map_err(|e| e.to_string()), Ok(want)),
+                Err(()) => {
+                    let e = got.expect_err("low > high must be rejected");
+                    prop_assert!(e.to_string().contains("low_water_s must be <= high_water_s"));
+                }
+            }
+        }
+    }
+}
