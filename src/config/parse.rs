@@ -169,7 +169,7 @@ fn resolve_extra(
         (Some(_), Some(_)) => {
             return Err(Error::config(
                 path("block_size"),
-                "block_size and blocks_per_chunk are mutually exclusive; set only one",
+                "cannot be combined with blocks_per_chunk (they are mutually exclusive); set only one",
             ));
         }
         (Some(v), None) => ChunkSizing::BlockSizeTokens(fields::integer_u32(
@@ -198,8 +198,8 @@ fn resolve_extra(
             if n >= 2 {
                 return Err(Error::config(
                     p,
-                    "store_threshold >= 2 is not supported with tiering (vLLM's \
-                     TieringOffloadingSpec rejects it); use 0 or 1, or remove the key",
+                    "values >= 2 are not supported with tiering (vLLM's TieringOffloadingSpec \
+                     rejects them); use 0 or 1, or remove the key",
                 )
                 .with("found", n.to_string()));
             }
