@@ -13,7 +13,7 @@
 
 use serde::Serialize;
 
-use crate::config::ChunkSizing;
+use crate::config::{ChunkSizing, KvtierConfig};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Row alignment: the page size; every row is page-aligned in address and length.
@@ -174,6 +174,25 @@ impl ChunkSizing {
     }
 }
 
+impl KvtierConfig {
+    /// The chunk geometry of this configuration for one worker's KV bytes per GPU block and
+    /// the number of copies; `gpu_block_size_tokens` is needed only when `block_size` is set.
+    pub fn geometry(
+        &self,
+        worker_kv_bytes_per_block: u64,
+        copies: u32,
+        gpu_block_size_tokens: Option<u32>,
+    ) -> Result<ChunkGeometry> {
+        let blocks_per_chunk = self.chunk.blocks_per_chunk(gpu_block_size_tokens)?;
+        ChunkGeometry::derive(
+            worker_kv_bytes_per_block,
+            copies,
+            blocks_per_chunk,
+            self.cpu_bytes_to_use,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,6 +281,15 @@ mod tests {
         assert_eq!(e.context_value("found"), Some("12800 rows of 8192 bytes"));
         let e = g.verify_adopted(4096, 25_599).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
+    }
+
+    #[test]
+    fn config_geometry_uses_its_sizing_and_pool() {
+        let mut c = KvtierConfig::new(100 << 20);
+        c.chunk = ChunkSizing::BlockSizeTokens(32);
+        let g = c.geometry(512, 2, Some(16)).unwrap();
+        assert_eq!((g.blocks_per_chunk, g.num_chunks), (2, 25_600));
+        assert!(c.geometry(512, 2, None).is_err());
     }
 
     #[test]
