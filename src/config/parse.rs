@@ -394,6 +394,20 @@ fn resolve_tier(
             })?)
         }
     };
+    let mut params = Map::new();
+    for (k, v) in entry {
+        if EXTRACTED_TIER_KEYS.contains(&k.as_str()) {
+            continue;
+        }
+        if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
+            return Err(Error::config(
+                join(&tier_path, k),
+                "unknown key: looks like a misspelt common tier key",
+            )
+            .with("did_you_mean", *common));
+        }
+        params.insert(k.clone(), v.clone());
+    }
     let (backpressure, bp_notes) =
         backpressure::resolve_for_tier(top_bp, entry, &tier_path, &tier_type, locality)?;
     if bp_notes.filled_detector_cls {
@@ -404,20 +418,6 @@ fn resolve_tier(
         ));
     }
 
-    let mut params = Map::new();
-    for (k, v) in entry {
-        if EXTRACTED_TIER_KEYS.contains(&k.as_str()) {
-            continue;
-        }
-        if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
-            return Err(Error::config(
-                join(&tier_path, k),
-                "unknown key; a near-miss of a common tier key is not passed to the tier as its own key",
-            )
-            .with("did_you_mean", *common));
-        }
-        params.insert(k.clone(), v.clone());
-    }
     Ok(TierConfig {
         index: i,
         tier_type,
