@@ -32,7 +32,10 @@ impl AlignedBuf {
         // SAFETY: `layout` has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| {
-            Error::new(ErrorKind::NoSpace, format!("cannot allocate {len} aligned bytes"))
+            Error::new(
+                ErrorKind::NoSpace,
+                format!("cannot allocate {len} aligned bytes"),
+            )
         })?;
         Ok(AlignedBuf { ptr, layout })
     }

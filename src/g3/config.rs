@@ -115,7 +115,12 @@ impl G3TierConfig {
             }
         }
         let paths = match tc.params.get("paths") {
-            None => return Err(Error::config(kp("paths"), "required (one or more directories)")),
+            None => {
+                return Err(Error::config(
+                    kp("paths"),
+                    "required (one or more directories)",
+                ));
+            }
             Some(Value::String(s)) => vec![PathBuf::from(s)],
             Some(Value::Array(a)) => a
                 .iter()
@@ -154,7 +159,13 @@ impl G3TierConfig {
                 "auto" => IoEngineKind::Auto,
                 "uring" => IoEngineKind::Uring,
                 "psync" => IoEngineKind::Psync,
-                other => return Err(bad_choice(&kp("io_engine"), other, &["auto", "uring", "psync"])),
+                other => {
+                    return Err(bad_choice(
+                        &kp("io_engine"),
+                        other,
+                        &["auto", "uring", "psync"],
+                    ));
+                }
             };
         }
         if let Some(v) = tc.params.get("direct_io") {
@@ -175,12 +186,15 @@ impl G3TierConfig {
             cfg.checkpoint_journal_bytes = size_value(v, &kp("checkpoint_journal_bytes"))?;
         }
         if let Some(v) = tc.params.get("checkpoint_interval_s") {
-            let secs = v.as_f64().filter(|s| s.is_finite() && *s >= 0.0).ok_or_else(|| {
-                Error::config(
-                    kp("checkpoint_interval_s"),
-                    format!("expected a number of seconds >= 0, found {v}"),
-                )
-            })?;
+            let secs = v
+                .as_f64()
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| {
+                    Error::config(
+                        kp("checkpoint_interval_s"),
+                        format!("expected a number of seconds >= 0, found {v}"),
+                    )
+                })?;
             cfg.checkpoint_interval = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
         }
         if let Some(v) = tc.params.get("max_queued_jobs") {
@@ -336,8 +350,8 @@ mod tests {
         assert_eq!(c.checkpoint_journal_bytes, 1 << 20);
         assert_eq!(c.checkpoint_interval, None);
         assert_eq!(c.max_queued_jobs, 7);
-        let d = G3TierConfig::from_tier(&tier(json!({"paths": "/x", "capacity_bytes": 8192})))
-            .unwrap();
+        let d =
+            G3TierConfig::from_tier(&tier(json!({"paths": "/x", "capacity_bytes": 8192}))).unwrap();
         assert_eq!(d.direct_io, DirectIoMode::Required);
         assert_eq!(d.max_bytes_in_flight, DEFAULT_MAX_BYTES_IN_FLIGHT);
     }
@@ -361,8 +375,14 @@ mod tests {
         let cases = [
             (json!({"capacity_bytes": 1}), "secondary_tiers[2].paths"),
             (json!({"paths": []}), "secondary_tiers[2].paths"),
-            (json!({"paths": ["/a"]}), "secondary_tiers[2].capacity_bytes"),
-            (json!({"paths": [3], "capacity_bytes": 1}), "secondary_tiers[2].paths[0]"),
+            (
+                json!({"paths": ["/a"]}),
+                "secondary_tiers[2].capacity_bytes",
+            ),
+            (
+                json!({"paths": [3], "capacity_bytes": 1}),
+                "secondary_tiers[2].paths[0]",
+            ),
             (
                 json!({"paths": ["/a"], "capacity_bytes": "big"}),
                 "secondary_tiers[2].capacity_bytes",

@@ -180,19 +180,15 @@ pub fn random_uuid() -> Result<[u8; 16]> {
     let mut filled = 0;
     while filled < b.len() {
         // SAFETY: the pointer and length describe the unfilled tail of `b`, which we own.
-        let n = unsafe {
-            libc::getrandom(
-                b[filled..].as_mut_ptr().cast(),
-                b.len() - filled,
-                0,
-            )
-        };
+        let n = unsafe { libc::getrandom(b[filled..].as_mut_ptr().cast(), b.len() - filled, 0) };
         if n < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(Error::new(ErrorKind::Io, format!("getrandom failed: {err}")).with_source(err));
+            return Err(
+                Error::new(ErrorKind::Io, format!("getrandom failed: {err}")).with_source(err),
+            );
         }
         filled += n as usize;
     }
@@ -221,9 +217,14 @@ mod tests {
     fn golden_bytes() {
         let b = sample().encode();
         let expected_head = concat!(
-            "4b56544733534c42", "01000000", "00100000", // magic, version, header size
-            "0000200000000000", "e803000000000000", "d007000000000000", // stride, slots, total
-            "01000000", "02000000", // path index, path count
+            "4b56544733534c42",
+            "01000000",
+            "00100000", // magic, version, header size
+            "0000200000000000",
+            "e803000000000000",
+            "d007000000000000", // stride, slots, total
+            "01000000",
+            "02000000", // path index, path count
         );
         assert_eq!(hex::encode(&b[..48]), expected_head);
         assert_eq!(b[48..80], [0x5A; 32]);
@@ -239,7 +240,10 @@ mod tests {
         let good = sample().encode();
         let mut bad = good;
         bad[0] = b'X';
-        assert_eq!(Superblock::decode(&bad, "t").unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(
+            Superblock::decode(&bad, "t").unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
         let mut bad = good;
         bad[20] ^= 1;
         let e = Superblock::decode(&bad, "slab0").unwrap_err();

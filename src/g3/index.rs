@@ -447,7 +447,11 @@ mod tests {
         assert_eq!(r.evicted, Some((k(1), 1)));
         assert!(!ix.is_valid(&k(1)));
         assert!(ix.is_valid(&k(0)) && ix.is_valid(&k(9)));
-        let order: Vec<_> = ix.entries_lru_first().iter().map(|e| e.key.clone()).collect();
+        let order: Vec<_> = ix
+            .entries_lru_first()
+            .iter()
+            .map(|e| e.key.clone())
+            .collect();
         assert_eq!(order, vec![k(2), k(3), k(0), k(9)]);
         assert_eq!(ix.len(), 4);
     }
@@ -511,6 +515,9 @@ mod tests {
         ix.mark_path_dead(1);
         let slots: Vec<_> = (0..2).map(|i| store(&mut ix, i).slot).collect();
         assert_eq!(slots, vec![0, 2]);
-        assert!(ix.reserve(&k(7)).is_some_and(|r| r.slot == 0 || r.slot == 2));
+        assert!(
+            ix.reserve(&k(7))
+                .is_some_and(|r| r.slot == 0 || r.slot == 2)
+        );
     }
 }

@@ -73,7 +73,10 @@ impl FileHeader {
                 .with("path", what.display().to_string())
         };
         if b.len() < FILE_HEADER_SIZE {
-            return Err(corrupt(format!("{} bytes, shorter than its header", b.len())));
+            return Err(corrupt(format!(
+                "{} bytes, shorter than its header",
+                b.len()
+            )));
         }
         if b[0..8] != magic {
             return Err(corrupt("bad magic".into()));
@@ -86,7 +89,10 @@ impl FileHeader {
         if version != JOURNAL_VERSION {
             return Err(Error::new(
                 ErrorKind::IncompatibleLayout,
-                format!("{}: format version {version} is not supported", what.display()),
+                format!(
+                    "{}: format version {version} is not supported",
+                    what.display()
+                ),
             )
             .with("expected", JOURNAL_VERSION.to_string())
             .with("found", version.to_string()));
@@ -176,7 +182,12 @@ pub fn decode_records(body: &[u8], mut f: impl FnMut(Record)) -> (usize, Option<
                 generation: le_u64(rest, 16),
             }),
             KIND_REMOVE => f(Record::Remove { slot }),
-            k => return (off, Some(format!("unknown record kind {k} at offset {off}"))),
+            k => {
+                return (
+                    off,
+                    Some(format!("unknown record kind {k} at offset {off}")),
+                );
+            }
         }
         off += len;
     }
@@ -204,7 +215,10 @@ impl JournalWriter {
             .custom_flags(libc::O_CLOEXEC)
             .open(path)
             .map_err(|e| Error::io("open journal", path, e))?;
-        let len = file.metadata().map_err(|e| Error::io("stat", path, e))?.len();
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("stat", path, e))?
+            .len();
         if len > valid_len {
             file.set_len(valid_len)
                 .map_err(|e| Error::io("truncate journal", path, e))?;
@@ -292,7 +306,10 @@ impl JournalWriter {
     fn poison_error(&self, why: &str) -> Error {
         Error::new(
             ErrorKind::Poisoned,
-            format!("journal {} refuses writes after an earlier failure: {why}", self.path.display()),
+            format!(
+                "journal {} refuses writes after an earlier failure: {why}",
+                self.path.display()
+            ),
         )
         .with("path", self.path.display().to_string())
     }
@@ -367,7 +384,13 @@ mod tests {
         assert_eq!(b.len(), RECORD_HEADER_SIZE + 2);
         assert_eq!(
             hex::encode(&b[4..]),
-            concat!("01000200", "07000000", "44332211", "0900000000000000", "aabb")
+            concat!(
+                "01000200",
+                "07000000",
+                "44332211",
+                "0900000000000000",
+                "aabb"
+            )
         );
         assert_eq!(le_u32(&b, 0), crc32fast::hash(&b[4..]));
         encode_remove(&mut b, 7);
@@ -377,7 +400,12 @@ mod tests {
         assert_eq!(
             got,
             vec![
-                Record::Insert { key: ChunkKey::new([0xAA, 0xBB]), slot: 7, crc: 0x1122_3344, generation: 9 },
+                Record::Insert {
+                    key: ChunkKey::new([0xAA, 0xBB]),
+                    slot: 7,
+                    crc: 0x1122_3344,
+                    generation: 9
+                },
                 Record::Remove { slot: 7 },
             ]
         );
@@ -404,14 +432,30 @@ mod tests {
 
     #[test]
     fn header_round_trip_and_checks() {
-        let h = FileHeader { magic: JOURNAL_MAGIC, set_uuid: [3; 16], seq: 5, count: 6, next_generation: 7 };
+        let h = FileHeader {
+            magic: JOURNAL_MAGIC,
+            set_uuid: [3; 16],
+            seq: 5,
+            count: 6,
+            next_generation: 7,
+        };
         let b = h.encode();
         let p = Path::new("/x/journal");
         assert_eq!(FileHeader::decode(&b, JOURNAL_MAGIC, p).unwrap(), h);
-        assert_eq!(FileHeader::decode(&b, CHECKPOINT_MAGIC, p).unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(
+            FileHeader::decode(&b, CHECKPOINT_MAGIC, p)
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Corrupt
+        );
         let mut bad = b;
         bad[33] ^= 1;
-        assert_eq!(FileHeader::decode(&bad, JOURNAL_MAGIC, p).unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(
+            FileHeader::decode(&bad, JOURNAL_MAGIC, p)
+                .unwrap_err()
+                .kind(),
+            ErrorKind::Corrupt
+        );
     }
 
     #[test]

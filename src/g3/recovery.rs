@@ -48,7 +48,12 @@ fn read_optional(p: &Path) -> Result<Option<Vec<u8>>> {
 }
 
 /// Rebuilds the index of the stripe set `set_uuid` from the files in `dir`.
-pub fn recover(dir: &Path, set_uuid: [u8; 16], total_slots: u32, n_paths: usize) -> Result<Recovered> {
+pub fn recover(
+    dir: &Path,
+    set_uuid: [u8; 16],
+    total_slots: u32,
+    n_paths: usize,
+) -> Result<Recovered> {
     let start = Instant::now();
     let mut index = Index::new(total_slots, n_paths);
     let mut warnings = Vec::new();
@@ -62,7 +67,12 @@ pub fn recover(dir: &Path, set_uuid: [u8; 16], total_slots: u32, n_paths: usize)
     let mut apply = |index: &mut Index, r: Record| {
         records += 1;
         let ok = match r {
-            Record::Insert { key, slot, crc, generation } => {
+            Record::Insert {
+                key,
+                slot,
+                crc,
+                generation,
+            } => {
                 max_gen = max_gen.max(generation);
                 index.apply_insert(key, slot, crc, generation)
             }
@@ -153,7 +163,9 @@ pub fn recover(dir: &Path, set_uuid: [u8; 16], total_slots: u32, n_paths: usize)
         }
     }
     if out_of_range > 0 {
-        warn(format!("{out_of_range} G3 index records named slots beyond {total_slots}; ignored"));
+        warn(format!(
+            "{out_of_range} G3 index records named slots beyond {total_slots}; ignored"
+        ));
     }
     index.finish_recovery();
     Ok(Recovered {
@@ -171,12 +183,25 @@ pub fn recover(dir: &Path, set_uuid: [u8; 16], total_slots: u32, n_paths: usize)
 /// Opens the journal for appending after [`recover`]: continues it when possible, else
 /// writes a fresh checkpoint of the recovered index and a fresh journal. Returns the writer
 /// and the checkpoint sequence it continues.
-pub fn open_journal(dir: &Path, set_uuid: [u8; 16], rec: &Recovered) -> Result<(JournalWriter, u64)> {
+pub fn open_journal(
+    dir: &Path,
+    set_uuid: [u8; 16],
+    rec: &Recovered,
+) -> Result<(JournalWriter, u64)> {
     if let Some(len) = rec.journal_valid_len {
-        return Ok((JournalWriter::open_at(&dir.join(JOURNAL_FILE_NAME), len)?, rec.checkpoint_seq));
+        return Ok((
+            JournalWriter::open_at(&dir.join(JOURNAL_FILE_NAME), len)?,
+            rec.checkpoint_seq,
+        ));
     }
     let seq = rec.checkpoint_seq + 1;
-    write_checkpoint(dir, set_uuid, seq, rec.next_generation, &rec.index.entries_lru_first())?;
+    write_checkpoint(
+        dir,
+        set_uuid,
+        seq,
+        rec.next_generation,
+        &rec.index.entries_lru_first(),
+    )?;
     Ok((JournalWriter::create(dir, set_uuid, seq)?, seq))
 }
 

@@ -89,16 +89,26 @@ impl SlabSet {
 /// directory. Returns the canonical paths.
 pub fn check_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     if paths.is_empty() {
-        return Err(Error::new(ErrorKind::Config, "a G3 tier needs at least one path"));
+        return Err(Error::new(
+            ErrorKind::Config,
+            "a G3 tier needs at least one path",
+        ));
     }
     let mut seen: Vec<(u64, u64, PathBuf)> = Vec::new();
     let mut out = Vec::with_capacity(paths.len());
     for p in paths {
         let md = std::fs::metadata(p).map_err(|e| {
-            let why = if e.kind() == IoErrorKind::NotFound { "does not exist" } else { "is not usable" };
-            Error::new(ErrorKind::InvalidPath, format!("G3 path {} {why}: {e}", p.display()))
-                .with("path", p.display().to_string())
-                .with_source(e)
+            let why = if e.kind() == IoErrorKind::NotFound {
+                "does not exist"
+            } else {
+                "is not usable"
+            };
+            Error::new(
+                ErrorKind::InvalidPath,
+                format!("G3 path {} {why}: {e}", p.display()),
+            )
+            .with("path", p.display().to_string())
+            .with_source(e)
         })?;
         if !md.is_dir() {
             return Err(Error::new(
@@ -107,7 +117,10 @@ pub fn check_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
             )
             .with("path", p.display().to_string()));
         }
-        if let Some((_, _, first)) = seen.iter().find(|(d, i, _)| *d == md.dev() && *i == md.ino()) {
+        if let Some((_, _, first)) = seen
+            .iter()
+            .find(|(d, i, _)| *d == md.dev() && *i == md.ino())
+        {
             return Err(Error::new(
                 ErrorKind::Config,
                 format!(
@@ -171,18 +184,37 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
         if len < want {
             return Err(Error::new(
                 ErrorKind::Corrupt,
-                format!("{} is truncated: {len} bytes, its superblock needs {want}", p.display()),
+                format!(
+                    "{} is truncated: {len} bytes, its superblock needs {want}",
+                    p.display()
+                ),
             )
             .with("expected", want.to_string())
             .with("found", len.to_string()));
         }
         let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-        files.push(SlabFile { path: p.clone(), meta, data, direct, fs_type, superblock });
+        files.push(SlabFile {
+            path: p.clone(),
+            meta,
+            data,
+            direct,
+            fs_type,
+            superblock,
+        });
     }
-    Ok(SlabSet { files, created: false })
+    Ok(SlabSet {
+        files,
+        created: false,
+    })
 }
 
-fn check_superblock(sb: &Superblock, p: &Path, idx: usize, n: usize, spec: &SlabSpec) -> Result<()> {
+fn check_superblock(
+    sb: &Superblock,
+    p: &Path,
+    idx: usize,
+    n: usize,
+    spec: &SlabSpec,
+) -> Result<()> {
     let incompatible = |what: &str, expected: String, found: String| {
         Err(Error::new(
             ErrorKind::IncompatibleLayout,
@@ -197,10 +229,18 @@ fn check_superblock(sb: &Superblock, p: &Path, idx: usize, n: usize, spec: &Slab
         .with("found", found))
     };
     if sb.row_stride != spec.row_stride {
-        return incompatible("row_stride", spec.row_stride.to_string(), sb.row_stride.to_string());
+        return incompatible(
+            "row_stride",
+            spec.row_stride.to_string(),
+            sb.row_stride.to_string(),
+        );
     }
     if sb.namespace != spec.namespace {
-        return incompatible("namespace digest", hex::encode(spec.namespace), hex::encode(sb.namespace));
+        return incompatible(
+            "namespace digest",
+            hex::encode(spec.namespace),
+            hex::encode(sb.namespace),
+        );
     }
     if sb.path_count as usize != n || sb.path_index as usize != idx {
         return incompatible(
@@ -260,7 +300,14 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
             meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
             sync_dir(p.parent().unwrap_or(Path::new(".")))?;
             let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-            files.push(SlabFile { path: p.clone(), meta, data, direct, fs_type, superblock });
+            files.push(SlabFile {
+                path: p.clone(),
+                meta,
+                data,
+                direct,
+                fs_type,
+                superblock,
+            });
         }
         Ok(())
     })();
@@ -276,13 +323,19 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
         hex::encode(set_uuid),
         spec.row_stride
     );
-    Ok(SlabSet { files, created: true })
+    Ok(SlabSet {
+        files,
+        created: true,
+    })
 }
 
 /// Opens (or creates, with `create`) `p` read-write and takes `flock(LOCK_EX | LOCK_NB)`.
 pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     let mut o = OpenOptions::new();
-    o.read(true).write(true).mode(0o600).custom_flags(libc::O_CLOEXEC);
+    o.read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC);
     if create {
         o.create_new(true);
     }
@@ -291,7 +344,11 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
         match e.raw_os_error() {
             Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Error::new(
                 ErrorKind::InvalidPath,
-                format!("cannot create {} ({} is not writable): {e}", p.display(), dir.display()),
+                format!(
+                    "cannot create {} ({} is not writable): {e}",
+                    p.display(),
+                    dir.display()
+                ),
             )
             .with("path", p.display().to_string())
             .with_source(e),
@@ -303,10 +360,14 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     if rc != 0 {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            let holder = lock_holder(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
+            let holder =
+                lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
             return Err(Error::new(
                 ErrorKind::Locked,
-                format!("{} is locked by another process (pid {holder})", p.display()),
+                format!(
+                    "{} is locked by another process (pid {holder})",
+                    p.display()
+                ),
             )
             .with("path", p.display().to_string())
             .with("pid", holder)
@@ -317,11 +378,16 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     Ok(f)
 }
 
-/// The pid holding a `flock` on `f`, from `/proc/locks`.
-fn lock_holder(f: &File) -> Option<u32> {
+/// The pid holding a `flock` on the file `f` refers to, from `/proc/locks`.
+pub fn lock_holder_of(f: &File) -> Option<u32> {
     let md = f.metadata().ok()?;
     let dev = md.dev();
-    let want = format!("{:02x}:{:02x}:{}", libc::major(dev), libc::minor(dev), md.ino());
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        md.ino()
+    );
     let locks = std::fs::read_to_string("/proc/locks").ok()?;
     locks.lines().find_map(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -408,8 +474,14 @@ fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
     let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len_off) };
     match rc {
         0 => Ok(()),
-        libc::ENOSPC | libc::EDQUOT => Err(no_space(available_bytes(p.parent().unwrap_or(Path::new("."))))),
-        e => Err(Error::io("posix_fallocate", p, std::io::Error::from_raw_os_error(e))),
+        libc::ENOSPC | libc::EDQUOT => Err(no_space(available_bytes(
+            p.parent().unwrap_or(Path::new(".")),
+        ))),
+        e => Err(Error::io(
+            "posix_fallocate",
+            p,
+            std::io::Error::from_raw_os_error(e),
+        )),
     }
 }
 
