@@ -424,10 +424,19 @@ impl Worker {
     }
 
     fn prepare_store(&mut self, a: &mut Active) {
-        let journal_bad = self
+        let mut journal_bad = self
             .journal
             .as_ref()
             .and_then(|j| j.poisoned().map(str::to_string));
+        if journal_bad.is_none()
+            && self
+                .sh
+                .paths
+                .iter()
+                .all(|p| p.poisoned.load(Ordering::Relaxed))
+        {
+            journal_bad = Some("every slab path is poisoned by an earlier failed write".into());
+        }
         let mut evicted = Vec::new();
         {
             let mut guard = self.sh.index.lock();
