@@ -203,10 +203,8 @@ impl UringEngine {
             };
         let (piece, fallback_reason) = match register_region(&ring, &region, max_piece) {
             Ok(piece) => (Some(piece), None),
-            Err(reason) => {
-                log::warn!("io_uring: {reason}; using unregistered READ/WRITE");
-                (None, Some(reason))
-            }
+            // Logged by the caller, which knows whether it falls back further (to psync).
+            Err(reason) => (None, Some(reason)),
         };
         let (req_tx, req_rx) = crossbeam_channel::unbounded();
         let (done_tx, done_rx) = crossbeam_channel::unbounded();
