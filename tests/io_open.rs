@@ -244,10 +244,8 @@ fn enomem_body() {
         rlim_max: 0,
     };
     // SAFETY: `lim` is a valid out-pointer.
-    assert_eq!(
-        unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) },
-        0
-    );
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    assert_eq!(rc, 0);
     if lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur > (64 << 20) {
         eprintln!(
             "SKIP: RLIMIT_MEMLOCK is {} here; too large to exceed cheaply",
