@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand};
 
 use crate::error::{Error, ErrorKind};
 
+pub mod layout_cmd;
+
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]
 #[command(name = "kvtier", version, about, long_about = None)]
@@ -25,6 +27,8 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and build features.
     Version,
+    /// Inspect and validate KV layout descriptors (canonical mappings and digests).
+    Layout(layout_cmd::LayoutArgs),
 }
 
 /// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
@@ -59,6 +63,7 @@ pub fn main() -> ExitCode {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
             Ok(ExitCode::SUCCESS)
         }
+        Command::Layout(args) => layout_cmd::run(args),
     };
     match result {
         Ok(code) => code,
