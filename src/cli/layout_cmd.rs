@@ -113,7 +113,9 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
         "rank_chunk_bytes": rank_bytes,
         "row_area_bytes": plan_bytes,
         "direct_row_range": (!args.canonical).then(|| {
-            let r = direct_row_range(rank_bytes, args.rank);
+            // A replicated layout keeps one copy at the row start, written alike by every rank.
+            let slot = if params.replicated_layout { 0 } else { args.rank };
+            let r = direct_row_range(rank_bytes, slot);
             [r.start, r.end]
         }),
         "row_stride": params.row_stride,
