@@ -52,10 +52,12 @@ fn mix(mut x: u64) -> u64 {
 
 /// The element bytes of the full (unsharded) KV block at `(layer, page, kv, token, head, dim)`.
 pub fn element(layer: u32, page: u64, kv: u64, token: u64, head: u64, dim: u64) -> u64 {
-    mix(((u64::from(layer) * 1_000_003 + page) * 7 + kv) * 1_000_033
-        ^ (token << 40)
-        ^ (head << 24)
-        ^ dim)
+    mix(
+        (((u64::from(layer) * 1_000_003 + page) * 7 + kv) * 1_000_033)
+            ^ (token << 40)
+            ^ (head << 24)
+            ^ dim,
+    )
 }
 
 /// The KV heads rank `rank` holds at TP `tp`: vLLM shards `total / tp` heads per rank, or,
