@@ -189,7 +189,8 @@ fn namespace_equal_across_tp_when_portable() {
 #[test]
 fn namespace_differs_when_bytes_could_differ() {
     let d = layout("llama-3.1-8b.toml");
-    let stride = Some(d.canonical_row_stride(2).unwrap());
+    let row_stride = d.canonical_row_stride(2).unwrap();
+    let stride = Some(row_stride);
     let base = ns(&d, 2, true, stride);
     let mut variants: Vec<(&str, LayoutDescriptor)> = Vec::new();
     let mut v = d.clone();
@@ -218,11 +219,7 @@ fn namespace_differs_when_bytes_could_differ() {
             "namespace must change with {what}"
         );
     }
-    assert_ne!(
-        ns(&d, 2, true, Some(stride.unwrap() + 4096)),
-        base,
-        "row_stride"
-    );
+    assert_ne!(ns(&d, 2, true, Some(row_stride + 4096)), base, "row_stride");
     // The direct path covers the KV layout too (vLLM 0.33.0's digest does not: issue #55904).
     let mut hnd = d.clone();
     hnd.kv_layout = KvLayout::Hnd;
