@@ -186,7 +186,7 @@ impl RowPlan {
         self.check_lengths(local.len(), row.len())?;
         let mut copied = 0u64;
         self.for_each_copy(chunk_id, Direction::Store, |l, c, n| {
-            row[c..c + n].copy_from_slice(&local[l..l + n]);
+            copy_fragment(&mut row[c..c + n], &local[l..l + n]);
             copied += n as u64;
         });
         Ok(copied)
@@ -198,7 +198,7 @@ impl RowPlan {
         self.check_lengths(local.len(), row.len())?;
         let mut copied = 0u64;
         self.for_each_copy(0, Direction::Load, |l, c, n| {
-            local[l..l + n].copy_from_slice(&row[c..c + n]);
+            copy_fragment(&mut local[l..l + n], &row[c..c + n]);
             copied += n as u64;
         });
         Ok(copied)
@@ -223,6 +223,24 @@ impl RowPlan {
             });
         });
         out
+    }
+}
+
+/// Copies one fragment. Head fragments are small (256 B for one bf16 head of 128 at TP 8), where
+/// a call into `memcpy` costs as much as the copy; fixed-size copies of the common sizes are
+/// inlined as vector moves instead.
+#[inline(always)]
+fn copy_fragment(dst: &mut [u8], src: &[u8]) {
+    fn fixed<const N: usize>(dst: &mut [u8], src: &[u8]) {
+        if let (Ok(d), Ok(s)) = (<&mut [u8; N]>::try_from(dst), <&[u8; N]>::try_from(src)) {
+            *d = *s;
+        }
+    }
+    match dst.len() {
+        128 => fixed::<128>(dst, src),
+        256 => fixed::<256>(dst, src),
+        512 => fixed::<512>(dst, src),
+        _ => dst.copy_from_slice(src),
     }
 }
 
