@@ -14,7 +14,7 @@
 
 use serde::Serialize;
 
-use crate::canonical::mapping::{CanonicalPageMapping, LayerMapping, MappingKind};
+use crate::canonical::mapping::{CanonicalPageMapping, CopyRun, LayerMapping, MappingKind};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Direction of a transfer between the local chunk and the row.
@@ -184,11 +184,33 @@ impl RowPlan {
     /// Returns the bytes copied.
     pub fn gather(&self, local: &[u8], row: &mut [u8], chunk_id: u64) -> Result<u64> {
         self.check_lengths(local.len(), row.len())?;
+        let bpc = u64::from(self.blocks_per_chunk);
         let mut copied = 0u64;
-        self.for_each_copy(chunk_id, Direction::Store, |l, c, n| {
-            copy_fragment(&mut row[c..c + n], &local[l..l + n]);
-            copied += n as u64;
-        });
+        for lp in &self.layers {
+            let m = &lp.mapping;
+            let (lsize, csize) = (
+                m.local_page_size_bytes as usize,
+                m.canonical_page_size_bytes as usize,
+            );
+            for j in 0..bpc {
+                if !m.is_writer(chunk_id * bpc + j) {
+                    continue;
+                }
+                let l0 = (lp.local_base + j * m.local_page_size_bytes) as usize;
+                let c0 = (lp.row_base + j * m.canonical_page_size_bytes) as usize;
+                let (src, dst) = (&local[l0..l0 + lsize], &mut row[c0..c0 + csize]);
+                for run in &m.runs {
+                    copied += copy_run(
+                        &mut dst[run.canonical_offset as usize..],
+                        run.canonical_stride as usize,
+                        &src[run.local_offset as usize..],
+                        run.local_stride as usize,
+                        run,
+                    )
+                    .map_err(|e| self.run_error(lp, e))?;
+                }
+            }
+        }
         Ok(copied)
     }
 
@@ -197,11 +219,40 @@ impl RowPlan {
     pub fn scatter(&self, row: &[u8], local: &mut [u8]) -> Result<u64> {
         self.check_lengths(local.len(), row.len())?;
         let mut copied = 0u64;
-        self.for_each_copy(0, Direction::Load, |l, c, n| {
-            copy_fragment(&mut local[l..l + n], &row[c..c + n]);
-            copied += n as u64;
-        });
+        for lp in &self.layers {
+            let m = &lp.mapping;
+            let (lsize, csize) = (
+                m.local_page_size_bytes as usize,
+                m.canonical_page_size_bytes as usize,
+            );
+            for j in 0..u64::from(self.blocks_per_chunk) {
+                let l0 = (lp.local_base + j * m.local_page_size_bytes) as usize;
+                let c0 = (lp.row_base + j * m.canonical_page_size_bytes) as usize;
+                let (src, dst) = (&row[c0..c0 + csize], &mut local[l0..l0 + lsize]);
+                for run in &m.runs {
+                    copied += copy_run(
+                        &mut dst[run.local_offset as usize..],
+                        run.local_stride as usize,
+                        &src[run.canonical_offset as usize..],
+                        run.canonical_stride as usize,
+                        run,
+                    )
+                    .map_err(|e| self.run_error(lp, e))?;
+                }
+            }
+        }
         Ok(copied)
+    }
+
+    fn run_error(&self, lp: &LayerPlan, run: CopyRun) -> Error {
+        Error::new(
+            ErrorKind::Internal,
+            format!(
+                "layer {}: copy run {run:?} reaches outside its page",
+                lp.layer_name
+            ),
+        )
+        .with("rank", self.rank.to_string())
     }
 
     /// The flat copy list for chunk `chunk_id` (adjacent copies merged).
@@ -226,22 +277,68 @@ impl RowPlan {
     }
 }
 
-/// Copies one fragment. Head fragments are small (256 B for one bf16 head of 128 at TP 8), where
-/// a call into `memcpy` costs as much as the copy; fixed-size copies of the common sizes are
-/// inlined as vector moves instead.
-#[inline(always)]
-fn copy_fragment(dst: &mut [u8], src: &[u8]) {
-    fn fixed<const N: usize>(dst: &mut [u8], src: &[u8]) {
-        if let (Ok(d), Ok(s)) = (<&mut [u8; N]>::try_from(dst), <&[u8; N]>::try_from(src)) {
-            *d = *s;
+/// Copies the `num_fragments` fragments of `run` from `src` (fragment `i` at `i * src_stride`)
+/// to `dst` (at `i * dst_stride`); both slices start at the run's first fragment. Returns the
+/// bytes copied, or the run if it reaches past either slice (a plan built by [`RowPlan::new`]
+/// never does). Head fragments are small (256 B for one bf16 head of 128 at TP 8), where a call
+/// into `memcpy` costs as much as the copy, so the common sizes are copied as fixed-size arrays
+/// (inlined vector moves) with the size dispatch hoisted out of the fragment loop.
+fn copy_run(
+    dst: &mut [u8],
+    dst_stride: usize,
+    src: &[u8],
+    src_stride: usize,
+    run: &CopyRun,
+) -> Result<u64, CopyRun> {
+    let (size, n) = (run.fragment_size as usize, run.num_fragments as usize);
+    let ok = if n == 1 {
+        match (dst.get_mut(..size), src.get(..size)) {
+            (Some(d), Some(s)) => {
+                d.copy_from_slice(s);
+                true
+            }
+            _ => false,
         }
+    } else if dst_stride == 0 || src_stride == 0 {
+        false
+    } else {
+        match size {
+            128 => strided::<128>(dst, dst_stride, src, src_stride, n),
+            256 => strided::<256>(dst, dst_stride, src, src_stride, n),
+            512 => strided::<512>(dst, dst_stride, src, src_stride, n),
+            1024 => strided::<1024>(dst, dst_stride, src, src_stride, n),
+            _ => strided_any(dst, dst_stride, src, src_stride, n, size),
+        }
+    };
+    if ok { Ok(run.bytes()) } else { Err(*run) }
+}
+
+fn strided<const N: usize>(dst: &mut [u8], ds: usize, src: &[u8], ss: usize, n: usize) -> bool {
+    let mut done = 0;
+    for (d, s) in dst.chunks_mut(ds).zip(src.chunks(ss)).take(n) {
+        let d = d
+            .get_mut(..N)
+            .and_then(|d| <&mut [u8; N]>::try_from(d).ok());
+        let s = s.get(..N).and_then(|s| <&[u8; N]>::try_from(s).ok());
+        let (Some(d), Some(s)) = (d, s) else {
+            return false;
+        };
+        *d = *s;
+        done += 1;
     }
-    match dst.len() {
-        128 => fixed::<128>(dst, src),
-        256 => fixed::<256>(dst, src),
-        512 => fixed::<512>(dst, src),
-        _ => dst.copy_from_slice(src),
+    done == n
+}
+
+fn strided_any(dst: &mut [u8], ds: usize, src: &[u8], ss: usize, n: usize, size: usize) -> bool {
+    let mut done = 0;
+    for (d, s) in dst.chunks_mut(ds).zip(src.chunks(ss)).take(n) {
+        let (Some(d), Some(s)) = (d.get_mut(..size), s.get(..size)) else {
+            return false;
+        };
+        d.copy_from_slice(s);
+        done += 1;
     }
+    done == n
 }
 
 /// Store through a plan (see [`RowPlan::gather`]).
