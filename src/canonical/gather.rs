@@ -357,3 +357,87 @@ pub fn direct_row_range(local_chunk_bytes: u64, rank: u32) -> std::ops::Range<u6
     let start = u64::from(rank) * local_chunk_bytes;
     start..start + local_chunk_bytes
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::canonical::{LayoutDescriptor, derive_mappings};
+
+    fn qwen_3b_reduced() -> LayoutDescriptor {
+        let text = include_str!("../../layouts/qwen2.5-3b.toml")
+            .replace("num_layers = 36", "num_layers = 2")
+            .replace("tokens_per_block = 16", "tokens_per_block = 4");
+        LayoutDescriptor::from_toml_str(&text).unwrap()
+    }
+
+    /// The flat copy list moves exactly the bytes gather and scatter move.
+    #[test]
+    fn copy_list_matches_gather_and_scatter() {
+        let d = qwen_3b_reduced();
+        for tp in [1, 2, 4, 8] {
+            for rank in 0..tp {
+                let plan = RowPlan::new(&derive_mappings(&d, tp, rank).unwrap(), 3).unwrap();
+                let local: Vec<u8> = (0..plan.local_chunk_bytes)
+                    .map(|i| (i % 253) as u8)
+                    .collect();
+                let n = plan.canonical_area_bytes as usize;
+                for chunk in [0u64, 1, 2, 5] {
+                    let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+                    let moved = plan.gather(&local, &mut a, chunk).unwrap();
+                    let list = plan.copy_list(chunk, Direction::Store);
+                    assert_eq!(list.iter().map(|c| c.len).sum::<u64>(), moved);
+                    for c in &list {
+                        let (l, r, len) = (
+                            c.local_offset as usize,
+                            c.row_offset as usize,
+                            c.len as usize,
+                        );
+                        b[r..r + len].copy_from_slice(&local[l..l + len]);
+                    }
+                    assert_eq!(a, b, "TP {tp} rank {rank} chunk {chunk}");
+                }
+                let row: Vec<u8> = (0..n).map(|i| (i % 241) as u8).collect();
+                let (mut x, mut y) = (vec![0u8; local.len()], vec![0u8; local.len()]);
+                assert_eq!(plan.scatter(&row, &mut x).unwrap(), plan.local_chunk_bytes);
+                for c in plan.copy_list(0, Direction::Load) {
+                    let (l, r, len) = (
+                        c.local_offset as usize,
+                        c.row_offset as usize,
+                        c.len as usize,
+                    );
+                    y[l..l + len].copy_from_slice(&row[r..r + len]);
+                }
+                assert_eq!(x, y, "TP {tp} rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_buffer_sizes_are_errors() {
+        let d = qwen_3b_reduced();
+        let plan = RowPlan::new(&derive_mappings(&d, 2, 1).unwrap(), 1).unwrap();
+        let local = vec![0u8; plan.local_chunk_bytes as usize];
+        let mut short_row = vec![0u8; plan.canonical_area_bytes as usize - 1];
+        let e = plan.gather(&local, &mut short_row, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Contract);
+        let mut row = vec![0u8; plan.canonical_area_bytes as usize];
+        let e = plan.gather(&local[1..], &mut row, 0).unwrap_err();
+        assert!(e.to_string().contains("local chunk buffer"), "{e}");
+    }
+
+    #[test]
+    fn unmapped_layers_cannot_be_planned() {
+        let d = qwen_3b_reduced();
+        let cfg = crate::canonical::ParallelConfig {
+            tp: 2,
+            rank: 0,
+            world_size: 3,
+            dcp: 1,
+            pcp: 1,
+        };
+        let layers = crate::canonical::derive_mappings_for(&d, &cfg).unwrap();
+        let e = RowPlan::new(&layers, 1).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unsupported);
+        assert!(e.to_string().contains("canonical_layout = false"), "{e}");
+    }
+}
