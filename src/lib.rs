@@ -6,6 +6,7 @@
 //! * [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
 //! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
 //! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
+//! * [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
 //! * [`config`]: configuration model, merge and validation.
 //! * [`cli`]: the `kvtier` command line.
 
@@ -16,6 +17,7 @@ pub mod error;
 pub mod g3;
 pub mod io;
 pub mod key;
+pub mod metrics;
 pub mod primary;
 pub mod region;
 pub mod tiering;
