@@ -8,6 +8,7 @@
 //! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! * [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
 //! * [`config`]: configuration model, merge and validation.
+//! * [`geometry`]: chunk geometry (row stride, rows) derived from the KV layout and pool size.
 //! * [`cli`]: the `kvtier` command line.
 
 pub mod canonical;
@@ -15,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod g3;
+pub mod geometry;
 pub mod io;
 pub mod key;
 pub mod metrics;

@@ -5,6 +5,8 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
+pub mod config_cmd;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -25,6 +27,8 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and build features.
     Version,
+    /// Configuration tools: `kvtier config check FILE`.
+    Config(config_cmd::ConfigArgs),
 }
 
 /// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
@@ -59,6 +63,7 @@ pub fn main() -> ExitCode {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
             Ok(ExitCode::SUCCESS)
         }
+        Command::Config(args) => config_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -64,11 +64,24 @@ pub struct TierConfig {
     pub locality: Option<Locality>,
     /// Merged back-pressure config; `None` = no detector, the tier never drops stores.
     pub backpressure: Option<BackpressureConfig>,
-    /// Type-specific keys, validated by the tier's own config parser.
+    /// Type-specific keys, validated by the tier's own config parser. `module_path` (checked
+    /// to be a string) stays here too: vLLM imports it, kvtier's tiers ignore it.
     pub params: serde_json::Map<String, serde_json::Value>,
 }
 
 impl TierConfig {
+    /// A tier of `tier_type` at position `index` with no locality, no back-pressure and no
+    /// type-specific keys (for tests and programmatic construction).
+    pub fn new(index: usize, tier_type: impl Into<String>) -> Self {
+        TierConfig {
+            index,
+            tier_type: tier_type.into(),
+            locality: None,
+            backpressure: None,
+            params: serde_json::Map::new(),
+        }
+    }
+
     /// The key path prefix of this entry for error messages: `secondary_tiers[3]`.
     pub fn key_path(&self) -> String {
         format!("secondary_tiers[{}]", self.index)
@@ -99,4 +112,20 @@ pub struct KvtierConfig {
     pub engine_id: Option<String>,
     /// Secondary tiers in lookup order.
     pub secondary_tiers: Vec<TierConfig>,
+}
+
+impl KvtierConfig {
+    /// A configuration with `cpu_bytes_to_use` and every other key at its default
+    /// (`blocks_per_chunk` 1, LRU, no secondary tiers), for tests and programmatic use.
+    pub fn new(cpu_bytes_to_use: u64) -> Self {
+        KvtierConfig {
+            cpu_bytes_to_use,
+            chunk: ChunkSizing::BlocksPerChunk(1),
+            eviction_policy: EvictionPolicyKind::Lru,
+            store_threshold: 0,
+            canonical_layout: false,
+            engine_id: None,
+            secondary_tiers: Vec::new(),
+        }
+    }
 }
