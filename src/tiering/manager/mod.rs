@@ -49,6 +49,8 @@ pub struct ManagerOptions {
     pub clock: Arc<dyn Clock>,
     /// Whether the primary emits stored/removed events.
     pub enable_events: bool,
+    /// Storage namespace digest handed to persistent tiers (`None`: geometry namespace).
+    pub namespace: Option<[u8; 32]>,
 }
 
 impl Default for ManagerOptions {
@@ -57,6 +59,7 @@ impl Default for ManagerOptions {
             metrics_prefix: crate::metrics::DEFAULT_PREFIX.to_string(),
             clock: Arc::new(SystemClock),
             enable_events: false,
+            namespace: None,
         }
     }
 }
@@ -196,11 +199,9 @@ impl TieringManager {
                 .map(|bp| DetectorParams::resolve(bp, &tc.tier_type, tc.locality, &tc.key_path()))
                 .transpose()
                 .and_then(|p| {
-                    let ctx = TierBuildContext {
-                        region: region.clone(),
-                        clock: opts.clock.clone(),
-                        tier_label: label.clone(),
-                    };
+                    let mut ctx =
+                        TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
+                    ctx.namespace = opts.namespace;
                     factory.create(tc, &ctx).map(|t| (t, p))
                 });
             match step {
