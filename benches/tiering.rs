@@ -251,12 +251,7 @@ fn manager_promotion_throughput(m: &mut TieringManager, n: usize, batch: usize) 
 /// Builds a tier over a region (or `None` to skip).
 type MakeTier<'a> = dyn Fn(&Arc<PrimaryRegion>) -> Option<Box<dyn SecondaryTier>> + 'a;
 
-fn throughput(
-    label: &str,
-    make: &MakeTier<'_>,
-    rows: usize,
-    stride: usize,
-) {
+fn throughput(label: &str, make: &MakeTier<'_>, rows: usize, stride: usize) {
     let n = rows / 2;
     let batch = 64;
     let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
