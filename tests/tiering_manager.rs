@@ -616,3 +616,9 @@ fn metrics_use_vllm_names_labels_buckets_and_the_prefix() {
     .expect_err("invalid prefix");
     assert_eq!(e.kind(), ErrorKind::Config);
 }
+
+#[test]
+fn manager_is_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<TieringManager>();
+}

@@ -137,7 +137,7 @@ pub struct TieringMetrics {
     pub cpu_usage: (SeriesId, SeriesId, SeriesId),
     /// `kvtier_tiering_contract_violations`.
     pub contract_violations: SeriesId,
-    tier_metric_series: HashMap<TierMetricKey, SeriesId>,
+    tier_metric_series: HashMap<TierMetricKey, Option<SeriesId>>,
 }
 
 impl TieringMetrics {
@@ -335,18 +335,19 @@ impl TieringMetrics {
                     values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
                     let fam = self.registry.family(m.name, m.help, kind, &names);
                     let series = fam.and_then(|f| self.registry.series(f, &values));
-                    match series {
-                        Ok(id) => {
-                            self.tier_metric_series.insert(key, id);
-                            id
-                        }
+                    let id = match series {
+                        Ok(id) => Some(id),
                         Err(e) => {
+                            // Logged once; the series stays absent from the exposition.
                             log::warn!("tier metric {} not exported: {e}", m.name);
-                            continue;
+                            None
                         }
-                    }
+                    };
+                    self.tier_metric_series.insert(key, id);
+                    id
                 }
             };
+            let Some(id) = id else { continue };
             self.registry.set(id, m.value);
         }
     }
