@@ -299,6 +299,11 @@ fn failed_loads_free_rows_and_are_not_retried_forever() {
         Some(1)
     );
     assert_eq!(m.primary().usage().reserved_for_write, 0);
+    assert_eq!(
+        m.registry().value("kv_offload_tiering_read_time", &["1:memory"]),
+        None,
+        "a promotion that loaded nothing adds no read time"
+    );
 }
 
 #[test]
