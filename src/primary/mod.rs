@@ -15,6 +15,7 @@
 //! unpinned key, `prepare_load` on a missing or in-flight key...) return
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
+mod hugepage;
 mod index;
 mod pins;
 pub mod policy;

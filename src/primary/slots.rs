@@ -8,6 +8,7 @@
 
 use crate::key::ChunkKey;
 
+use super::hugepage::huge_slice;
 use super::policy::list::NIL;
 
 /// Longest key stored inside the slot.
@@ -97,12 +98,10 @@ impl SlotTable {
     /// `n` free slots (`n < u32::MAX`).
     pub(crate) fn new(n: usize) -> Self {
         SlotTable {
-            slots: (0..n)
-                .map(|_| Slot {
-                    key: StoredKey::Free,
-                    ref_cnt: NIL as i32,
-                })
-                .collect(),
+            slots: huge_slice(n, || Slot {
+                key: StoredKey::Free,
+                ref_cnt: NIL as i32,
+            }),
             next_fresh: 0,
             free_head: NIL,
             resident: 0,
