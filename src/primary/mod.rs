@@ -15,6 +15,7 @@
 //! unpinned key, `prepare_load` on a missing or in-flight key...) return
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
+mod hugepage;
 mod index;
 mod pins;
 pub mod policy;
@@ -67,12 +68,13 @@ pub struct PrimaryCounters {
     pub contract_violations: u64,
 }
 
-/// Heap bytes of the tier's fixed structures (key allocations and request records excluded).
+/// Heap bytes of the tier's fixed structures (request records and keys longer than 36 bytes
+/// excluded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryFootprint {
     /// Number of slots.
     pub slots: usize,
-    /// Slot table (key handle and `ref_cnt`: 24 bytes per slot).
+    /// Slot table (`ref_cnt` and the key, inline up to 36 bytes: 48 bytes per slot).
     pub slot_table_bytes: usize,
     /// Key index buckets.
     pub index_bytes: usize,
@@ -86,9 +88,9 @@ impl MemoryFootprint {
         self.slot_table_bytes + self.index_bytes + self.policy_bytes
     }
 
-    /// Bytes per slot, when every slot is resident; the key's own heap allocation (a shared
-    /// `Arc<[u8]>`: 16 bytes of counts plus the key bytes, rounded up by the allocator)
-    /// comes on top.
+    /// Bytes per slot. Keys of up to 36 bytes are stored inside the slot, so this is the
+    /// whole cost of a resident chunk with such a key; a longer key shares the caller's
+    /// allocation, which comes on top.
     pub fn bytes_per_chunk(&self) -> f64 {
         self.total_bytes() as f64 / self.slots.max(1) as f64
     }
@@ -204,15 +206,14 @@ impl PrimaryTier {
     }
 
     #[inline]
-    fn find_hashed(&self, hash: u64, key: &ChunkKey) -> Option<u32> {
+    fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
         let slots = &self.slots;
-        self.index
-            .find(hash, |id| slots.get(id).key.as_ref() == Some(key))
+        self.index.find(hash, |id| slots.get(id).holds(key))
     }
 
     #[inline]
     fn find(&self, key: &ChunkKey) -> Option<u32> {
-        self.find_hashed(self.hash(key), key)
+        self.find_hashed(self.hash(key), key.as_bytes())
     }
 
     /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
@@ -235,17 +236,15 @@ impl PrimaryTier {
     }
 
     /// Removes resident slot `id` from the index and frees it; the policy must already have
-    /// forgotten it. Returns its key.
-    fn release_slot(&mut self, id: u32) -> Option<ChunkKey> {
-        let key = self.slots.get(id).key.clone()?;
-        let hash = self.hash(&key);
+    /// forgotten it. Returns false if the slot was free.
+    fn release_slot(&mut self, id: u32) -> bool {
         let (slots, hasher) = (&self.slots, &self.hasher);
+        let Some(bytes) = slots.get(id).key.bytes() else {
+            return false;
+        };
+        let hash = hasher.hash(bytes);
         self.index.remove(hash, id, |other| {
-            slots
-                .get(other)
-                .key
-                .as_ref()
-                .map_or(0, |k| hasher.hash(k.as_bytes()))
+            slots.get(other).key.bytes().map_or(0, |k| hasher.hash(k))
         });
         self.slots.release(id)
     }
@@ -343,15 +342,16 @@ impl PrimaryTier {
             .filter(|(_, _, r)| *r == 0)
             .map(|(id, _, _)| id)
             .collect();
-        let mut dropped = Vec::with_capacity(ready.len());
+        let mut dropped = Vec::new();
+        let mut n = 0;
         for id in ready {
-            self.policy.remove(id);
-            if let Some(key) = self.release_slot(id) {
-                dropped.push(key);
+            if self.events_enabled {
+                dropped.extend(self.slots.get(id).key.to_key());
             }
+            self.policy.remove(id);
+            n += usize::from(self.release_slot(id));
         }
         self.policy.reset_history();
-        let n = dropped.len();
         self.counters.reset_dropped += n as u64;
         self.push_event(dropped, true, false);
         n
@@ -376,7 +376,8 @@ impl PrimaryTier {
                 r if r > 0 => pinned += 1,
                 r => return fail(format!("slot {id} has ref_cnt {r}")),
             }
-            if self.find(key) != Some(id) {
+            if self.find_hashed(self.hasher.hash(key), key) != Some(id) {
+                let key = hex::encode(key);
                 return fail(format!("key {key} of slot {id} is not indexed to it"));
             }
         }

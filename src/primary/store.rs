@@ -47,7 +47,7 @@ impl PrimaryTier {
         let mut protected: Vec<u32> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             let hash = self.hash(key);
-            if let Some(id) = self.find_hashed(hash, key) {
+            if let Some(id) = self.find_hashed(hash, key.as_bytes()) {
                 match self.slots.get(id).ref_cnt {
                     IN_FLIGHT => {}
                     0 => {
@@ -92,13 +92,7 @@ impl PrimaryTier {
         victims.clear();
         if to_evict > 0 {
             let (slots, hasher) = (&self.slots, &self.hasher);
-            let mut fingerprint = |id: u32| {
-                slots
-                    .get(id)
-                    .key
-                    .as_ref()
-                    .map_or(0, |k| hasher.hash(k.as_bytes()))
-            };
+            let mut fingerprint = |id: u32| slots.get(id).key.bytes().map_or(0, |k| hasher.hash(k));
             if !self
                 .policy
                 .evict(to_evict, &protected, &mut fingerprint, &mut victims)
@@ -115,8 +109,9 @@ impl PrimaryTier {
         }
         let mut evicted_keys = Vec::with_capacity(victims.len());
         for &id in &victims {
-            if let Some(key) = self.release_slot(id) {
+            if let Some(key) = self.slots.get(id).key.to_key() {
                 evicted_keys.push(key);
+                self.release_slot(id);
             }
         }
         self.victims = victims;
@@ -130,7 +125,7 @@ impl PrimaryTier {
         };
         for (&(i, hash), adm) in new.iter().zip(admissions) {
             let key = &keys[i];
-            let Some(id) = self.slots.alloc(key.clone()) else {
+            let Some(id) = self.slots.alloc(key) else {
                 // Unreachable: the refusal check counted the room.
                 log::error!("primary tier: no free slot for {key} after eviction; skipped");
                 continue;
