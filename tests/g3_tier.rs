@@ -276,3 +276,41 @@ fn drain_finishes_started_jobs_and_cancels_queued_ones() {
     assert_eq!(metric(&t, "g3_jobs_cancelled"), 3.0);
     t.shutdown().unwrap();
 }
+
+#[test]
+fn round_trip_with_every_engine() {
+    use kvtier::io::IoEngineKind;
+    for kind in [IoEngineKind::Uring, IoEngineKind::Psync, IoEngineKind::Auto] {
+        let d = tmpdir();
+        let r = region(4);
+        let mut cfg = config(&[d.path()], 8);
+        cfg.io_engine = kind;
+        cfg.max_bytes_in_flight = 2 * STRIDE as u64;
+        let mut t = match G3Tier::open(
+            cfg,
+            r.clone(),
+            kvtier::g3::geometry_namespace(STRIDE),
+            "t".into(),
+            None,
+        ) {
+            Ok(t) => t,
+            Err(e) if kind == IoEngineKind::Uring && e.kind() == ErrorKind::Unsupported => {
+                eprintln!("skipping the uring engine: {e}");
+                continue;
+            }
+            Err(e) => panic!("{kind:?}: {e}"),
+        };
+        assert!(t.wait_recovered(Duration::from_secs(30)));
+        for i in 0..3u32 {
+            fill_row(&r, i, 40 + u64::from(i));
+        }
+        assert!(
+            run(&mut t, job(1, &[40, 41, 42], &[0, 1, 2], false)).success,
+            "{kind:?}"
+        );
+        clear_row(&r, 3);
+        assert!(run(&mut t, job(2, &[41], &[3], true)).success, "{kind:?}");
+        assert!(row_is(&r, 3, 41), "{kind:?} ({})", t.info().engine);
+        t.shutdown().unwrap();
+    }
+}

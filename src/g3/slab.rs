@@ -400,8 +400,8 @@ pub fn lock_holder_of(f: &File) -> Option<u32> {
     })
 }
 
-/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read of the
-/// superblock; on failure an error (`required`) or a buffered descriptor with one warning
+/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read and write of
+/// the superblock page; on failure an error (`required`) or a buffered descriptor with one warning
 /// (`auto`).
 fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
     let fs_type = fs_type_of(p);
@@ -410,9 +410,12 @@ fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
         .write(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
         .open(p);
+    // The probe is one aligned O_DIRECT read of the superblock page and one O_DIRECT write
+    // of the same bytes back (identical content, so even a torn write changes nothing).
     let probe = opened.and_then(|f| {
         let mut buf = AlignedBuf::new(SUPERBLOCK_SIZE).map_err(std::io::Error::other)?;
         f.read_exact_at(buf.as_mut_slice(), 0)?;
+        f.write_all_at(buf.as_slice(), 0)?;
         Ok(f)
     });
     match probe {
