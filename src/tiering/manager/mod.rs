@@ -397,10 +397,13 @@ impl TieringManager {
     }
 
     fn maybe_finalize(&mut self, req_id: &Arc<str>) {
+        // Also wait for promotions not yet submitted: a tier must not hear of the request's
+        // end before its last `submit_load`.
         let ready = self.requests.get(req_id).is_some_and(|st| {
             st.finished
                 && st.pending_primary_stores == 0
                 && !self.parked_cascades.contains_key(req_id)
+                && !self.pending_promotions.keys().any(|(_, r)| r == req_id)
         });
         if ready && let Some(st) = self.requests.remove(req_id) {
             for t in &mut self.tiers {
