@@ -102,6 +102,16 @@ fn simulation_against_a_real_g3_tier() {
         return;
     };
     assert!(stats.promoted_rows > 20, "promotions exercised: {stats:?}");
+    // The tier's own metrics are exported with the tier label.
+    let text = sim.m.metrics_text();
+    for want in [
+        "kvtier:g3_checksum_failures_total{tier=\"1:nvme\"} 0.0",
+        "kvtier:g3_direct_io{tier=\"1:nvme\",path=\"0\"}",
+        "kvtier:g3_engine_info{tier=\"1:nvme\",engine=",
+        "kvtier:kv_offload_tiering_write_bytes_total{tier=\"1:nvme\"}",
+    ] {
+        assert!(text.contains(want), "missing {want:?}");
+    }
     sim.m.shutdown().expect("clean shutdown");
 }
 
