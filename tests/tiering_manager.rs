@@ -406,7 +406,7 @@ fn reporting_violations_are_contract_errors() {
             "the genuine report was processed once"
         );
         assert_eq!(
-            value(&mut m, "kvtier_tiering_contract_violations", &[]),
+            value(&mut m, "tiering_contract_violations", &[]),
             1.0
         );
         m.poll().unwrap();
