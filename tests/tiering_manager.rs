@@ -405,10 +405,7 @@ fn reporting_violations_are_contract_errors() {
             Some(0),
             "the genuine report was processed once"
         );
-        assert_eq!(
-            value(&mut m, "tiering_contract_violations", &[]),
-            1.0
-        );
+        assert_eq!(value(&mut m, "tiering_contract_violations", &[]), 1.0);
         m.poll().unwrap();
     }
 }
