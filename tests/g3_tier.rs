@@ -347,3 +347,28 @@ fn journal_size_triggers_checkpoints_and_state_survives() {
     assert!(run(&mut t, job(9, &[62], &[0], true)).success);
     assert!(row_is(&r, 0, 62));
 }
+
+#[test]
+fn interval_checkpoint_fires_while_idle() {
+    let d = tmpdir();
+    let r = region(1);
+    let mut cfg = config(&[d.path()], 4);
+    cfg.checkpoint_interval = Some(Duration::from_millis(20));
+    let mut t = open(cfg, &r);
+    fill_row(&r, 0, 1);
+    assert!(run(&mut t, job(1, &[1], &[0], false)).success);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while metric(&t, "g3_checkpoints") < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no interval checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let journal = d.path().join(kvtier::g3::journal::JOURNAL_FILE_NAME);
+    assert_eq!(
+        std::fs::metadata(journal).unwrap().len(),
+        kvtier::g3::journal::FILE_HEADER_SIZE as u64,
+        "the journal restarts empty after a checkpoint"
+    );
+}

@@ -169,7 +169,7 @@ impl Worker {
             *self.sh.failed.lock() = Some(e);
         }
         self.sh.metrics.recovered.store(true, Ordering::Release);
-        let completions = self.engine.completions().clone();
+        let mut completions = self.engine.completions().clone();
         let mut cmd_open = true;
         loop {
             self.pump();
@@ -207,7 +207,11 @@ impl Worker {
                 },
                 recv(completions) -> c => match c {
                     Ok(c) => self.complete(c),
-                    Err(_) => self.engine_gone(),
+                    Err(_) => {
+                        // Never select on a disconnected channel again (it would spin).
+                        completions = never();
+                        self.engine_gone();
+                    }
                 },
                 recv(tick) -> _ => self.checkpoint_logged(),
             }
@@ -534,8 +538,9 @@ impl Worker {
     fn checkpoint_logged(&mut self) {
         if let Err(e) = self.checkpoint() {
             log::error!("G3 tier {}: checkpoint failed: {e}", self.tier_id);
-            self.last_ckpt = Instant::now();
         }
+        // Success, failure or a skipped checkpoint all restart the interval (no re-firing).
+        self.last_ckpt = Instant::now();
     }
 
     /// Makes the slabs durable, then writes a checkpoint of the committed index and starts
