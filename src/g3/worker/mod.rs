@@ -29,6 +29,9 @@ use crate::tiering::job::{JobResult, Locality, Medium, OffloadingEvent, Transfer
 mod load;
 mod store;
 
+/// Most store jobs committed together (one fdatasync per slab, one journal append).
+const MAX_COMMIT_GROUP: usize = 64;
+
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
     /// Primary -> slabs.
@@ -129,6 +132,8 @@ pub(crate) struct Worker {
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
     checkpoint_on_close: bool,
+    /// Store jobs whose writes completed, waiting for the next group commit.
+    commits: Vec<Active>,
 }
 
 impl Worker {
@@ -156,6 +161,7 @@ impl Worker {
             drain_waiters: Vec::new(),
             shutdown_ack: None,
             checkpoint_on_close: true,
+            commits: Vec::new(),
         }
     }
 
@@ -173,6 +179,13 @@ impl Worker {
         let mut cmd_open = true;
         loop {
             self.pump();
+            // Group commit once the completions that are already there are handled (or
+            // when the group is large).
+            if !self.commits.is_empty()
+                && (completions.is_empty() || self.commits.len() >= MAX_COMMIT_GROUP)
+            {
+                self.flush_commits();
+            }
             if self.idle() {
                 for w in self.drain_waiters.drain(..) {
                     let _ = w.send(());
@@ -219,7 +232,10 @@ impl Worker {
     }
 
     fn idle(&self) -> bool {
-        self.active.is_empty() && self.ops.is_empty() && self.queue.is_empty()
+        self.active.is_empty()
+            && self.ops.is_empty()
+            && self.queue.is_empty()
+            && self.commits.is_empty()
     }
 
     fn recover(&mut self) -> Result<()> {
@@ -494,10 +510,13 @@ impl Worker {
     fn finish(&mut self, a: Active) {
         if a.load {
             self.finish_load(a);
+            self.maybe_checkpoint();
         } else {
             self.finish_store(a);
         }
-        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn maybe_checkpoint(&mut self) {
         if let Some(j) = &self.journal
             && j.len() >= self.cfg.checkpoint_journal_bytes
         {
@@ -520,6 +539,7 @@ impl Worker {
                 error: a.first_error,
             }
         };
+        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
         let _ = self.results_tx.send(result);
     }
 
