@@ -196,14 +196,35 @@ impl Index {
 
     // ---- recovery ----
 
+    /// Hints the CPU to load what replaying an insert of a key with hash `hash` into `slot`
+    /// will touch.
+    pub fn prefetch_insert(&self, hash: u64, slot: Slot) {
+        self.map.prefetch(hash);
+        if let Some(e) = self.slots.get(slot as usize) {
+            crate::g3::keymap::prefetch(e);
+        }
+    }
+
     /// Replays an insert: `slot` now holds `key`. Idempotent; whatever `slot` or `key` held
     /// before is dropped. Returns false if `slot` is out of range.
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
+        let h = key_hash(&key);
+        self.apply_insert_hashed(key, h, slot, crc, generation)
+    }
+
+    /// [`Index::apply_insert`] with the key's [`key_hash`] already computed.
+    pub fn apply_insert_hashed(
+        &mut self,
+        key: ChunkKey,
+        h: u64,
+        slot: Slot,
+        crc: u32,
+        generation: u64,
+    ) -> bool {
         if slot as usize >= self.slots.len() {
             return false;
         }
         self.clear_slot(slot);
-        let h = key_hash(&key);
         if let Some(old) = self
             .map
             .find(h, |s| self.slots[s as usize].key.as_ref() == Some(&key))

@@ -58,6 +58,12 @@ impl KeyTable {
         (hash32 as usize) & self.mask
     }
 
+    /// Hints the CPU to load the bucket where `hash` starts probing (recovery issues these a
+    /// batch ahead, so that the cache misses of many inserts overlap).
+    pub fn prefetch(&self, hash: u64) {
+        prefetch(&self.buckets[self.home(hash & 0xffff_ffff)]);
+    }
+
     /// The slot whose key has `hash` and satisfies `is_key`, if any.
     pub fn find(&self, hash: u64, mut is_key: impl FnMut(Slot) -> bool) -> Option<Slot> {
         let tag = hash & 0xffff_ffff;
@@ -121,6 +127,19 @@ impl KeyTable {
             j = (j + 1) & self.mask;
         }
     }
+}
+
+/// Hints the CPU to load the cache line holding `x` (no effect off x86-64).
+pub fn prefetch<T>(x: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is only a hint: it never faults or changes memory, and `x` is a
+    // valid reference anyway. SSE is part of the x86-64 baseline.
+    unsafe {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        _mm_prefetch::<_MM_HINT_T0>((x as *const T).cast());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 /// Asks for transparent huge pages over the page-aligned part of a large vector (a hint: the
