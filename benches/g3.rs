@@ -3,6 +3,7 @@
 //! ```text
 //! cargo bench --bench g3                    # full: 256 KiB / 2 MiB / 8 MiB rows, 3 repetitions
 //! cargo bench --bench g3 -- --quick         # small sizes, to check that it runs
+//! cargo bench --bench g3 -- --recovery-only # only the index recovery figures
 //! KVTIER_G3_BENCH_DIR=/mnt/nvme0/bench cargo bench --bench g3
 //! ```
 //!
@@ -219,6 +220,7 @@ fn main() {
     let dir = std::env::var_os("KVTIER_G3_BENCH_DIR")
         .map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
     let use_fio = Command::new("fio").arg("--version").output().is_ok();
+    let recovery_only = args.iter().any(|a| a == "--recovery-only");
     let (sizes, flights, working_set, reps, entries): (Vec<usize>, Vec<u64>, u64, usize, u64) =
         if quick {
             (
@@ -248,7 +250,7 @@ fn main() {
          | fio write GB/s | fio read GB/s | store/fio | load/fio |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for &stride in &sizes {
+    for &stride in sizes.iter().filter(|_| !recovery_only) {
         for &in_flight in &flights {
             if in_flight < stride as u64 {
                 continue;

@@ -418,6 +418,14 @@ fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
         f.write_all_at(buf.as_slice(), 0)?;
         Ok(f)
     });
+    // statx(STATX_DIOALIGN), where the kernel reports it, must allow 4096-byte alignment.
+    let probe = probe.and_then(|f| match dio_alignment(p) {
+        Some((mem, off)) if mem > 4096 || off > 4096 => Err(std::io::Error::other(format!(
+            "the filesystem requires O_DIRECT alignment of {mem} bytes (memory) and {off} \
+             bytes (offset), kvtier uses 4096"
+        ))),
+        _ => Ok(f),
+    });
     match probe {
         Ok(f) => Ok((f, true, fs_type)),
         Err(e) => match mode {
@@ -517,21 +525,21 @@ pub fn fs_type_of(p: &Path) -> String {
         return "unknown".into();
     }
     let magic = st.f_type as u64 & 0xffff_ffff;
-    let name = match magic {
-        0xef53 => "ext4",
-        0x5846_5342 => "xfs",
-        0x0102_1994 => "tmpfs",
-        0x8584_58f6 => "ramfs",
-        0x794c_7630 => "overlayfs",
-        0x9123_683e => "btrfs",
-        0x6969 => "nfs",
-        0x6573_5546 => "fuse",
-        0x2fc1_2fc1 => "zfs",
-        0x9fa0 => "proc",
-        0x6265_6572 => "sysfs",
-        _ => "unknown",
-    };
+    let name = crate::io::probe::fs_type_name(magic);
     format!("{name} (0x{magic:x})")
+}
+
+/// `(memory, offset)` O_DIRECT alignment of the filesystem holding `dir`'s slabs, from the
+/// I/O layer's probe (`statx(STATX_DIOALIGN)`), when the kernel reports it.
+fn dio_alignment(slab: &Path) -> Option<(u32, u32)> {
+    let dir = slab.parent()?;
+    match crate::io::probe_direct_io(dir) {
+        Ok(p) => Some((p.dio_mem_align?, p.dio_offset_align?)),
+        Err(e) => {
+            log::debug!("direct-I/O probe of {} failed: {e}", dir.display());
+            None
+        }
+    }
 }
 
 /// Reads and decodes the superblock of an open slab.

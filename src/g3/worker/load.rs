@@ -34,42 +34,44 @@ impl Worker {
         let region = self.engine.region().clone();
         let mut dropped = Vec::new();
         let mut loaded = Vec::new();
+        // CRCs first, without the index lock (lookups must not wait on hashing).
+        for i in 0..a.keys.len() {
+            let Some((slot, crc)) = a.slots[i] else {
+                continue;
+            };
+            if a.status[i] != KeyStatus::Done {
+                continue;
+            }
+            // SAFETY: the manager reserves a load job's rows (no other reader or writer)
+            // until the job is reported; our read into the row has completed.
+            let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
+            match found {
+                Ok(found) if found == crc => loaded.push(a.keys[i].clone()),
+                Ok(found) => {
+                    self.sh
+                        .metrics
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    let e = Error::new(
+                        ErrorKind::Checksum,
+                        format!("G3 slot {slot} failed its CRC check for key {}", a.keys[i]),
+                    )
+                    .with("key", a.keys[i].to_hex())
+                    .with("expected", format!("{crc:08x}"))
+                    .with("found", format!("{found:08x}"));
+                    log::warn!("{e}");
+                    a.fail(i, e);
+                }
+                Err(e) => a.fail(i, e),
+            }
+        }
         {
             let mut guard = self.sh.index.lock();
-            for i in 0..a.keys.len() {
-                let Some((slot, crc)) = a.slots[i] else {
-                    continue;
-                };
-                if a.status[i] == KeyStatus::Done {
-                    // SAFETY: the manager reserves a load job's rows (no other reader or
-                    // writer) until the job is reported; our read into the row has completed.
-                    let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
-                    match found {
-                        Ok(found) if found == crc => {
-                            loaded.push(a.keys[i].clone());
-                        }
-                        Ok(found) => {
-                            self.sh
-                                .metrics
-                                .checksum_failures
-                                .fetch_add(1, Ordering::Relaxed);
-                            let e = Error::new(
-                                ErrorKind::Checksum,
-                                format!(
-                                    "G3 slot {slot} failed its CRC check for key {}",
-                                    a.keys[i]
-                                ),
-                            )
-                            .with("key", a.keys[i].to_hex())
-                            .with("expected", format!("{crc:08x}"))
-                            .with("found", format!("{found:08x}"));
-                            log::warn!("{e}");
-                            a.fail(i, e);
-                        }
-                        Err(e) => a.fail(i, e),
-                    }
-                }
-                if let Some(ix) = guard.as_mut() {
+            if let Some(ix) = guard.as_mut() {
+                for i in 0..a.keys.len() {
+                    let Some((slot, _)) = a.slots[i] else {
+                        continue;
+                    };
                     if a.status[i] == KeyStatus::Failed
                         && let Some(k) = ix.drop_slot(slot)
                     {
@@ -77,8 +79,6 @@ impl Worker {
                     }
                     ix.unpin(slot);
                 }
-            }
-            if let Some(ix) = guard.as_ref() {
                 self.refresh_slot_gauges(ix);
             }
         }

@@ -18,16 +18,19 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
 use crate::g3::format::slot_location;
 use crate::g3::index::{Index, Slot};
-use crate::g3::journal::{JournalWriter, write_checkpoint};
+use crate::g3::journal::JournalWriter;
 use crate::g3::metrics::{G3Metrics, PathStatus};
-use crate::g3::recovery;
 use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::key::ChunkKey;
 use crate::tiering::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
 
+mod durability;
 mod load;
 mod store;
+
+/// Most store jobs committed together (one fdatasync per slab, one journal append).
+const MAX_COMMIT_GROUP: usize = 64;
 
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
@@ -129,6 +132,8 @@ pub(crate) struct Worker {
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
     checkpoint_on_close: bool,
+    /// Store jobs whose writes completed, waiting for the next group commit.
+    commits: Vec<Active>,
 }
 
 impl Worker {
@@ -156,6 +161,7 @@ impl Worker {
             drain_waiters: Vec::new(),
             shutdown_ack: None,
             checkpoint_on_close: true,
+            commits: Vec::new(),
         }
     }
 
@@ -169,10 +175,17 @@ impl Worker {
             *self.sh.failed.lock() = Some(e);
         }
         self.sh.metrics.recovered.store(true, Ordering::Release);
-        let completions = self.engine.completions().clone();
+        let mut completions = self.engine.completions().clone();
         let mut cmd_open = true;
         loop {
             self.pump();
+            // Group commit once the completions that are already there are handled (or
+            // when the group is large).
+            if !self.commits.is_empty()
+                && (completions.is_empty() || self.commits.len() >= MAX_COMMIT_GROUP)
+            {
+                self.flush_commits();
+            }
             if self.idle() {
                 for w in self.drain_waiters.drain(..) {
                     let _ = w.send(());
@@ -207,7 +220,11 @@ impl Worker {
                 },
                 recv(completions) -> c => match c {
                     Ok(c) => self.complete(c),
-                    Err(_) => self.engine_gone(),
+                    Err(_) => {
+                        // Never select on a disconnected channel again (it would spin).
+                        completions = never();
+                        self.engine_gone();
+                    }
                 },
                 recv(tick) -> _ => self.checkpoint_logged(),
             }
@@ -215,45 +232,10 @@ impl Worker {
     }
 
     fn idle(&self) -> bool {
-        self.active.is_empty() && self.ops.is_empty() && self.queue.is_empty()
-    }
-
-    fn recover(&mut self) -> Result<()> {
-        let total = u32::try_from(self.set.total_slots()).map_err(|_| {
-            Error::new(
-                ErrorKind::Config,
-                "more than 2^32 - 1 slots in one stripe set",
-            )
-        })?;
-        let dir = self.set.meta_dir().to_path_buf();
-        let uuid = self.set.set_uuid();
-        let rec = recovery::recover(&dir, uuid, total, self.set.files.len())?;
-        let (journal, seq) = recovery::open_journal(&dir, uuid, &rec)?;
-        let m = &self.sh.metrics;
-        m.recovery_micros
-            .store(rec.duration.as_micros() as u64, Ordering::Relaxed);
-        m.recovery_records.store(rec.records, Ordering::Relaxed);
-        m.recovery_cut_bytes.store(rec.cut_bytes, Ordering::Relaxed);
-        log::info!(
-            "G3 tier {}: recovered {} entries ({} records) in {:?}",
-            self.tier_id,
-            rec.index.len(),
-            rec.records,
-            rec.duration
-        );
-        self.journal = Some(journal);
-        self.ckpt_seq = seq;
-        self.next_gen = rec.next_generation;
-        self.last_ckpt = Instant::now();
-        let mut index = rec.index;
-        for (i, p) in self.sh.paths.iter().enumerate() {
-            if p.poisoned.load(Ordering::Relaxed) {
-                index.mark_path_dead(i);
-            }
-        }
-        self.refresh_slot_gauges(&index);
-        *self.sh.index.lock() = Some(index);
-        Ok(())
+        self.active.is_empty()
+            && self.ops.is_empty()
+            && self.queue.is_empty()
+            && self.commits.is_empty()
     }
 
     fn refresh_slot_gauges(&self, ix: &Index) {
@@ -380,6 +362,9 @@ impl Worker {
                 continue;
             }
             let Some((slot, _)) = a.slots[i] else {
+                // Never report a key as moved that no transfer was issued for.
+                let e = Error::new(ErrorKind::Internal, "no G3 slot was assigned to this key");
+                a.fail(i, e.with("key", a.keys[i].to_hex()));
                 continue;
             };
             let (file, file_offset) = slot_location(u64::from(slot), self.set.files.len(), stride);
@@ -490,19 +475,18 @@ impl Worker {
     fn finish(&mut self, a: Active) {
         if a.load {
             self.finish_load(a);
+            self.maybe_checkpoint();
         } else {
             self.finish_store(a);
-        }
-        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
-        if let Some(j) = &self.journal
-            && j.len() >= self.cfg.checkpoint_journal_bytes
-        {
-            self.checkpoint_logged();
         }
     }
 
     fn report(&mut self, a: Active, loaded: Option<Vec<ChunkKey>>) {
-        let ok = !a.status.contains(&KeyStatus::Failed);
+        // Success means every key moved (or was skipped as already held); nothing else.
+        let ok = a
+            .status
+            .iter()
+            .all(|s| matches!(s, KeyStatus::Done | KeyStatus::Skipped));
         let elapsed = a.started.elapsed();
         let result = if ok {
             JobResult::ok(a.job_id, elapsed, a.bytes)
@@ -516,6 +500,7 @@ impl Worker {
                 error: a.first_error,
             }
         };
+        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
         let _ = self.results_tx.send(result);
     }
 
@@ -529,53 +514,5 @@ impl Worker {
             removal_expected: true,
             metadata_only: false,
         });
-    }
-
-    fn checkpoint_logged(&mut self) {
-        if let Err(e) = self.checkpoint() {
-            log::error!("G3 tier {}: checkpoint failed: {e}", self.tier_id);
-            self.last_ckpt = Instant::now();
-        }
-    }
-
-    /// Makes the slabs durable, then writes a checkpoint of the committed index and starts
-    /// a fresh journal.
-    fn checkpoint(&mut self) -> Result<()> {
-        if self.journal.is_none() || self.sh.failed.lock().is_some() {
-            return Ok(());
-        }
-        for f in &self.set.files {
-            f.meta
-                .sync_data()
-                .map_err(|e| Error::io("fdatasync", &f.path, e))?;
-        }
-        let entries = match self.sh.index.lock().as_ref() {
-            Some(ix) => ix.entries_lru_first(),
-            None => return Ok(()),
-        };
-        let dir = self.set.meta_dir().to_path_buf();
-        let seq = self.ckpt_seq + 1;
-        write_checkpoint(&dir, self.set.set_uuid(), seq, self.next_gen, &entries)?;
-        self.journal = Some(JournalWriter::create(&dir, self.set.set_uuid(), seq)?);
-        self.ckpt_seq = seq;
-        self.last_ckpt = Instant::now();
-        self.sh
-            .metrics
-            .journal_poisoned
-            .store(false, Ordering::Relaxed);
-        self.sh.metrics.checkpoints.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Final checkpoint and engine shutdown; the result says whether I/O may still reference
-    /// the region (never, once the engine's shutdown returned).
-    fn close(&mut self) -> Result<()> {
-        let ck = if self.checkpoint_on_close {
-            self.checkpoint()
-        } else {
-            Ok(())
-        };
-        self.engine.shutdown();
-        ck
     }
 }

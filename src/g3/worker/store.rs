@@ -1,7 +1,7 @@
 //! The store half of the worker: reserving slots (evicting, journaled first), CRC before the
 //! write, durability and journaling after it.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
 
 use super::{Active, KeyStatus, Worker};
@@ -134,10 +134,10 @@ impl Worker {
         }
     }
 
-    pub(super) fn finish_store(&mut self, mut a: Active) {
+    /// A store job's writes have all completed: poison the paths of failed writes and queue
+    /// the job for the next group commit.
+    pub(super) fn finish_store(&mut self, a: Active) {
         let n_paths = self.set.files.len();
-        let sync = self.cfg.fsync == FsyncPolicy::Always;
-        // Write failures poison their path.
         for i in 0..a.keys.len() {
             if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
                 let e = a
@@ -147,86 +147,110 @@ impl Worker {
                 self.poison_path(slot as usize % n_paths, &e);
             }
         }
-        // Under fsync = always the data is made durable before the journal names it.
+        self.commits.push(a);
+    }
+
+    /// Group commit of every finished store job: under `fsync = always` one fdatasync per
+    /// slab written (data durable before the journal names it), then one journal append (and
+    /// fdatasync), then the index commit, the events and the results.
+    pub(super) fn flush_commits(&mut self) {
+        if self.commits.is_empty() {
+            return;
+        }
+        let mut jobs = std::mem::take(&mut self.commits);
+        let n_paths = self.set.files.len();
+        let sync = self.cfg.fsync == FsyncPolicy::Always;
+        let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);
         if sync {
-            let touched: HashSet<usize> = (0..a.keys.len())
-                .filter(|&i| a.status[i] == KeyStatus::Done)
-                .filter_map(|i| a.slots[i].map(|(s, _)| s as usize % n_paths))
+            let touched: BTreeSet<usize> = jobs
+                .iter()
+                .flat_map(|a| {
+                    (0..a.keys.len())
+                        .filter(|&i| a.status[i] == KeyStatus::Done)
+                        .filter_map(|i| path_of(a, i))
+                })
                 .collect();
             for f in touched {
                 if let Err(err) = self.set.files[f].meta.sync_data() {
                     let e = Error::io("fdatasync", &self.set.files[f].path, err);
                     self.poison_path(f, &e);
-                    for i in 0..a.keys.len() {
-                        if a.status[i] == KeyStatus::Done
-                            && a.slots[i].is_some_and(|(s, _)| s as usize % n_paths == f)
-                        {
-                            a.fail(i, e.duplicate());
+                    for a in jobs.iter_mut() {
+                        for i in 0..a.keys.len() {
+                            if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(f) {
+                                a.fail(i, e.duplicate());
+                            }
                         }
                     }
                 }
             }
         }
-        let done: Vec<usize> = (0..a.keys.len())
-            .filter(|&i| a.status[i] == KeyStatus::Done)
-            .collect();
-        let mut journal_err = None;
-        let mut gens = Vec::with_capacity(done.len());
-        if !done.is_empty() {
-            match self.journal.as_mut() {
-                Some(j) => {
-                    for &i in &done {
-                        let (slot, crc) = a.slots[i].unwrap_or((0, 0));
-                        gens.push(self.next_gen);
-                        j.insert(&a.keys[i], slot, crc, self.next_gen);
-                        self.next_gen += 1;
+        // One append for the whole group.
+        let mut gens: Vec<Vec<u64>> = jobs.iter().map(|a| vec![0; a.keys.len()]).collect();
+        let any_done = jobs.iter().any(|a| a.status.contains(&KeyStatus::Done));
+        let journal_err = match (any_done, self.journal.as_mut()) {
+            (false, _) => None,
+            (true, Some(j)) => {
+                for (a, g) in jobs.iter().zip(gens.iter_mut()) {
+                    for (i, gen_i) in g.iter_mut().enumerate() {
+                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.slots[i]) {
+                            *gen_i = self.next_gen;
+                            j.insert(&a.keys[i], slot, crc, self.next_gen);
+                            self.next_gen += 1;
+                        }
                     }
-                    journal_err = j.flush(sync).err();
                 }
-                None => journal_err = Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+                j.flush(sync).err()
             }
-        }
+            (true, None) => Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+        };
         if let Some(e) = &journal_err {
             self.sh
                 .metrics
                 .journal_poisoned
                 .store(true, Ordering::Relaxed);
-            for &i in &done {
-                a.fail(i, e.duplicate());
+            for a in jobs.iter_mut() {
+                for i in 0..a.keys.len() {
+                    if a.status[i] == KeyStatus::Done {
+                        a.fail(i, e.duplicate());
+                    }
+                }
             }
         }
-        let mut stored = Vec::new();
+        // Statuses are final: Done keys become loadable, failed reservations are released.
+        let mut stored: Vec<Vec<ChunkKey>> = Vec::with_capacity(jobs.len());
         {
             let mut guard = self.sh.index.lock();
-            if let Some(ix) = guard.as_mut() {
-                for (n, &i) in done.iter().enumerate() {
-                    if let Some((slot, crc)) = a.slots[i] {
-                        if journal_err.is_none() {
-                            ix.commit(slot, crc, gens[n]);
-                            stored.push(a.keys[i].clone());
-                        } else {
-                            ix.abort(slot);
+            for (a, g) in jobs.iter().zip(&gens) {
+                let mut keys = Vec::new();
+                if let Some(ix) = guard.as_mut() {
+                    for (i, &gen_i) in g.iter().enumerate() {
+                        match (a.status[i], a.slots[i]) {
+                            (KeyStatus::Done, Some((slot, crc))) => {
+                                ix.commit(slot, crc, gen_i);
+                                keys.push(a.keys[i].clone());
+                            }
+                            (KeyStatus::Failed, Some((slot, _))) => ix.abort(slot),
+                            _ => {}
                         }
                     }
                 }
-                for i in 0..a.keys.len() {
-                    if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i])
-                        && !done.contains(&i)
-                    {
-                        ix.abort(slot);
-                    }
-                }
+                stored.push(keys);
+            }
+            if let Some(ix) = guard.as_ref() {
                 self.refresh_slot_gauges(ix);
             }
         }
-        let m = &self.sh.metrics;
-        m.keys_stored
-            .fetch_add(stored.len() as u64, Ordering::Relaxed);
-        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
-        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
-        if !stored.is_empty() {
-            self.event(stored, false);
+        for (a, keys) in jobs.into_iter().zip(stored) {
+            let m = &self.sh.metrics;
+            m.keys_stored
+                .fetch_add(keys.len() as u64, Ordering::Relaxed);
+            let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+            m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
+            if !keys.is_empty() {
+                self.event(keys, false);
+            }
+            self.report(a, None);
         }
-        self.report(a, None);
+        self.maybe_checkpoint();
     }
 }
