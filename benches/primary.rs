@@ -2,6 +2,8 @@
 //!
 //! * `lookup_hit` / `lookup_miss`: `lookup` of random resident / absent keys (fresh key
 //!   copies, so no pointer-equality shortcut).
+//! * `lookup_many_hit_x64`: `lookup_many` of 64 random resident keys per call (throughput
+//!   in keys).
 //! * `store_cycle`: `prepare_store` of one new key (evicting one) + `complete_store`, the
 //!   request finished every 256 cycles; includes building the key from bytes.
 //! * `load_pin_unpin`: `prepare_load` + `complete_load` of one random resident key, the
@@ -192,6 +194,19 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
             black_box(t.lookup(&hits[i]))
         })
     });
+    // The same random resident keys, 64 per call: latency of up to 16 keys overlaps.
+    g.throughput(Throughput::Elements(64));
+    let mut res = Vec::with_capacity(64);
+    let mut j = 0;
+    g.bench_function("lookup_many_hit_x64", |b| {
+        b.iter(|| {
+            j = (j + 64) & (QUERIES - 1);
+            res.clear();
+            t.lookup_many(&hits[j..j + 64], &mut res);
+            black_box(res.len())
+        })
+    });
+    g.throughput(Throughput::Elements(1));
     g.bench_function("lookup_miss", |b| {
         b.iter(|| {
             i = (i + 1) & (QUERIES - 1);
