@@ -8,15 +8,17 @@
 //!
 //! Every operation costs O(1) per key (eviction amortised O(1) per victim; see
 //! [`policy`]), except [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`],
-//! which are O(capacity). Nothing allocates per resident chunk after construction: memory
-//! is fixed by the capacity (see [`PrimaryTier::memory_footprint`]).
+//! which are O(capacity). One table entry holds a slot's key (inline up to 36 bytes), its
+//! `ref_cnt` and its slot id, so a lookup costs one random memory access; nothing allocates
+//! per resident chunk (keys longer than 36 bytes aside), so memory is fixed by the capacity
+//! (see [`PrimaryTier::memory_footprint`]). The large arrays ask for transparent huge pages.
 //!
 //! Keys are opaque byte strings. Calls that would unbalance a ref count (`complete_load` on an
 //! unpinned key, `prepare_load` on a missing or in-flight key...) return
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
-mod hugepage;
 mod index;
+mod mem_hints;
 mod pins;
 pub mod policy;
 mod requests;

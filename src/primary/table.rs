@@ -14,8 +14,8 @@ use std::collections::HashMap;
 
 use crate::key::ChunkKey;
 
-use super::hugepage::huge_slice;
 use super::index::KeyHasher;
+use super::mem_hints::huge_slice;
 use super::policy::list::NIL;
 
 /// Longest key stored entirely inside its entry.
@@ -153,7 +153,7 @@ impl SlotTable {
     /// Several of these in a row overlap their memory latency.
     #[inline]
     pub(crate) fn warm(&self, hash: u64) {
-        std::hint::black_box(self.entries[self.home(hash)].slot1);
+        super::mem_hints::prefetch(&self.entries[self.home(hash)]);
     }
 
     /// The resident entry for `key`.

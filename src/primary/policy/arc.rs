@@ -16,7 +16,7 @@
 //! place, set aside when eviction meets them).
 
 use super::ghost::{Ghost, GhostLists};
-use crate::primary::hugepage::huge_slice;
+use crate::primary::mem_hints::huge_slice;
 
 use super::list::{Link, List, new_links};
 use super::{Admission, ArcStats, EvictionPolicy, PolicyStats};

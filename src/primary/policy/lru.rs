@@ -1,7 +1,7 @@
 //! Least-recently-used eviction over an intrusive list (see the module docs of `policy` for
 //! how non-evictable entries are handled).
 
-use crate::primary::hugepage::huge_slice;
+use crate::primary::mem_hints::huge_slice;
 
 use super::list::{Link, List, new_links};
 use super::{Admission, EvictionPolicy, PolicyStats};
