@@ -207,6 +207,21 @@ impl PrimaryTier {
         self.slots.find(key.as_bytes())
     }
 
+    /// The hashes of `keys`; for a batch, their first table entries are prefetched as well,
+    /// so the searches that follow overlap their memory latency.
+    fn hash_batch(&self, keys: &[ChunkKey]) -> Vec<u64> {
+        let prefetch = keys.len() > 1;
+        keys.iter()
+            .map(|k| {
+                let h = self.hash(k);
+                if prefetch {
+                    self.slots.warm(h);
+                }
+                h
+            })
+            .collect()
+    }
+
     /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
     pub fn lookup(&self, key: &ChunkKey) -> LookupResult {
         match self.find(key) {
