@@ -45,7 +45,13 @@ impl PrimaryTier {
         let mut seen: Option<HashSet<&[u8]>> = None;
         let mut reused: Vec<usize> = Vec::new();
         let mut protected: Vec<u32> = Vec::new();
-        let hashes = self.hash_batch(keys);
+        // When this store will probably evict, start loading the likely victim's bookkeeping
+        // now, so that it overlaps with the lookups of the keys.
+        let may_evict = self.slots.free() < keys.len();
+        let hashes = self.hash_batch_with(keys, keys.len() > 1 || may_evict);
+        if may_evict && let Some(victim) = self.policy.prefetch_next_victim() {
+            self.slots.prefetch_slot(victim);
+        }
         for (i, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             if let Some(f) = self.slots.find_hashed(hash, key.as_bytes()) {
                 match self.slots.ref_at(f.pos) {

@@ -165,6 +165,16 @@ impl SlotTable {
         super::mem_hints::prefetch(&self.entries[self.home(hash)]);
     }
 
+    /// Prefetches resident `slot`'s entry (a hint; ignores free or out-of-range slots).
+    #[inline]
+    pub(crate) fn prefetch_slot(&self, slot: u32) {
+        if let Some(&pos) = self.pos_of.get(slot as usize)
+            && let Some(e) = self.entries.get(pos as usize)
+        {
+            super::mem_hints::prefetch(e);
+        }
+    }
+
     /// The resident entry for `key`.
     #[inline]
     pub(crate) fn find(&self, key: &[u8]) -> Option<Found> {
