@@ -294,11 +294,36 @@ impl PrimaryTier {
     /// offered again, as reuse; its own insertions as recency only), tail before head, and
     /// forgets the record. Keys no longer resident are skipped.
     pub fn on_request_finished(&mut self, req: &RequestContext) {
-        for (key, commit) in self.requests.take_commit_plan(&req.req_id) {
-            if let Some(f) = self.find(&key) {
+        let plan = self.requests.take_commit_plan(&req.req_id);
+        if plan.is_empty() {
+            return;
+        }
+        // Three passes so that the memory accesses of the whole batch overlap: hash and
+        // prefetch the table entries, find the slots and prefetch their policy nodes, apply.
+        let hashes: Vec<u64> = plan
+            .iter()
+            .map(|(k, _)| {
+                let h = self.hash(k);
+                self.slots.warm(h);
+                h
+            })
+            .collect();
+        let slots: Vec<Option<u32>> = plan
+            .iter()
+            .zip(&hashes)
+            .map(|((k, _), &h)| {
+                let slot = self.slots.find_hashed(h, k.as_bytes()).map(|f| f.slot);
+                if let Some(s) = slot {
+                    self.policy.prefetch(s);
+                }
+                slot
+            })
+            .collect();
+        for ((_, commit), slot) in plan.iter().zip(slots) {
+            if let Some(s) = slot {
                 match commit {
-                    Commit::Touch => self.policy.touch(f.slot),
-                    Commit::Refresh => self.policy.refresh(f.slot),
+                    Commit::Touch => self.policy.touch(s),
+                    Commit::Refresh => self.policy.refresh(s),
                 }
             }
         }

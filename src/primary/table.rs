@@ -8,9 +8,11 @@
 //! probing: each entry records its distance from its home position, an insertion displaces
 //! entries closer to their home, and a search stops as soon as it meets an entry closer to
 //! its home than the key would be, so misses are as short as hits. Each entry also has an
-//! 8-bit hash tag. Removal is backward-shift deletion (no tombstones), and `pos_of[slot]`
-//! follows each entry as it moves. Maximum load 0.8: about 60 bytes of entries
-//! plus 4 bytes of `pos_of` per slot. Keys longer than the inline size keep their first bytes
+//! 8-bit hash tag. Removal is backward-shift deletion (no tombstones). To go from a slot to
+//! its entry (evictions), `slot_hash[slot]` keeps the high 32 bits of the key's hash, which
+//! fix the home position; the entry is then found by probing for the slot id, so entries can
+//! move without any per-slot bookkeeping being rewritten. Maximum load 0.8: about 60 bytes of entries
+//! plus 4 bytes of `slot_hash` per slot. Keys longer than the inline size keep their first bytes
 //! inline and the whole key in a side map (rare; vLLM never produces them).
 
 use std::collections::HashMap;
@@ -64,8 +66,9 @@ pub(crate) struct Found {
 pub(crate) struct SlotTable {
     hasher: KeyHasher,
     entries: Box<[Entry]>,
-    /// Resident slot -> entry position; free slot -> next free slot (`NIL` ends the chain).
-    pos_of: Box<[u32]>,
+    /// Resident slot -> high 32 bits of its key's hash; free slot -> next free slot (`NIL`
+    /// ends the chain).
+    slot_hash: Box<[u32]>,
     long_keys: HashMap<u32, ChunkKey>,
     next_fresh: u32,
     free_head: u32,
@@ -79,7 +82,7 @@ impl SlotTable {
         SlotTable {
             hasher,
             entries: huge_slice(num_entries, || EMPTY),
-            pos_of: huge_slice(n, || NIL),
+            slot_hash: huge_slice(n, || NIL),
             long_keys: HashMap::new(),
             next_fresh: 0,
             free_head: NIL,
@@ -88,7 +91,7 @@ impl SlotTable {
     }
 
     pub(crate) fn capacity(&self) -> usize {
-        self.pos_of.len()
+        self.slot_hash.len()
     }
 
     pub(crate) fn resident(&self) -> usize {
@@ -105,9 +108,15 @@ impl SlotTable {
         self.hasher.hash(key)
     }
 
+    /// Home position from the high 32 bits of a hash.
+    #[inline]
+    fn home_hi(&self, hi: u32) -> usize {
+        ((u128::from(hi) * self.entries.len() as u128) >> 32) as usize
+    }
+
     #[inline]
     fn home(&self, hash: u64) -> usize {
-        ((u128::from(hash) * self.entries.len() as u128) >> 64) as usize
+        self.home_hi((hash >> 32) as u32)
     }
 
     #[inline]
@@ -168,8 +177,8 @@ impl SlotTable {
     /// Prefetches resident `slot`'s entry (a hint; ignores free or out-of-range slots).
     #[inline]
     pub(crate) fn prefetch_slot(&self, slot: u32) {
-        if let Some(&pos) = self.pos_of.get(slot as usize)
-            && let Some(e) = self.entries.get(pos as usize)
+        if let Some(&hi) = self.slot_hash.get(slot as usize)
+            && let Some(e) = self.entries.get(self.home_hi(hi))
         {
             super::mem_hints::prefetch(e);
         }
@@ -201,7 +210,7 @@ impl SlotTable {
             self.next_fresh - 1
         } else if self.free_head != NIL {
             let s = self.free_head;
-            self.free_head = self.pos_of[s as usize];
+            self.free_head = self.slot_hash[s as usize];
             s
         } else {
             return None;
@@ -230,7 +239,6 @@ impl SlotTable {
             let here = self.entries[i];
             if here.slot1 == 0 || here.dist < carried.dist {
                 self.entries[i] = carried;
-                self.pos_of[(carried.slot1 - 1) as usize] = i as u32;
                 if here.slot1 == 0 {
                     break;
                 }
@@ -239,6 +247,7 @@ impl SlotTable {
             carried.dist = carried.dist.saturating_add(1);
             i = self.next(i);
         }
+        self.slot_hash[slot as usize] = (hash >> 32) as u32;
         self.resident += 1;
         Some(slot)
     }
@@ -272,9 +281,22 @@ impl SlotTable {
             .map_or(0, |i| self.hash(self.entry_key(i)))
     }
 
+    /// The entry position of resident `slot`: probe from its key's home for its slot id.
     fn resident_pos(&self, slot: u32) -> Option<usize> {
-        let i = *self.pos_of.get(slot as usize)? as usize;
-        (self.entries.get(i)?.slot1 == slot + 1).then_some(i)
+        let hi = *self.slot_hash.get(slot as usize)?;
+        let mut i = self.home_hi(hi);
+        let mut dist = 0u16;
+        loop {
+            let e = &self.entries[i];
+            if e.slot1 == 0 || e.dist < dist {
+                return None;
+            }
+            if e.slot1 == slot + 1 {
+                return Some(i);
+            }
+            dist = dist.saturating_add(1);
+            i = self.next(i);
+        }
     }
 
     /// Removes resident `slot` and frees it (last freed, first reused); false if it was free.
@@ -294,13 +316,12 @@ impl SlotTable {
                 moved.dist -= 1;
             }
             self.entries[hole] = moved;
-            self.pos_of[(moved.slot1 - 1) as usize] = hole as u32;
             hole = j;
             j = self.next(j);
         }
         self.entries[hole] = EMPTY;
         self.long_keys.remove(&slot);
-        self.pos_of[slot as usize] = self.free_head;
+        self.slot_hash[slot as usize] = self.free_head;
         self.free_head = slot;
         self.resident -= 1;
         true
@@ -317,7 +338,7 @@ impl SlotTable {
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
-        std::mem::size_of_val(&*self.entries) + std::mem::size_of_val(&*self.pos_of)
+        std::mem::size_of_val(&*self.entries) + std::mem::size_of_val(&*self.slot_hash)
     }
 
     /// Checks positions, the free list and that every key is found at its entry. O(n).
@@ -329,8 +350,11 @@ impl SlotTable {
             if found.map(|f| f.slot) != Some(slot) {
                 return Err(format!("slot {slot}: its key is not found at its entry"));
             }
-            if found.map(|f| f.pos) != Some(self.pos_of[slot as usize]) {
-                return Err(format!("slot {slot}: stale entry position"));
+            if found.map(|f| f.pos as usize) != self.resident_pos(slot) {
+                return Err(format!("slot {slot}: its hash does not lead to its entry"));
+            }
+            if self.slot_hash[slot as usize] != (self.hash(key) >> 32) as u32 {
+                return Err(format!("slot {slot}: stale key hash"));
             }
         }
         if count != self.resident {
@@ -360,7 +384,7 @@ impl SlotTable {
             if free > self.capacity() {
                 return Err("free list loops".into());
             }
-            cur = self.pos_of[cur as usize];
+            cur = self.slot_hash[cur as usize];
         }
         let unused = self.capacity() - self.next_fresh as usize;
         if free + unused + self.resident != self.capacity() {

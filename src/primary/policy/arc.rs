@@ -258,6 +258,15 @@ impl EvictionPolicy for ArcPolicy {
         self.ev_t1 + self.ev_t2
     }
 
+    fn prefetch(&self, slot: u32) {
+        if let (Some(link), Some(state)) =
+            (self.links.get(slot as usize), self.state.get(slot as usize))
+        {
+            prefetch(link);
+            prefetch(state);
+        }
+    }
+
     fn prefetch_next_victim(&self) -> Option<u32> {
         let (first, second) = if self.t1_len > self.p {
             (&self.t1, &self.t2)

@@ -104,6 +104,15 @@ impl EvictionPolicy for LruPolicy {
         self.evictable
     }
 
+    fn prefetch(&self, slot: u32) {
+        if let (Some(link), Some(state)) =
+            (self.links.get(slot as usize), self.state.get(slot as usize))
+        {
+            prefetch(link);
+            prefetch(state);
+        }
+    }
+
     fn prefetch_next_victim(&self) -> Option<u32> {
         let s = self.main.back()?;
         prefetch(&self.links[s as usize]);
