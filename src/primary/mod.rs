@@ -77,7 +77,7 @@ pub struct MemoryFootprint {
     /// Number of slots.
     pub slots: usize,
     /// Slot table: 48-byte entries (key inline up to 36 bytes, `ref_cnt`, slot) at load
-    /// <= 0.8, plus a 4-byte entry position per slot.
+    /// <= 0.8, plus the high 32 bits of each slot's key hash (to find a slot's entry).
     pub slot_table_bytes: usize,
     /// Eviction policy (links, state, ARC ghosts).
     pub policy_bytes: usize,
