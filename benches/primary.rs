@@ -2,10 +2,14 @@
 //!
 //! * `lookup_hit` / `lookup_miss`: `lookup` of random resident / absent keys (fresh key
 //!   copies, so no pointer-equality shortcut).
+//! * `lookup_many_hit_x64`: `lookup_many` of 64 random resident keys per call (throughput
+//!   in keys).
 //! * `store_cycle`: `prepare_store` of one new key (evicting one) + `complete_store`, the
 //!   request finished every 256 cycles; includes building the key from bytes.
 //! * `load_pin_unpin`: `prepare_load` + `complete_load` of one random resident key, the
 //!   request finished every 256 cycles.
+//! * `store_cycle_x16`, `load_pin_unpin_x16`: the same with 16 keys per call (throughput in
+//!   keys), where the table entries of the batch are prefetched together.
 //!
 //! Before the timings it prints the memory per resident chunk measured with a counting
 //! global allocator: right after construction, and with every slot resident (keys of up to
@@ -192,6 +196,19 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
             black_box(t.lookup(&hits[i]))
         })
     });
+    // The same random resident keys, 64 per call: latency of up to 16 keys overlaps.
+    g.throughput(Throughput::Elements(64));
+    let mut res = Vec::with_capacity(64);
+    let mut j = 0;
+    g.bench_function("lookup_many_hit_x64", |b| {
+        b.iter(|| {
+            j = (j + 64) & (QUERIES - 1);
+            res.clear();
+            t.lookup_many(&hits[j..j + 64], &mut res);
+            black_box(res.len())
+        })
+    });
+    g.throughput(Throughput::Elements(1));
     g.bench_function("lookup_miss", |b| {
         b.iter(|| {
             i = (i + 1) & (QUERIES - 1);
@@ -214,6 +231,26 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
             black_box(out.chunk_ids[0])
         })
     });
+
+    // The same with 16 keys per call (one request's new chunks), throughput in keys.
+    g.throughput(Throughput::Elements(16));
+    g.bench_function("store_cycle_x16", |b| {
+        b.iter(|| {
+            let ks: Vec<ChunkKey> = (0..16)
+                .map(|_| {
+                    next += 1;
+                    key(next)
+                })
+                .collect();
+            let out = t.prepare_store(&ks, &req).expect("store refused");
+            t.complete_store(&out.keys_to_store, true);
+            if next & 255 < 16 {
+                t.on_request_finished(&req);
+            }
+            black_box(out.chunk_ids.len())
+        })
+    });
+    g.throughput(Throughput::Elements(1));
 
     // Random resident keys: recently stored ones or survivors of the fill.
     let first_stored = RESIDENT as u64 * 4;
@@ -238,6 +275,21 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
             t.complete_load(k).expect("unload");
             n += 1;
             if n & 255 == 0 {
+                t.on_request_finished(&req);
+            }
+            black_box(ids)
+        })
+    });
+    g.throughput(Throughput::Elements(16));
+    let mut m = 0usize;
+    g.bench_function("load_pin_unpin_x16", |b| {
+        b.iter(|| {
+            m = (m + 16) & (QUERIES - 1);
+            let ks = &resident[m..m + 16];
+            let ids = t.prepare_load(ks, &req).expect("load");
+            t.complete_load(ks).expect("unload");
+            n += 16;
+            if n & 255 < 16 {
                 t.on_request_finished(&req);
             }
             black_box(ids)

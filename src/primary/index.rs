@@ -11,7 +11,7 @@
 
 use std::hash::BuildHasher;
 
-use super::hugepage::huge_slice;
+use super::mem_hints::huge_slice;
 
 /// A seeded 64-bit hash of a byte string (folded multiply, 16 bytes per step).
 ///

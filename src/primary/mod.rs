@@ -8,20 +8,22 @@
 //!
 //! Every operation costs O(1) per key (eviction amortised O(1) per victim; see
 //! [`policy`]), except [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`],
-//! which are O(capacity). Nothing allocates per resident chunk after construction: memory
-//! is fixed by the capacity (see [`PrimaryTier::memory_footprint`]).
+//! which are O(capacity). One table entry holds a slot's key (inline up to 36 bytes), its
+//! `ref_cnt` and its slot id, so a lookup costs one random memory access; nothing allocates
+//! per resident chunk (keys longer than 36 bytes aside), so memory is fixed by the capacity
+//! (see [`PrimaryTier::memory_footprint`]). The large arrays ask for transparent huge pages.
 //!
 //! Keys are opaque byte strings. Calls that would unbalance a ref count (`complete_load` on an
 //! unpinned key, `prepare_load` on a missing or in-flight key...) return
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
-mod hugepage;
 mod index;
+mod mem_hints;
 mod pins;
 pub mod policy;
 mod requests;
-mod slots;
 mod store;
+mod table;
 
 use std::sync::Arc;
 
@@ -31,10 +33,10 @@ use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
 use crate::tiering::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 
-use index::{IndexTable, KeyHasher};
+use index::KeyHasher;
 use policy::{EvictionPolicy, PolicyStats, build_policy};
 use requests::{Commit, RequestLog};
-use slots::{IN_FLIGHT, SlotTable};
+use table::{Found, IN_FLIGHT, SlotTable};
 
 pub use store::PrepareStoreOutput;
 
@@ -74,10 +76,9 @@ pub struct PrimaryCounters {
 pub struct MemoryFootprint {
     /// Number of slots.
     pub slots: usize,
-    /// Slot table (`ref_cnt` and the key, inline up to 36 bytes: 48 bytes per slot).
+    /// Slot table: 48-byte entries (key inline up to 36 bytes, `ref_cnt`, slot) at load
+    /// <= 0.8, plus the high 32 bits of each slot's key hash (to find a slot's entry).
     pub slot_table_bytes: usize,
-    /// Key index buckets.
-    pub index_bytes: usize,
     /// Eviction policy (links, state, ARC ghosts).
     pub policy_bytes: usize,
 }
@@ -85,7 +86,7 @@ pub struct MemoryFootprint {
 impl MemoryFootprint {
     /// Sum of the parts.
     pub fn total_bytes(&self) -> usize {
-        self.slot_table_bytes + self.index_bytes + self.policy_bytes
+        self.slot_table_bytes + self.policy_bytes
     }
 
     /// Bytes per slot. Keys of up to 36 bytes are stored inside the slot, so this is the
@@ -101,8 +102,6 @@ impl MemoryFootprint {
 pub struct PrimaryTier {
     region: Arc<PrimaryRegion>,
     slots: SlotTable,
-    index: IndexTable,
-    hasher: KeyHasher,
     policy: Box<dyn EvictionPolicy>,
     events_enabled: bool,
     events: Vec<OffloadingEvent>,
@@ -171,9 +170,7 @@ impl PrimaryTier {
         let n = policy.capacity();
         PrimaryTier {
             region,
-            slots: SlotTable::new(n),
-            index: IndexTable::with_capacity(n),
-            hasher: KeyHasher::random(),
+            slots: SlotTable::new(n, KeyHasher::random()),
             policy,
             events_enabled: events,
             events: Vec::new(),
@@ -202,51 +199,70 @@ impl PrimaryTier {
 
     #[inline]
     fn hash(&self, key: &ChunkKey) -> u64 {
-        self.hasher.hash(key.as_bytes())
+        self.slots.hash(key.as_bytes())
     }
 
     #[inline]
-    fn find_hashed(&self, hash: u64, key: &[u8]) -> Option<u32> {
-        let slots = &self.slots;
-        self.index.find(hash, |id| slots.get(id).holds(key))
+    fn find(&self, key: &ChunkKey) -> Option<Found> {
+        self.slots.find(key.as_bytes())
     }
 
-    #[inline]
-    fn find(&self, key: &ChunkKey) -> Option<u32> {
-        self.find_hashed(self.hash(key), key.as_bytes())
+    /// The hashes of `keys`; for a batch, their first table entries are prefetched as well,
+    /// so the searches that follow overlap their memory latency.
+    fn hash_batch(&self, keys: &[ChunkKey]) -> Vec<u64> {
+        self.hash_batch_with(keys, keys.len() > 1)
+    }
+
+    fn hash_batch_with(&self, keys: &[ChunkKey], prefetch: bool) -> Vec<u64> {
+        keys.iter()
+            .map(|k| {
+                let h = self.hash(k);
+                if prefetch {
+                    self.slots.warm(h);
+                }
+                h
+            })
+            .collect()
     }
 
     /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
     pub fn lookup(&self, key: &ChunkKey) -> LookupResult {
         match self.find(key) {
             None => LookupResult::Miss,
-            Some(id) if self.slots.get(id).ref_cnt == IN_FLIGHT => LookupResult::HitPending,
+            Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
+        }
+    }
+
+    /// [`PrimaryTier::lookup`] for each of `keys`, appended to `out` in order. Faster per key
+    /// than one `lookup` per key: the memory accesses of up to 16 keys overlap.
+    pub fn lookup_many(&self, keys: &[ChunkKey], out: &mut Vec<LookupResult>) {
+        const WINDOW: usize = 16;
+        let mut hashes = [0u64; WINDOW];
+        out.reserve(keys.len());
+        for chunk in keys.chunks(WINDOW) {
+            for (h, k) in hashes.iter_mut().zip(chunk) {
+                *h = self.hash(k);
+                self.slots.warm(*h);
+            }
+            for (&h, k) in hashes.iter().zip(chunk) {
+                out.push(match self.slots.find_hashed(h, k.as_bytes()) {
+                    None => LookupResult::Miss,
+                    Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => LookupResult::HitPending,
+                    Some(_) => LookupResult::Hit,
+                });
+            }
         }
     }
 
     /// The slot (row) holding `key`, in any state.
     pub fn chunk_id(&self, key: &ChunkKey) -> Option<u32> {
-        self.find(key)
+        self.find(key).map(|f| f.slot)
     }
 
     /// `key`'s `ref_cnt` (-1 in flight, 0 ready, N pinned), if resident.
     pub fn ref_count(&self, key: &ChunkKey) -> Option<i32> {
-        self.find(key).map(|id| self.slots.get(id).ref_cnt)
-    }
-
-    /// Removes resident slot `id` from the index and frees it; the policy must already have
-    /// forgotten it. Returns false if the slot was free.
-    fn release_slot(&mut self, id: u32) -> bool {
-        let (slots, hasher) = (&self.slots, &self.hasher);
-        let Some(bytes) = slots.get(id).key.bytes() else {
-            return false;
-        };
-        let hash = hasher.hash(bytes);
-        self.index.remove(hash, id, |other| {
-            slots.get(other).key.bytes().map_or(0, |k| hasher.hash(k))
-        });
-        self.slots.release(id)
+        self.find(key).map(|f| self.slots.ref_at(f.pos))
     }
 
     fn push_event(&mut self, keys: Vec<ChunkKey>, removed: bool, metadata_only: bool) {
@@ -268,8 +284,8 @@ impl PrimaryTier {
     /// ends up most recent); under ARC this counts as reuse. Absent keys are ignored.
     pub fn touch(&mut self, keys: &[ChunkKey]) {
         for key in keys.iter().rev() {
-            if let Some(id) = self.find(key) {
-                self.policy.touch(id);
+            if let Some(f) = self.find(key) {
+                self.policy.touch(f.slot);
             }
         }
     }
@@ -278,11 +294,36 @@ impl PrimaryTier {
     /// offered again, as reuse; its own insertions as recency only), tail before head, and
     /// forgets the record. Keys no longer resident are skipped.
     pub fn on_request_finished(&mut self, req: &RequestContext) {
-        for (key, commit) in self.requests.take_commit_plan(&req.req_id) {
-            if let Some(id) = self.find(&key) {
+        let plan = self.requests.take_commit_plan(&req.req_id);
+        if plan.is_empty() {
+            return;
+        }
+        // Three passes so that the memory accesses of the whole batch overlap: hash and
+        // prefetch the table entries, find the slots and prefetch their policy nodes, apply.
+        let hashes: Vec<u64> = plan
+            .iter()
+            .map(|(k, _)| {
+                let h = self.hash(k);
+                self.slots.warm(h);
+                h
+            })
+            .collect();
+        let slots: Vec<Option<u32>> = plan
+            .iter()
+            .zip(&hashes)
+            .map(|((k, _), &h)| {
+                let slot = self.slots.find_hashed(h, k.as_bytes()).map(|f| f.slot);
+                if let Some(s) = slot {
+                    self.policy.prefetch(s);
+                }
+                slot
+            })
+            .collect();
+        for ((_, commit), slot) in plan.iter().zip(slots) {
+            if let Some(s) = slot {
                 match commit {
-                    Commit::Touch => self.policy.touch(id),
-                    Commit::Refresh => self.policy.refresh(id),
+                    Commit::Touch => self.policy.touch(s),
+                    Commit::Refresh => self.policy.refresh(s),
                 }
             }
         }
@@ -324,7 +365,6 @@ impl PrimaryTier {
         MemoryFootprint {
             slots: self.slots.capacity(),
             slot_table_bytes: self.slots.heap_bytes(),
-            index_bytes: self.index.heap_bytes(),
             policy_bytes: self.policy.heap_bytes(),
         }
     }
@@ -333,23 +373,24 @@ impl PrimaryTier {
     /// entries (`ref_cnt > 0`) and writes in flight (`ref_cnt == -1`) stay, with their slots,
     /// so outstanding `complete_load` / `complete_read` / `complete_store` calls still
     /// balance. Dropped keys produce one removal event (not `metadata_only`: they were
-    /// published). The policy's history (ARC ghosts and target) is cleared; request records
+    /// published), in slot order. The policy's history (ARC ghosts and target) is cleared; request records
     /// stay and skip keys that are gone. O(capacity).
     pub fn reset_cache(&mut self) -> usize {
-        let ready: Vec<u32> = self
+        let mut ready: Vec<u32> = self
             .slots
             .iter_resident()
-            .filter(|(_, _, r)| *r == 0)
-            .map(|(id, _, _)| id)
+            .filter(|(_, r, _)| *r == 0)
+            .map(|(slot, _, _)| slot)
             .collect();
+        ready.sort_unstable();
         let mut dropped = Vec::new();
         let mut n = 0;
         for id in ready {
             if self.events_enabled {
-                dropped.extend(self.slots.get(id).key.to_key());
+                dropped.extend(self.slots.key_of(id));
             }
             self.policy.remove(id);
-            n += usize::from(self.release_slot(id));
+            n += usize::from(self.slots.remove(id));
         }
         self.policy.reset_history();
         self.counters.reset_dropped += n as u64;
@@ -361,29 +402,24 @@ impl PrimaryTier {
     /// tests and diagnostics. The error names the first broken invariant.
     pub fn check_consistency(&self) -> Result<()> {
         let fail = |msg: String| Err(Error::new(ErrorKind::Internal, msg));
-        if let Err(e) = self.slots.check_free_list() {
+        if let Err(e) = self.slots.check() {
             return fail(e);
         }
         if let Err(e) = self.policy.check_consistency() {
             return fail(e);
         }
         let (mut pinned, mut in_flight, mut ready, mut resident) = (0, 0, 0, 0);
-        for (id, key, r) in self.slots.iter_resident() {
+        for (slot, r, _) in self.slots.iter_resident() {
             resident += 1;
             match r {
                 IN_FLIGHT => in_flight += 1,
                 0 => ready += 1,
                 r if r > 0 => pinned += 1,
-                r => return fail(format!("slot {id} has ref_cnt {r}")),
-            }
-            if self.find_hashed(self.hasher.hash(key), key) != Some(id) {
-                let key = hex::encode(key);
-                return fail(format!("key {key} of slot {id} is not indexed to it"));
+                r => return fail(format!("slot {slot} has ref_cnt {r}")),
             }
         }
         let stats = self.policy.stats();
         let checks = [
-            ("index entries", self.index.len(), resident),
             ("resident counter", self.slots.resident(), resident),
             ("pinned counter", self.pinned, pinned),
             ("in-flight counter", self.in_flight, in_flight),

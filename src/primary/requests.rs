@@ -56,11 +56,18 @@ impl RequestLog {
         let Some(entries) = self.by_req.remove(req) else {
             return Vec::new();
         };
-        let inserted: HashSet<&ChunkKey> = entries
-            .iter()
-            .filter(|(_, a)| *a == Access::Inserted)
-            .map(|(k, _)| k)
-            .collect();
+        let any_reused = entries.iter().any(|(_, a)| *a == Access::Reused);
+        let any_inserted = entries.iter().any(|(_, a)| *a == Access::Inserted);
+        // The set is only needed to tell reuse of the request's own insertions apart.
+        let inserted: HashSet<&ChunkKey> = if any_reused && any_inserted {
+            entries
+                .iter()
+                .filter(|(_, a)| *a == Access::Inserted)
+                .map(|(k, _)| k)
+                .collect()
+        } else {
+            HashSet::new()
+        };
         entries
             .iter()
             .rev()

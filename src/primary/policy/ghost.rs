@@ -7,8 +7,8 @@
 //! vanishingly rare, and it could only steer the adaptive target, never what is stored.
 
 use super::list::{Link, List, NIL, new_links};
-use crate::primary::hugepage::huge_slice;
 use crate::primary::index::IndexTable;
+use crate::primary::mem_hints::huge_slice;
 
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,7 +24,7 @@ impl Link {
 
 /// A fresh array of `n` unlinked nodes.
 pub(crate) fn new_links(n: usize) -> Box<[Link]> {
-    crate::primary::hugepage::huge_slice(n, || Link::UNLINKED)
+    crate::primary::mem_hints::huge_slice(n, || Link::UNLINKED)
 }
 
 /// The ends and length of one list.
