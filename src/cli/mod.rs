@@ -5,6 +5,13 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
+pub mod fio;
+pub mod http;
+pub mod output;
+pub mod plot;
+pub mod size;
+pub mod stats;
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};

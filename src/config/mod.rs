@@ -5,6 +5,4 @@
 
 pub mod model;
 
-pub use model::{
-    BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig,
-};
+pub use model::{BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
