@@ -10,6 +10,14 @@
 
 use std::sync::Arc;
 
+mod files;
+mod open;
+pub mod psync;
+pub mod uring;
+
+pub use files::DIRECT_IO_ALIGNMENT;
+pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
+
 use crossbeam_channel::Receiver;
 
 use crate::error::Result;

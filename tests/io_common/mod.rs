@@ -1,0 +1,120 @@
+//! Shared helpers for the I/O engine tests: fixtures under /tmp, row patterns, completion
+//! collection with a deadline (a lost completion fails the test instead of hanging it).
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvtier::Result;
+use kvtier::io::{EngineInfo, EngineOptions, IoEngine, IoEngineKind, open_engine};
+use kvtier::region::PrimaryRegion;
+
+/// Which engine a test runs against.
+#[derive(Debug, Clone)]
+pub enum Engine {
+    /// pread/pwrite pool.
+    Psync,
+    /// io_uring.
+    Uring,
+}
+
+/// A region, one O_DIRECT file under /tmp and an engine over them.
+pub struct Fixture {
+    pub dir: tempfile::TempDir,
+    pub path: PathBuf,
+    pub region: Arc<PrimaryRegion>,
+    pub engine: Arc<dyn IoEngine>,
+    pub info: EngineInfo,
+}
+
+/// Opens `path` read-write with O_DIRECT, creating it.
+pub fn open_direct(path: &std::path::Path) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .unwrap_or_else(|e| panic!("open {} with O_DIRECT: {e}", path.display()))
+}
+
+impl Fixture {
+    /// `rows` rows of `stride` bytes; the file starts `file_len` bytes long (zeros).
+    /// `None` (with the reason printed) when the engine cannot run here.
+    pub fn new(
+        engine: Engine,
+        rows: usize,
+        stride: usize,
+        file_len: u64,
+        queue_depth: u32,
+    ) -> Option<Fixture> {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let path = dir.path().join("slab");
+        let file = open_direct(&path);
+        file.set_len(file_len).unwrap();
+        let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+        let opts = EngineOptions {
+            queue_depth,
+            psync_threads: 3,
+            o_direct: true,
+        };
+        let kind = match engine {
+            Engine::Psync => IoEngineKind::Psync,
+            Engine::Uring => IoEngineKind::Uring,
+        };
+        let handle = match open_engine(kind, region.clone(), vec![file], &opts) {
+            Ok(h) => h,
+            Err(e) if e.kind() == kvtier::ErrorKind::Unsupported => {
+                eprintln!("SKIP: {engine:?} engine unavailable here: {e}");
+                return None;
+            }
+            Err(e) => panic!("open_engine({engine:?}): {e}"),
+        };
+        Some(Fixture {
+            dir,
+            path,
+            region,
+            engine: handle.engine,
+            info: handle.info,
+        })
+    }
+}
+
+/// Fills `row` with a pattern derived from `seed` (distinct per row and per position).
+pub fn fill_row(region: &PrimaryRegion, row: usize, seed: u64) {
+    // SAFETY: tests own the region; no transfer touches this row right now.
+    let bytes = unsafe { region.row_mut(row).unwrap() };
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
+    }
+}
+
+/// A copy of `row`.
+pub fn row_bytes(region: &PrimaryRegion, row: usize) -> Vec<u8> {
+    // SAFETY: tests own the region; no transfer touches this row right now.
+    unsafe { region.row(row).unwrap().to_vec() }
+}
+
+/// Waits for `n` completions (30 s each at most) and returns them by tag; a tag seen twice or
+/// a missing completion fails the test.
+pub fn collect(engine: &dyn IoEngine, n: usize) -> HashMap<u64, Result<usize>> {
+    let mut out = HashMap::new();
+    for _ in 0..n {
+        let c = engine
+            .completions()
+            .recv_timeout(Duration::from_secs(30))
+            .expect("a completion did not arrive within 30 s");
+        assert!(
+            out.insert(c.tag, c.result).is_none(),
+            "tag {} completed twice",
+            c.tag
+        );
+    }
+    out
+}

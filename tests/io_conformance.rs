@@ -1,0 +1,264 @@
+//! One conformance suite run against every I/O engine: psync, uring, and the fault-injecting
+//! wrapper around each. Alignment matters here, so files live under /tmp (ext4 on the dev
+//! machine, which enforces O_DIRECT alignment), never /dev/shm (tmpfs accepts anything).
+
+mod io_common;
+
+use std::collections::HashMap;
+
+use io_common::{Engine, Fixture, collect, fill_row, row_bytes};
+use kvtier::ErrorKind;
+use kvtier::io::{IoDir, IoRequest};
+
+const STRIDE: usize = 16384;
+
+fn write_req(file_offset: u64, region_offset: usize, len: usize, tag: u64) -> IoRequest {
+    IoRequest {
+        dir: IoDir::Write,
+        file: 0,
+        file_offset,
+        region_offset,
+        len,
+        tag,
+    }
+}
+
+fn read_req(file_offset: u64, region_offset: usize, len: usize, tag: u64) -> IoRequest {
+    IoRequest {
+        dir: IoDir::Read,
+        ..write_req(file_offset, region_offset, len, tag)
+    }
+}
+
+/// Rows 0..4 written to scattered file offsets, read back into rows 4..8, compared byte for byte.
+fn aligned_round_trip(engine: Engine) {
+    let Some(fx) = Fixture::new(engine, 8, STRIDE, 0, 64) else {
+        return;
+    };
+    let slots = [3u64, 0, 5, 1];
+    for row in 0..4 {
+        fill_row(&fx.region, row, row as u64 + 100);
+    }
+    let writes: Vec<_> = slots
+        .iter()
+        .enumerate()
+        .map(|(row, &slot)| write_req(slot * STRIDE as u64, row * STRIDE, STRIDE, row as u64))
+        .collect();
+    fx.engine.submit(&writes).unwrap();
+    for (tag, r) in collect(&*fx.engine, writes.len()) {
+        assert_eq!(r.unwrap(), STRIDE, "write tag {tag}");
+    }
+    let reads: Vec<_> = slots
+        .iter()
+        .enumerate()
+        .map(|(row, &slot)| {
+            read_req(
+                slot * STRIDE as u64,
+                (row + 4) * STRIDE,
+                STRIDE,
+                row as u64 + 10,
+            )
+        })
+        .collect();
+    fx.engine.submit(&reads).unwrap();
+    for (tag, r) in collect(&*fx.engine, reads.len()) {
+        assert_eq!(r.unwrap(), STRIDE, "read tag {tag}");
+    }
+    for row in 0..4 {
+        assert_eq!(
+            row_bytes(&fx.region, row + 4),
+            row_bytes(&fx.region, row),
+            "row {row} came back different"
+        );
+    }
+    fx.engine.shutdown();
+}
+
+/// Far more requests than the queue depth, all in flight at once; every one completes once.
+fn many_concurrent_requests(engine: Engine) {
+    let n = 64;
+    let Some(fx) = Fixture::new(engine, n * 2, 4096, 0, 4) else {
+        return;
+    };
+    for row in 0..n {
+        fill_row(&fx.region, row, row as u64 * 7 + 1);
+    }
+    let writes: Vec<_> = (0..n)
+        .map(|i| write_req(((n - 1 - i) * 4096) as u64, i * 4096, 4096, i as u64))
+        .collect();
+    fx.engine.submit(&writes).unwrap();
+    let done = collect(&*fx.engine, n);
+    assert_eq!(done.len(), n, "every write completes exactly once");
+    assert!(done.values().all(|r| matches!(r, Ok(4096))));
+    let reads: Vec<_> = (0..n)
+        .map(|i| {
+            read_req(
+                ((n - 1 - i) * 4096) as u64,
+                (n + i) * 4096,
+                4096,
+                1000 + i as u64,
+            )
+        })
+        .collect();
+    // Submit one at a time: the engine must pick up requests arriving while others are in flight.
+    for r in &reads {
+        fx.engine.submit(std::slice::from_ref(r)).unwrap();
+    }
+    let done = collect(&*fx.engine, n);
+    assert_eq!(done.len(), n);
+    assert!(done.values().all(|r| matches!(r, Ok(4096))));
+    for i in 0..n {
+        assert_eq!(
+            row_bytes(&fx.region, n + i),
+            row_bytes(&fx.region, i),
+            "row {i}"
+        );
+    }
+    fx.engine.shutdown();
+}
+
+/// O_DIRECT alignment is enforced before submission, per request, and names what is wrong.
+fn misaligned_request_rejected(engine: Engine) {
+    let Some(fx) = Fixture::new(engine, 4, STRIDE, 0, 16) else {
+        return;
+    };
+    let bad = [
+        write_req(100, 0, 4096, 1),    // file offset
+        write_req(0, 0, 1000, 2),      // length
+        read_req(0, 512, 4096, 3),     // buffer address
+        read_req(4096, 8192, 4096, 4), // fine
+    ];
+    fx.engine.submit(&bad[..3]).unwrap();
+    let done = collect(&*fx.engine, 3);
+    for tag in 1..=3 {
+        let e = done[&tag].as_ref().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Misaligned, "tag {tag}: {e}");
+        assert!(e.to_string().contains("4096"), "{e}");
+        assert_eq!(e.context_value("path"), Some(fx.path.to_str().unwrap()));
+    }
+    // Out of range requests are contract errors, not crashes.
+    let oob = [
+        IoRequest { file: 7, ..bad[3] },
+        read_req(0, 4 * STRIDE, 4096, 6),
+    ];
+    fx.engine.submit(&oob).unwrap();
+    let done = collect(&*fx.engine, 2);
+    assert!(
+        done.values()
+            .all(|r| r.as_ref().unwrap_err().kind() == ErrorKind::Contract)
+    );
+    fx.engine.shutdown();
+}
+
+/// Reading past the end of a file is a short read: it fails, it never succeeds.
+fn short_transfer_surfaced(engine: Engine) {
+    let Some(fx) = Fixture::new(engine, 4, STRIDE, 4096, 16) else {
+        return;
+    };
+    fx.engine
+        .submit(&[
+            read_req(0, 0, STRIDE, 1),    // 4096 of 16384 bytes exist
+            read_req(8192, 0, 4096, 2),   // wholly past EOF
+            read_req(0, STRIDE, 4096, 3), // the one page that exists
+        ])
+        .unwrap();
+    let done = collect(&*fx.engine, 3);
+    for tag in [1, 2] {
+        let e = done[&tag].as_ref().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ShortIo, "tag {tag}: {e}");
+        assert!(e.context_value("expected").is_some(), "{e:?}");
+    }
+    assert_eq!(*done[&3].as_ref().unwrap(), 4096);
+    fx.engine.shutdown();
+}
+
+/// Shutdown waits for every request in flight; each completes exactly once; later submits fail.
+fn shutdown_completes_in_flight_and_refuses_more(engine: Engine) {
+    let n = 48;
+    let Some(fx) = Fixture::new(engine, n, 8192, 0, 8) else {
+        return;
+    };
+    for row in 0..n {
+        fill_row(&fx.region, row, row as u64 + 5);
+    }
+    let writes: Vec<_> = (0..n)
+        .map(|i| write_req((i * 8192) as u64, i * 8192, 8192, i as u64))
+        .collect();
+    fx.engine.submit(&writes).unwrap();
+    fx.engine.shutdown();
+    let mut seen = HashMap::new();
+    while let Ok(c) = fx.engine.completions().try_recv() {
+        assert!(
+            seen.insert(c.tag, c.result).is_none(),
+            "tag completed twice"
+        );
+    }
+    assert_eq!(seen.len(), n, "shutdown returned before every completion");
+    assert!(seen.values().all(|r| matches!(r, Ok(8192))));
+    let e = fx.engine.submit(&[read_req(0, 0, 8192, 99)]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Closed);
+    fx.engine.shutdown(); // idempotent
+    // The bytes really reached the file.
+    let on_disk = std::fs::read(&fx.path).unwrap();
+    for i in 0..n {
+        assert_eq!(
+            &on_disk[i * 8192..(i + 1) * 8192],
+            &row_bytes(&fx.region, i)[..]
+        );
+    }
+}
+
+macro_rules! conformance {
+    ($module:ident, $engine:expr) => {
+        mod $module {
+            use super::*;
+
+            #[test]
+            fn aligned_round_trip() {
+                super::aligned_round_trip($engine);
+            }
+            #[test]
+            fn many_concurrent_requests() {
+                super::many_concurrent_requests($engine);
+            }
+            #[test]
+            fn misaligned_request_rejected() {
+                super::misaligned_request_rejected($engine);
+            }
+            #[test]
+            fn short_transfer_surfaced() {
+                super::short_transfer_surfaced($engine);
+            }
+            #[test]
+            fn shutdown_completes_in_flight_and_refuses_more() {
+                super::shutdown_completes_in_flight_and_refuses_more($engine);
+            }
+        }
+    };
+}
+
+conformance!(psync, Engine::Psync);
+conformance!(uring, Engine::Uring);
+
+/// Issue 2's region test: the primary region registers with io_uring as fixed buffers and serves
+/// as the O_DIRECT buffer against a file under /tmp.
+#[test]
+fn region_registers_with_io_uring_and_serves_o_direct() {
+    let Some(fx) = Fixture::new(Engine::Uring, 4, STRIDE, 0, 16) else {
+        return;
+    };
+    assert!(
+        fx.info.fixed_buffers,
+        "the memfd region must register as fixed buffers (as root here): {:?}",
+        fx.info.fallback_reason
+    );
+    fill_row(&fx.region, 0, 42);
+    fx.engine.submit(&[write_req(0, 0, STRIDE, 1)]).unwrap();
+    assert!(collect(&*fx.engine, 1)[&1].is_ok());
+    fx.engine
+        .submit(&[read_req(0, 2 * STRIDE, STRIDE, 2)])
+        .unwrap();
+    assert!(collect(&*fx.engine, 1)[&2].is_ok());
+    assert_eq!(row_bytes(&fx.region, 2), row_bytes(&fx.region, 0));
+    fx.engine.shutdown();
+}
