@@ -92,12 +92,19 @@ pub struct FioReport {
     pub read: FioDirection,
     /// Writes.
     pub write: FioDirection,
+    /// The longest job's run time in milliseconds (0 if fio did not say).
+    pub job_runtime_ms: u64,
 }
 
 impl FioReport {
-    /// Reads plus writes, in bytes per second.
+    /// Reads plus writes, in bytes per second: all bytes over the longest job's run time (jobs
+    /// of one group run concurrently), or the sum of per-job bandwidths when fio gave no time.
     pub fn total_bytes_per_sec(&self) -> f64 {
-        self.read.bytes_per_sec + self.write.bytes_per_sec
+        if self.job_runtime_ms > 0 {
+            (self.read.io_bytes + self.write.io_bytes) as f64 * 1000.0 / self.job_runtime_ms as f64
+        } else {
+            self.read.bytes_per_sec + self.write.bytes_per_sec
+        }
     }
 }
 
@@ -189,6 +196,8 @@ pub fn parse_report(text: &str) -> Result<FioReport> {
                 format!("fio job {name:?} failed with error {error}"),
             ));
         }
+        let runtime = job.get("job_runtime").and_then(Value::as_u64).unwrap_or(0);
+        report.job_runtime_ms = report.job_runtime_ms.max(runtime);
         add_direction(&mut report.read, job.get("read"));
         add_direction(&mut report.write, job.get("write"));
     }
@@ -223,11 +232,11 @@ mod tests {
 
     const TWO_JOBS: &str = r#"note: both iodepth >= 1 and synchronous I/O engine are selected
 { "fio version": "fio-3.33", "jobs": [
-  { "jobname": "store", "error": 0,
+  { "jobname": "store", "error": 0, "job_runtime": 1000,
     "read": { "io_bytes": 0, "bw_bytes": 0, "iops": 0.0 },
     "write": { "io_bytes": 1073741824, "bw_bytes": 1000000000, "iops": 476.8,
                "clat_ns": { "percentile": { "50.000000": 7962624, "99.000000": 13303808 } } } },
-  { "jobname": "load", "error": 0,
+  { "jobname": "load", "error": 0, "job_runtime": 2000,
     "read": { "io_bytes": 1073741824, "bw_bytes": 2000000000, "iops": 953.6,
               "clat_ns": { "percentile": { "50.000000": 100, "99.000000": 200 } } },
     "write": { "io_bytes": 0, "bw_bytes": 0, "iops": 0.0 } } ] }"#;
@@ -240,7 +249,14 @@ mod tests {
         assert_eq!(r.read.bytes_per_sec, 2e9);
         assert_eq!(r.write.clat_p99_ns, 13303808);
         assert_eq!(r.read.clat_p50_ns, 100);
-        assert_eq!(r.total_bytes_per_sec(), 3e9);
+        assert_eq!(r.job_runtime_ms, 2000);
+        // 2 GiB over the longest job's 2 s, not the sum of the two bandwidths.
+        assert_eq!(r.total_bytes_per_sec(), (2u64 << 30) as f64 / 2.0);
+        let no_time = FioReport {
+            job_runtime_ms: 0,
+            ..r
+        };
+        assert_eq!(no_time.total_bytes_per_sec(), 3e9);
     }
 
     #[test]

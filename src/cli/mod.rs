@@ -6,7 +6,10 @@
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
 pub mod fio;
+pub mod fio_compare;
+pub mod fio_files;
 pub mod http;
+pub mod kvtier_workload;
 pub mod output;
 pub mod plot;
 pub mod size;
@@ -32,6 +35,9 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and build features.
     Version,
+    /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
+    /// and depth.
+    FioCompare(fio_compare::FioCompareArgs),
 }
 
 /// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
@@ -66,6 +72,7 @@ pub fn main() -> ExitCode {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
             Ok(ExitCode::SUCCESS)
         }
+        Command::FioCompare(args) => fio_compare::run(args),
     };
     match result {
         Ok(code) => code,

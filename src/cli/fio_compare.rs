@@ -1,0 +1,574 @@
+//! `kvtier fio-compare`: runs fio and the equivalent kvtier workload on the same path, on the
+//! same kind of file, at the same row size and depth, alternating them, and reports medians and
+//! the ratio kvtier/fio per profile.
+//!
+//! File state: before the first measured pass every file (fio's and kvtier's) is preallocated
+//! with `fallocate` and then written in full once, so every measured pass overwrites (store) or
+//! reads (load) written extents. A first write into fresh (unwritten) extents costs about twice
+//! an overwrite on the development disk, so mixing the two states would make the ratio
+//! meaningless.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use serde::Serialize;
+
+use crate::cli::fio::{self, FioRun, Profile};
+use crate::cli::fio_files;
+use crate::cli::kvtier_workload::{KvtierWorkload, WorkloadShape};
+use crate::cli::output::{Table, print_json, progress_bar};
+use crate::cli::plot::{Panel, render_svg};
+use crate::cli::size::{format_gbps, format_size, parse_size};
+use crate::cli::stats::median;
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::IoEngineKind;
+
+/// How the files are prepared, in the words the report uses.
+pub const FILE_STATE: &str = "preallocated with fallocate and written in full once before the \
+first pass; store passes overwrite written extents, load passes read them";
+
+/// Arguments of `kvtier fio-compare`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  kvtier fio-compare                                  # store and load, 2 MiB rows, on the temp dir
+  kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
+  kvtier fio-compare --profile load --pairs 5 --json
+  kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
+
+Needs fio (apt-get install fio). Every pass covers each row of the file once.")]
+pub struct FioCompareArgs {
+    /// Directory to test (repeat for several devices; rows are striped across them).
+    /// Default: the system temp dir.
+    #[arg(long = "path", value_name = "DIR")]
+    pub paths: Vec<PathBuf>,
+    /// Workload to compare (repeatable). Default: store and load.
+    #[arg(long = "profile", value_enum, value_name = "NAME")]
+    pub profiles: Vec<Profile>,
+    /// Bytes per I/O: one primary row.
+    #[arg(long, default_value = "2MiB", value_parser = parse_size, value_name = "SIZE")]
+    pub row_size: u64,
+    /// File bytes per side over all paths (each pass moves this much per direction).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size, value_name = "SIZE")]
+    pub size: u64,
+    /// Bytes in flight per direction; the depth is this divided by the row size.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size, value_name = "SIZE")]
+    pub max_bytes_in_flight: u64,
+    /// Rows in flight per direction (overrides --max-bytes-in-flight).
+    #[arg(long, value_name = "N")]
+    pub iodepth: Option<u32>,
+    /// kvtier/fio pairs per profile (and per depth with --plot); the order alternates.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub pairs: usize,
+    /// kvtier's I/O engine: auto, uring or psync.
+    #[arg(long, default_value = "uring", value_parser = parse_engine, value_name = "ENGINE")]
+    pub io_engine: IoEngineKind,
+    /// Also sweep the depth and draw throughput against depth to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Depths for --plot (comma-separated). Default: powers of two up to the depth.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    pub depths: Vec<u32>,
+    /// Keep the test files afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// Print JSON (an array with one object per profile) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Parses an `--io-engine` value.
+pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "auto" => Ok(IoEngineKind::Auto),
+        "uring" | "io_uring" => Ok(IoEngineKind::Uring),
+        "psync" => Ok(IoEngineKind::Psync),
+        _ => Err(format!(
+            "unknown I/O engine {s:?} (use auto, uring or psync)"
+        )),
+    }
+}
+
+/// One measured point: medians of alternating runs.
+#[derive(Debug, Clone, Serialize)]
+pub struct DepthPoint {
+    /// Rows in flight per direction.
+    pub iodepth: u32,
+    /// Median kvtier throughput, bytes per second.
+    pub kvtier_bytes_per_sec: f64,
+    /// Median fio throughput, bytes per second.
+    pub fio_bytes_per_sec: f64,
+    /// kvtier / fio.
+    pub ratio: f64,
+    /// Every kvtier pass, in run order.
+    pub kvtier_samples: Vec<f64>,
+    /// Every fio pass, in run order.
+    pub fio_samples: Vec<f64>,
+}
+
+/// The `--json` object for one profile.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProfileComparison {
+    /// `store`, `load` or `mixed`.
+    pub profile: &'static str,
+    /// Median kvtier throughput at the main depth, bytes per second.
+    pub kvtier_bytes_per_sec: f64,
+    /// Median fio throughput at the main depth, bytes per second.
+    pub fio_bytes_per_sec: f64,
+    /// kvtier / fio at the main depth.
+    pub ratio: f64,
+    /// Bytes per I/O.
+    pub row_size: u64,
+    /// Rows in flight per direction.
+    pub iodepth: u32,
+    /// Bytes of each side's file(s), over all paths.
+    pub file_size: u64,
+    /// Directories tested.
+    pub paths: Vec<PathBuf>,
+    /// How the files were prepared (both sides alike).
+    pub file_state: &'static str,
+    /// Alternating pairs per point.
+    pub pairs: usize,
+    /// kvtier's engine as it ran (`uring`, fixed buffers or not, O_DIRECT).
+    pub kvtier_engine: String,
+    /// `fio --version`.
+    pub fio_version: String,
+    /// Samples at the main depth.
+    pub kvtier_samples: Vec<f64>,
+    /// Samples at the main depth.
+    pub fio_samples: Vec<f64>,
+    /// The depth sweep (with `--plot`), ascending depth.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sweep: Vec<DepthPoint>,
+}
+
+/// Runs `kvtier fio-compare`.
+pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
+    let fio_version = fio::fio_version()?;
+    let plan = Plan::from_args(&args)?;
+    let cleanup = Cleanup {
+        files: plan.all_files(),
+        keep: args.keep,
+    };
+    fio_files::prepare(&plan.all_files(), plan.per_file, plan.row_size)?;
+    let mut workload = KvtierWorkload::open(&WorkloadShape {
+        files: plan.kvtier_files.clone(),
+        file_size: plan.per_file,
+        row_size: plan.row_size,
+        max_depth: plan.max_depth(),
+        engine: args.io_engine,
+    })?;
+    let scratch = tempfile::Builder::new()
+        .prefix("kvtier-fio-")
+        .tempdir()
+        .map_err(|e| Error::new(ErrorKind::Io, format!("cannot create a scratch dir: {e}")))?;
+
+    let runs = plan.profiles.len() * plan.depths.len() * plan.pairs * 2;
+    let bar = progress_bar(runs as u64, "fio-compare", !args.json);
+    let mut results = Vec::new();
+    for &profile in &plan.profiles {
+        let mut sweep = Vec::new();
+        for &depth in &plan.depths {
+            let point = measure(&plan, profile, depth, &mut workload, scratch.path(), &bar)?;
+            sweep.push(point);
+        }
+        let main = sweep
+            .iter()
+            .find(|p| p.iodepth == plan.depth)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "main depth missing from the sweep"))?;
+        results.push(ProfileComparison {
+            profile: profile.name(),
+            kvtier_bytes_per_sec: main.kvtier_bytes_per_sec,
+            fio_bytes_per_sec: main.fio_bytes_per_sec,
+            ratio: main.ratio,
+            row_size: plan.row_size,
+            iodepth: plan.depth,
+            file_size: plan.per_file * plan.paths.len() as u64,
+            paths: plan.paths.clone(),
+            file_state: FILE_STATE,
+            pairs: plan.pairs,
+            kvtier_engine: workload.describe(),
+            fio_version: fio_version.clone(),
+            kvtier_samples: main.kvtier_samples,
+            fio_samples: main.fio_samples,
+            sweep: if args.plot.is_some() {
+                sweep
+            } else {
+                Vec::new()
+            },
+        });
+    }
+    bar.finish_and_clear();
+    workload.close()?;
+    drop(cleanup);
+
+    if let Some(svg_path) = &args.plot {
+        let panels: Vec<Panel> = results
+            .iter()
+            .map(|r| Panel {
+                title: r.profile.to_string(),
+                depths: r.sweep.iter().map(|p| p.iodepth).collect(),
+                kvtier: r.sweep.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
+                fio: r.sweep.iter().map(|p| p.fio_bytes_per_sec).collect(),
+            })
+            .collect();
+        let subtitle = format!(
+            "{} rows, {} per side on {}, medians of {} alternating pairs, {}",
+            format_size(plan.row_size),
+            format_size(plan.per_file * plan.paths.len() as u64),
+            display_paths(&plan.paths),
+            plan.pairs,
+            fio_version
+        );
+        std::fs::write(svg_path, render_svg(&panels, &subtitle))
+            .map_err(|e| Error::io("write plot", svg_path, e))?;
+    }
+
+    if args.json {
+        print_json(&results)?;
+    } else {
+        print!("{}", render_report(&plan, &results, &fio_version));
+        if let Some(svg_path) = &args.plot {
+            println!("plot: {}", svg_path.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `plan.pairs` alternating pairs (kvtier first on even pairs, fio first on odd ones).
+fn measure(
+    plan: &Plan,
+    profile: Profile,
+    depth: u32,
+    workload: &mut KvtierWorkload,
+    scratch: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<DepthPoint> {
+    let fio_run = FioRun {
+        profile,
+        files: plan.fio_files.clone(),
+        size: plan.per_file * plan.fio_files.len() as u64,
+        block_size: plan.row_size,
+        iodepth: depth,
+    };
+    let mut kv = Vec::with_capacity(plan.pairs);
+    let mut fi = Vec::with_capacity(plan.pairs);
+    for pair in 0..plan.pairs {
+        for side in 0..2 {
+            let kvtier_turn = (side == 0) == pair.is_multiple_of(2);
+            if kvtier_turn {
+                kv.push(workload.run_pass(profile, depth)?.bytes_per_sec());
+            } else {
+                fi.push(fio::run_fio(&fio_run, scratch)?.total_bytes_per_sec());
+            }
+            bar.inc(1);
+        }
+    }
+    let k = median(&kv).unwrap_or(f64::NAN);
+    let f = median(&fi).unwrap_or(f64::NAN);
+    Ok(DepthPoint {
+        iodepth: depth,
+        kvtier_bytes_per_sec: k,
+        fio_bytes_per_sec: f,
+        ratio: if f > 0.0 { k / f } else { f64::NAN },
+        kvtier_samples: kv,
+        fio_samples: fi,
+    })
+}
+
+/// What will run, resolved and validated from the arguments.
+#[derive(Debug)]
+struct Plan {
+    paths: Vec<PathBuf>,
+    profiles: Vec<Profile>,
+    row_size: u64,
+    per_file: u64,
+    depth: u32,
+    depths: Vec<u32>,
+    pairs: usize,
+    fio_files: Vec<PathBuf>,
+    kvtier_files: Vec<PathBuf>,
+}
+
+impl Plan {
+    fn from_args(args: &FioCompareArgs) -> Result<Self> {
+        let paths = if args.paths.is_empty() {
+            vec![std::env::temp_dir()]
+        } else {
+            args.paths.clone()
+        };
+        for (i, p) in paths.iter().enumerate() {
+            check_dir(p)?;
+            if paths[..i].contains(p) {
+                return Err(Error::config(
+                    "--path",
+                    format!("{} is given twice", p.display()),
+                ));
+            }
+        }
+        if args.row_size == 0 || !args.row_size.is_multiple_of(4096) {
+            return Err(Error::config(
+                "--row-size",
+                format!("{} is not a positive multiple of 4096", args.row_size),
+            ));
+        }
+        let n = paths.len() as u64;
+        let per_file = args.size / n / args.row_size * args.row_size;
+        if per_file == 0 {
+            return Err(Error::config(
+                "--size",
+                format!(
+                    "{} over {n} path(s) is less than one {} row per path",
+                    format_size(args.size),
+                    format_size(args.row_size)
+                ),
+            ));
+        }
+        let depth = match args.iodepth {
+            Some(0) => return Err(Error::config("--iodepth", "must be at least 1")),
+            Some(d) => d,
+            None => u32::try_from((args.max_bytes_in_flight / args.row_size).max(1))
+                .map_err(|_| Error::config("--max-bytes-in-flight", "too large"))?,
+        };
+        if args.pairs == 0 {
+            return Err(Error::config("--pairs", "must be at least 1"));
+        }
+        let mut depths = if args.plot.is_some() {
+            if args.depths.is_empty() {
+                std::iter::successors(Some(1u32), |d| d.checked_mul(2))
+                    .take_while(|d| *d < depth)
+                    .collect()
+            } else {
+                args.depths.clone()
+            }
+        } else {
+            Vec::new()
+        };
+        if depths.contains(&0) {
+            return Err(Error::config("--depths", "depths must be at least 1"));
+        }
+        depths.push(depth);
+        depths.sort_unstable();
+        depths.dedup();
+        let mut profiles = if args.profiles.is_empty() {
+            vec![Profile::Store, Profile::Load]
+        } else {
+            args.profiles.clone()
+        };
+        profiles.dedup();
+        let fio_files = paths
+            .iter()
+            .map(|p| p.join("kvtier-fio-compare.fio.dat"))
+            .collect();
+        let kvtier_files = paths
+            .iter()
+            .map(|p| p.join("kvtier-fio-compare.kvtier.dat"))
+            .collect();
+        Ok(Plan {
+            paths,
+            profiles,
+            row_size: args.row_size,
+            per_file,
+            depth,
+            depths,
+            pairs: args.pairs,
+            fio_files,
+            kvtier_files,
+        })
+    }
+
+    fn max_depth(&self) -> u32 {
+        self.depths.iter().copied().max().unwrap_or(self.depth)
+    }
+
+    fn all_files(&self) -> Vec<PathBuf> {
+        self.fio_files
+            .iter()
+            .chain(&self.kvtier_files)
+            .cloned()
+            .collect()
+    }
+}
+
+/// A path the user named must be an existing directory.
+pub fn check_dir(p: &Path) -> Result<()> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::new(
+            ErrorKind::InvalidPath,
+            format!("{} is not a directory", p.display()),
+        )),
+        Err(e) => Err(Error::io("open directory", p, e)),
+    }
+}
+
+/// Removes the test files on drop unless asked to keep them.
+struct Cleanup {
+    files: Vec<PathBuf>,
+    keep: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        for f in &self.files {
+            if let Err(e) = std::fs::remove_file(f)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cannot remove {}: {e}", f.display());
+            }
+        }
+    }
+}
+
+fn display_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn render_report(plan: &Plan, results: &[ProfileComparison], fio_version: &str) -> String {
+    let mut out = format!(
+        "fio-compare: {} rows, depth {} ({} in flight), {} per side on {}, {} alternating pairs\n",
+        format_size(plan.row_size),
+        plan.depth,
+        format_size(plan.row_size * u64::from(plan.depth)),
+        format_size(plan.per_file * plan.paths.len() as u64),
+        display_paths(&plan.paths),
+        plan.pairs
+    );
+    out.push_str(&format!("file state: {FILE_STATE}\n"));
+    if let Some(r) = results.first() {
+        out.push_str(&format!(
+            "kvtier: {}; fio: {fio_version}\n\n",
+            r.kvtier_engine
+        ));
+    }
+    let mut table = Table::new(["profile", "kvtier", "fio", "kvtier/fio"]);
+    for r in results {
+        table.row([
+            r.profile.to_string(),
+            format_gbps(r.kvtier_bytes_per_sec),
+            format_gbps(r.fio_bytes_per_sec),
+            format!("{:.3}", r.ratio),
+        ]);
+    }
+    out.push_str(&table.render());
+    if results.iter().any(|r| !r.sweep.is_empty()) {
+        out.push('\n');
+        let mut sweep = Table::new(["profile", "depth", "kvtier", "fio", "kvtier/fio"]);
+        for r in results {
+            for p in &r.sweep {
+                sweep.row([
+                    r.profile.to_string(),
+                    p.iodepth.to_string(),
+                    format_gbps(p.kvtier_bytes_per_sec),
+                    format_gbps(p.fio_bytes_per_sec),
+                    format!("{:.3}", p.ratio),
+                ]);
+            }
+        }
+        out.push_str(&sweep.render());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Wrapper {
+        #[command(flatten)]
+        args: FioCompareArgs,
+    }
+
+    fn plan(argv: &[&str]) -> Result<Plan> {
+        let mut full = vec!["x"];
+        full.extend_from_slice(argv);
+        Plan::from_args(&Wrapper::try_parse_from(full).unwrap().args)
+    }
+
+    #[test]
+    fn defaults_are_store_and_load_at_2mib_depth_32_on_temp() {
+        let p = plan(&[]).unwrap();
+        assert_eq!(p.profiles, vec![Profile::Store, Profile::Load]);
+        assert_eq!(p.row_size, 2 << 20);
+        assert_eq!(p.depth, 32);
+        assert_eq!(p.depths, vec![32]);
+        assert_eq!(p.paths, vec![std::env::temp_dir()]);
+        assert_eq!(p.per_file, 1 << 30);
+        assert_eq!(p.pairs, 3);
+    }
+
+    #[test]
+    fn plot_sweeps_powers_of_two_up_to_the_depth() {
+        let p = plan(&["--plot", "x.svg", "--iodepth", "12"]).unwrap();
+        assert_eq!(p.depths, vec![1, 2, 4, 8, 12]);
+        let p = plan(&["--plot", "x.svg", "--depths", "4,1,4"]).unwrap();
+        assert_eq!(p.depths, vec![1, 4, 32]);
+    }
+
+    #[test]
+    fn user_mistakes_are_config_or_path_errors() {
+        assert_eq!(
+            plan(&["--row-size", "1000"]).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            plan(&["--iodepth", "0"]).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            plan(&["--pairs", "0"]).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        assert_eq!(
+            plan(&["--size", "1MiB"]).unwrap_err().kind(),
+            ErrorKind::Config
+        );
+        let e = plan(&["--path", "/nonexistent/kvtier"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidPath);
+        assert!(e.to_string().contains("/nonexistent/kvtier"), "{e}");
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let e = plan(&["--path", f.path().to_str().unwrap()]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidPath);
+        assert!(e.to_string().contains("not a directory"), "{e}");
+    }
+
+    #[test]
+    fn several_paths_split_the_size_in_whole_rows() {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let (a, b) = (a.path().to_str().unwrap(), b.path().to_str().unwrap());
+        let p = plan(&[
+            "--path",
+            a,
+            "--path",
+            b,
+            "--size",
+            "5MiB",
+            "--row-size",
+            "1MiB",
+        ])
+        .unwrap();
+        assert_eq!(p.per_file, 2 << 20);
+        assert_eq!(p.fio_files.len(), 2);
+        assert_ne!(p.fio_files[0], p.fio_files[1]);
+        let e = plan(&["--path", a, "--path", a]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("given twice"), "{e}");
+    }
+
+    #[test]
+    fn engine_names() {
+        assert_eq!(parse_engine("io_uring"), Ok(IoEngineKind::Uring));
+        assert_eq!(parse_engine("PSYNC"), Ok(IoEngineKind::Psync));
+        assert!(parse_engine("spdk").is_err());
+    }
+}
