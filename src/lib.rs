@@ -7,6 +7,7 @@
 //! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
 //! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! * [`config`]: configuration model, merge and validation.
+//! * [`geometry`]: chunk geometry (row stride, rows) derived from the KV layout and pool size.
 //! * [`cli`]: the `kvtier` command line.
 
 pub mod canonical;
@@ -14,6 +15,7 @@ pub mod cli;
 pub mod config;
 pub mod error;
 pub mod g3;
+pub mod geometry;
 pub mod io;
 pub mod key;
 pub mod primary;

@@ -5,6 +5,7 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
+pub mod config_cmd;
 pub mod fio;
 pub mod fio_compare;
 pub mod fio_files;
@@ -38,6 +39,8 @@ pub enum Command {
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio_compare::FioCompareArgs),
+    /// Configuration tools: `kvtier config check FILE`.
+    Config(config_cmd::ConfigArgs),
 }
 
 /// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
@@ -73,6 +76,7 @@ pub fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }
         Command::FioCompare(args) => fio_compare::run(args),
+        Command::Config(args) => config_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -59,6 +59,8 @@ pub struct TierConfig {
     /// The tier type (`nvme`, `memory`, ...).
     #[serde(rename = "type")]
     pub tier_type: String,
+    /// `module_path` of an out-of-tree tier (vLLM imports it; kvtier only records it).
+    pub module_path: Option<String>,
     /// `LOCAL` or `REMOTE`, if configured.
     #[serde(serialize_with = "ser_locality")]
     pub locality: Option<Locality>,
@@ -69,6 +71,19 @@ pub struct TierConfig {
 }
 
 impl TierConfig {
+    /// A tier of `tier_type` at position `index` with no locality, no back-pressure and no
+    /// type-specific keys (for tests and programmatic construction).
+    pub fn new(index: usize, tier_type: impl Into<String>) -> Self {
+        TierConfig {
+            index,
+            tier_type: tier_type.into(),
+            module_path: None,
+            locality: None,
+            backpressure: None,
+            params: serde_json::Map::new(),
+        }
+    }
+
     /// The key path prefix of this entry for error messages: `secondary_tiers[3]`.
     pub fn key_path(&self) -> String {
         format!("secondary_tiers[{}]", self.index)
@@ -99,4 +114,20 @@ pub struct KvtierConfig {
     pub engine_id: Option<String>,
     /// Secondary tiers in lookup order.
     pub secondary_tiers: Vec<TierConfig>,
+}
+
+impl KvtierConfig {
+    /// A configuration with `cpu_bytes_to_use` and every other key at its default
+    /// (`blocks_per_chunk` 1, LRU, no secondary tiers), for tests and programmatic use.
+    pub fn new(cpu_bytes_to_use: u64) -> Self {
+        KvtierConfig {
+            cpu_bytes_to_use,
+            chunk: ChunkSizing::BlocksPerChunk(1),
+            eviction_policy: EvictionPolicyKind::Lru,
+            store_threshold: 0,
+            canonical_layout: false,
+            engine_id: None,
+            secondary_tiers: Vec::new(),
+        }
+    }
 }

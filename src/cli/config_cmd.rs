@@ -1,0 +1,103 @@
+//! `kvtier config check FILE [--bytes-per-block N] [--copies N] [--gpu-block-size N]`: reads a
+//! JSON or TOML configuration, validates it and prints the resolved configuration as JSON
+//! (back-pressure merged per tier with presets and defaults filled in; chunk geometry when the
+//! layout inputs are given). Exit 0 when valid, 2 with a one-line error on stderr when not.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use serde::Serialize;
+
+use crate::config::size::{format_size_human, parse_size};
+use crate::config::{self, Format, KvtierConfig};
+use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
+
+/// `kvtier config ...`.
+#[derive(Debug, Args)]
+pub struct ConfigArgs {
+    /// The configuration command.
+    #[command(subcommand)]
+    pub command: ConfigCommand,
+}
+
+/// Configuration commands.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a configuration file and print the resolved configuration as JSON.
+    Check(CheckArgs),
+}
+
+/// Arguments of `kvtier config check`.
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// The configuration file (`.json` or `.toml`): vLLM's `kv_connector_extra_config`, or a
+    /// whole `kv_transfer_config` containing it.
+    pub file: PathBuf,
+    /// One worker's KV bytes per GPU block (bytes or a size such as `2MiB`); with it the chunk
+    /// geometry is derived and printed.
+    #[arg(long, value_parser = parse_byte_arg)]
+    pub bytes_per_block: Option<u64>,
+    /// Copies of each block in a row: 1 for a replicated layout or TP1, else the local world
+    /// size.
+    #[arg(long, default_value_t = 1, requires = "bytes_per_block")]
+    pub copies: u32,
+    /// Tokens per GPU block; needed for the geometry when the config sets `block_size`.
+    #[arg(long, requires = "bytes_per_block")]
+    pub gpu_block_size: Option<u32>,
+}
+
+fn parse_byte_arg(s: &str) -> std::result::Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+#[derive(Serialize)]
+struct CheckReport<'a> {
+    file: String,
+    format: &'static str,
+    valid: bool,
+    cpu_bytes_to_use_human: String,
+    config: &'a KvtierConfig,
+    geometry: Option<ChunkGeometry>,
+    notes: &'a [String],
+}
+
+/// Runs `kvtier config ...`.
+pub fn run(args: ConfigArgs) -> Result<ExitCode> {
+    match args.command {
+        ConfigCommand::Check(a) => check(a),
+    }
+}
+
+fn check(args: CheckArgs) -> Result<ExitCode> {
+    let format = Format::from_path(&args.file)?;
+    let resolved = config::load_resolved(&args.file)?;
+    let cfg = &resolved.config;
+    let geometry = match args.bytes_per_block {
+        None => None,
+        Some(bytes_per_block) => {
+            let blocks_per_chunk = cfg.chunk.blocks_per_chunk(args.gpu_block_size)?;
+            Some(ChunkGeometry::derive(
+                bytes_per_block,
+                args.copies,
+                blocks_per_chunk,
+                cfg.cpu_bytes_to_use,
+            )?)
+        }
+    };
+    let report = CheckReport {
+        file: args.file.display().to_string(),
+        format: format.as_str(),
+        valid: true,
+        cpu_bytes_to_use_human: format_size_human(cfg.cpu_bytes_to_use),
+        config: cfg,
+        geometry,
+        notes: &resolved.notes,
+    };
+    let json = serde_json::to_string_pretty(&report).map_err(|e| {
+        Error::new(ErrorKind::Internal, format!("cannot print the report: {e}")).with_source(e)
+    })?;
+    println!("{json}");
+    Ok(ExitCode::SUCCESS)
+}

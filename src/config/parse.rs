@@ -1,0 +1,418 @@
+//! Walks a parsed `kv_connector_extra_config` value into a [`KvtierConfig`], checking every key.
+
+use serde_json::{Map, Value};
+
+use super::backpressure::{self, Overlay};
+use super::fields::{self, index, join};
+use super::model::{ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
+use super::size::parse_size;
+use crate::error::{Error, Result};
+use crate::tiering::job::Locality;
+
+/// Keys of `kv_connector_extra_config` that kvtier reads.
+pub const KVTIER_KEYS: [&str; 9] = [
+    "cpu_bytes_to_use",
+    "block_size",
+    "blocks_per_chunk",
+    "eviction_policy",
+    "store_threshold",
+    "canonical_layout",
+    "engine_id",
+    "secondary_tiers",
+    "backpressure",
+];
+
+/// Keys of `kv_connector_extra_config` that belong to vLLM: accepted (type-checked) and
+/// otherwise ignored by kvtier.
+pub const VLLM_OWNED_KEYS: [&str; 8] = [
+    "spec_name",
+    "spec_module_path",
+    "tier_poll_interval_s",
+    "offload_prompt_only",
+    "self_describing_kv_events",
+    "sync_load_budget_bytes",
+    "max_tracker_size",
+    "cache_policy_module_path",
+];
+
+/// Keys of vLLM's `--kv-transfer-config` object accepted around `kv_connector_extra_config`.
+pub const WRAPPER_KEYS: [&str; 5] = [
+    "kv_connector",
+    "kv_role",
+    "kv_connector_module_path",
+    "engine_id",
+    "kv_connector_extra_config",
+];
+
+/// Keys common to every `secondary_tiers[i]`; every other key belongs to the tier's parser.
+pub const TIER_COMMON_KEYS: [&str; 4] = ["type", "module_path", "locality", "backpressure"];
+
+/// The connector whose extra config this is.
+const CONNECTOR: &str = "OffloadingConnector";
+const SPEC_TIERING: &str = "TieringOffloadingSpec";
+const CPU_BYTES_EXPECTED: &str =
+    "a positive integer number of bytes or a size string such as \"64GiB\"";
+
+/// A validated configuration together with notes about defaults kvtier filled in where vLLM
+/// would have behaved differently, or keys kvtier ignored.
+#[derive(Debug, Clone)]
+pub struct ResolvedConfig {
+    /// The configuration.
+    pub config: KvtierConfig,
+    /// Human-readable notes (also logged at `warn` level by [`super::from_value`]).
+    pub notes: Vec<String>,
+}
+
+/// Resolves a parsed value: either `kv_connector_extra_config` itself or the whole
+/// `--kv-transfer-config` object containing it.
+pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
+    let root = value.as_object().ok_or_else(|| {
+        fields::type_error(
+            "<root>",
+            "an object (vLLM's kv_connector_extra_config or kv_transfer_config)",
+            value,
+        )
+    })?;
+    let mut notes = Vec::new();
+    let Some(extra) = root.get("kv_connector_extra_config") else {
+        return resolve_extra(root, "", None, &mut notes)
+            .map(|config| ResolvedConfig { config, notes });
+    };
+    let mut outer_engine_id = None;
+    for (k, v) in root {
+        let p = k.as_str();
+        match p {
+            "kv_connector" => {
+                let name = fields::string(p, v)?;
+                if name != CONNECTOR {
+                    return Err(Error::config(
+                        p,
+                        "kvtier reads OffloadingConnector's configuration",
+                    )
+                    .with("expected", CONNECTOR)
+                    .with("found", name));
+                }
+            }
+            "kv_role" | "kv_connector_module_path" => {
+                fields::string(p, v)?;
+            }
+            "engine_id" => outer_engine_id = Some(engine_id(p, v)?),
+            "kv_connector_extra_config" => {}
+            _ => return Err(fields::unknown_key("", k, &WRAPPER_KEYS)),
+        }
+    }
+    let extra = fields::object("kv_connector_extra_config", extra)?;
+    let config = resolve_extra(
+        extra,
+        "kv_connector_extra_config",
+        outer_engine_id,
+        &mut notes,
+    )?;
+    Ok(ResolvedConfig { config, notes })
+}
+
+fn engine_id(path: &str, v: &Value) -> Result<String> {
+    let s = fields::string(path, v)?;
+    if s.is_empty() || s.contains('/') || s.contains('\0') {
+        return Err(fields::range_error(
+            path,
+            "a non-empty string without '/' or NUL (it names /dev/shm/vllm_offload_<engine_id>.mmap)",
+            format!("{s:?}"),
+        ));
+    }
+    Ok(s.to_string())
+}
+
+fn resolve_extra(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    outer_engine_id: Option<String>,
+    notes: &mut Vec<String>,
+) -> Result<KvtierConfig> {
+    let valid: Vec<&str> = KVTIER_KEYS
+        .iter()
+        .chain(&VLLM_OWNED_KEYS)
+        .copied()
+        .collect();
+    for (k, v) in obj {
+        if !valid.contains(&k.as_str()) {
+            return Err(fields::unknown_key(prefix, k, &valid));
+        }
+        if VLLM_OWNED_KEYS.contains(&k.as_str()) {
+            check_vllm_key(&join(prefix, k), k, v)?;
+        }
+    }
+    let path = |k: &str| join(prefix, k);
+
+    let cpu_bytes_to_use = match obj.get("cpu_bytes_to_use") {
+        None => {
+            return Err(fields::missing(
+                &path("cpu_bytes_to_use"),
+                CPU_BYTES_EXPECTED,
+            ));
+        }
+        Some(v) => byte_count(&path("cpu_bytes_to_use"), v)?,
+    };
+    let chunk = match (obj.get("block_size"), obj.get("blocks_per_chunk")) {
+        (Some(_), Some(_)) => {
+            return Err(Error::config(
+                path("block_size"),
+                "block_size and blocks_per_chunk are mutually exclusive; set only one",
+            ));
+        }
+        (Some(v), None) => ChunkSizing::BlockSizeTokens(fields::integer_u32(
+            &path("block_size"),
+            v,
+            1,
+            "a positive integer number of tokens (a multiple of the GPU block size)",
+        )?),
+        (None, Some(v)) => ChunkSizing::BlocksPerChunk(fields::integer_u32(
+            &path("blocks_per_chunk"),
+            v,
+            1,
+            "a positive integer (GPU blocks per chunk)",
+        )?),
+        (None, None) => ChunkSizing::BlocksPerChunk(1),
+    };
+    let eviction_policy = match obj.get("eviction_policy") {
+        None => EvictionPolicyKind::Lru,
+        Some(v) => eviction_policy(&path("eviction_policy"), v)?,
+    };
+    let store_threshold = match obj.get("store_threshold") {
+        None => 0,
+        Some(v) => {
+            let p = path("store_threshold");
+            let n = fields::integer(&p, v, "0 or 1")?;
+            if n >= 2 {
+                return Err(Error::config(
+                    p,
+                    "store_threshold >= 2 is not supported with tiering (vLLM's \
+                     TieringOffloadingSpec rejects it); use 0 or 1, or remove the key",
+                )
+                .with("found", n.to_string()));
+            }
+            n as u32
+        }
+    };
+    let canonical_layout = match obj.get("canonical_layout") {
+        None => false,
+        Some(v) => fields::boolean(&path("canonical_layout"), v)?,
+    };
+    let inner_engine_id = match obj.get("engine_id") {
+        None => None,
+        Some(v) => Some(engine_id(&path("engine_id"), v)?),
+    };
+    let engine_id = match (inner_engine_id, outer_engine_id) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(Error::config(
+                path("engine_id"),
+                "differs from the engine_id of the enclosing kv_transfer_config",
+            )
+            .with("found", a)
+            .with("expected", b));
+        }
+        (a, b) => a.or(b),
+    };
+
+    let top_bp = match obj.get("backpressure") {
+        None => None,
+        Some(v) => Some(Overlay::parse(&path("backpressure"), v)?),
+    };
+    let tiers_path = path("secondary_tiers");
+    let tier_values: &[Value] = match obj.get("secondary_tiers") {
+        None => &[],
+        Some(Value::Array(a)) => a,
+        Some(v) => {
+            return Err(fields::type_error(
+                &tiers_path,
+                "a list of tier objects, each with a \"type\"",
+                v,
+            ));
+        }
+    };
+    let mut secondary_tiers = Vec::with_capacity(tier_values.len());
+    for (i, v) in tier_values.iter().enumerate() {
+        secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref(), notes)?);
+    }
+
+    if let Some(top) = &top_bp
+        && top.is_empty()
+        && secondary_tiers.iter().any(|t| t.backpressure.is_none())
+    {
+        notes.push(format!(
+            "{}: an empty top-level dict configures no tier (vLLM merges only non-empty dicts); \
+             tiers without their own backpressure key have no detector",
+            path("backpressure")
+        ));
+    }
+    if let Some(Value::String(spec)) = obj.get("spec_name")
+        && spec != SPEC_TIERING
+        && obj.get("spec_module_path").is_none()
+        && !secondary_tiers.is_empty()
+    {
+        return Err(Error::config(
+            path("spec_name"),
+            "secondary_tiers need vLLM's TieringOffloadingSpec; this spec ignores them",
+        )
+        .with("expected", SPEC_TIERING)
+        .with("found", spec.as_str()));
+    }
+    let ignored: Vec<&str> = VLLM_OWNED_KEYS
+        .iter()
+        .copied()
+        .filter(|k| obj.contains_key(*k))
+        .collect();
+    if !ignored.is_empty() {
+        notes.push(format!(
+            "keys read by vLLM, not by kvtier (type-checked, otherwise ignored): {}",
+            ignored.join(", ")
+        ));
+    }
+
+    Ok(KvtierConfig {
+        cpu_bytes_to_use,
+        chunk,
+        eviction_policy,
+        store_threshold,
+        canonical_layout,
+        engine_id,
+        secondary_tiers,
+    })
+}
+
+/// A byte count: an integer or a human size string; must be > 0.
+fn byte_count(path: &str, v: &Value) -> Result<u64> {
+    let n = match v {
+        Value::String(s) => parse_size(s).map_err(|e| {
+            Error::config(path, "not a byte size")
+                .with("expected", CPU_BYTES_EXPECTED)
+                .with("found", fields::describe(v))
+                .with_source(e)
+        })?,
+        _ => fields::integer(path, v, CPU_BYTES_EXPECTED)?,
+    };
+    if n == 0 {
+        return Err(fields::range_error(path, "> 0 bytes", 0));
+    }
+    Ok(n)
+}
+
+fn eviction_policy(path: &str, v: &Value) -> Result<EvictionPolicyKind> {
+    let s = fields::string(path, v)?;
+    match s.to_ascii_lowercase().as_str() {
+        "lru" => Ok(EvictionPolicyKind::Lru),
+        "arc" => Ok(EvictionPolicyKind::Arc),
+        _ => {
+            let mut e = Error::config(
+                path,
+                "unsupported eviction policy; kvtier implements lru and arc",
+            )
+            .with("allowed", "lru, arc")
+            .with("found", s);
+            if let Some(c) = fields::closest(s, &["lru", "arc"]) {
+                e = e.with("did_you_mean", c);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Type checks for keys vLLM owns, so that a typo in their value is caught here too.
+fn check_vllm_key(path: &str, key: &str, v: &Value) -> Result<()> {
+    match key {
+        "spec_name" | "spec_module_path" | "cache_policy_module_path" => {
+            fields::string(path, v)?;
+        }
+        "offload_prompt_only" | "self_describing_kv_events" => {
+            fields::boolean(path, v)?;
+        }
+        "tier_poll_interval_s" => {
+            fields::number(
+                path,
+                v,
+                "a number of seconds (<= 0 disables the tier-poll thread)",
+            )?;
+        }
+        "sync_load_budget_bytes" | "max_tracker_size" => {
+            fields::integer(path, v, "a non-negative integer")?;
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn resolve_tier(
+    i: usize,
+    v: &Value,
+    tiers_path: &str,
+    top_bp: Option<&Overlay>,
+    notes: &mut Vec<String>,
+) -> Result<TierConfig> {
+    let tier_path = index(tiers_path, i);
+    let entry = fields::object(&tier_path, v)?;
+    let tier_type = match entry.get("type") {
+        None => {
+            return Err(fields::missing(
+                &join(&tier_path, "type"),
+                "the tier type, e.g. \"nvme\", or an out-of-tree class name",
+            ));
+        }
+        Some(t) => {
+            let t = fields::string(&join(&tier_path, "type"), t)?;
+            if t.trim().is_empty() {
+                return Err(fields::range_error(
+                    &join(&tier_path, "type"),
+                    "a non-empty tier type",
+                    "\"\"",
+                ));
+            }
+            t.to_string()
+        }
+    };
+    let module_path = match entry.get("module_path") {
+        None => None,
+        Some(m) => Some(fields::string(&join(&tier_path, "module_path"), m)?.to_string()),
+    };
+    let locality = match entry.get("locality") {
+        None => None,
+        Some(l) => {
+            let p = join(&tier_path, "locality");
+            let s = fields::string(&p, l)?;
+            Some(Locality::parse(s).ok_or_else(|| {
+                fields::range_error(&p, "\"LOCAL\" or \"REMOTE\"", format!("{s:?}"))
+            })?)
+        }
+    };
+    let (backpressure, bp_notes) =
+        backpressure::resolve_for_tier(top_bp, entry, &tier_path, &tier_type, locality)?;
+    if bp_notes.filled_detector_cls {
+        notes.push(format!(
+            "{tier_path}.backpressure: backpressure_cls missing after the merge; kvtier uses \
+             {} (vLLM requires the key and would reject this configuration)",
+            backpressure::DETECTOR_CLS
+        ));
+    }
+
+    let mut params = Map::new();
+    for (k, v) in entry {
+        if TIER_COMMON_KEYS.contains(&k.as_str()) {
+            continue;
+        }
+        if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
+            return Err(Error::config(
+                join(&tier_path, k),
+                "unknown key; a near-miss of a common tier key is not passed to the tier as its own key",
+            )
+            .with("did_you_mean", *common));
+        }
+        params.insert(k.clone(), v.clone());
+    }
+    Ok(TierConfig {
+        index: i,
+        tier_type,
+        module_path,
+        locality,
+        backpressure,
+        params,
+    })
+}
