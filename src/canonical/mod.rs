@@ -1,1 +1,97 @@
 //! The canonical KV layout: descriptors, per-rank mappings, tiling checks, digests, gather/scatter.
+//!
+//! A chunk is stored as the whole unsharded block (all KV heads, all tokens), so bytes stored
+//! under one TP size load under another (contract §8). The pieces, in the order they are used:
+//!
+//! 1. [`LayoutDescriptor`] ([`descriptor`]): a model's KV geometry, from a TOML file in `layouts/`.
+//! 2. [`derive_mappings`] ([`mapping`]): per layer and rank, the copy runs from the local page
+//!    into the canonical page, the writer election and the portability flag.
+//! 3. [`verify_tiling`] ([`tiling`]): runs partition each local page and the elected writers tile
+//!    each canonical page exactly once.
+//! 4. [`validate_canonical`] ([`validate`]): the seed's `_validate_canonical_refs` rules.
+//! 5. [`RowPlan`] with [`gather`] / [`scatter`] ([`gather`](mod@gather)): move bytes between a
+//!    rank's local chunk and the canonical area of a primary row.
+//! 6. [`digest::vllm_digest`] and [`digest::namespace_digest`]: what storage is keyed by.
+
+pub mod descriptor;
+pub mod digest;
+pub mod gather;
+pub mod mapping;
+pub mod tiling;
+pub mod validate;
+
+pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
+pub use digest::{NamespaceParams, VllmDigestFields, namespace_digest, vllm_digest};
+pub use gather::{ByteCopy, Direction, RowPlan, gather, scatter};
+pub use mapping::{
+    CanonicalPageMapping, CopyRun, LayerMapping, MappingKind, ParallelConfig, canonical_page_ids,
+    derive_all_ranks, derive_mappings, derive_mappings_for,
+};
+pub use tiling::verify_tiling;
+pub use validate::{CanonicalStatus, validate_canonical};
+
+/// The Llama-3.1-8B descriptor text (`layouts/llama-3.1-8b.toml`), embedded in the binary.
+pub const DEFAULT_LAYOUT_TOML: &str = include_str!("../../layouts/llama-3.1-8b.toml");
+
+/// The default layout (Llama-3.1-8B-Instruct, bf16, 16-token blocks, NHD split K/V): 2 MiB per
+/// block at TP 1. Used by `kvtier bench` when no layout is given.
+pub fn default_layout() -> LayoutDescriptor {
+    match LayoutDescriptor::from_toml_str(DEFAULT_LAYOUT_TOML) {
+        Ok(d) => d,
+        // The embedded file is checked by a unit test; failing here is a build defect.
+        Err(e) => panic!("embedded default layout is invalid: {e}"),
+    }
+}
+
+/// Everything one rank needs for the canonical path, checked: all ranks' mappings (tiling
+/// verified), this rank's validation result and its [`RowPlan`].
+#[derive(Debug, Clone)]
+pub struct PreparedCanonical {
+    /// `mappings[rank][layer]` for every rank of the TP group.
+    pub mappings: Vec<Vec<LayerMapping>>,
+    /// Validation result for this rank.
+    pub status: CanonicalStatus,
+    /// This rank's gather / scatter plan.
+    pub plan: RowPlan,
+}
+
+/// Derives every rank's mappings for `cfg`, verifies tiling, validates this rank's layers (with
+/// `namespace_shared` as in [`validate_canonical`]) and builds this rank's plan.
+pub fn prepare_canonical(
+    desc: &LayoutDescriptor,
+    cfg: &ParallelConfig,
+    blocks_per_chunk: u32,
+    namespace_shared: bool,
+) -> crate::Result<PreparedCanonical> {
+    let mappings = (0..cfg.tp)
+        .map(|rank| derive_mappings_for(desc, &ParallelConfig { rank, ..*cfg }))
+        .collect::<crate::Result<Vec<_>>>()?;
+    verify_tiling(&mappings)?;
+    let mine = mappings.get(cfg.rank as usize).ok_or_else(|| {
+        crate::Error::new(
+            crate::ErrorKind::Config,
+            format!("rank {} is out of range for TP size {}", cfg.rank, cfg.tp),
+        )
+    })?;
+    let status = validate_canonical(mine, namespace_shared)?;
+    let plan = RowPlan::new(mine, blocks_per_chunk)?;
+    Ok(PreparedCanonical {
+        mappings,
+        status,
+        plan,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_layout_is_llama_8b_with_2_mib_blocks() {
+        let d = default_layout();
+        assert_eq!(d.model_name, "meta-llama/Llama-3.1-8B-Instruct");
+        assert_eq!(d.canonical_bytes_per_block(), 2 * 1024 * 1024);
+        assert_eq!(d.worker_kv_bytes_per_block(1).unwrap(), 2 * 1024 * 1024);
+        assert_eq!(d.worker_kv_bytes_per_block(4).unwrap(), 512 * 1024);
+    }
+}

@@ -1,0 +1,376 @@
+//! Compatibility digests (contract §8.4).
+//!
+//! * [`vllm_digest`]: exactly vLLM 0.33.0's `FileMapper` digest: the field dict serialised as
+//!   Python's `json.dumps(fields, sort_keys=True, separators=(",", ":"))` writes it (ASCII only,
+//!   non-ASCII escaped as `\uXXXX`), sha256, first 12 hex digits.
+//! * [`namespace_digest`]: kvtier's own sha256 over a superset: the vLLM fields plus the KV
+//!   memory layout (also on the direct path, where vLLM omits it), the page encoding and head
+//!   grid, `row_stride`, the model revision and the format versions. The G3 superblock stores
+//!   these 32 bytes and refuses a mismatch.
+
+use std::fmt::Write as _;
+
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+
+use crate::canonical::descriptor::{CANONICAL_FORMAT_VERSION, LayoutDescriptor};
+use crate::error::{Error, ErrorKind, Result};
+
+/// Version of kvtier's namespace field set; bump when its meaning changes.
+pub const NAMESPACE_VERSION: u32 = 1;
+
+/// One offloaded KV-cache group as the vLLM digest lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvCacheGroupFields {
+    /// DCP-adjusted tokens per block.
+    pub tokens_per_block: u32,
+    /// Layer names of the group.
+    pub layer_names: Vec<String>,
+}
+
+/// The inputs of vLLM's `FileMapper` digest (contract §8.4 field table).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VllmDigestFields {
+    /// `config.model.name`.
+    pub model_name: String,
+    /// `config.cache.tokens_per_hash`.
+    pub tokens_per_hash: u32,
+    /// `blocks_per_file` (fs / obj / p2p pass `blocks_per_chunk`).
+    pub blocks_per_file: u32,
+    /// TP size (forced to 1 in the JSON when parallel-agnostic).
+    pub tp_size: u32,
+    /// PP size (forced to 1 when parallel-agnostic).
+    pub pp_size: u32,
+    /// PCP size (forced to 1 when parallel-agnostic).
+    pub pcp_size: u32,
+    /// DCP size (forced to 1 when parallel-agnostic).
+    pub dcp_size: u32,
+    /// KV cache dtype without a `torch.` prefix.
+    pub dtype: String,
+    /// Offloaded groups.
+    pub kv_cache_groups: Vec<KvCacheGroupFields>,
+    /// Whether the namespace is parallel-agnostic (`parallel_agnostic: false` otherwise).
+    pub parallel_agnostic: bool,
+    /// Replicated layout (`replicated_layout: true` only when also parallel-agnostic).
+    pub replicated_layout: bool,
+    /// `canonical_format` (e.g. `v1-nhd`) when the canonical layout is on.
+    pub canonical_format: Option<String>,
+}
+
+impl VllmDigestFields {
+    /// The field dict exactly as vLLM builds it.
+    pub fn to_json(&self) -> Value {
+        let one = |v: u32| if self.parallel_agnostic { 1 } else { v };
+        let groups: Vec<Value> = self
+            .kv_cache_groups
+            .iter()
+            .map(|g| json!({"tokens_per_block": g.tokens_per_block, "layer_names": g.layer_names}))
+            .collect();
+        let mut m = Map::new();
+        m.insert("model_name".into(), json!(self.model_name));
+        m.insert("tokens_per_hash".into(), json!(self.tokens_per_hash));
+        m.insert("blocks_per_file".into(), json!(self.blocks_per_file));
+        m.insert("tp_size".into(), json!(one(self.tp_size)));
+        m.insert("pp_size".into(), json!(one(self.pp_size)));
+        m.insert("pcp_size".into(), json!(one(self.pcp_size)));
+        m.insert("dcp_size".into(), json!(one(self.dcp_size)));
+        m.insert("dtype".into(), json!(self.dtype));
+        m.insert("kv_cache_groups".into(), Value::Array(groups));
+        m.insert("inference_engine".into(), json!("vllm"));
+        if !self.parallel_agnostic {
+            m.insert("parallel_agnostic".into(), json!(false));
+        }
+        if self.parallel_agnostic && self.replicated_layout {
+            m.insert("replicated_layout".into(), json!(true));
+        }
+        if let Some(f) = &self.canonical_format {
+            m.insert("canonical_format".into(), json!(f));
+        }
+        Value::Object(m)
+    }
+
+    /// The fields vLLM would hash for `desc` under `params` (single KV-cache group of all
+    /// layers, PP = PCP = DCP = 1). Parallel-agnostic as vLLM decides it (§8.3/§8.4): canonical
+    /// with every layer portable, or the direct-path static claim (plain attention with heads
+    /// split exactly), or a replicated layout.
+    pub fn from_descriptor(desc: &LayoutDescriptor, params: &NamespaceParams) -> Self {
+        VllmDigestFields {
+            model_name: desc.model_name.clone(),
+            tokens_per_hash: desc.tokens_per_hash(),
+            blocks_per_file: params.blocks_per_chunk,
+            tp_size: params.tp,
+            pp_size: 1,
+            pcp_size: 1,
+            dcp_size: 1,
+            dtype: desc.dtype.clone(),
+            kv_cache_groups: vec![KvCacheGroupFields {
+                tokens_per_block: desc.tokens_per_block,
+                layer_names: desc.layer_names(),
+            }],
+            parallel_agnostic: vllm_parallel_agnostic(desc, params),
+            replicated_layout: params.replicated_layout,
+            canonical_format: params
+                .canonical
+                .then(|| desc.kv_layout.canonical_format_id()),
+        }
+    }
+}
+
+/// vLLM's decision whether the storage namespace is parallel-agnostic (see
+/// [`VllmDigestFields::from_descriptor`]). Note that on the direct path vLLM 0.33.0 claims
+/// agnosticism for exactly-split heads even though the row bytes differ by TP size; kvtier's
+/// [`namespace_digest`] always adds the topology on the direct path.
+pub fn vllm_parallel_agnostic(desc: &LayoutDescriptor, params: &NamespaceParams) -> bool {
+    if params.replicated_layout {
+        return true;
+    }
+    if params.canonical {
+        params.all_layers_portable
+    } else {
+        !desc.is_mla() && params.tp > 0 && desc.total_kv_heads().is_multiple_of(params.tp)
+    }
+}
+
+/// vLLM's digest: the 12 hex digits and the exact JSON object that was hashed.
+pub fn vllm_digest(fields: &VllmDigestFields) -> (String, Value) {
+    let value = fields.to_json();
+    (vllm_digest_of_value(&value), value)
+}
+
+/// vLLM's digest of an arbitrary field object.
+pub fn vllm_digest_of_value(fields: &Value) -> String {
+    let text = python_json_dumps(fields);
+    let hash = Sha256::digest(text.as_bytes());
+    hex::encode(hash)[..12].to_string()
+}
+
+/// `json.dumps(value, sort_keys=True, separators=(",", ":"))` with Python's defaults
+/// (`ensure_ascii=True`): keys sorted by code point, no spaces, every character outside
+/// printable ASCII escaped as lower-case `\uXXXX` (astral characters as surrogate pairs).
+/// Floats use Python's `repr` rules for the common cases (`1.0`, `0.5`, `1e+16`).
+pub fn python_json_dumps(value: &Value) -> String {
+    let mut out = String::new();
+    write_value(&mut out, value);
+    out
+}
+
+fn write_value(out: &mut String, value: &Value) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                let _ = write!(out, "{i}");
+            } else if let Some(u) = n.as_u64() {
+                let _ = write!(out, "{u}");
+            } else if let Some(f) = n.as_f64() {
+                out.push_str(&python_float_repr(f));
+            }
+        }
+        Value::String(s) => write_string(out, s),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_value(out, v);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            // Python sorts str keys by code point; UTF-8 byte order is the same order.
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_string(out, k);
+                out.push(':');
+                write_value(out, &map[k.as_str()]);
+            }
+            out.push('}');
+        }
+    }
+}
+
+fn write_string(out: &mut String, s: &str) {
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            ' '..='~' => out.push(ch),
+            _ => {
+                let mut units = [0u16; 2];
+                for u in ch.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{u:04x}");
+                }
+            }
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `repr(float)` for finite values (shortest round-trip digits; exponent form below
+/// 1e-4 and from 1e16). Non-finite values print as Python's `NaN` / `Infinity`.
+fn python_float_repr(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
+    }
+    let abs = f.abs();
+    if abs != 0.0 && !(1e-4..1e16).contains(&abs) {
+        // Rust's `{:e}` is shortest round-trip too: `1e16`, `1.5e-5`; Python writes `1e+16`,
+        // `1.5e-05` (sign always, at least two exponent digits).
+        let s = format!("{f:e}");
+        let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+        let (sign, digits) = match exp.strip_prefix('-') {
+            Some(d) => ('-', d),
+            None => ('+', exp),
+        };
+        return format!("{mantissa}e{sign}{digits:0>2}");
+    }
+    let s = format!("{f:?}");
+    if s.contains('.') || s.contains('e') {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+/// Inputs of kvtier's namespace besides the descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NamespaceParams {
+    /// TP size.
+    pub tp: u32,
+    /// Blocks per chunk (vLLM's `blocks_per_file`).
+    pub blocks_per_chunk: u32,
+    /// Row stride of the primary rows (and G3 slots).
+    pub row_stride: u64,
+    /// Whether chunks are stored in the canonical layout.
+    pub canonical: bool,
+    /// Whether every layer's mapping is parallelism-agnostic (from validation).
+    pub all_layers_portable: bool,
+    /// Whether the row holds one copy instead of one per worker (MLA).
+    pub replicated_layout: bool,
+}
+
+impl NamespaceParams {
+    /// Parameters for `desc` at TP `tp` with vLLM's row sizing: replicated layout for MLA
+    /// (canonical, or direct with TP > 1), `row_stride` from [`LayoutDescriptor::vllm_row_stride`],
+    /// and portability from the descriptor's layout (certified layouts are portable).
+    pub fn new(
+        desc: &LayoutDescriptor,
+        tp: u32,
+        blocks_per_chunk: u32,
+        canonical: bool,
+    ) -> Result<Self> {
+        desc.check_tp(tp)?;
+        let replicated_layout = desc.is_mla() && (canonical || tp > 1);
+        let row_stride = desc.vllm_row_stride(tp, blocks_per_chunk, replicated_layout)?;
+        Ok(NamespaceParams {
+            tp,
+            blocks_per_chunk,
+            row_stride,
+            canonical,
+            all_layers_portable: canonical && desc.kv_layout.is_certifiable(),
+            replicated_layout,
+        })
+    }
+}
+
+/// kvtier's namespace field object (serialised like the vLLM digest, then sha256).
+pub fn namespace_fields(desc: &LayoutDescriptor, params: &NamespaceParams) -> Value {
+    let (vllm_hex, vllm_fields) = vllm_digest(&VllmDigestFields::from_descriptor(desc, params));
+    let mut m = Map::new();
+    m.insert("kvtier_namespace_version".into(), json!(NAMESPACE_VERSION));
+    m.insert("vllm_fields".into(), vllm_fields);
+    m.insert("vllm_digest".into(), json!(vllm_hex));
+    if let Some(rev) = &desc.revision {
+        m.insert("model_revision".into(), json!(rev));
+    }
+    m.insert(
+        "attention".into(),
+        serde_json::to_value(desc.attention).unwrap_or(Value::Null),
+    );
+    m.insert("num_layers".into(), json!(desc.num_layers));
+    m.insert("kv_cache_layout".into(), json!(desc.kv_layout.as_str()));
+    m.insert("kv_split".into(), json!(desc.split().as_str()));
+    m.insert("element_size".into(), json!(desc.element_size()));
+    m.insert("tokens_per_block".into(), json!(desc.tokens_per_block));
+    m.insert("num_kv_heads".into(), json!(desc.num_kv_heads));
+    m.insert("head_dim".into(), json!(desc.head_dim));
+    m.insert("kv_lora_rank".into(), json!(desc.kv_lora_rank));
+    m.insert("qk_rope_head_dim".into(), json!(desc.qk_rope_head_dim));
+    m.insert(
+        "canonical_page_bytes".into(),
+        json!(desc.canonical_page_size()),
+    );
+    m.insert("row_stride".into(), json!(params.row_stride));
+    m.insert("blocks_per_chunk".into(), json!(params.blocks_per_chunk));
+    let storage = if params.canonical {
+        "canonical"
+    } else {
+        "direct"
+    };
+    m.insert("storage".into(), json!(storage));
+    if params.canonical {
+        m.insert(
+            "canonical_format".into(),
+            json!(desc.kv_layout.canonical_format_id()),
+        );
+        m.insert(
+            "canonical_format_version".into(),
+            json!(CANONICAL_FORMAT_VERSION),
+        );
+    }
+    // One namespace for every topology only when the bytes really are topology-free.
+    if !(params.canonical && params.all_layers_portable) {
+        m.insert(
+            "topology".into(),
+            json!({"tp": params.tp, "pp": 1, "pcp": 1, "dcp": 1}),
+        );
+    }
+    Value::Object(m)
+}
+
+/// kvtier's namespace digest: sha256 of [`namespace_fields`] serialised like vLLM's digest.
+pub fn namespace_digest(desc: &LayoutDescriptor, params: &NamespaceParams) -> [u8; 32] {
+    let text = python_json_dumps(&namespace_fields(desc, params));
+    Sha256::digest(text.as_bytes()).into()
+}
+
+/// [`namespace_digest`] as 64 lower-case hex digits.
+pub fn namespace_hex(desc: &LayoutDescriptor, params: &NamespaceParams) -> String {
+    hex::encode(namespace_digest(desc, params))
+}
+
+/// Refuses stored data whose namespace differs from the current one. `what` names the store
+/// (a path or tier) for the message.
+pub fn check_namespace(what: &str, stored: &[u8; 32], current: &[u8; 32]) -> Result<()> {
+    if stored == current {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::IncompatibleLayout,
+        format!(
+            "{what}: stored KV data was written under another layout namespace (model, dtype, block size, KV layout, row stride or topology differ); refusing to load it"
+        ),
+    )
+    .with("expected", hex::encode(current))
+    .with("found", hex::encode(stored)))
+}
