@@ -13,6 +13,7 @@ pub mod http;
 pub mod kvtier_workload;
 pub mod output;
 pub mod plot;
+pub mod serve_loop;
 pub mod size;
 pub mod stats;
 
