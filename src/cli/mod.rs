@@ -6,6 +6,7 @@
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
 pub mod config_cmd;
+pub mod bench_data;
 pub mod fio;
 pub mod fio_compare;
 pub mod fio_files;
