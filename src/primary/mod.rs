@@ -1,1 +1,399 @@
-//! The CPU primary tier: slots over the primary region's rows, ref counts and eviction.
+//! The CPU primary tier: slots over the primary region's rows, ref counts and eviction, with
+//! the semantics of vLLM 0.33.0's `CPUPrimaryTierOffloadingManager` (contract section 5).
+//!
+//! Each row of the [`PrimaryRegion`] is a slot. A resident slot holds one [`ChunkKey`] and a
+//! `ref_cnt`: -1 while its write is in flight (lookup answers `HitPending`, not evictable), 0
+//! when ready (`Hit`, evictable), N > 0 while N readers hold it pinned (`Hit`, not evictable).
+//! Which ready slot to evict is the [`EvictionPolicy`]'s choice (LRU or ARC).
+//!
+//! Every operation costs O(1) per key (eviction amortised O(1) per victim; see
+//! [`policy`]), except [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`],
+//! which are O(capacity). Nothing allocates per resident chunk after construction: memory
+//! is fixed by the capacity (see [`PrimaryTier::memory_footprint`]).
+//!
+//! Keys are opaque byte strings. Calls that would unbalance a ref count (`complete_load` on an
+//! unpinned key, `prepare_load` on a missing or in-flight key...) return
+//! [`ErrorKind::Contract`] and change nothing; they never panic.
+
+mod index;
+mod pins;
+pub mod policy;
+mod requests;
+mod slots;
+mod store;
+
+use std::sync::Arc;
+
+use crate::config::model::EvictionPolicyKind;
+use crate::error::{Error, ErrorKind, Result};
+use crate::key::ChunkKey;
+use crate::region::PrimaryRegion;
+use crate::tiering::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
+
+use index::{IndexTable, KeyHasher};
+use policy::{EvictionPolicy, PolicyStats, build_policy};
+use requests::{Commit, RequestLog};
+use slots::{IN_FLIGHT, SlotTable};
+
+pub use store::PrepareStoreOutput;
+
+/// Occupancy of the primary tier, in slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrimaryUsage {
+    /// Number of slots (rows).
+    pub total: usize,
+    /// Resident slots (ready, pinned or in flight).
+    pub used: usize,
+    /// Slots pinned by readers (`ref_cnt > 0`).
+    pub pinned_for_read: usize,
+    /// Slots reserved for a write in flight (`ref_cnt == -1`).
+    pub reserved_for_write: usize,
+}
+
+/// Running totals since construction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrimaryCounters {
+    /// Stores refused because too few slots could be evicted (`prepare_store` -> `None`).
+    pub stores_refused: u64,
+    /// Keys evicted to make room.
+    pub evicted: u64,
+    /// Keys published by a successful `complete_store`.
+    pub stored: u64,
+    /// Keys released by a failed `complete_store`.
+    pub store_failures: u64,
+    /// Keys dropped by `reset_cache`.
+    pub reset_dropped: u64,
+    /// Calls (or keys) that broke the protocol and were ignored or refused.
+    pub contract_violations: u64,
+}
+
+/// Heap bytes of the tier's fixed structures (key allocations and request records excluded).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryFootprint {
+    /// Number of slots.
+    pub slots: usize,
+    /// Slot table (key handle and `ref_cnt`: 24 bytes per slot).
+    pub slot_table_bytes: usize,
+    /// Key index buckets.
+    pub index_bytes: usize,
+    /// Eviction policy (links, state, ARC ghosts).
+    pub policy_bytes: usize,
+}
+
+impl MemoryFootprint {
+    /// Sum of the parts.
+    pub fn total_bytes(&self) -> usize {
+        self.slot_table_bytes + self.index_bytes + self.policy_bytes
+    }
+
+    /// Bytes per slot, when every slot is resident; the key's own heap allocation (a shared
+    /// `Arc<[u8]>`: 16 bytes of counts plus the key bytes, rounded up by the allocator)
+    /// comes on top.
+    pub fn bytes_per_chunk(&self) -> f64 {
+        self.total_bytes() as f64 / self.slots.max(1) as f64
+    }
+}
+
+/// The CPU primary tier manager. `Send`; one owner (the tiering manager) drives it.
+#[derive(Debug)]
+pub struct PrimaryTier {
+    region: Arc<PrimaryRegion>,
+    slots: SlotTable,
+    index: IndexTable,
+    hasher: KeyHasher,
+    policy: Box<dyn EvictionPolicy>,
+    events_enabled: bool,
+    events: Vec<OffloadingEvent>,
+    requests: RequestLog,
+    pinned: usize,
+    in_flight: usize,
+    counters: PrimaryCounters,
+    victims: Vec<u32>,
+}
+
+/// The largest number of slots a tier manages (slot ids are `u32`, `u32::MAX` is reserved).
+pub const MAX_CHUNKS: usize = u32::MAX as usize - 1;
+
+fn contract_error(op: &str, key: &ChunkKey, what: impl std::fmt::Display) -> Error {
+    Error::new(ErrorKind::Contract, format!("{op}: chunk key {key} {what}"))
+        .with("key", key.to_hex())
+}
+
+impl PrimaryTier {
+    /// A tier over every row of `region` (`num_chunks = region.num_rows()`, at most
+    /// [`MAX_CHUNKS`]; rows beyond that are left unused with a warning) with the named
+    /// policy. `enable_events` turns on stored/removed events ([`PrimaryTier::take_events`]).
+    pub fn new(
+        region: Arc<PrimaryRegion>,
+        policy: EvictionPolicyKind,
+        enable_events: bool,
+    ) -> Self {
+        let n = Self::capacity_for(&region);
+        Self::build(region, build_policy(policy, n), enable_events)
+    }
+
+    /// A tier with a caller-supplied policy, which must have been built for
+    /// `min(region.num_rows(), MAX_CHUNKS)` slots.
+    pub fn with_policy(
+        region: Arc<PrimaryRegion>,
+        policy: Box<dyn EvictionPolicy>,
+        enable_events: bool,
+    ) -> Result<Self> {
+        let n = Self::capacity_for(&region);
+        if policy.capacity() != n {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "eviction policy {} was built for {} slots but the region has {n} rows",
+                    policy.name(),
+                    policy.capacity()
+                ),
+            )
+            .with("expected", n.to_string())
+            .with("found", policy.capacity().to_string()));
+        }
+        Ok(Self::build(region, policy, enable_events))
+    }
+
+    fn capacity_for(region: &PrimaryRegion) -> usize {
+        let rows = region.num_rows();
+        if rows > MAX_CHUNKS {
+            log::warn!(
+                "primary region has {rows} rows; the primary tier manages only the first {MAX_CHUNKS}"
+            );
+        }
+        rows.min(MAX_CHUNKS)
+    }
+
+    fn build(region: Arc<PrimaryRegion>, policy: Box<dyn EvictionPolicy>, events: bool) -> Self {
+        let n = policy.capacity();
+        PrimaryTier {
+            region,
+            slots: SlotTable::new(n),
+            index: IndexTable::with_capacity(n),
+            hasher: KeyHasher::random(),
+            policy,
+            events_enabled: events,
+            events: Vec::new(),
+            requests: RequestLog::default(),
+            pinned: 0,
+            in_flight: 0,
+            counters: PrimaryCounters::default(),
+            victims: Vec::new(),
+        }
+    }
+
+    /// Number of slots (rows).
+    pub fn num_chunks(&self) -> usize {
+        self.slots.capacity()
+    }
+
+    /// The region whose rows the slots name.
+    pub fn region(&self) -> &Arc<PrimaryRegion> {
+        &self.region
+    }
+
+    /// The policy's name (`"lru"`, `"arc"`).
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    #[inline]
+    fn hash(&self, key: &ChunkKey) -> u64 {
+        self.hasher.hash(key.as_bytes())
+    }
+
+    #[inline]
+    fn find_hashed(&self, hash: u64, key: &ChunkKey) -> Option<u32> {
+        let slots = &self.slots;
+        self.index
+            .find(hash, |id| slots.get(id).key.as_ref() == Some(key))
+    }
+
+    #[inline]
+    fn find(&self, key: &ChunkKey) -> Option<u32> {
+        self.find_hashed(self.hash(key), key)
+    }
+
+    /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
+    pub fn lookup(&self, key: &ChunkKey) -> LookupResult {
+        match self.find(key) {
+            None => LookupResult::Miss,
+            Some(id) if self.slots.get(id).ref_cnt == IN_FLIGHT => LookupResult::HitPending,
+            Some(_) => LookupResult::Hit,
+        }
+    }
+
+    /// The slot (row) holding `key`, in any state.
+    pub fn chunk_id(&self, key: &ChunkKey) -> Option<u32> {
+        self.find(key)
+    }
+
+    /// `key`'s `ref_cnt` (-1 in flight, 0 ready, N pinned), if resident.
+    pub fn ref_count(&self, key: &ChunkKey) -> Option<i32> {
+        self.find(key).map(|id| self.slots.get(id).ref_cnt)
+    }
+
+    /// Removes resident slot `id` from the index and frees it; the policy must already have
+    /// forgotten it. Returns its key.
+    fn release_slot(&mut self, id: u32) -> Option<ChunkKey> {
+        let key = self.slots.get(id).key.clone()?;
+        let hash = self.hash(&key);
+        let (slots, hasher) = (&self.slots, &self.hasher);
+        self.index.remove(hash, id, |other| {
+            slots
+                .get(other)
+                .key
+                .as_ref()
+                .map_or(0, |k| hasher.hash(k.as_bytes()))
+        });
+        self.slots.release(id)
+    }
+
+    fn push_event(&mut self, keys: Vec<ChunkKey>, removed: bool, metadata_only: bool) {
+        if !self.events_enabled || keys.is_empty() {
+            return;
+        }
+        self.events.push(OffloadingEvent {
+            keys,
+            medium: Medium::Cpu,
+            removed,
+            locality: None,
+            ownership: None,
+            removal_expected: false,
+            metadata_only,
+        });
+    }
+
+    /// Moves `keys` to the most recent end right away (applied tail before head, so `keys[0]`
+    /// ends up most recent); under ARC this counts as reuse. Absent keys are ignored.
+    pub fn touch(&mut self, keys: &[ChunkKey]) {
+        for key in keys.iter().rev() {
+            if let Some(id) = self.find(key) {
+                self.policy.touch(id);
+            }
+        }
+    }
+
+    /// Commits the recency recorded for `req` (its loads, and the ready keys its stores
+    /// offered again, as reuse; its own insertions as recency only), tail before head, and
+    /// forgets the record. Keys no longer resident are skipped.
+    pub fn on_request_finished(&mut self, req: &RequestContext) {
+        for (key, commit) in self.requests.take_commit_plan(&req.req_id) {
+            if let Some(id) = self.find(&key) {
+                match commit {
+                    Commit::Touch => self.policy.touch(id),
+                    Commit::Refresh => self.policy.refresh(id),
+                }
+            }
+        }
+    }
+
+    /// Requests with recorded accesses not yet committed by `on_request_finished`.
+    pub fn open_requests(&self) -> usize {
+        self.requests.open_requests()
+    }
+
+    /// Events since the last call (medium CPU, no ownership, no locality); empty unless
+    /// events were enabled.
+    pub fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Occupancy now.
+    pub fn usage(&self) -> PrimaryUsage {
+        PrimaryUsage {
+            total: self.slots.capacity(),
+            used: self.slots.resident(),
+            pinned_for_read: self.pinned,
+            reserved_for_write: self.in_flight,
+        }
+    }
+
+    /// Running totals.
+    pub fn counters(&self) -> PrimaryCounters {
+        self.counters
+    }
+
+    /// The policy's sizes (ARC lists and target included).
+    pub fn policy_stats(&self) -> PolicyStats {
+        self.policy.stats()
+    }
+
+    /// Heap bytes of the fixed structures.
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        MemoryFootprint {
+            slots: self.slots.capacity(),
+            slot_table_bytes: self.slots.heap_bytes(),
+            index_bytes: self.index.heap_bytes(),
+            policy_bytes: self.policy.heap_bytes(),
+        }
+    }
+
+    /// Drops every ready, unpinned entry (`ref_cnt == 0`) and returns how many. Pinned
+    /// entries (`ref_cnt > 0`) and writes in flight (`ref_cnt == -1`) stay, with their slots,
+    /// so outstanding `complete_load` / `complete_read` / `complete_store` calls still
+    /// balance. Dropped keys produce one removal event (not `metadata_only`: they were
+    /// published). The policy's history (ARC ghosts and target) is cleared; request records
+    /// stay and skip keys that are gone. O(capacity).
+    pub fn reset_cache(&mut self) -> usize {
+        let ready: Vec<u32> = self
+            .slots
+            .iter_resident()
+            .filter(|(_, _, r)| *r == 0)
+            .map(|(id, _, _)| id)
+            .collect();
+        let mut dropped = Vec::with_capacity(ready.len());
+        for id in ready {
+            self.policy.remove(id);
+            if let Some(key) = self.release_slot(id) {
+                dropped.push(key);
+            }
+        }
+        self.policy.reset_history();
+        let n = dropped.len();
+        self.counters.reset_dropped += n as u64;
+        self.push_event(dropped, true, false);
+        n
+    }
+
+    /// Checks every internal invariant (index, slots, counters, policy). O(capacity); for
+    /// tests and diagnostics. The error names the first broken invariant.
+    pub fn check_consistency(&self) -> Result<()> {
+        let fail = |msg: String| Err(Error::new(ErrorKind::Internal, msg));
+        if let Err(e) = self.slots.check_free_list() {
+            return fail(e);
+        }
+        if let Err(e) = self.policy.check_consistency() {
+            return fail(e);
+        }
+        let (mut pinned, mut in_flight, mut ready, mut resident) = (0, 0, 0, 0);
+        for (id, key, r) in self.slots.iter_resident() {
+            resident += 1;
+            match r {
+                IN_FLIGHT => in_flight += 1,
+                0 => ready += 1,
+                r if r > 0 => pinned += 1,
+                r => return fail(format!("slot {id} has ref_cnt {r}")),
+            }
+            if self.find(key) != Some(id) {
+                return fail(format!("key {key} of slot {id} is not indexed to it"));
+            }
+        }
+        let stats = self.policy.stats();
+        let checks = [
+            ("index entries", self.index.len(), resident),
+            ("resident counter", self.slots.resident(), resident),
+            ("pinned counter", self.pinned, pinned),
+            ("in-flight counter", self.in_flight, in_flight),
+            ("policy entries", stats.resident, resident),
+            ("policy evictable", stats.evictable, ready),
+        ];
+        for (what, have, want) in checks {
+            if have != want {
+                return fail(format!("{what} is {have} but {want} slots qualify"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,123 @@
+//! Pinning rows for readers: `prepare_load` / `complete_load` (GPU loads, with a request
+//! access) and `prepare_read` / `complete_read` (cascades and peer pins, recency untouched).
+//!
+//! Every call is all-or-nothing: it validates every key first and returns
+//! [`ErrorKind::Contract`](crate::error::ErrorKind::Contract) naming the first bad key
+//! without changing anything.
+
+use crate::error::Result;
+use crate::key::ChunkKey;
+use crate::tiering::job::RequestContext;
+
+use super::requests::Access;
+use super::slots::IN_FLIGHT;
+use super::{PrimaryTier, contract_error};
+
+impl PrimaryTier {
+    /// Pins `keys` for a GPU load (`ref_cnt += 1` each; a key listed twice is pinned twice)
+    /// and records the access for `req` (committed by `on_request_finished`). Every key must
+    /// be resident and ready. Returns the rows, parallel to `keys`.
+    pub fn prepare_load(&mut self, keys: &[ChunkKey], req: &RequestContext) -> Result<Vec<u32>> {
+        let ids = self.pin(keys, "prepare_load")?;
+        self.requests.record(&req.req_id, keys, Access::Reused);
+        Ok(ids)
+    }
+
+    /// Unpins `keys` after a GPU load (`ref_cnt -= 1` each). Every key must be pinned (as
+    /// many times as it is listed).
+    pub fn complete_load(&mut self, keys: &[ChunkKey]) -> Result<()> {
+        self.unpin(keys, "complete_load")
+    }
+
+    /// Pins `keys` for a secondary tier to read (a cascade store or a peer pin) without
+    /// touching recency. Every key must be resident and ready. Returns the rows.
+    pub fn prepare_read(&mut self, keys: &[ChunkKey]) -> Result<Vec<u32>> {
+        self.pin(keys, "prepare_read")
+    }
+
+    /// Unpins `keys` after a secondary tier read them.
+    pub fn complete_read(&mut self, keys: &[ChunkKey]) -> Result<()> {
+        self.unpin(keys, "complete_read")
+    }
+
+    fn pin(&mut self, keys: &[ChunkKey], op: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::with_capacity(keys.len());
+        for key in keys {
+            let Some(id) = self.find(key) else {
+                self.counters.contract_violations += 1;
+                return Err(contract_error(op, key, "is not in the primary tier"));
+            };
+            let r = self.slots.get(id).ref_cnt;
+            if r == IN_FLIGHT {
+                self.counters.contract_violations += 1;
+                return Err(contract_error(
+                    op,
+                    key,
+                    "is not ready (its write is in flight)",
+                ));
+            }
+            // Conservative: even if every listed key were this one, no overflow.
+            if i64::from(r) + keys.len() as i64 > i64::from(i32::MAX) {
+                self.counters.contract_violations += 1;
+                return Err(contract_error(op, key, format!("has too many pins ({r})")));
+            }
+            ids.push(id);
+        }
+        for &id in &ids {
+            let slot = self.slots.get_mut(id);
+            slot.ref_cnt += 1;
+            if slot.ref_cnt == 1 {
+                self.pinned += 1;
+                self.policy.mark_non_evictable(id);
+            }
+        }
+        Ok(ids)
+    }
+
+    fn unpin(&mut self, keys: &[ChunkKey], op: &str) -> Result<()> {
+        // Phase 1: decrement the counts only, undoing them if a key is not pinned.
+        let mut ids = Vec::with_capacity(keys.len());
+        let mut failure = None;
+        for key in keys {
+            match self.find(key) {
+                Some(id) if self.slots.get(id).ref_cnt > 0 => {
+                    self.slots.get_mut(id).ref_cnt -= 1;
+                    ids.push(id);
+                }
+                Some(id) => {
+                    let r = self.slots.get(id).ref_cnt;
+                    let state = if r == IN_FLIGHT {
+                        "is not pinned (its write is in flight)".to_string()
+                    } else {
+                        format!("is not pinned (ref_cnt {r} after the earlier keys of this call)")
+                    };
+                    failure = Some(contract_error(op, key, state));
+                    break;
+                }
+                None => {
+                    failure = Some(contract_error(op, key, "is not in the primary tier"));
+                    break;
+                }
+            }
+        }
+        if let Some(err) = failure {
+            for &id in &ids {
+                self.slots.get_mut(id).ref_cnt += 1;
+            }
+            self.counters.contract_violations += 1;
+            return Err(err);
+        }
+        // Phase 2: the slots that reached 0 (each exactly once) become evictable.
+        for &id in &ids {
+            if self.slots.get(id).ref_cnt == 0 {
+                // `mark_evictable` is idempotent; count each slot once.
+                let before = self.policy.num_evictable();
+                self.policy.mark_evictable(id);
+                if self.policy.num_evictable() != before {
+                    self.pinned -= 1;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,239 @@
+//! ARC's ghost lists B1 and B2: fingerprints of recently evicted keys, bounded in total by the
+//! cache capacity, preallocated, O(1) per operation.
+//!
+//! A ghost is a 64-bit fingerprint of the key (not the key), so ghosts cost 17 bytes each
+//! plus their index bucket and keep no key bytes alive. Two keys with the same fingerprint
+//! would share a ghost; with 64-bit fingerprints and at most `capacity` ghosts this is
+//! vanishingly rare, and it could only steer the adaptive target, never what is stored.
+
+use super::list::{Link, List, NIL, new_links};
+use crate::primary::index::IndexTable;
+
+/// Which ghost list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ghost {
+    /// Evicted from T1.
+    B1,
+    /// Evicted from T2.
+    B2,
+}
+
+const FREE: u8 = 0;
+const IN_B1: u8 = 1;
+const IN_B2: u8 = 2;
+
+#[derive(Debug)]
+pub(crate) struct GhostLists {
+    fps: Box<[u64]>,
+    links: Box<[Link]>,
+    which: Box<[u8]>,
+    b1: List,
+    b2: List,
+    /// Unused ghost nodes, chained through `links[..].next`.
+    free_head: u32,
+    index: IndexTable,
+}
+
+impl GhostLists {
+    /// Room for `capacity` ghosts in total.
+    pub(crate) fn new(capacity: usize) -> Self {
+        let mut g = GhostLists {
+            fps: vec![0u64; capacity].into_boxed_slice(),
+            links: new_links(capacity),
+            which: vec![FREE; capacity].into_boxed_slice(),
+            b1: List::default(),
+            b2: List::default(),
+            free_head: NIL,
+            index: IndexTable::with_capacity(capacity),
+        };
+        g.rebuild_free_chain();
+        g
+    }
+
+    fn rebuild_free_chain(&mut self) {
+        self.free_head = NIL;
+        for i in (0..self.fps.len() as u32).rev() {
+            self.links[i as usize] = Link {
+                prev: NIL,
+                next: self.free_head,
+            };
+            self.free_head = i;
+        }
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.fps.len()
+    }
+
+    pub(crate) fn len(&self, g: Ghost) -> usize {
+        match g {
+            Ghost::B1 => self.b1.len(),
+            Ghost::B2 => self.b2.len(),
+        }
+    }
+
+    pub(crate) fn total(&self) -> usize {
+        self.b1.len() + self.b2.len()
+    }
+
+    fn find(&self, fp: u64) -> Option<u32> {
+        let fps = &self.fps;
+        self.index.find(fp, |id| fps[id as usize] == fp)
+    }
+
+    /// Removes the ghost of `fp`, saying which list held it.
+    pub(crate) fn take(&mut self, fp: u64) -> Option<Ghost> {
+        let id = self.find(fp)?;
+        let g = self.remove_id(id);
+        Some(g)
+    }
+
+    fn remove_id(&mut self, id: u32) -> Ghost {
+        let g = if self.which[id as usize] == IN_B1 {
+            self.b1.unlink(&mut self.links, id);
+            Ghost::B1
+        } else {
+            self.b2.unlink(&mut self.links, id);
+            Ghost::B2
+        };
+        let fps = &self.fps;
+        self.index
+            .remove(fps[id as usize], id, |other| fps[other as usize]);
+        self.which[id as usize] = FREE;
+        self.links[id as usize] = Link {
+            prev: NIL,
+            next: self.free_head,
+        };
+        self.free_head = id;
+        g
+    }
+
+    /// Drops the least recent ghost of `g`; false if that list is empty.
+    pub(crate) fn pop_lru(&mut self, g: Ghost) -> bool {
+        let list = match g {
+            Ghost::B1 => &self.b1,
+            Ghost::B2 => &self.b2,
+        };
+        match list.back() {
+            Some(id) => {
+                self.remove_id(id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Adds `fp` as the most recent ghost of `g`. When every ghost node is in use the least
+    /// recent ghost of B2 (or of B1 if B2 is empty) makes room, so the total never exceeds
+    /// the capacity. An existing ghost with the same fingerprint is replaced.
+    pub(crate) fn push(&mut self, g: Ghost, fp: u64) {
+        if self.capacity() == 0 {
+            return;
+        }
+        if let Some(id) = self.find(fp) {
+            self.remove_id(id);
+        }
+        if self.free_head == NIL && !self.pop_lru(Ghost::B2) {
+            self.pop_lru(Ghost::B1);
+        }
+        let id = self.free_head;
+        if id == NIL {
+            return;
+        }
+        self.free_head = self.links[id as usize].next;
+        self.links[id as usize] = Link::UNLINKED;
+        self.fps[id as usize] = fp;
+        match g {
+            Ghost::B1 => {
+                self.b1.push_front(&mut self.links, id);
+                self.which[id as usize] = IN_B1;
+            }
+            Ghost::B2 => {
+                self.b2.push_front(&mut self.links, id);
+                self.which[id as usize] = IN_B2;
+            }
+        }
+        self.index.insert(fp, id);
+    }
+
+    /// Forgets every ghost.
+    pub(crate) fn clear(&mut self) {
+        self.b1.clear();
+        self.b2.clear();
+        self.which.fill(FREE);
+        self.index.clear();
+        self.rebuild_free_chain();
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.fps)
+            + std::mem::size_of_val(&*self.links)
+            + std::mem::size_of_val(&*self.which)
+            + self.index.heap_bytes()
+    }
+
+    pub(crate) fn check_consistency(&self) -> Result<(), String> {
+        let mut n = 0;
+        for (list, tag) in [(&self.b1, IN_B1), (&self.b2, IN_B2)] {
+            for id in list.iter(&self.links) {
+                n += 1;
+                if self.which[id as usize] != tag {
+                    return Err(format!("arc ghost {id} in the wrong list"));
+                }
+                if self.find(self.fps[id as usize]) != Some(id) {
+                    return Err(format!("arc ghost {id} missing from the ghost index"));
+                }
+            }
+        }
+        if n != self.total() || self.index.len() != n {
+            return Err(format!(
+                "arc ghosts: {n} linked, lengths {} + {}, index {}",
+                self.b1.len(),
+                self.b2.len(),
+                self.index.len()
+            ));
+        }
+        let mut free = 0;
+        let mut cur = self.free_head;
+        while cur != NIL {
+            free += 1;
+            if free > self.capacity() {
+                return Err("arc ghost free chain loops".into());
+            }
+            cur = self.links[cur as usize].next;
+        }
+        if free + n != self.capacity() {
+            return Err(format!(
+                "arc ghosts leak: {free} free + {n} used != {}",
+                self.capacity()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_by_capacity_and_take_finds_the_list() {
+        let mut g = GhostLists::new(3);
+        g.push(Ghost::B1, 10);
+        g.push(Ghost::B2, 20);
+        g.push(Ghost::B1, 11);
+        g.push(Ghost::B1, 12); // full: the B2 ghost makes room
+        assert_eq!((g.len(Ghost::B1), g.len(Ghost::B2)), (3, 0));
+        assert_eq!(g.take(20), None);
+        g.push(Ghost::B1, 13); // B2 empty: the oldest B1 ghost (10) goes
+        assert_eq!(g.take(10), None);
+        assert_eq!(g.take(11), Some(Ghost::B1));
+        g.push(Ghost::B2, 12); // replaces the B1 ghost of the same fingerprint
+        assert_eq!(g.take(12), Some(Ghost::B2));
+        assert_eq!(g.total(), 1);
+        g.check_consistency().unwrap();
+        g.clear();
+        assert_eq!(g.total(), 0);
+        g.check_consistency().unwrap();
+    }
+}

@@ -1,0 +1,219 @@
+//! Reserving and publishing rows: `prepare_store` / `complete_store` and their promotion
+//! aliases `prepare_write` / `complete_write` (contract sections 5.2 and 6.1).
+
+use std::collections::HashSet;
+
+use crate::key::ChunkKey;
+use crate::tiering::job::RequestContext;
+
+use super::PrimaryTier;
+use super::policy::Admission;
+use super::requests::Access;
+use super::slots::IN_FLIGHT;
+
+/// What `prepare_store` reserved.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrepareStoreOutput {
+    /// Keys that need writing, in the order offered (present keys and duplicates dropped).
+    pub keys_to_store: Vec<ChunkKey>,
+    /// Rows reserved for them (`ref_cnt == -1`), parallel to `keys_to_store`.
+    pub chunk_ids: Vec<u32>,
+    /// Keys evicted to make room.
+    pub evicted_keys: Vec<ChunkKey>,
+}
+
+/// Above this many new keys, duplicates are found with a hash set instead of a scan.
+const SMALL_BATCH: usize = 16;
+
+impl PrimaryTier {
+    /// Reserves rows for the keys of `keys` that are not resident.
+    ///
+    /// Keys already resident are not stored again: ready ones are recorded as reuse for
+    /// `req`, in-flight ones are ignored. When fewer slots than needed are free, ready
+    /// entries are evicted (never pinned or in-flight ones, never the ready keys of this very
+    /// store); if that cannot make enough room the store is refused with `None` and nothing
+    /// changes. Otherwise the new keys get rows with `ref_cnt = -1` (lookups answer
+    /// `HitPending`), evicted keys are reported (and produce one removal event), and an
+    /// output is returned, empty when there is nothing to store.
+    pub fn prepare_store(
+        &mut self,
+        keys: &[ChunkKey],
+        req: &RequestContext,
+    ) -> Option<PrepareStoreOutput> {
+        // 1. Classify without changing anything.
+        let mut new: Vec<(usize, u64)> = Vec::new();
+        let mut seen: Option<HashSet<&[u8]>> = None;
+        let mut reused: Vec<usize> = Vec::new();
+        let mut protected: Vec<u32> = Vec::new();
+        for (i, key) in keys.iter().enumerate() {
+            let hash = self.hash(key);
+            if let Some(id) = self.find_hashed(hash, key) {
+                match self.slots.get(id).ref_cnt {
+                    IN_FLIGHT => {}
+                    0 => {
+                        reused.push(i);
+                        protected.push(id);
+                    }
+                    _ => reused.push(i),
+                }
+                continue;
+            }
+            let dup = match &mut seen {
+                Some(set) => !set.insert(key.as_bytes()),
+                None => {
+                    let dup = new.iter().any(|&(j, h)| h == hash && keys[j] == *key);
+                    if !dup && new.len() >= SMALL_BATCH {
+                        let mut set: HashSet<&[u8]> =
+                            new.iter().map(|&(j, _)| keys[j].as_bytes()).collect();
+                        set.insert(key.as_bytes());
+                        seen = Some(set);
+                    }
+                    dup
+                }
+            };
+            if !dup {
+                new.push((i, hash));
+            }
+        }
+        protected.sort_unstable();
+        protected.dedup();
+
+        // 2. Refuse when eviction cannot make room.
+        let to_evict = new.len().saturating_sub(self.slots.free());
+        let evictable = self.policy.num_evictable().saturating_sub(protected.len());
+        if to_evict > evictable {
+            self.counters.stores_refused += 1;
+            return None;
+        }
+
+        // 3. Admit (ARC adapts its target on ghost hits), then evict atomically.
+        let admissions: Vec<Admission> = new.iter().map(|&(_, h)| self.policy.admit(h)).collect();
+        let mut victims = std::mem::take(&mut self.victims);
+        victims.clear();
+        if to_evict > 0 {
+            let (slots, hasher) = (&self.slots, &self.hasher);
+            let mut fingerprint = |id: u32| {
+                slots
+                    .get(id)
+                    .key
+                    .as_ref()
+                    .map_or(0, |k| hasher.hash(k.as_bytes()))
+            };
+            if !self
+                .policy
+                .evict(to_evict, &protected, &mut fingerprint, &mut victims)
+            {
+                log::error!(
+                    "primary tier: policy {} refused to evict {to_evict} of {evictable} \
+                     evictable entries; refusing the store",
+                    self.policy.name()
+                );
+                self.counters.stores_refused += 1;
+                self.victims = victims;
+                return None;
+            }
+        }
+        let mut evicted_keys = Vec::with_capacity(victims.len());
+        for &id in &victims {
+            if let Some(key) = self.release_slot(id) {
+                evicted_keys.push(key);
+            }
+        }
+        self.victims = victims;
+        self.counters.evicted += evicted_keys.len() as u64;
+
+        // 4. Allocate and insert with ref_cnt = -1.
+        let mut out = PrepareStoreOutput {
+            keys_to_store: Vec::with_capacity(new.len()),
+            chunk_ids: Vec::with_capacity(new.len()),
+            evicted_keys,
+        };
+        for (&(i, hash), adm) in new.iter().zip(admissions) {
+            let key = &keys[i];
+            let Some(id) = self.slots.alloc(key.clone()) else {
+                // Unreachable: the refusal check counted the room.
+                log::error!("primary tier: no free slot for {key} after eviction; skipped");
+                continue;
+            };
+            self.index.insert(hash, id);
+            self.policy.insert(id, adm);
+            self.in_flight += 1;
+            out.keys_to_store.push(key.clone());
+            out.chunk_ids.push(id);
+        }
+
+        self.requests.record(
+            &req.req_id,
+            reused.iter().map(|&i| &keys[i]),
+            Access::Reused,
+        );
+        self.requests
+            .record(&req.req_id, out.keys_to_store.iter(), Access::Inserted);
+        if self.events_enabled && !out.evicted_keys.is_empty() {
+            let evicted = out.evicted_keys.clone();
+            self.push_event(evicted, true, false);
+        }
+        Some(out)
+    }
+
+    /// Publishes or releases rows reserved by `prepare_store`. Success: `ref_cnt` -1 -> 0
+    /// (ready, evictable) and one stored event. Failure: the slot is removed and freed with
+    /// one `metadata_only` removal event. Keys that are not in flight are skipped, logged and
+    /// counted as contract violations (a duplicate or stray completion changes nothing).
+    pub fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
+        let mut done = Vec::new();
+        let mut count = 0u64;
+        for key in keys {
+            let id = match self.find(key) {
+                Some(id) if self.slots.get(id).ref_cnt == IN_FLIGHT => id,
+                found => {
+                    self.counters.contract_violations += 1;
+                    log::warn!(
+                        "complete_store: chunk key {key} is {}; ignored",
+                        if found.is_some() {
+                            "not in flight"
+                        } else {
+                            "not resident"
+                        }
+                    );
+                    continue;
+                }
+            };
+            self.in_flight -= 1;
+            count += 1;
+            if success {
+                self.slots.get_mut(id).ref_cnt = 0;
+                self.policy.mark_evictable(id);
+            } else {
+                self.policy.remove(id);
+                self.release_slot(id);
+            }
+            if self.events_enabled {
+                done.push(key.clone());
+            }
+        }
+        if success {
+            self.counters.stored += count;
+            self.push_event(done, false, false);
+        } else {
+            self.counters.store_failures += count;
+            self.push_event(done, true, true);
+        }
+    }
+
+    /// Reserves rows for a promotion (secondary tier -> primary): the same as
+    /// [`PrimaryTier::prepare_store`].
+    pub fn prepare_write(
+        &mut self,
+        keys: &[ChunkKey],
+        req: &RequestContext,
+    ) -> Option<PrepareStoreOutput> {
+        self.prepare_store(keys, req)
+    }
+
+    /// Publishes (success) or releases (failure) promoted rows: the same as
+    /// [`PrimaryTier::complete_store`].
+    pub fn complete_write(&mut self, keys: &[ChunkKey], success: bool) {
+        self.complete_store(keys, success);
+    }
+}
