@@ -172,6 +172,26 @@ fn short_transfer_surfaced(engine: Engine) {
     fx.engine.shutdown();
 }
 
+/// A read that ends inside the file's last block: the engine continues at the advanced offset
+/// (buffered file) or stops at the unaligned remainder (O_DIRECT), and fails either way with
+/// exactly the bytes that exist counted as moved. Re-reading from the start instead of the
+/// advanced offset would "succeed" here, so this also checks the offset is advanced.
+fn partial_transfer_continues_at_advanced_offset(engine: Engine) {
+    for o_direct in [false, true] {
+        let Some(fx) = Fixture::build(engine.clone(), 2, 8192, 6000, 8, o_direct) else {
+            return;
+        };
+        fill_row(&fx.region, 0, 1);
+        fx.engine.submit(&[read_req(0, 0, 8192, 1)]).unwrap();
+        let e = collect(&*fx.engine, 1).remove(&1).unwrap().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ShortIo, "o_direct={o_direct}: {e}");
+        assert_eq!(e.context_value("found"), Some("6000"), "{e}");
+        // The 6000 bytes that exist (zeros) did land in the buffer.
+        assert!(row_bytes(&fx.region, 0)[..6000].iter().all(|&b| b == 0));
+        fx.engine.shutdown();
+    }
+}
+
 /// Shutdown waits for every request in flight; each completes exactly once; later submits fail.
 fn shutdown_completes_in_flight_and_refuses_more(engine: Engine) {
     let n = 48;
@@ -230,6 +250,10 @@ macro_rules! conformance {
                 super::short_transfer_surfaced($engine);
             }
             #[test]
+            fn partial_transfer_continues_at_advanced_offset() {
+                super::partial_transfer_continues_at_advanced_offset($engine);
+            }
+            #[test]
             fn shutdown_completes_in_flight_and_refuses_more() {
                 super::shutdown_completes_in_flight_and_refuses_more($engine);
             }
@@ -239,6 +263,8 @@ macro_rules! conformance {
 
 conformance!(psync, Engine::Psync);
 conformance!(uring, Engine::Uring);
+conformance!(faulty_psync, Engine::faulty(Engine::Psync));
+conformance!(faulty_uring, Engine::faulty(Engine::Uring));
 
 /// Issue 2's region test: the primary region registers with io_uring as fixed buffers and serves
 /// as the O_DIRECT buffer against a file under /tmp.

@@ -1,1 +1,25 @@
 //! The G3 NVMe tier: preallocated slab files whose slots are exactly one primary row.
+//!
+//! * [`config`]: the tier's config keys ([`G3TierConfig`]).
+//! * [`format`]: the slab superblock, striping, the geometry namespace.
+//! * [`slab`]: creating, locking, preallocating and opening slab files.
+//! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
+//! * [`tier`]: [`G3Tier`], the [`crate::tiering::secondary::SecondaryTier`] implementation,
+//!   driven by the worker thread in `worker`.
+//! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
+
+pub mod admin;
+pub mod aligned;
+pub mod config;
+pub mod format;
+pub mod index;
+pub mod journal;
+pub mod metrics;
+pub mod recovery;
+pub mod slab;
+pub mod tier;
+mod worker;
+
+pub use config::{DirectIoMode, FsyncPolicy, G3TierConfig};
+pub use format::geometry_namespace;
+pub use tier::{EngineFactory, G3Info, G3Tier};

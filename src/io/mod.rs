@@ -10,11 +10,13 @@
 
 use std::sync::Arc;
 
+pub mod faulty;
 mod files;
 mod open;
 pub mod psync;
 pub mod uring;
 
+pub use faulty::{FaultPlan, FaultyEngine};
 pub use files::DIRECT_IO_ALIGNMENT;
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier::Result;
-use kvtier::io::{EngineInfo, EngineOptions, IoEngine, IoEngineKind, open_engine};
+use kvtier::io::{
+    EngineInfo, EngineOptions, FaultPlan, FaultyEngine, IoEngine, IoEngineKind, open_engine,
+};
 use kvtier::region::PrimaryRegion;
 
 /// Which engine a test runs against.
@@ -21,6 +23,23 @@ pub enum Engine {
     Psync,
     /// io_uring.
     Uring,
+    /// The fault injector around another engine.
+    Faulty(Box<Engine>, FaultPlan),
+}
+
+impl Engine {
+    /// `inner` wrapped in a fault injector with an empty plan.
+    pub fn faulty(inner: Engine) -> Engine {
+        Engine::Faulty(Box::new(inner), FaultPlan::new())
+    }
+
+    /// The same engine with `plan` (only for `Faulty`).
+    pub fn with_plan(self, plan: FaultPlan) -> Engine {
+        match self {
+            Engine::Faulty(inner, _) => Engine::Faulty(inner, plan),
+            other => other,
+        }
+    }
 }
 
 /// A region, one O_DIRECT file under /tmp and an engine over them.
@@ -30,6 +49,8 @@ pub struct Fixture {
     pub region: Arc<PrimaryRegion>,
     pub engine: Arc<dyn IoEngine>,
     pub info: EngineInfo,
+    /// The fault injector, when the engine is one.
+    pub faults: Option<Arc<FaultyEngine>>,
 }
 
 /// Opens `path` read-write with O_DIRECT, creating it.
@@ -45,7 +66,7 @@ pub fn open_direct(path: &std::path::Path) -> File {
 }
 
 impl Fixture {
-    /// `rows` rows of `stride` bytes; the file starts `file_len` bytes long (zeros).
+    /// `rows` rows of `stride` bytes; the O_DIRECT file starts `file_len` bytes long (zeros).
     /// `None` (with the reason printed) when the engine cannot run here.
     pub fn new(
         engine: Engine,
@@ -54,19 +75,46 @@ impl Fixture {
         file_len: u64,
         queue_depth: u32,
     ) -> Option<Fixture> {
+        Fixture::build(engine, rows, stride, file_len, queue_depth, true)
+    }
+
+    /// As [`Fixture::new`], with the file opened with or without O_DIRECT.
+    pub fn build(
+        engine: Engine,
+        rows: usize,
+        stride: usize,
+        file_len: u64,
+        queue_depth: u32,
+        o_direct: bool,
+    ) -> Option<Fixture> {
         let dir = tempfile::tempdir_in("/tmp").unwrap();
         let path = dir.path().join("slab");
-        let file = open_direct(&path);
+        let file = if o_direct {
+            open_direct(&path)
+        } else {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .unwrap()
+        };
         file.set_len(file_len).unwrap();
         let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
         let opts = EngineOptions {
             queue_depth,
             psync_threads: 3,
-            o_direct: true,
+            o_direct,
         };
-        let kind = match engine {
+        let (base, plan) = match &engine {
+            Engine::Faulty(inner, plan) => (inner.as_ref().clone(), Some(plan.clone())),
+            other => (other.clone(), None),
+        };
+        let kind = match base {
             Engine::Psync => IoEngineKind::Psync,
             Engine::Uring => IoEngineKind::Uring,
+            Engine::Faulty(..) => panic!("nested fault injectors are not supported here"),
         };
         let handle = match open_engine(kind, region.clone(), vec![file], &opts) {
             Ok(h) => h,
@@ -76,12 +124,20 @@ impl Fixture {
             }
             Err(e) => panic!("open_engine({engine:?}): {e}"),
         };
+        let (engine, faults): (Arc<dyn IoEngine>, _) = match plan {
+            Some(plan) => {
+                let f = Arc::new(FaultyEngine::new(handle.engine, plan).unwrap());
+                (f.clone(), Some(f))
+            }
+            None => (handle.engine, None),
+        };
         Some(Fixture {
             dir,
             path,
             region,
-            engine: handle.engine,
+            engine,
             info: handle.info,
+            faults,
         })
     }
 }

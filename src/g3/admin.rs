@@ -1,0 +1,301 @@
+//! Offline administration of a G3 stripe set, for the `kvtier` CLI: format, inspect, verify,
+//! list keys, clear. `inspect` and `list_keys` only read (and work while a tier runs);
+//! `format`, `verify` and `clear` take the slab locks and refuse to run beside a live tier.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::aligned::AlignedBuf;
+use crate::g3::config::DirectIoMode;
+use crate::g3::format::{Superblock, slot_location};
+use crate::g3::journal::{JOURNAL_FILE_NAME, remove_index_files};
+use crate::g3::recovery::{self, Recovered};
+use crate::g3::slab::{
+    self, SLAB_FILE_NAME, SlabSpec, check_dirs, fs_type_of, lock_holder_of, open_locked,
+    read_superblock,
+};
+
+/// What `format` creates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FormatOptions {
+    /// Bytes per slot (the primary's row stride, a multiple of 4096).
+    pub row_stride: u64,
+    /// Total capacity over all paths.
+    pub capacity_bytes: u64,
+    /// Namespace digest (see [`crate::g3::geometry_namespace`]).
+    pub namespace: [u8; 32],
+    /// O_DIRECT policy used for the probe.
+    pub direct_io: DirectIoMode,
+}
+
+/// One slab file, as reported by [`inspect`].
+#[derive(Debug, Clone, Serialize)]
+pub struct SlabFileReport {
+    /// Slab file path.
+    pub path: PathBuf,
+    /// Its superblock.
+    pub superblock: Superblock,
+    /// File size in bytes.
+    pub file_bytes: u64,
+    /// Filesystem type.
+    pub fs_type: String,
+    /// Pid of the process holding the slab's lock, if any.
+    pub locked_by: Option<u32>,
+}
+
+/// A stripe set and its index, as reported by [`inspect`] and [`format`].
+#[derive(Debug, Clone, Serialize)]
+pub struct SlabReport {
+    /// Files in stripe order.
+    pub files: Vec<SlabFileReport>,
+    /// Committed index entries.
+    pub entries: usize,
+    /// Slots over all files.
+    pub total_slots: u64,
+    /// Slots holding nothing.
+    pub free_slots: usize,
+    /// Checkpoint sequence number.
+    pub checkpoint_seq: u64,
+    /// Journal size in bytes (0 when absent).
+    pub journal_bytes: u64,
+    /// Index records applied when reading the index.
+    pub index_records: u64,
+    /// Damage found while reading the index.
+    pub warnings: Vec<String>,
+    /// Seconds it took to read the index.
+    pub recovery_seconds: f64,
+}
+
+/// One index entry, as listed by [`list_keys`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KeyEntry {
+    /// Key, lower-case hex.
+    pub key: String,
+    /// Slot.
+    pub slot: u32,
+    /// CRC32 of the slot's bytes.
+    pub crc: u32,
+    /// Generation of the insert.
+    pub generation: u64,
+}
+
+/// A key whose slot failed verification.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BadKey {
+    /// Key, lower-case hex.
+    pub key: String,
+    /// Slot.
+    pub slot: u32,
+    /// CRC recorded in the index.
+    pub expected_crc: u32,
+    /// CRC of the bytes read, when the read worked.
+    pub found_crc: Option<u32>,
+    /// Read error, when it failed.
+    pub error: Option<String>,
+}
+
+/// The outcome of [`verify`].
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct VerifyReport {
+    /// Entries checked.
+    pub checked: u64,
+    /// Entries whose bytes match their CRC.
+    pub ok: u64,
+    /// Entries that failed.
+    pub bad: Vec<BadKey>,
+}
+
+struct OpenSet {
+    files: Vec<(PathBuf, File, Superblock)>,
+}
+
+impl OpenSet {
+    fn meta_dir(&self) -> &Path {
+        self.files[0].0.parent().unwrap_or(Path::new("."))
+    }
+    fn sb(&self) -> &Superblock {
+        &self.files[0].2
+    }
+    fn recover(&self) -> Result<Recovered> {
+        let sb = self.sb();
+        let total = u32::try_from(sb.total_slots)
+            .map_err(|_| Error::new(ErrorKind::Corrupt, "superblock names more than 2^32 slots"))?;
+        recovery::recover(self.meta_dir(), sb.set_uuid, total, self.files.len())
+    }
+}
+
+/// Opens every slab of `paths` (locked or read-only) and checks that they form one set.
+fn open_existing(paths: &[PathBuf], lock: bool) -> Result<OpenSet> {
+    let dirs = check_dirs(paths)?;
+    let mut files = Vec::with_capacity(dirs.len());
+    for (i, d) in dirs.iter().enumerate() {
+        let p = d.join(SLAB_FILE_NAME);
+        let f = if lock {
+            open_locked(&p, false)?
+        } else {
+            File::open(&p).map_err(|e| Error::io("open", &p, e))?
+        };
+        let sb = read_superblock(&f, &p)?;
+        let first = files
+            .first()
+            .map(|(_, _, s): &(PathBuf, File, Superblock)| s.set_uuid);
+        if sb.path_index as usize != i || sb.path_count as usize != dirs.len() {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!(
+                    "{} is member {} of {} of its stripe set, but is listed at position {i} of {}",
+                    p.display(),
+                    sb.path_index,
+                    sb.path_count,
+                    dirs.len()
+                ),
+            ));
+        }
+        if let Some(u) = first
+            && u != sb.set_uuid
+        {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!("{} belongs to another stripe set", p.display()),
+            )
+            .with("expected", hex::encode(u))
+            .with("found", hex::encode(sb.set_uuid)));
+        }
+        files.push((p, f, sb));
+    }
+    Ok(OpenSet { files })
+}
+
+/// Discards whatever `paths` hold and creates a fresh, empty stripe set.
+pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
+    let dirs = check_dirs(paths)?;
+    slab::remove_set(&dirs)?;
+    remove_index_files(&dirs[0])?;
+    let spec = SlabSpec {
+        row_stride: opts.row_stride,
+        capacity_bytes: opts.capacity_bytes,
+        namespace: opts.namespace,
+        direct_io: opts.direct_io,
+    };
+    let set = slab::open_set(&dirs, &spec)?;
+    let total = u32::try_from(set.total_slots())
+        .map_err(|_| Error::new(ErrorKind::Config, "more than 2^32 - 1 slots"))?;
+    let rec = recovery::recover(set.meta_dir(), set.set_uuid(), total, set.files.len())?;
+    recovery::open_journal(set.meta_dir(), set.set_uuid(), &rec)?;
+    drop(set);
+    inspect(&dirs)
+}
+
+/// Reports the superblocks, lock holders and index summary. Read-only.
+pub fn inspect(paths: &[PathBuf]) -> Result<SlabReport> {
+    let set = open_existing(paths, false)?;
+    let rec = set.recover()?;
+    let journal_bytes = std::fs::metadata(set.meta_dir().join(JOURNAL_FILE_NAME))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    let files = set
+        .files
+        .iter()
+        .map(|(p, f, sb)| SlabFileReport {
+            path: p.clone(),
+            superblock: sb.clone(),
+            file_bytes: f.metadata().map(|m| m.len()).unwrap_or(0),
+            fs_type: fs_type_of(p),
+            locked_by: lock_holder_of(f),
+        })
+        .collect();
+    Ok(SlabReport {
+        files,
+        entries: rec.index.len(),
+        total_slots: set.sb().total_slots,
+        free_slots: rec.index.free_slots(),
+        checkpoint_seq: rec.checkpoint_seq,
+        journal_bytes,
+        index_records: rec.records,
+        warnings: rec.warnings,
+        recovery_seconds: rec.duration.as_secs_f64(),
+    })
+}
+
+/// Every index entry, least recently used first. Read-only.
+pub fn list_keys(paths: &[PathBuf]) -> Result<Vec<KeyEntry>> {
+    let set = open_existing(paths, false)?;
+    Ok(set
+        .recover()?
+        .index
+        .entries_lru_first()
+        .into_iter()
+        .map(|e| KeyEntry {
+            key: e.key.to_hex(),
+            slot: e.slot,
+            crc: e.crc,
+            generation: e.generation,
+        })
+        .collect())
+}
+
+/// Reads every indexed slot and checks its CRC. Takes the slab locks.
+pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
+    let set = open_existing(paths, true)?;
+    let rec = set.recover()?;
+    let stride = set.sb().row_stride;
+    let n = set.files.len();
+    let readers = set
+        .files
+        .iter()
+        .map(|(p, _, _)| {
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+                .open(p)
+                .or_else(|_| File::open(p))
+                .map_err(|e| Error::io("open", p, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut buf = AlignedBuf::new(stride as usize)?;
+    let mut report = VerifyReport::default();
+    for e in rec.index.entries_lru_first() {
+        report.checked += 1;
+        let (file, off) = slot_location(u64::from(e.slot), n, stride);
+        match readers[file].read_exact_at(buf.as_mut_slice(), off) {
+            Ok(()) => {
+                let found = crc32fast::hash(buf.as_slice());
+                if found == e.crc {
+                    report.ok += 1;
+                } else {
+                    report.bad.push(BadKey {
+                        key: e.key.to_hex(),
+                        slot: e.slot,
+                        expected_crc: e.crc,
+                        found_crc: Some(found),
+                        error: None,
+                    });
+                }
+            }
+            Err(err) => report.bad.push(BadKey {
+                key: e.key.to_hex(),
+                slot: e.slot,
+                expected_crc: e.crc,
+                found_crc: None,
+                error: Some(format!(
+                    "read {} at {off}: {err}",
+                    set.files[file].0.display()
+                )),
+            }),
+        }
+    }
+    Ok(report)
+}
+
+/// Forgets every entry (the slabs stay, their slots become free). Takes the slab locks.
+pub fn clear(paths: &[PathBuf]) -> Result<()> {
+    let set = open_existing(paths, true)?;
+    remove_index_files(set.meta_dir())?;
+    let rec = set.recover()?;
+    recovery::open_journal(set.meta_dir(), set.sb().set_uuid, &rec)?;
+    Ok(())
+}

@@ -1,0 +1,408 @@
+//! The G3 tier's configuration: the `secondary_tiers[i]` keys of a `type = "nvme"` entry,
+//! parsed from [`TierConfig::params`] and validated.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::config::model::TierConfig;
+use crate::error::{Error, Result};
+use crate::io::IoEngineKind;
+
+/// Default cap on bytes moving between the primary and the slabs at once.
+pub const DEFAULT_MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
+/// Default number of jobs that may wait in the tier's queue before new ones fail fast.
+pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
+/// Default journal size that triggers a checkpoint.
+pub const DEFAULT_CHECKPOINT_JOURNAL_BYTES: u64 = 64 << 20;
+
+/// Whether O_DIRECT is mandatory (`direct_io`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DirectIoMode {
+    /// A path without working O_DIRECT is a start-up error (default).
+    #[default]
+    Required,
+    /// Fall back to buffered I/O on such a path, with one warning and a metric.
+    Auto,
+}
+
+impl DirectIoMode {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DirectIoMode::Required => "required",
+            DirectIoMode::Auto => "auto",
+        }
+    }
+}
+
+/// When metadata and data are forced to stable storage (`fsync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsyncPolicy {
+    /// Before a store job is reported: `fdatasync` of the slabs written, then of the journal
+    /// (default). A reported store survives power loss.
+    #[default]
+    Always,
+    /// Never per job; only at checkpoints and shutdown. A crash may lose recent stores (they
+    /// become misses, never wrong bytes: every slot is CRC-checked).
+    Never,
+}
+
+impl FsyncPolicy {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FsyncPolicy::Always => "always",
+            FsyncPolicy::Never => "never",
+        }
+    }
+}
+
+/// Validated configuration of one G3 tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct G3TierConfig {
+    /// One directory per device; a slab file is created in each.
+    pub paths: Vec<PathBuf>,
+    /// Total capacity over all paths, split evenly, rounded down to whole slots.
+    pub capacity_bytes: u64,
+    /// Cap on bytes of I/O submitted and not yet completed.
+    pub max_bytes_in_flight: u64,
+    /// Which I/O engine moves the bytes.
+    pub io_engine: IoEngineKind,
+    /// Whether O_DIRECT is mandatory.
+    pub direct_io: DirectIoMode,
+    /// Durability policy.
+    pub fsync: FsyncPolicy,
+    /// Journal size (bytes) after which the index is checkpointed and the journal restarted.
+    pub checkpoint_journal_bytes: u64,
+    /// Longest time between checkpoints while the journal has records (`None`: size only).
+    pub checkpoint_interval: Option<Duration>,
+    /// Jobs that may wait in the queue; beyond this a submission fails at once.
+    pub max_queued_jobs: usize,
+}
+
+impl G3TierConfig {
+    /// A configuration with defaults for everything but the paths and capacity.
+    pub fn new(paths: Vec<PathBuf>, capacity_bytes: u64) -> Self {
+        G3TierConfig {
+            paths,
+            capacity_bytes,
+            max_bytes_in_flight: DEFAULT_MAX_BYTES_IN_FLIGHT,
+            io_engine: IoEngineKind::Auto,
+            direct_io: DirectIoMode::Required,
+            fsync: FsyncPolicy::Always,
+            checkpoint_journal_bytes: DEFAULT_CHECKPOINT_JOURNAL_BYTES,
+            checkpoint_interval: Some(Duration::from_secs(60)),
+            max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
+        }
+    }
+
+    /// Parses and validates the tier's `params`. Unknown keys are errors naming
+    /// `secondary_tiers[i].<key>` with the closest known key.
+    pub fn from_tier(tc: &TierConfig) -> Result<Self> {
+        let prefix = tc.key_path();
+        let kp = |k: &str| format!("{prefix}.{k}");
+        for key in tc.params.keys() {
+            if !KNOWN_KEYS.contains(&key.as_str()) {
+                let mut e = Error::config(kp(key), "unknown key for a tier of type nvme");
+                if let Some(s) = closest_key(key) {
+                    e = e.with("did_you_mean", s);
+                }
+                return Err(e.with("known_keys", KNOWN_KEYS.join(", ")));
+            }
+        }
+        let paths = match tc.params.get("paths") {
+            None => {
+                return Err(Error::config(
+                    kp("paths"),
+                    "required (one or more directories)",
+                ));
+            }
+            Some(Value::String(s)) => vec![PathBuf::from(s)],
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::String(s) if !s.is_empty() => Ok(PathBuf::from(s)),
+                    other => Err(Error::config(
+                        format!("{prefix}.paths[{i}]"),
+                        format!("expected a directory path string, found {other}"),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            Some(other) => {
+                return Err(Error::config(
+                    kp("paths"),
+                    format!("expected a list of directories, found {other}"),
+                ));
+            }
+        };
+        if paths.is_empty() {
+            return Err(Error::config(kp("paths"), "needs at least one directory"));
+        }
+        let capacity_bytes = match tc.params.get("capacity_bytes") {
+            None => return Err(Error::config(kp("capacity_bytes"), "required")),
+            Some(v) => size_value(v, &kp("capacity_bytes"))?,
+        };
+        let mut cfg = G3TierConfig::new(paths, capacity_bytes);
+        if let Some(v) = tc.params.get("max_bytes_in_flight") {
+            cfg.max_bytes_in_flight = size_value(v, &kp("max_bytes_in_flight"))?;
+            if cfg.max_bytes_in_flight == 0 {
+                return Err(Error::config(kp("max_bytes_in_flight"), "must be > 0"));
+            }
+        }
+        if let Some(v) = tc.params.get("io_engine") {
+            cfg.io_engine = match str_value(v, &kp("io_engine"))? {
+                "auto" => IoEngineKind::Auto,
+                "uring" => IoEngineKind::Uring,
+                "psync" => IoEngineKind::Psync,
+                other => {
+                    return Err(bad_choice(
+                        &kp("io_engine"),
+                        other,
+                        &["auto", "uring", "psync"],
+                    ));
+                }
+            };
+        }
+        if let Some(v) = tc.params.get("direct_io") {
+            cfg.direct_io = match str_value(v, &kp("direct_io"))? {
+                "required" => DirectIoMode::Required,
+                "auto" => DirectIoMode::Auto,
+                other => return Err(bad_choice(&kp("direct_io"), other, &["required", "auto"])),
+            };
+        }
+        if let Some(v) = tc.params.get("fsync") {
+            cfg.fsync = match str_value(v, &kp("fsync"))? {
+                "always" => FsyncPolicy::Always,
+                "never" => FsyncPolicy::Never,
+                other => return Err(bad_choice(&kp("fsync"), other, &["always", "never"])),
+            };
+        }
+        if let Some(v) = tc.params.get("checkpoint_journal_bytes") {
+            cfg.checkpoint_journal_bytes = size_value(v, &kp("checkpoint_journal_bytes"))?;
+        }
+        if let Some(v) = tc.params.get("checkpoint_interval_s") {
+            let secs = v
+                .as_f64()
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .ok_or_else(|| {
+                    Error::config(
+                        kp("checkpoint_interval_s"),
+                        format!("expected a number of seconds >= 0, found {v}"),
+                    )
+                })?;
+            cfg.checkpoint_interval = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
+        }
+        if let Some(v) = tc.params.get("max_queued_jobs") {
+            cfg.max_queued_jobs = v
+                .as_u64()
+                .filter(|n| *n > 0)
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| {
+                    Error::config(
+                        kp("max_queued_jobs"),
+                        format!("expected a positive integer, found {v}"),
+                    )
+                })?;
+        }
+        Ok(cfg)
+    }
+}
+
+/// Every key a `type = "nvme"` tier accepts in its params (`module_path` is accepted and
+/// ignored, since vLLM's factory passes it along for out-of-tree tiers).
+pub const KNOWN_KEYS: &[&str] = &[
+    "paths",
+    "capacity_bytes",
+    "max_bytes_in_flight",
+    "io_engine",
+    "direct_io",
+    "fsync",
+    "checkpoint_journal_bytes",
+    "checkpoint_interval_s",
+    "max_queued_jobs",
+    "module_path",
+];
+
+fn closest_key(key: &str) -> Option<&'static str> {
+    KNOWN_KEYS
+        .iter()
+        .map(|k| (strsim::jaro_winkler(key, k), *k))
+        .filter(|(score, _)| *score >= 0.75)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
+}
+
+fn bad_choice(key_path: &str, found: &str, allowed: &[&str]) -> Error {
+    Error::config(key_path, format!("unknown value {found:?}"))
+        .with("expected", allowed.join(" | "))
+        .with("found", found.to_string())
+}
+
+fn str_value<'a>(v: &'a Value, key_path: &str) -> Result<&'a str> {
+    v.as_str()
+        .ok_or_else(|| Error::config(key_path, format!("expected a string, found {v}")))
+}
+
+fn size_value(v: &Value, key_path: &str) -> Result<u64> {
+    match v {
+        Value::Number(n) => n.as_u64().ok_or_else(|| {
+            Error::config(key_path, format!("expected a byte count >= 0, found {n}"))
+        }),
+        Value::String(s) => parse_size(s).map_err(|why| Error::config(key_path, why)),
+        other => Err(Error::config(
+            key_path,
+            format!("expected a byte count (e.g. 68719476736 or \"64GiB\"), found {other}"),
+        )),
+    }
+}
+
+/// Parses a byte count: a plain integer or a number with a unit (`B`, `KiB`/`K`/`KB`, `MiB`,
+/// `GiB`, `TiB`, binary multiples; `kB`/`MB`/`GB`/`TB` decimal only when spelled exactly so is
+/// ambiguous, so every unit here is binary except the explicit SI forms `kB`, `MB`, `GB`, `TB`).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let num = num.replace('_', "");
+    if num.is_empty() {
+        return Err(format!("cannot read a size from {s:?} (e.g. \"64GiB\")"));
+    }
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" | "k" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} in {s:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+            ));
+        }
+    };
+    if let Ok(n) = num.parse::<u64>() {
+        return n
+            .checked_mul(mult)
+            .ok_or_else(|| format!("size {s:?} overflows 64 bits"));
+    }
+    let f: f64 = num
+        .parse()
+        .map_err(|_| format!("cannot read a size from {s:?}"))?;
+    let bytes = f * mult as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 || bytes.fract() != 0.0 {
+        return Err(format!("size {s:?} is not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tier(params: Value) -> TierConfig {
+        TierConfig {
+            index: 2,
+            tier_type: "nvme".into(),
+            locality: None,
+            backpressure: None,
+            params: params.as_object().cloned().unwrap_or_default(),
+        }
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("64GiB"), Ok(64 << 30));
+        assert_eq!(parse_size("1.5 KiB"), Ok(1536));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2MB"), Ok(2_000_000));
+        assert_eq!(parse_size("1_024 K"), Ok(1 << 20));
+        assert!(parse_size("12 parsecs").is_err());
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("0.3B").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+    }
+
+    #[test]
+    fn full_config_parses() {
+        let c = G3TierConfig::from_tier(&tier(json!({
+            "paths": ["/a", "/b"], "capacity_bytes": "1GiB", "max_bytes_in_flight": 1048576,
+            "io_engine": "psync", "direct_io": "auto", "fsync": "never",
+            "checkpoint_journal_bytes": "1MiB", "checkpoint_interval_s": 0, "max_queued_jobs": 7
+        })))
+        .unwrap();
+        assert_eq!(c.paths, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(c.capacity_bytes, 1 << 30);
+        assert_eq!(c.max_bytes_in_flight, 1 << 20);
+        assert_eq!(c.io_engine, IoEngineKind::Psync);
+        assert_eq!(c.direct_io, DirectIoMode::Auto);
+        assert_eq!(c.fsync, FsyncPolicy::Never);
+        assert_eq!(c.checkpoint_journal_bytes, 1 << 20);
+        assert_eq!(c.checkpoint_interval, None);
+        assert_eq!(c.max_queued_jobs, 7);
+        let d =
+            G3TierConfig::from_tier(&tier(json!({"paths": "/x", "capacity_bytes": 8192}))).unwrap();
+        assert_eq!(d.direct_io, DirectIoMode::Required);
+        assert_eq!(d.max_bytes_in_flight, DEFAULT_MAX_BYTES_IN_FLIGHT);
+    }
+
+    #[test]
+    fn unknown_key_names_path_and_suggests() {
+        let e = G3TierConfig::from_tier(&tier(json!({
+            "paths": ["/a"], "capacity_bytes": 1, "max_bytes_inflight": 5
+        })))
+        .unwrap_err();
+        assert_eq!(e.kind(), crate::error::ErrorKind::Config);
+        assert_eq!(
+            e.context_value("key"),
+            Some("secondary_tiers[2].max_bytes_inflight")
+        );
+        assert_eq!(e.context_value("did_you_mean"), Some("max_bytes_in_flight"));
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let cases = [
+            (json!({"capacity_bytes": 1}), "secondary_tiers[2].paths"),
+            (json!({"paths": []}), "secondary_tiers[2].paths"),
+            (
+                json!({"paths": ["/a"]}),
+                "secondary_tiers[2].capacity_bytes",
+            ),
+            (
+                json!({"paths": [3], "capacity_bytes": 1}),
+                "secondary_tiers[2].paths[0]",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": "big"}),
+                "secondary_tiers[2].capacity_bytes",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "io_engine": "spdk"}),
+                "secondary_tiers[2].io_engine",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "direct_io": "off"}),
+                "secondary_tiers[2].direct_io",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "max_bytes_in_flight": 0}),
+                "secondary_tiers[2].max_bytes_in_flight",
+            ),
+        ];
+        for (params, key) in cases {
+            let e = G3TierConfig::from_tier(&tier(params.clone())).unwrap_err();
+            assert_eq!(e.context_value("key"), Some(key), "{params}: {e}");
+        }
+    }
+}

@@ -1,0 +1,523 @@
+//! The in-memory index: key -> slot in O(1), per-slot state, and an intrusive LRU list over
+//! slots. It never touches the disk; the journal records what changes it.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::key::ChunkKey;
+
+/// A slot number within the stripe set.
+pub type Slot = u32;
+const NIL: u32 = u32::MAX;
+/// How far eviction walks from the LRU end past pinned or unusable slots before giving up.
+const EVICTION_SCAN_LIMIT: usize = 256;
+
+/// A fast non-cryptographic hasher for chunk keys (already hashes of token blocks).
+#[derive(Default, Clone, Copy)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(w)).wrapping_mul(K);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
+        }
+    }
+}
+
+/// What a slot currently holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    /// Unused.
+    Free,
+    /// Reserved for a store whose write has not completed; not visible to lookups.
+    Writing,
+    /// Holds a committed, loadable chunk.
+    Valid,
+    /// Dropped from the index while reads were in flight; freed when the last one ends.
+    Orphan,
+    /// On a poisoned path; never reused.
+    Dead,
+}
+
+#[derive(Debug, Clone)]
+struct SlotEntry {
+    key: Option<ChunkKey>,
+    crc: u32,
+    generation: u64,
+    state: SlotState,
+    readers: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// One committed entry, as checkpointed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexEntry {
+    /// The chunk key.
+    pub key: ChunkKey,
+    /// Its slot.
+    pub slot: Slot,
+    /// CRC32 of the slot's bytes.
+    pub crc: u32,
+    /// Generation of the insert.
+    pub generation: u64,
+}
+
+/// The result of reserving a slot for a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    /// The slot to write.
+    pub slot: Slot,
+    /// The entry evicted to make room, if any (must be journaled before the write).
+    pub evicted: Option<(ChunkKey, Slot)>,
+}
+
+/// Key -> slot map, slot table, free list and LRU.
+#[derive(Debug)]
+pub struct Index {
+    map: HashMap<ChunkKey, Slot, BuildHasherDefault<KeyHasher>>,
+    slots: Vec<SlotEntry>,
+    free: Vec<Slot>,
+    /// Most recently used.
+    head: u32,
+    /// Least recently used.
+    tail: u32,
+    n_paths: usize,
+    dead_paths: Vec<bool>,
+    valid: usize,
+}
+
+impl Index {
+    /// An empty index over `total_slots` slots striped across `n_paths` files.
+    pub fn new(total_slots: u32, n_paths: usize) -> Self {
+        let blank = SlotEntry {
+            key: None,
+            crc: 0,
+            generation: 0,
+            state: SlotState::Free,
+            readers: 0,
+            prev: NIL,
+            next: NIL,
+        };
+        Index {
+            map: HashMap::with_capacity_and_hasher(total_slots as usize, Default::default()),
+            slots: vec![blank; total_slots as usize],
+            free: (0..total_slots).rev().collect(),
+            head: NIL,
+            tail: NIL,
+            n_paths: n_paths.max(1),
+            dead_paths: vec![false; n_paths.max(1)],
+            valid: 0,
+        }
+    }
+
+    /// Total slots.
+    pub fn total_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Committed entries.
+    pub fn len(&self) -> usize {
+        self.valid
+    }
+
+    /// True when no entry is committed.
+    pub fn is_empty(&self) -> bool {
+        self.valid == 0
+    }
+
+    /// Slots not holding anything (free list).
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// The state of `slot`.
+    pub fn state(&self, slot: Slot) -> Option<SlotState> {
+        self.slots.get(slot as usize).map(|s| s.state)
+    }
+
+    /// Which file `slot` lives in.
+    pub fn path_of(&self, slot: Slot) -> usize {
+        slot as usize % self.n_paths
+    }
+
+    /// True if `key` is committed (loadable now).
+    pub fn is_valid(&self, key: &ChunkKey) -> bool {
+        self.map
+            .get(key)
+            .is_some_and(|&s| self.slots[s as usize].state == SlotState::Valid)
+    }
+
+    /// True if `key` is committed or being written (a store of it is skipped).
+    pub fn is_held(&self, key: &ChunkKey) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// Moves a committed key to the MRU end. Returns whether it is committed.
+    pub fn touch(&mut self, key: &ChunkKey) -> bool {
+        match self.map.get(key) {
+            Some(&s) if self.slots[s as usize].state == SlotState::Valid => {
+                self.unlink(s);
+                self.push_mru(s);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    // ---- recovery ----
+
+    /// Replays an insert: `slot` now holds `key`. Idempotent; whatever `slot` or `key` held
+    /// before is dropped. Returns false if `slot` is out of range.
+    pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
+        if slot as usize >= self.slots.len() {
+            return false;
+        }
+        if let Some(&old) = self.map.get(&key) {
+            self.clear_slot(old);
+        }
+        self.clear_slot(slot);
+        let e = &mut self.slots[slot as usize];
+        e.key = Some(key.clone());
+        e.crc = crc;
+        e.generation = generation;
+        e.state = SlotState::Valid;
+        self.map.insert(key, slot);
+        self.valid += 1;
+        self.push_mru(slot);
+        true
+    }
+
+    /// Replays a removal of whatever `slot` holds. Returns false if out of range.
+    pub fn apply_remove(&mut self, slot: Slot) -> bool {
+        if slot as usize >= self.slots.len() {
+            return false;
+        }
+        self.clear_slot(slot);
+        true
+    }
+
+    fn clear_slot(&mut self, slot: Slot) {
+        let e = &mut self.slots[slot as usize];
+        if e.state == SlotState::Valid {
+            self.valid -= 1;
+            self.unlink(slot);
+        }
+        let e = &mut self.slots[slot as usize];
+        if let Some(k) = e.key.take() {
+            self.map.remove(&k);
+        }
+        e.state = SlotState::Free;
+    }
+
+    /// After replay: rebuilds the free list from every slot not holding an entry.
+    pub fn finish_recovery(&mut self) {
+        self.free = (0..self.slots.len() as u32)
+            .rev()
+            .filter(|&s| self.slots[s as usize].state == SlotState::Free)
+            .collect();
+    }
+
+    // ---- store path ----
+
+    /// Reserves a slot for `key` (not currently held): a free slot, else the least recently
+    /// used committed slot that no read holds. `None` when every candidate is busy.
+    pub fn reserve(&mut self, key: &ChunkKey) -> Option<Reservation> {
+        debug_assert!(!self.map.contains_key(key));
+        let mut evicted = None;
+        let slot = loop {
+            if let Some(s) = self.free.pop() {
+                if self.dead_paths[self.path_of(s)] {
+                    self.slots[s as usize].state = SlotState::Dead;
+                    continue;
+                }
+                break s;
+            }
+            let victim = self.lru_victim()?;
+            let k = self.slots[victim as usize].key.clone();
+            self.clear_slot(victim);
+            if let Some(k) = k {
+                evicted = Some((k, victim));
+            }
+            break victim;
+        };
+        let e = &mut self.slots[slot as usize];
+        e.state = SlotState::Writing;
+        e.key = Some(key.clone());
+        e.crc = 0;
+        e.generation = 0;
+        self.map.insert(key.clone(), slot);
+        Some(Reservation { slot, evicted })
+    }
+
+    fn lru_victim(&self) -> Option<Slot> {
+        let mut s = self.tail;
+        for _ in 0..EVICTION_SCAN_LIMIT {
+            if s == NIL {
+                return None;
+            }
+            let e = &self.slots[s as usize];
+            if e.readers == 0 && !self.dead_paths[self.path_of(s)] {
+                return Some(s);
+            }
+            s = e.prev;
+        }
+        None
+    }
+
+    /// The write of a reserved slot completed and is journaled: the key becomes loadable.
+    pub fn commit(&mut self, slot: Slot, crc: u32, generation: u64) {
+        let e = &mut self.slots[slot as usize];
+        if e.state != SlotState::Writing {
+            return;
+        }
+        e.state = SlotState::Valid;
+        e.crc = crc;
+        e.generation = generation;
+        self.valid += 1;
+        self.push_mru(slot);
+    }
+
+    /// The write of a reserved slot failed: forget the key, free the slot.
+    pub fn abort(&mut self, slot: Slot) {
+        let e = &mut self.slots[slot as usize];
+        if e.state != SlotState::Writing {
+            return;
+        }
+        if let Some(k) = e.key.take() {
+            self.map.remove(&k);
+        }
+        e.state = SlotState::Free;
+        self.release(slot);
+    }
+
+    // ---- load path ----
+
+    /// Pins a committed key for reading: `(slot, crc)`. Also marks it most recently used.
+    pub fn pin(&mut self, key: &ChunkKey) -> Option<(Slot, u32)> {
+        let &s = self.map.get(key)?;
+        if self.slots[s as usize].state != SlotState::Valid {
+            return None;
+        }
+        self.unlink(s);
+        self.push_mru(s);
+        let e = &mut self.slots[s as usize];
+        e.readers += 1;
+        Some((s, e.crc))
+    }
+
+    /// Ends a read of `slot`; frees an orphaned slot when its last read ends.
+    pub fn unpin(&mut self, slot: Slot) {
+        let e = &mut self.slots[slot as usize];
+        e.readers = e.readers.saturating_sub(1);
+        if e.readers == 0 && e.state == SlotState::Orphan {
+            e.state = SlotState::Free;
+            self.release(slot);
+        }
+    }
+
+    /// Drops the committed entry in `slot` (bad CRC, failed read): the key becomes a miss.
+    /// The slot is freed now, or when its last read ends. Returns the key dropped.
+    pub fn drop_slot(&mut self, slot: Slot) -> Option<ChunkKey> {
+        let e = &self.slots[slot as usize];
+        if e.state != SlotState::Valid {
+            return None;
+        }
+        let readers = e.readers;
+        self.valid -= 1;
+        self.unlink(slot);
+        let e = &mut self.slots[slot as usize];
+        let key = e.key.take();
+        if let Some(k) = &key {
+            self.map.remove(k);
+        }
+        if readers > 0 {
+            e.state = SlotState::Orphan;
+        } else {
+            e.state = SlotState::Free;
+            self.release(slot);
+        }
+        key
+    }
+
+    fn release(&mut self, slot: Slot) {
+        if self.dead_paths[self.path_of(slot)] {
+            self.slots[slot as usize].state = SlotState::Dead;
+        } else {
+            self.free.push(slot);
+        }
+    }
+
+    /// Stops allocating slots on `path` (after a failed write there). Committed entries on
+    /// it stay readable.
+    pub fn mark_path_dead(&mut self, path: usize) {
+        if path < self.dead_paths.len() {
+            self.dead_paths[path] = true;
+        }
+    }
+
+    /// Committed entries in LRU order (least recently used first).
+    pub fn entries_lru_first(&self) -> Vec<IndexEntry> {
+        let mut out = Vec::with_capacity(self.valid);
+        let mut s = self.tail;
+        while s != NIL {
+            let e = &self.slots[s as usize];
+            if let Some(k) = &e.key {
+                out.push(IndexEntry {
+                    key: k.clone(),
+                    slot: s,
+                    crc: e.crc,
+                    generation: e.generation,
+                });
+            }
+            s = e.prev;
+        }
+        out
+    }
+
+    // ---- intrusive LRU list ----
+
+    fn unlink(&mut self, s: Slot) {
+        let (prev, next) = {
+            let e = &self.slots[s as usize];
+            (e.prev, e.next)
+        };
+        if prev != NIL {
+            self.slots[prev as usize].next = next;
+        } else if self.head == s {
+            self.head = next;
+        }
+        if next != NIL {
+            self.slots[next as usize].prev = prev;
+        } else if self.tail == s {
+            self.tail = prev;
+        }
+        let e = &mut self.slots[s as usize];
+        e.prev = NIL;
+        e.next = NIL;
+    }
+
+    fn push_mru(&mut self, s: Slot) {
+        let old = self.head;
+        {
+            let e = &mut self.slots[s as usize];
+            e.prev = NIL;
+            e.next = old;
+        }
+        if old != NIL {
+            self.slots[old as usize].prev = s;
+        } else {
+            self.tail = s;
+        }
+        self.head = s;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u32) -> ChunkKey {
+        ChunkKey::new(i.to_le_bytes())
+    }
+
+    fn store(ix: &mut Index, i: u32) -> Reservation {
+        let r = ix.reserve(&k(i)).unwrap();
+        ix.commit(r.slot, i, u64::from(i));
+        r
+    }
+
+    #[test]
+    fn free_slots_are_striped_then_lru_is_evicted() {
+        let mut ix = Index::new(4, 2);
+        let slots: Vec<_> = (0..4).map(|i| store(&mut ix, i).slot).collect();
+        assert_eq!(slots, vec![0, 1, 2, 3]);
+        assert!(ix.touch(&k(0)));
+        let r = store(&mut ix, 9);
+        assert_eq!(r.evicted, Some((k(1), 1)));
+        assert!(!ix.is_valid(&k(1)));
+        assert!(ix.is_valid(&k(0)) && ix.is_valid(&k(9)));
+        let order: Vec<_> = ix
+            .entries_lru_first()
+            .iter()
+            .map(|e| e.key.clone())
+            .collect();
+        assert_eq!(order, vec![k(2), k(3), k(0), k(9)]);
+        assert_eq!(ix.len(), 4);
+    }
+
+    #[test]
+    fn pinned_slots_are_never_evicted() {
+        let mut ix = Index::new(2, 1);
+        store(&mut ix, 1);
+        store(&mut ix, 2);
+        let (s1, crc) = ix.pin(&k(1)).unwrap();
+        assert_eq!(crc, 1);
+        let (s2, _) = ix.pin(&k(2)).unwrap();
+        assert!(ix.reserve(&k(3)).is_none(), "every slot is being read");
+        ix.unpin(s2);
+        let r = ix.reserve(&k(3)).unwrap();
+        assert_eq!(r.evicted, Some((k(2), s2)));
+        ix.unpin(s1);
+    }
+
+    #[test]
+    fn writing_keys_are_held_but_not_loadable() {
+        let mut ix = Index::new(2, 1);
+        let r = ix.reserve(&k(1)).unwrap();
+        assert!(ix.is_held(&k(1)) && !ix.is_valid(&k(1)));
+        assert!(ix.pin(&k(1)).is_none());
+        ix.abort(r.slot);
+        assert!(!ix.is_held(&k(1)));
+        assert_eq!(ix.free_slots(), 2);
+    }
+
+    #[test]
+    fn drop_slot_under_read_orphans_until_unpinned() {
+        let mut ix = Index::new(1, 1);
+        store(&mut ix, 1);
+        let (s, _) = ix.pin(&k(1)).unwrap();
+        assert_eq!(ix.drop_slot(s), Some(k(1)));
+        assert_eq!(ix.state(s), Some(SlotState::Orphan));
+        assert!(ix.reserve(&k(2)).is_none());
+        ix.unpin(s);
+        assert_eq!(ix.state(s), Some(SlotState::Free));
+        assert!(ix.reserve(&k(2)).is_some());
+    }
+
+    #[test]
+    fn replay_is_idempotent_and_rebuilds_free_list() {
+        let mut ix = Index::new(4, 1);
+        assert!(ix.apply_insert(k(1), 0, 10, 1));
+        assert!(ix.apply_insert(k(2), 1, 20, 2));
+        assert!(ix.apply_insert(k(1), 2, 11, 3)); // key moved
+        assert!(ix.apply_remove(1));
+        assert!(!ix.apply_insert(k(5), 99, 0, 4));
+        ix.finish_recovery();
+        assert_eq!(ix.len(), 1);
+        assert_eq!(ix.pin(&k(1)), Some((2, 11)));
+        assert_eq!(ix.free_slots(), 3);
+    }
+
+    #[test]
+    fn dead_paths_are_not_reused() {
+        let mut ix = Index::new(4, 2);
+        ix.mark_path_dead(1);
+        let slots: Vec<_> = (0..2).map(|i| store(&mut ix, i).slot).collect();
+        assert_eq!(slots, vec![0, 2]);
+        assert!(
+            ix.reserve(&k(7))
+                .is_some_and(|r| r.slot == 0 || r.slot == 2)
+        );
+    }
+}

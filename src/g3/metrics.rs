@@ -1,0 +1,254 @@
+//! The G3 tier's own metrics: atomics updated by the worker, sampled by
+//! [`crate::tiering::secondary::SecondaryTier::metrics`]. Labels come from small fixed sets
+//! (path position, engine name, mode), never from keys or paths.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::tiering::secondary::{TierMetric, TierMetricKind};
+
+/// Per-path facts fixed at open, plus its health.
+#[derive(Debug)]
+pub struct PathStatus {
+    /// Whether the data descriptor is O_DIRECT.
+    pub direct: bool,
+    /// Filesystem type.
+    pub fs_type: String,
+    /// Set after a failed write or fsync: no further writes go to this path.
+    pub poisoned: AtomicBool,
+}
+
+/// Counters and gauges of one tier.
+#[derive(Debug, Default)]
+pub struct G3Metrics {
+    /// Bytes submitted to the engine and not yet completed.
+    pub bytes_in_flight: AtomicU64,
+    /// Jobs waiting (submitted, not started).
+    pub queued_jobs: AtomicU64,
+    /// Jobs started and not finished.
+    pub active_jobs: AtomicU64,
+    /// Loads whose bytes failed their CRC.
+    pub checksum_failures: AtomicU64,
+    /// Entries evicted to make room.
+    pub evictions: AtomicU64,
+    /// Store keys skipped because already held.
+    pub stores_skipped: AtomicU64,
+    /// Keys stored (committed).
+    pub keys_stored: AtomicU64,
+    /// Keys loaded (CRC-verified).
+    pub keys_loaded: AtomicU64,
+    /// Keys whose transfer failed (any reason).
+    pub key_failures: AtomicU64,
+    /// Failed engine operations (I/O errors, short transfers).
+    pub io_errors: AtomicU64,
+    /// Bytes written to slabs.
+    pub bytes_written: AtomicU64,
+    /// Bytes read from slabs.
+    pub bytes_read: AtomicU64,
+    /// Jobs cancelled by a drain before they started.
+    pub jobs_cancelled: AtomicU64,
+    /// Jobs refused because the queue was full.
+    pub jobs_rejected: AtomicU64,
+    /// Checkpoints written.
+    pub checkpoints: AtomicU64,
+    /// Recovery duration in microseconds (set once).
+    pub recovery_micros: AtomicU64,
+    /// Index records applied by recovery.
+    pub recovery_records: AtomicU64,
+    /// Journal bytes cut off at recovery.
+    pub recovery_cut_bytes: AtomicU64,
+    /// Set while the journal refuses writes.
+    pub journal_poisoned: AtomicBool,
+    /// Set once recovery has finished.
+    pub recovered: AtomicBool,
+    /// Used and free slots, refreshed by the worker.
+    pub used_slots: AtomicU64,
+    /// Free slots, refreshed by the worker.
+    pub free_slots: AtomicU64,
+    /// Engine name (e.g. `uring`), set at open.
+    pub engine: Mutex<String>,
+    /// Why the engine fell back (e.g. io_uring unavailable), if it did.
+    pub engine_fallback: Mutex<Option<String>>,
+}
+
+fn get(a: &AtomicU64) -> f64 {
+    a.load(Ordering::Relaxed) as f64
+}
+
+fn m(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> TierMetric {
+    TierMetric {
+        name,
+        help,
+        kind,
+        labels: Vec::new(),
+        value,
+    }
+}
+
+impl G3Metrics {
+    /// Samples every metric.
+    pub fn sample(&self, paths: &[PathStatus]) -> Vec<TierMetric> {
+        use TierMetricKind::{Counter, Gauge};
+        let mut out = vec![
+            m(
+                "g3_bytes_in_flight",
+                "Bytes of slab I/O submitted and not completed",
+                Gauge,
+                get(&self.bytes_in_flight),
+            ),
+            m(
+                "g3_queued_jobs",
+                "Jobs waiting to start",
+                Gauge,
+                get(&self.queued_jobs),
+            ),
+            m(
+                "g3_active_jobs",
+                "Jobs started and not finished",
+                Gauge,
+                get(&self.active_jobs),
+            ),
+            m(
+                "g3_checksum_failures",
+                "Loads whose bytes failed their CRC32",
+                Counter,
+                get(&self.checksum_failures),
+            ),
+            m(
+                "g3_evictions",
+                "Entries evicted to make room",
+                Counter,
+                get(&self.evictions),
+            ),
+            m(
+                "g3_stores_skipped",
+                "Store keys skipped because already held",
+                Counter,
+                get(&self.stores_skipped),
+            ),
+            m(
+                "g3_keys_stored",
+                "Keys stored",
+                Counter,
+                get(&self.keys_stored),
+            ),
+            m(
+                "g3_keys_loaded",
+                "Keys loaded with a valid CRC",
+                Counter,
+                get(&self.keys_loaded),
+            ),
+            m(
+                "g3_key_failures",
+                "Keys whose transfer failed",
+                Counter,
+                get(&self.key_failures),
+            ),
+            m(
+                "g3_io_errors",
+                "Failed slab I/O operations",
+                Counter,
+                get(&self.io_errors),
+            ),
+            m(
+                "g3_bytes_written",
+                "Bytes written to slabs",
+                Counter,
+                get(&self.bytes_written),
+            ),
+            m(
+                "g3_bytes_read",
+                "Bytes read from slabs",
+                Counter,
+                get(&self.bytes_read),
+            ),
+            m(
+                "g3_jobs_cancelled",
+                "Queued jobs cancelled by a drain",
+                Counter,
+                get(&self.jobs_cancelled),
+            ),
+            m(
+                "g3_jobs_rejected",
+                "Jobs refused because the queue was full",
+                Counter,
+                get(&self.jobs_rejected),
+            ),
+            m(
+                "g3_checkpoints",
+                "Index checkpoints written",
+                Counter,
+                get(&self.checkpoints),
+            ),
+            m(
+                "g3_recovery_seconds",
+                "Time the index recovery took",
+                Gauge,
+                get(&self.recovery_micros) / 1e6,
+            ),
+            m(
+                "g3_recovery_records",
+                "Index records applied by recovery",
+                Gauge,
+                get(&self.recovery_records),
+            ),
+            m(
+                "g3_recovery_cut_bytes",
+                "Journal bytes cut off at recovery",
+                Gauge,
+                get(&self.recovery_cut_bytes),
+            ),
+            m(
+                "g3_recovered",
+                "1 once the index is recovered (lookups answer RETRY before)",
+                Gauge,
+                f64::from(u8::from(self.recovered.load(Ordering::Relaxed))),
+            ),
+            m(
+                "g3_journal_healthy",
+                "0 after a failed journal write (stores refused)",
+                Gauge,
+                f64::from(u8::from(!self.journal_poisoned.load(Ordering::Relaxed))),
+            ),
+            m(
+                "g3_used_slots",
+                "Slots holding a chunk or being written",
+                Gauge,
+                get(&self.used_slots),
+            ),
+            m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
+        ];
+        let mut engine = m(
+            "g3_engine_info",
+            "The I/O engine in use (value 1)",
+            Gauge,
+            1.0,
+        );
+        engine.labels.push(("engine", self.engine.lock().clone()));
+        engine.labels.push((
+            "fallback",
+            u8::from(self.engine_fallback.lock().is_some()).to_string(),
+        ));
+        out.push(engine);
+        for (i, p) in paths.iter().enumerate() {
+            let mut d = m(
+                "g3_direct_io",
+                "1 when the path uses O_DIRECT, 0 when it fell back to buffered I/O",
+                Gauge,
+                f64::from(u8::from(p.direct)),
+            );
+            d.labels.push(("path", i.to_string()));
+            out.push(d);
+            let mut h = m(
+                "g3_path_healthy",
+                "0 after a failed write or fsync on the path (no further writes)",
+                Gauge,
+                f64::from(u8::from(!p.poisoned.load(Ordering::Relaxed))),
+            );
+            h.labels.push(("path", i.to_string()));
+            out.push(h);
+        }
+        out
+    }
+}

@@ -1,0 +1,567 @@
+//! Slab files: one preallocated, exclusively locked file per path, holding a superblock and
+//! `slots_in_file` slots of `row_stride` bytes.
+//!
+//! A stripe set is created only when none of its files exist; if all exist they are opened and
+//! checked against the expected geometry; a partial set is refused (a file is never recreated
+//! under an index that may still name its slots). Reformatting is [`remove_set`] followed by a
+//! fresh open, and only the admin commands do that.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io::ErrorKind as IoErrorKind;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::aligned::AlignedBuf;
+use crate::g3::config::DirectIoMode;
+use crate::g3::format::{
+    SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, random_uuid, slab_file_len, slots_per_file,
+};
+
+/// Name of the slab file created in each path.
+pub const SLAB_FILE_NAME: &str = "kvtier-g3.slab";
+
+/// The geometry a tier expects of its stripe set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlabSpec {
+    /// Bytes per slot (the primary's row stride).
+    pub row_stride: u64,
+    /// Total capacity over all paths.
+    pub capacity_bytes: u64,
+    /// Namespace digest.
+    pub namespace: [u8; 32],
+    /// O_DIRECT policy.
+    pub direct_io: DirectIoMode,
+}
+
+/// One open, locked slab file.
+#[derive(Debug)]
+pub struct SlabFile {
+    /// The slab file's path.
+    pub path: PathBuf,
+    /// The locked descriptor (buffered): superblock, preallocation, fsync.
+    pub meta: File,
+    /// The data descriptor handed to the I/O engine: O_DIRECT when `direct`.
+    pub data: File,
+    /// Whether `data` is O_DIRECT.
+    pub direct: bool,
+    /// Filesystem type, e.g. `ext4 (0xef53)`.
+    pub fs_type: String,
+    /// The file's superblock.
+    pub superblock: Superblock,
+}
+
+/// The open files of a stripe set, in stripe order.
+#[derive(Debug)]
+pub struct SlabSet {
+    /// Files, `files[i].superblock.path_index == i`.
+    pub files: Vec<SlabFile>,
+    /// True when this open created the set.
+    pub created: bool,
+}
+
+impl SlabSet {
+    /// Directory holding the set's journal and checkpoint (the first path's directory).
+    pub fn meta_dir(&self) -> &Path {
+        self.files[0].path.parent().unwrap_or(Path::new("."))
+    }
+
+    /// Bytes per slot.
+    pub fn row_stride(&self) -> u64 {
+        self.files[0].superblock.row_stride
+    }
+
+    /// Slots over the whole set.
+    pub fn total_slots(&self) -> u64 {
+        self.files[0].superblock.total_slots
+    }
+
+    /// The set's uuid.
+    pub fn set_uuid(&self) -> [u8; 16] {
+        self.files[0].superblock.set_uuid
+    }
+}
+
+/// Checks that every entry is an existing directory and that no two entries name the same
+/// directory. Returns the canonical paths.
+pub fn check_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    if paths.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            "a G3 tier needs at least one path",
+        ));
+    }
+    let mut seen: Vec<(u64, u64, PathBuf)> = Vec::new();
+    let mut out = Vec::with_capacity(paths.len());
+    for p in paths {
+        let md = std::fs::metadata(p).map_err(|e| {
+            let why = if e.kind() == IoErrorKind::NotFound {
+                "does not exist"
+            } else {
+                "is not usable"
+            };
+            Error::new(
+                ErrorKind::InvalidPath,
+                format!("G3 path {} {why}: {e}", p.display()),
+            )
+            .with("path", p.display().to_string())
+            .with_source(e)
+        })?;
+        if !md.is_dir() {
+            return Err(Error::new(
+                ErrorKind::InvalidPath,
+                format!("G3 path {} is not a directory", p.display()),
+            )
+            .with("path", p.display().to_string()));
+        }
+        if let Some((_, _, first)) = seen
+            .iter()
+            .find(|(d, i, _)| *d == md.dev() && *i == md.ino())
+        {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "G3 paths {} and {} name the same directory (each path needs its own slab)",
+                    first.display(),
+                    p.display()
+                ),
+            )
+            .with("path", p.display().to_string()));
+        }
+        seen.push((md.dev(), md.ino(), p.clone()));
+        out.push(std::fs::canonicalize(p).unwrap_or_else(|_| p.clone()));
+    }
+    Ok(out)
+}
+
+/// Opens the stripe set in `dirs` (creating it when no slab file exists yet) and checks it
+/// against `spec`.
+pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let dirs = check_dirs(dirs)?;
+    let slab_paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
+    let present: Vec<bool> = slab_paths.iter().map(|p| p.exists()).collect();
+    if present.iter().all(|&x| !x) {
+        return create_set(&slab_paths, spec);
+    }
+    if let Some(i) = present.iter().position(|&x| !x) {
+        let j = present.iter().position(|&x| x).unwrap_or(0);
+        return Err(Error::new(
+            ErrorKind::Corrupt,
+            format!(
+                "incomplete G3 stripe set: {} exists but {} is missing; refusing to recreate a \
+                 slab under an existing index (run `kvtier g3 format` to start over)",
+                slab_paths[j].display(),
+                slab_paths[i].display()
+            ),
+        )
+        .with("path", slab_paths[i].display().to_string()));
+    }
+    let mut files = Vec::with_capacity(slab_paths.len());
+    for (i, p) in slab_paths.iter().enumerate() {
+        let meta = open_locked(p, false)?;
+        let superblock = read_superblock(&meta, p)?;
+        check_superblock(&superblock, p, i, slab_paths.len(), spec)?;
+        if let Some(first) = files.first() {
+            let first: &SlabFile = first;
+            if first.superblock.set_uuid != superblock.set_uuid {
+                return Err(Error::new(
+                    ErrorKind::IncompatibleLayout,
+                    format!(
+                        "{} belongs to another stripe set than {}",
+                        p.display(),
+                        first.path.display()
+                    ),
+                )
+                .with("expected", hex::encode(first.superblock.set_uuid))
+                .with("found", hex::encode(superblock.set_uuid)));
+            }
+        }
+        let len = meta.metadata().map_err(|e| Error::io("stat", p, e))?.len();
+        let want = slab_file_len(superblock.slots_in_file, superblock.row_stride);
+        if len < want {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{} is truncated: {len} bytes, its superblock needs {want}",
+                    p.display()
+                ),
+            )
+            .with("expected", want.to_string())
+            .with("found", len.to_string()));
+        }
+        let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
+        files.push(SlabFile {
+            path: p.clone(),
+            meta,
+            data,
+            direct,
+            fs_type,
+            superblock,
+        });
+    }
+    Ok(SlabSet {
+        files,
+        created: false,
+    })
+}
+
+fn check_superblock(
+    sb: &Superblock,
+    p: &Path,
+    idx: usize,
+    n: usize,
+    spec: &SlabSpec,
+) -> Result<()> {
+    let incompatible = |what: &str, expected: String, found: String| {
+        Err(Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}: {what} differs: the tier expects {expected}, the slab holds {found} \
+                 (reformat explicitly with `kvtier g3 format` to discard it)",
+                p.display()
+            ),
+        )
+        .with("path", p.display().to_string())
+        .with("expected", expected)
+        .with("found", found))
+    };
+    if sb.row_stride != spec.row_stride {
+        return incompatible(
+            "row_stride",
+            spec.row_stride.to_string(),
+            sb.row_stride.to_string(),
+        );
+    }
+    if sb.namespace != spec.namespace {
+        return incompatible(
+            "namespace digest",
+            hex::encode(spec.namespace),
+            hex::encode(sb.namespace),
+        );
+    }
+    if sb.path_count as usize != n || sb.path_index as usize != idx {
+        return incompatible(
+            "stripe set position",
+            format!("member {idx} of {n}"),
+            format!("member {} of {}", sb.path_index, sb.path_count),
+        );
+    }
+    let slots = slots_per_file(spec.capacity_bytes, n, spec.row_stride);
+    if sb.slots_in_file != slots || sb.total_slots != slots * n as u64 {
+        return incompatible(
+            "capacity (slots per file)",
+            slots.to_string(),
+            sb.slots_in_file.to_string(),
+        );
+    }
+    Ok(())
+}
+
+fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let n = slab_paths.len();
+    let slots = slots_per_file(spec.capacity_bytes, n, spec.row_stride);
+    if slots == 0 {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "capacity_bytes {} holds no slot of {} bytes on each of {n} path(s)",
+                spec.capacity_bytes, spec.row_stride
+            ),
+        ));
+    }
+    let set_uuid = random_uuid()?;
+    let created_unix_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut files = Vec::with_capacity(n);
+    let mut made: Vec<PathBuf> = Vec::new();
+    let result = (|| -> Result<()> {
+        for (i, p) in slab_paths.iter().enumerate() {
+            let meta = open_locked(p, true)?;
+            made.push(p.clone());
+            let superblock = Superblock {
+                version: SLAB_FORMAT_VERSION,
+                row_stride: spec.row_stride,
+                slots_in_file: slots,
+                total_slots: slots * n as u64,
+                path_index: i as u32,
+                path_count: n as u32,
+                namespace: spec.namespace,
+                set_uuid,
+                created_unix_s,
+            };
+            preallocate(&meta, p, slab_file_len(slots, spec.row_stride))?;
+            meta.write_all_at(&superblock.encode(), 0)
+                .map_err(|e| Error::io("write superblock of", p, e))?;
+            meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
+            sync_dir(p.parent().unwrap_or(Path::new(".")))?;
+            let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
+            files.push(SlabFile {
+                path: p.clone(),
+                meta,
+                data,
+                direct,
+                fs_type,
+                superblock,
+            });
+        }
+        Ok(())
+    })();
+    if let Err(e) = result {
+        drop(files);
+        for p in &made {
+            let _ = std::fs::remove_file(p);
+        }
+        return Err(e);
+    }
+    log::info!(
+        "created G3 stripe set {} ({n} file(s), {slots} slots of {} bytes each)",
+        hex::encode(set_uuid),
+        spec.row_stride
+    );
+    Ok(SlabSet {
+        files,
+        created: true,
+    })
+}
+
+/// Opens (or creates, with `create`) `p` read-write and takes `flock(LOCK_EX | LOCK_NB)`.
+pub fn open_locked(p: &Path, create: bool) -> Result<File> {
+    let mut o = OpenOptions::new();
+    o.read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC);
+    if create {
+        o.create_new(true);
+    }
+    let f = o.open(p).map_err(|e| {
+        let dir = p.parent().unwrap_or(Path::new("."));
+        match e.raw_os_error() {
+            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "cannot create {} ({} is not writable): {e}",
+                    p.display(),
+                    dir.display()
+                ),
+            )
+            .with("path", p.display().to_string())
+            .with_source(e),
+            _ => Error::io(if create { "create" } else { "open" }, p, e),
+        }
+    })?;
+    // SAFETY: flock on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let holder =
+                lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
+            return Err(Error::new(
+                ErrorKind::Locked,
+                format!(
+                    "{} is locked by another process (pid {holder})",
+                    p.display()
+                ),
+            )
+            .with("path", p.display().to_string())
+            .with("pid", holder)
+            .with_source(err));
+        }
+        return Err(Error::io("flock", p, err));
+    }
+    Ok(f)
+}
+
+/// The pid holding a `flock` on the file `f` refers to, from `/proc/locks`.
+pub fn lock_holder_of(f: &File) -> Option<u32> {
+    let md = f.metadata().ok()?;
+    let dev = md.dev();
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        libc::major(dev),
+        libc::minor(dev),
+        md.ino()
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; blocked waiters carry "->".
+        if fields.len() >= 6 && fields[1] == "FLOCK" && fields[5] == want {
+            fields[4].parse().ok()
+        } else {
+            None
+        }
+    })
+}
+
+/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read of the
+/// superblock; on failure an error (`required`) or a buffered descriptor with one warning
+/// (`auto`).
+fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
+    let fs_type = fs_type_of(p);
+    let opened = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
+        .open(p);
+    let probe = opened.and_then(|f| {
+        let mut buf = AlignedBuf::new(SUPERBLOCK_SIZE).map_err(std::io::Error::other)?;
+        f.read_exact_at(buf.as_mut_slice(), 0)?;
+        Ok(f)
+    });
+    match probe {
+        Ok(f) => Ok((f, true, fs_type)),
+        Err(e) => match mode {
+            DirectIoMode::Required => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} does not support O_DIRECT (filesystem {fs_type}): {e}; set direct_io = \
+                     \"auto\" to allow buffered I/O",
+                    p.display()
+                ),
+            )
+            .with("path", p.display().to_string())
+            .with("filesystem", fs_type)
+            .with_source(e)),
+            DirectIoMode::Auto => {
+                log::warn!(
+                    "{} does not support O_DIRECT (filesystem {fs_type}: {e}); using buffered \
+                     I/O for this slab (direct_io = auto)",
+                    p.display()
+                );
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .custom_flags(libc::O_CLOEXEC)
+                    .open(p)
+                    .map_err(|e| Error::io("open", p, e))?;
+                Ok((f, false, fs_type))
+            }
+        },
+    }
+}
+
+/// `posix_fallocate` of `len` bytes, after checking free space; ENOSPC names the path, the
+/// bytes needed and the bytes available.
+fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
+    let available = available_bytes(p.parent().unwrap_or(Path::new(".")));
+    let no_space = |available: Option<u64>| {
+        let avail = available.map_or_else(|| "unknown".to_string(), |a| a.to_string());
+        Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "not enough space to preallocate {}: needs {len} bytes, {avail} available",
+                p.display()
+            ),
+        )
+        .with("path", p.display().to_string())
+        .with("needed", len.to_string())
+        .with("available", avail)
+    };
+    if let Some(a) = available
+        && a < len
+    {
+        return Err(no_space(available));
+    }
+    let len_off = libc::off_t::try_from(len).map_err(|_| no_space(available))?;
+    // SAFETY: posix_fallocate on a descriptor we own; no memory is involved.
+    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len_off) };
+    match rc {
+        0 => Ok(()),
+        libc::ENOSPC | libc::EDQUOT => Err(no_space(available_bytes(
+            p.parent().unwrap_or(Path::new(".")),
+        ))),
+        e => Err(Error::io(
+            "posix_fallocate",
+            p,
+            std::io::Error::from_raw_os_error(e),
+        )),
+    }
+}
+
+/// Bytes available to an unprivileged writer in the filesystem of `dir` (`statvfs`).
+pub fn available_bytes(dir: &Path) -> Option<u64> {
+    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain old data; zeroed is a valid initial value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// The filesystem type of `p` as `name (0xmagic)`.
+pub fn fs_type_of(p: &Path) -> String {
+    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+        return "unknown".into();
+    };
+    // SAFETY: statfs is plain old data; zeroed is a valid initial value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return "unknown".into();
+    }
+    let magic = st.f_type as u64 & 0xffff_ffff;
+    let name = match magic {
+        0xef53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58f6 => "ramfs",
+        0x794c_7630 => "overlayfs",
+        0x9123_683e => "btrfs",
+        0x6969 => "nfs",
+        0x6573_5546 => "fuse",
+        0x2fc1_2fc1 => "zfs",
+        0x9fa0 => "proc",
+        0x6265_6572 => "sysfs",
+        _ => "unknown",
+    };
+    format!("{name} (0x{magic:x})")
+}
+
+/// Reads and decodes the superblock of an open slab.
+pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
+    let mut b = vec![0u8; SUPERBLOCK_SIZE];
+    let mut got = 0;
+    while got < b.len() {
+        match f.read_at(&mut b[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == IoErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("read superblock of", p, e)),
+        }
+    }
+    Superblock::decode(&b[..got], &p.display().to_string())
+}
+
+/// fsyncs a directory (after creating, renaming or removing entries in it).
+pub fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io("fsync directory", dir, e))
+}
+
+/// Removes the slab files of `dirs` after taking their locks (so a live tier is never
+/// reformatted under its feet). Missing files are ignored.
+pub fn remove_set(dirs: &[PathBuf]) -> Result<()> {
+    let dirs = check_dirs(dirs)?;
+    let mut held = Vec::new();
+    for d in &dirs {
+        let p = d.join(SLAB_FILE_NAME);
+        if p.exists() {
+            held.push((open_locked(&p, false)?, p));
+        }
+    }
+    for (_f, p) in &held {
+        std::fs::remove_file(p).map_err(|e| Error::io("remove", p, e))?;
+        sync_dir(p.parent().unwrap_or(Path::new(".")))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,394 @@
+//! [`G3Tier`]: the G3 NVMe tier behind the [`SecondaryTier`] contract.
+//!
+//! Every contract call validates, enqueues to the worker thread (see `worker.rs`) and returns
+//! in microseconds; only [`SecondaryTier::drain_jobs`] and [`SecondaryTier::shutdown`] block.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::config::G3TierConfig;
+use crate::g3::format::slots_per_file;
+use crate::g3::metrics::{G3Metrics, PathStatus};
+use crate::g3::slab::{self, SlabSpec};
+use crate::g3::worker::{Cmd, Shared, Worker, WorkerInit};
+use crate::io::{EngineHandle, EngineOptions, IoEngineKind, open_engine};
+use crate::key::ChunkKey;
+use crate::region::PrimaryRegion;
+use crate::tiering::job::{
+    JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
+};
+use crate::tiering::secondary::{SecondaryTier, TierMetric};
+
+/// Facts about an open tier, for logs, the CLI and tests.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct G3Info {
+    /// Slab file of each path, in stripe order.
+    pub slab_paths: Vec<PathBuf>,
+    /// Whether each path uses O_DIRECT.
+    pub direct_io: Vec<bool>,
+    /// Filesystem type of each path.
+    pub fs_types: Vec<String>,
+    /// Bytes per slot.
+    pub row_stride: u64,
+    /// Slots over all paths.
+    pub total_slots: u64,
+    /// Stripe set uuid (hex).
+    pub set_uuid: String,
+    /// True when this open created the slabs.
+    pub created: bool,
+    /// The I/O engine's name.
+    pub engine: String,
+}
+
+/// Builds the I/O engine for the slab files (tests wrap the real engine in a fault injector).
+pub type EngineFactory = Box<
+    dyn FnOnce(IoEngineKind, Arc<PrimaryRegion>, Vec<File>, &EngineOptions) -> Result<EngineHandle>,
+>;
+
+/// The G3 NVMe tier.
+pub struct G3Tier {
+    shared: Arc<Shared>,
+    cmd_tx: Option<Sender<Cmd>>,
+    results_rx: Receiver<JobResult>,
+    events_rx: Receiver<OffloadingEvent>,
+    local_results: Vec<JobResult>,
+    outstanding: usize,
+    worker: Option<JoinHandle<()>>,
+    locality: Option<Locality>,
+    max_queued_jobs: usize,
+    info: G3Info,
+}
+
+impl std::fmt::Debug for G3Tier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("G3Tier")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl G3Tier {
+    /// Opens (creating on first use) the slab files in `cfg.paths`, starts the I/O engine and
+    /// the worker, which recovers the index in the background (lookups answer RETRY until it
+    /// is done). Slots are `region.row_stride()` bytes.
+    pub fn open(
+        cfg: G3TierConfig,
+        region: Arc<PrimaryRegion>,
+        namespace: [u8; 32],
+        tier_id: String,
+        locality: Option<Locality>,
+    ) -> Result<Self> {
+        Self::open_with_engine(
+            cfg,
+            region,
+            namespace,
+            tier_id,
+            locality,
+            Box::new(open_engine),
+        )
+    }
+
+    /// [`G3Tier::open`] with a custom engine factory.
+    pub fn open_with_engine(
+        cfg: G3TierConfig,
+        region: Arc<PrimaryRegion>,
+        namespace: [u8; 32],
+        tier_id: String,
+        locality: Option<Locality>,
+        make_engine: EngineFactory,
+    ) -> Result<Self> {
+        let row_stride = region.row_stride() as u64;
+        let n = cfg.paths.len().max(1);
+        let total = slots_per_file(cfg.capacity_bytes, n, row_stride) * n as u64;
+        if total >= u64::from(u32::MAX) {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!("{total} slots of {row_stride} bytes exceed the 2^32 - 1 slot limit"),
+            ));
+        }
+        let spec = SlabSpec {
+            row_stride,
+            capacity_bytes: cfg.capacity_bytes,
+            namespace,
+            direct_io: cfg.direct_io,
+        };
+        let set = slab::open_set(&cfg.paths, &spec)?;
+        let files = set
+            .files
+            .iter()
+            .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
+            .collect::<Result<Vec<_>>>()?;
+        let all_direct = set.files.iter().all(|f| f.direct);
+        let per_flight = (cfg.max_bytes_in_flight / row_stride).clamp(1, 4096) as u32;
+        let opts = EngineOptions {
+            queue_depth: per_flight.max(crate::io::uring::DEFAULT_QUEUE_DEPTH.min(per_flight * 2)),
+            o_direct: all_direct,
+            ..EngineOptions::default()
+        };
+        let handle = make_engine(cfg.io_engine, region.clone(), files, &opts)?;
+        let info = G3Info {
+            slab_paths: set.files.iter().map(|f| f.path.clone()).collect(),
+            direct_io: set.files.iter().map(|f| f.direct).collect(),
+            fs_types: set.files.iter().map(|f| f.fs_type.clone()).collect(),
+            row_stride,
+            total_slots: set.total_slots(),
+            set_uuid: hex::encode(set.set_uuid()),
+            created: set.created,
+            engine: handle.info.name.clone(),
+        };
+        let metrics = G3Metrics::default();
+        *metrics.engine.lock() = handle.info.name.clone();
+        *metrics.engine_fallback.lock() = handle.info.fallback_reason.clone();
+        let shared = Arc::new(Shared {
+            index: Mutex::new(None),
+            metrics,
+            paths: set
+                .files
+                .iter()
+                .map(|f| PathStatus {
+                    direct: f.direct,
+                    fs_type: f.fs_type.clone(),
+                    poisoned: Default::default(),
+                })
+                .collect(),
+            failed: Mutex::new(None),
+        });
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let (results_tx, results_rx) = crossbeam_channel::unbounded();
+        let (events_tx, events_rx) = crossbeam_channel::unbounded();
+        let worker = Worker::new(WorkerInit {
+            sh: shared.clone(),
+            engine: handle.engine.clone(),
+            set,
+            cfg: cfg.clone(),
+            tier_id: tier_id.clone(),
+            locality,
+            cmd_rx,
+            results_tx,
+            events_tx,
+        });
+        let engine = handle.engine;
+        let thread = std::thread::Builder::new()
+            .name(format!("kvtier-g3-{tier_id}"))
+            .spawn(move || worker.run())
+            .map_err(|e| {
+                engine.shutdown();
+                Error::new(
+                    ErrorKind::Io,
+                    format!("cannot start the G3 worker thread: {e}"),
+                )
+                .with_source(e)
+            })?;
+        Ok(G3Tier {
+            shared,
+            cmd_tx: Some(cmd_tx),
+            results_rx,
+            events_rx,
+            local_results: Vec::new(),
+            outstanding: 0,
+            worker: Some(thread),
+            locality,
+            max_queued_jobs: cfg.max_queued_jobs,
+            info,
+        })
+    }
+
+    /// Facts about the open tier.
+    pub fn info(&self) -> &G3Info {
+        &self.info
+    }
+
+    /// True once the index has been recovered (lookups then answer HIT or MISS).
+    pub fn is_recovered(&self) -> bool {
+        self.shared.metrics.recovered.load(Ordering::Acquire)
+    }
+
+    /// Number of committed entries (0 until recovered).
+    pub fn len(&self) -> usize {
+        self.shared.index.lock().as_ref().map_or(0, |ix| ix.len())
+    }
+
+    /// True when no entry is committed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Blocks until recovery has finished (for tools and tests; the tier itself never waits).
+    pub fn wait_recovered(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.is_recovered() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
+    }
+
+    fn enqueue(&mut self, job: TransferJob, load: bool) {
+        let job_id = job.job_id;
+        self.outstanding += 1;
+        if job.keys.is_empty() {
+            self.local_results
+                .push(JobResult::ok(job_id, Default::default(), 0));
+            return;
+        }
+        if job.keys.len() != job.chunk_ids.len() {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "job {job_id} has {} keys but {} chunk ids",
+                    job.keys.len(),
+                    job.chunk_ids.len()
+                ),
+            );
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        }
+        let m = &self.shared.metrics;
+        if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
+            m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
+            let e = Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "G3 job queue is full ({} jobs); job {job_id} refused",
+                    self.max_queued_jobs
+                ),
+            );
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        }
+        let Some(tx) = &self.cmd_tx else {
+            let e = Error::new(ErrorKind::Closed, "the G3 tier is shut down");
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        };
+        m.queued_jobs.fetch_add(1, Ordering::Relaxed);
+        let cmd = if load {
+            Cmd::Load(job)
+        } else {
+            Cmd::Store(job)
+        };
+        if tx.send(cmd).is_err() {
+            m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
+            let e = Error::new(ErrorKind::Closed, "the G3 worker thread has stopped");
+            self.local_results.push(JobResult::failed(job_id, e));
+        }
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        let Some(tx) = self.cmd_tx.take() else {
+            return Ok(());
+        };
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
+        let sent = tx.send(Cmd::Shutdown(ack_tx)).is_ok();
+        drop(tx);
+        let result = if sent {
+            ack_rx.recv().unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Internal,
+                    "the G3 worker exited without shutting down",
+                ))
+            })
+        } else {
+            Err(Error::new(
+                ErrorKind::Internal,
+                "the G3 worker thread was already gone",
+            ))
+        };
+        if let Some(h) = self.worker.take()
+            && h.join().is_err()
+        {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "the G3 worker thread panicked; I/O may still reference the primary region",
+            ));
+        }
+        result
+    }
+}
+
+impl SecondaryTier for G3Tier {
+    fn tier_type(&self) -> &str {
+        "nvme"
+    }
+
+    fn medium(&self) -> Option<Medium> {
+        Some(Medium::Storage)
+    }
+
+    fn locality(&self) -> Option<Locality> {
+        self.locality
+    }
+
+    fn lookup(&mut self, key: &ChunkKey, _req: &RequestContext) -> LookupResult {
+        if !self.is_recovered() {
+            return LookupResult::Retry;
+        }
+        let hit = self
+            .shared
+            .index
+            .lock()
+            .as_mut()
+            .is_some_and(|ix| ix.touch(key));
+        if hit {
+            LookupResult::Hit
+        } else {
+            LookupResult::Miss
+        }
+    }
+
+    fn submit_store(&mut self, job: TransferJob) {
+        self.enqueue(job, false);
+    }
+
+    fn submit_load(&mut self, job: TransferJob) {
+        self.enqueue(job, true);
+    }
+
+    fn get_finished_jobs(&mut self) -> Vec<JobResult> {
+        let mut out = std::mem::take(&mut self.local_results);
+        out.extend(self.results_rx.try_iter());
+        self.outstanding = self.outstanding.saturating_sub(out.len());
+        out
+    }
+
+    fn has_pending_work(&self) -> bool {
+        self.outstanding > 0
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        self.events_rx.try_iter().collect()
+    }
+
+    fn drain_jobs(&mut self) {
+        let Some(tx) = &self.cmd_tx else { return };
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
+        if tx.send(Cmd::Drain(ack_tx)).is_ok() {
+            let _ = ack_rx.recv();
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn metrics(&self) -> Vec<TierMetric> {
+        self.shared.metrics.sample(&self.shared.paths)
+    }
+}
+
+impl Drop for G3Tier {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            log::error!("G3 tier shutdown on drop failed: {e}");
+        }
+    }
+}

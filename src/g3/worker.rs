@@ -1,0 +1,878 @@
+//! The tier's worker thread: recovers the index, then turns jobs into slab I/O on the engine,
+//! caps bytes in flight, checks CRCs, journals, and posts one result per job.
+//!
+//! It blocks on its command channel, the engine's completion channel and (when the journal
+//! holds records) a checkpoint timer; it never spins. All index changes happen here, under
+//! the index mutex, each together with its journal record, so that the committed index always
+//! equals checkpoint + journal.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, after, never};
+use parking_lot::Mutex;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::config::{FsyncPolicy, G3TierConfig};
+use crate::g3::format::slot_location;
+use crate::g3::index::{Index, Slot};
+use crate::g3::journal::{JournalWriter, MAX_KEY_LEN, write_checkpoint};
+use crate::g3::metrics::{G3Metrics, PathStatus};
+use crate::g3::recovery;
+use crate::g3::slab::SlabSet;
+use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
+use crate::key::ChunkKey;
+use crate::tiering::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
+
+/// A message from the tier to its worker.
+pub(crate) enum Cmd {
+    /// Primary -> slabs.
+    Store(TransferJob),
+    /// Slabs -> primary.
+    Load(TransferJob),
+    /// Cancel queued jobs, wait for started ones, then signal.
+    Drain(Sender<()>),
+    /// Drain, checkpoint, stop the engine, then signal and exit.
+    Shutdown(Sender<Result<()>>),
+}
+
+/// State shared between the tier (caller side) and its worker.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    /// The index; `None` until recovery has finished.
+    pub index: Mutex<Option<Index>>,
+    /// Metrics.
+    pub metrics: G3Metrics,
+    /// Per-path status.
+    pub paths: Vec<PathStatus>,
+    /// Why the tier cannot serve (recovery failed, worker gone), if so.
+    pub failed: Mutex<Option<Error>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyStatus {
+    Skipped,
+    Pending,
+    Done,
+    Failed,
+}
+
+struct Active {
+    job_id: u64,
+    load: bool,
+    keys: Vec<ChunkKey>,
+    rows: Vec<u32>,
+    slots: Vec<Option<(Slot, u32)>>,
+    status: Vec<KeyStatus>,
+    remaining: usize,
+    bytes: u64,
+    started: Instant,
+    first_error: Option<Error>,
+}
+
+impl Active {
+    fn fail(&mut self, i: usize, e: Error) {
+        self.status[i] = KeyStatus::Failed;
+        if self.first_error.is_none() {
+            self.first_error = Some(e);
+        }
+    }
+}
+
+/// What the tier hands its worker at start.
+pub(crate) struct WorkerInit {
+    /// Shared state.
+    pub sh: Arc<Shared>,
+    /// The engine (its region is the tier's primary region).
+    pub engine: Arc<dyn IoEngine>,
+    /// The open slab files.
+    pub set: SlabSet,
+    /// Configuration.
+    pub cfg: G3TierConfig,
+    /// Tier id (event ownership).
+    pub tier_id: String,
+    /// Event locality.
+    pub locality: Option<Locality>,
+    /// Commands from the tier.
+    pub cmd_rx: Receiver<Cmd>,
+    /// Results to the tier.
+    pub results_tx: Sender<JobResult>,
+    /// Events to the tier.
+    pub events_tx: Sender<OffloadingEvent>,
+}
+
+/// Everything the worker owns.
+pub(crate) struct Worker {
+    sh: Arc<Shared>,
+    engine: Arc<dyn IoEngine>,
+    set: SlabSet,
+    cfg: G3TierConfig,
+    tier_id: String,
+    locality: Option<Locality>,
+    cmd_rx: Receiver<Cmd>,
+    results_tx: Sender<JobResult>,
+    events_tx: Sender<OffloadingEvent>,
+    journal: Option<JournalWriter>,
+    ckpt_seq: u64,
+    next_gen: u64,
+    last_ckpt: Instant,
+    queue: VecDeque<(TransferJob, bool)>,
+    active: HashMap<u32, Active>,
+    next_serial: u32,
+    ops: VecDeque<IoRequest>,
+    in_flight: u64,
+    drain_waiters: Vec<Sender<()>>,
+    shutdown_ack: Option<Sender<Result<()>>>,
+}
+
+impl Worker {
+    /// A worker that has not recovered yet.
+    pub fn new(w: WorkerInit) -> Self {
+        Worker {
+            sh: w.sh,
+            engine: w.engine,
+            set: w.set,
+            cfg: w.cfg,
+            tier_id: w.tier_id,
+            locality: w.locality,
+            cmd_rx: w.cmd_rx,
+            results_tx: w.results_tx,
+            events_tx: w.events_tx,
+            journal: None,
+            ckpt_seq: 0,
+            next_gen: 1,
+            last_ckpt: Instant::now(),
+            queue: VecDeque::new(),
+            active: HashMap::new(),
+            next_serial: 0,
+            ops: VecDeque::new(),
+            in_flight: 0,
+            drain_waiters: Vec::new(),
+            shutdown_ack: None,
+        }
+    }
+
+    /// The thread body.
+    pub fn run(mut self) {
+        if let Err(e) = self.recover() {
+            log::error!(
+                "G3 tier {}: index recovery failed, the tier serves no data: {e}",
+                self.tier_id
+            );
+            *self.sh.failed.lock() = Some(e);
+        }
+        self.sh.metrics.recovered.store(true, Ordering::Release);
+        let completions = self.engine.completions().clone();
+        let mut cmd_open = true;
+        loop {
+            self.pump();
+            if self.idle() {
+                for w in self.drain_waiters.drain(..) {
+                    let _ = w.send(());
+                }
+                if self.shutdown_ack.is_some() || !cmd_open {
+                    let result = self.close();
+                    if let Some(ack) = self.shutdown_ack.take() {
+                        let _ = ack.send(result);
+                    }
+                    return;
+                }
+            }
+            let tick = match (self.cfg.checkpoint_interval, &self.journal) {
+                (Some(iv), Some(j)) if !j.is_empty() => after(
+                    iv.saturating_sub(self.last_ckpt.elapsed())
+                        .max(Duration::from_millis(1)),
+                ),
+                _ => never(),
+            };
+            let cmds = if cmd_open {
+                self.cmd_rx.clone()
+            } else {
+                never()
+            };
+            crossbeam_channel::select! {
+                recv(cmds) -> msg => match msg {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => {
+                        cmd_open = false;
+                        self.cancel_queued();
+                    }
+                },
+                recv(completions) -> c => match c {
+                    Ok(c) => self.complete(c),
+                    Err(_) => self.engine_gone(),
+                },
+                recv(tick) -> _ => self.checkpoint_logged(),
+            }
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.active.is_empty() && self.ops.is_empty() && self.queue.is_empty()
+    }
+
+    fn recover(&mut self) -> Result<()> {
+        let total = u32::try_from(self.set.total_slots()).map_err(|_| {
+            Error::new(
+                ErrorKind::Config,
+                "more than 2^32 - 1 slots in one stripe set",
+            )
+        })?;
+        let dir = self.set.meta_dir().to_path_buf();
+        let uuid = self.set.set_uuid();
+        let rec = recovery::recover(&dir, uuid, total, self.set.files.len())?;
+        let (journal, seq) = recovery::open_journal(&dir, uuid, &rec)?;
+        let m = &self.sh.metrics;
+        m.recovery_micros
+            .store(rec.duration.as_micros() as u64, Ordering::Relaxed);
+        m.recovery_records.store(rec.records, Ordering::Relaxed);
+        m.recovery_cut_bytes.store(rec.cut_bytes, Ordering::Relaxed);
+        log::info!(
+            "G3 tier {}: recovered {} entries ({} records) in {:?}",
+            self.tier_id,
+            rec.index.len(),
+            rec.records,
+            rec.duration
+        );
+        self.journal = Some(journal);
+        self.ckpt_seq = seq;
+        self.next_gen = rec.next_generation;
+        self.last_ckpt = Instant::now();
+        let mut index = rec.index;
+        for (i, p) in self.sh.paths.iter().enumerate() {
+            if p.poisoned.load(Ordering::Relaxed) {
+                index.mark_path_dead(i);
+            }
+        }
+        self.refresh_slot_gauges(&index);
+        *self.sh.index.lock() = Some(index);
+        Ok(())
+    }
+
+    fn refresh_slot_gauges(&self, ix: &Index) {
+        let free = ix.free_slots() as u64;
+        self.sh.metrics.free_slots.store(free, Ordering::Relaxed);
+        self.sh
+            .metrics
+            .used_slots
+            .store(ix.total_slots() as u64 - free, Ordering::Relaxed);
+    }
+
+    fn command(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Store(job) => self.queue.push_back((job, false)),
+            Cmd::Load(job) => self.queue.push_back((job, true)),
+            Cmd::Drain(ack) => {
+                self.cancel_queued();
+                self.drain_waiters.push(ack);
+            }
+            Cmd::Shutdown(ack) => {
+                self.cancel_queued();
+                self.shutdown_ack = Some(ack);
+            }
+        }
+    }
+
+    fn cancel_queued(&mut self) {
+        while let Some((job, _)) = self.queue.pop_front() {
+            self.sh.metrics.queued_jobs.fetch_sub(1, Ordering::Relaxed);
+            self.sh
+                .metrics
+                .jobs_cancelled
+                .fetch_add(1, Ordering::Relaxed);
+            let e = Error::new(
+                ErrorKind::Cancelled,
+                format!(
+                    "G3 job {} was cancelled by a drain before it started",
+                    job.job_id
+                ),
+            );
+            let _ = self.results_tx.send(JobResult::failed(job.job_id, e));
+        }
+    }
+
+    /// Submits queued operations while the byte budget allows, starting queued jobs as their
+    /// turn comes.
+    fn pump(&mut self) {
+        let cap = self.cfg.max_bytes_in_flight;
+        let mut batch = Vec::new();
+        loop {
+            if let Some(op) = self.ops.front() {
+                let len = op.len as u64;
+                if self.in_flight > 0 && self.in_flight + len > cap {
+                    break;
+                }
+                self.in_flight += len;
+                batch.push(*op);
+                self.ops.pop_front();
+                continue;
+            }
+            if self.in_flight >= cap {
+                break;
+            }
+            let Some((job, load)) = self.queue.pop_front() else {
+                break;
+            };
+            self.sh.metrics.queued_jobs.fetch_sub(1, Ordering::Relaxed);
+            self.start(job, load);
+        }
+        self.sh
+            .metrics
+            .bytes_in_flight
+            .store(self.in_flight, Ordering::Relaxed);
+        if !batch.is_empty()
+            && let Err(e) = self.engine.submit(&batch)
+        {
+            for op in batch {
+                self.complete(IoCompletion {
+                    tag: op.tag,
+                    result: Err(e.duplicate()),
+                });
+            }
+        }
+    }
+
+    fn start(&mut self, job: TransferJob, load: bool) {
+        let serial = self.next_serial;
+        self.next_serial = self.next_serial.wrapping_add(1);
+        let n = job.keys.len();
+        let mut a = Active {
+            job_id: job.job_id,
+            load,
+            keys: job.keys,
+            rows: job.chunk_ids,
+            slots: vec![None; n],
+            status: vec![KeyStatus::Pending; n],
+            remaining: 0,
+            bytes: 0,
+            started: Instant::now(),
+            first_error: None,
+        };
+        self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
+        if a.rows.len() != n {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "job {} has {n} keys but {} chunk ids",
+                    a.job_id,
+                    a.rows.len()
+                ),
+            );
+            (0..n).for_each(|i| a.fail(i, e.duplicate()));
+        } else if let Some(e) = self.sh.failed.lock().as_ref() {
+            (0..n).for_each(|i| a.fail(i, e.duplicate()));
+        } else if load {
+            self.prepare_load(&mut a);
+        } else {
+            self.prepare_store(&mut a);
+        }
+        let stride = self.set.row_stride();
+        for i in 0..n {
+            if a.status[i] != KeyStatus::Pending {
+                continue;
+            }
+            let Some((slot, _)) = a.slots[i] else {
+                continue;
+            };
+            let (file, file_offset) = slot_location(u64::from(slot), self.set.files.len(), stride);
+            a.remaining += 1;
+            self.ops.push_back(IoRequest {
+                dir: if load { IoDir::Read } else { IoDir::Write },
+                file,
+                file_offset,
+                region_offset: a.rows[i] as usize * stride as usize,
+                len: stride as usize,
+                tag: (u64::from(serial) << 32) | i as u64,
+            });
+        }
+        if a.remaining == 0 {
+            self.finish(a);
+        } else {
+            self.active.insert(serial, a);
+        }
+    }
+
+    fn check_row(&self, row: u32) -> Result<()> {
+        self.engine.region().row_offset(row as usize).map(|_| ())
+    }
+
+    fn prepare_load(&mut self, a: &mut Active) {
+        let mut guard = self.sh.index.lock();
+        let Some(ix) = guard.as_mut() else { return };
+        for i in 0..a.keys.len() {
+            if let Err(e) = self.check_row(a.rows[i]) {
+                a.fail(i, e);
+                continue;
+            }
+            match ix.pin(&a.keys[i]) {
+                Some(sc) => a.slots[i] = Some(sc),
+                None => a.fail(
+                    i,
+                    Error::new(
+                        ErrorKind::Internal,
+                        format!("key {} is not held by this tier", a.keys[i]),
+                    )
+                    .with("key", a.keys[i].to_hex()),
+                ),
+            }
+        }
+    }
+
+    fn prepare_store(&mut self, a: &mut Active) {
+        let journal_bad = self
+            .journal
+            .as_ref()
+            .and_then(|j| j.poisoned().map(str::to_string));
+        let mut evicted = Vec::new();
+        {
+            let mut guard = self.sh.index.lock();
+            let Some(ix) = guard.as_mut() else { return };
+            let mut seen = HashSet::new();
+            for i in 0..a.keys.len() {
+                let key = &a.keys[i];
+                if ix.is_held(key) || !seen.insert(key.clone()) {
+                    a.status[i] = KeyStatus::Skipped;
+                    self.sh
+                        .metrics
+                        .stores_skipped
+                        .fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if let Some(why) = &journal_bad {
+                    a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::Poisoned,
+                            format!("G3 journal refuses writes: {why}"),
+                        ),
+                    );
+                    continue;
+                }
+                if key.len() > MAX_KEY_LEN {
+                    a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::Config,
+                            format!("key of {} bytes is longer than {MAX_KEY_LEN}", key.len()),
+                        ),
+                    );
+                    continue;
+                }
+                if let Err(e) = self.check_row(a.rows[i]) {
+                    a.fail(i, e);
+                    continue;
+                }
+                match ix.reserve(key) {
+                    Some(r) => {
+                        a.slots[i] = Some((r.slot, 0));
+                        if let Some(ev) = r.evicted {
+                            evicted.push(ev);
+                        }
+                    }
+                    None => a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::NoSpace,
+                            "no G3 slot can be reused now (all busy or on poisoned paths)",
+                        ),
+                    ),
+                }
+            }
+            self.refresh_slot_gauges(ix);
+        }
+        if !evicted.is_empty() {
+            self.sh
+                .metrics
+                .evictions
+                .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+            let keys: Vec<ChunkKey> = evicted.iter().map(|(k, _)| k.clone()).collect();
+            self.event(keys, true);
+            // An eviction is journaled (and, under fsync = always, made durable) before the
+            // slot is overwritten.
+            let sync = self.cfg.fsync == FsyncPolicy::Always;
+            let res = match self.journal.as_mut() {
+                Some(j) => {
+                    evicted.iter().for_each(|(_, s)| j.remove(*s));
+                    j.flush(sync)
+                }
+                None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+            };
+            if let Err(e) = res {
+                self.sh
+                    .metrics
+                    .journal_poisoned
+                    .store(true, Ordering::Relaxed);
+                let mut guard = self.sh.index.lock();
+                for i in 0..a.keys.len() {
+                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                        if let Some(ix) = guard.as_mut() {
+                            ix.abort(slot);
+                        }
+                        a.slots[i] = None;
+                        a.fail(i, e.duplicate());
+                    }
+                }
+                return;
+            }
+        }
+        let region = self.engine.region().clone();
+        for i in 0..a.keys.len() {
+            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                // SAFETY: the manager pins a store job's rows (no writer) until the job is
+                // reported; the row index was range-checked above.
+                let crc = match unsafe { region.row(a.rows[i] as usize) } {
+                    Ok(bytes) => crc32fast::hash(bytes),
+                    Err(e) => {
+                        a.fail(i, e);
+                        continue;
+                    }
+                };
+                a.slots[i] = Some((slot, crc));
+            }
+        }
+    }
+
+    fn complete(&mut self, c: IoCompletion) {
+        let serial = (c.tag >> 32) as u32;
+        let i = (c.tag & 0xffff_ffff) as usize;
+        let stride = self.set.row_stride();
+        self.in_flight = self.in_flight.saturating_sub(stride);
+        self.sh
+            .metrics
+            .bytes_in_flight
+            .store(self.in_flight, Ordering::Relaxed);
+        let Some(a) = self.active.get_mut(&serial) else {
+            log::error!("G3 worker: completion for unknown tag {:#x}", c.tag);
+            return;
+        };
+        a.remaining -= 1;
+        match c.result {
+            Ok(n) if n as u64 == stride => {
+                a.status[i] = KeyStatus::Done;
+                a.bytes += stride;
+                let ctr = if a.load {
+                    &self.sh.metrics.bytes_read
+                } else {
+                    &self.sh.metrics.bytes_written
+                };
+                ctr.fetch_add(stride, Ordering::Relaxed);
+            }
+            Ok(n) => {
+                self.sh.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+                a.fail(
+                    i,
+                    Error::new(
+                        ErrorKind::ShortIo,
+                        format!("slab transfer moved {n} of {stride} bytes"),
+                    ),
+                );
+            }
+            Err(e) => {
+                self.sh.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+                a.fail(i, e);
+            }
+        }
+        if a.remaining == 0
+            && let Some(a) = self.active.remove(&serial)
+        {
+            self.finish(a);
+        }
+    }
+
+    fn engine_gone(&mut self) {
+        log::error!(
+            "G3 tier {}: the I/O engine stopped; failing in-flight jobs",
+            self.tier_id
+        );
+        let e = Error::new(ErrorKind::Closed, "the I/O engine stopped");
+        *self.sh.failed.lock() = Some(e.duplicate());
+        let serials: Vec<u32> = self.active.keys().copied().collect();
+        for s in serials {
+            if let Some(mut a) = self.active.remove(&s) {
+                for i in 0..a.keys.len() {
+                    if a.status[i] == KeyStatus::Pending {
+                        a.fail(i, e.duplicate());
+                    }
+                }
+                self.finish(a);
+            }
+        }
+        self.ops.clear();
+        self.in_flight = 0;
+    }
+
+    fn poison_path(&self, path: usize, why: &Error) {
+        if let Some(p) = self.sh.paths.get(path)
+            && !p.poisoned.swap(true, Ordering::Relaxed)
+        {
+            log::error!(
+                "G3 slab {} poisoned after a failed write: {why}; no further writes go there",
+                self.set.files[path].path.display()
+            );
+        }
+        if let Some(ix) = self.sh.index.lock().as_mut() {
+            ix.mark_path_dead(path);
+        }
+    }
+
+    fn finish(&mut self, a: Active) {
+        if a.load {
+            self.finish_load(a);
+        } else {
+            self.finish_store(a);
+        }
+        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
+        if let Some(j) = &self.journal
+            && j.len() >= self.cfg.checkpoint_journal_bytes
+        {
+            self.checkpoint_logged();
+        }
+    }
+
+    fn finish_store(&mut self, mut a: Active) {
+        let n_paths = self.set.files.len();
+        let sync = self.cfg.fsync == FsyncPolicy::Always;
+        // Write failures poison their path.
+        for i in 0..a.keys.len() {
+            if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                let e = a
+                    .first_error
+                    .clone()
+                    .unwrap_or_else(|| Error::new(ErrorKind::Io, "write failed"));
+                self.poison_path(slot as usize % n_paths, &e);
+            }
+        }
+        // Under fsync = always the data is made durable before the journal names it.
+        if sync {
+            let touched: HashSet<usize> = (0..a.keys.len())
+                .filter(|&i| a.status[i] == KeyStatus::Done)
+                .filter_map(|i| a.slots[i].map(|(s, _)| s as usize % n_paths))
+                .collect();
+            for f in touched {
+                if let Err(err) = self.set.files[f].meta.sync_data() {
+                    let e = Error::io("fdatasync", &self.set.files[f].path, err);
+                    self.poison_path(f, &e);
+                    for i in 0..a.keys.len() {
+                        if a.status[i] == KeyStatus::Done
+                            && a.slots[i].is_some_and(|(s, _)| s as usize % n_paths == f)
+                        {
+                            a.fail(i, e.duplicate());
+                        }
+                    }
+                }
+            }
+        }
+        let done: Vec<usize> = (0..a.keys.len())
+            .filter(|&i| a.status[i] == KeyStatus::Done)
+            .collect();
+        let mut journal_err = None;
+        let mut gens = Vec::with_capacity(done.len());
+        if !done.is_empty() {
+            match self.journal.as_mut() {
+                Some(j) => {
+                    for &i in &done {
+                        let (slot, crc) = a.slots[i].unwrap_or((0, 0));
+                        gens.push(self.next_gen);
+                        j.insert(&a.keys[i], slot, crc, self.next_gen);
+                        self.next_gen += 1;
+                    }
+                    journal_err = j.flush(sync).err();
+                }
+                None => journal_err = Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+            }
+        }
+        if let Some(e) = &journal_err {
+            self.sh
+                .metrics
+                .journal_poisoned
+                .store(true, Ordering::Relaxed);
+            for &i in &done {
+                a.fail(i, e.duplicate());
+            }
+        }
+        let mut stored = Vec::new();
+        {
+            let mut guard = self.sh.index.lock();
+            if let Some(ix) = guard.as_mut() {
+                for (n, &i) in done.iter().enumerate() {
+                    if let Some((slot, crc)) = a.slots[i] {
+                        if journal_err.is_none() {
+                            ix.commit(slot, crc, gens[n]);
+                            stored.push(a.keys[i].clone());
+                        } else {
+                            ix.abort(slot);
+                        }
+                    }
+                }
+                for i in 0..a.keys.len() {
+                    if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i])
+                        && !done.contains(&i)
+                    {
+                        ix.abort(slot);
+                    }
+                }
+                self.refresh_slot_gauges(ix);
+            }
+        }
+        let m = &self.sh.metrics;
+        m.keys_stored
+            .fetch_add(stored.len() as u64, Ordering::Relaxed);
+        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
+        if !stored.is_empty() {
+            self.event(stored, false);
+        }
+        self.report(a, None);
+    }
+
+    fn finish_load(&mut self, mut a: Active) {
+        let region = self.engine.region().clone();
+        let mut dropped = Vec::new();
+        let mut loaded = Vec::new();
+        {
+            let mut guard = self.sh.index.lock();
+            for i in 0..a.keys.len() {
+                let Some((slot, crc)) = a.slots[i] else {
+                    continue;
+                };
+                if a.status[i] == KeyStatus::Done {
+                    // SAFETY: the manager reserves a load job's rows (no other reader or
+                    // writer) until the job is reported; our read into the row has completed.
+                    let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
+                    match found {
+                        Ok(found) if found == crc => {
+                            loaded.push(a.keys[i].clone());
+                        }
+                        Ok(found) => {
+                            self.sh
+                                .metrics
+                                .checksum_failures
+                                .fetch_add(1, Ordering::Relaxed);
+                            let e = Error::new(
+                                ErrorKind::Checksum,
+                                format!(
+                                    "G3 slot {slot} failed its CRC check for key {}",
+                                    a.keys[i]
+                                ),
+                            )
+                            .with("key", a.keys[i].to_hex())
+                            .with("expected", format!("{crc:08x}"))
+                            .with("found", format!("{found:08x}"));
+                            log::warn!("{e}");
+                            a.fail(i, e);
+                        }
+                        Err(e) => a.fail(i, e),
+                    }
+                }
+                if let Some(ix) = guard.as_mut() {
+                    if a.status[i] == KeyStatus::Failed
+                        && let Some(k) = ix.drop_slot(slot)
+                    {
+                        dropped.push((k, slot));
+                    }
+                    ix.unpin(slot);
+                }
+            }
+            if let Some(ix) = guard.as_ref() {
+                self.refresh_slot_gauges(ix);
+            }
+        }
+        if !dropped.is_empty() {
+            // A failed key becomes a miss at once and its slot is released (no promotion
+            // livelock); the removal is journaled.
+            let sync = self.cfg.fsync == FsyncPolicy::Always;
+            if let Some(j) = self.journal.as_mut() {
+                dropped.iter().for_each(|(_, s)| j.remove(*s));
+                if j.flush(sync).is_err() {
+                    self.sh
+                        .metrics
+                        .journal_poisoned
+                        .store(true, Ordering::Relaxed);
+                }
+            }
+            self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
+        }
+        let m = &self.sh.metrics;
+        m.keys_loaded
+            .fetch_add(loaded.len() as u64, Ordering::Relaxed);
+        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
+        self.report(a, Some(loaded));
+    }
+
+    fn report(&mut self, a: Active, loaded: Option<Vec<ChunkKey>>) {
+        let ok = !a.status.contains(&KeyStatus::Failed);
+        let elapsed = a.started.elapsed();
+        let result = if ok {
+            JobResult::ok(a.job_id, elapsed, a.bytes)
+        } else {
+            JobResult {
+                job_id: a.job_id,
+                success: false,
+                successful_keys: loaded.filter(|l| !l.is_empty()),
+                transfer_time: Some(elapsed),
+                transfer_bytes: Some(a.bytes),
+                error: a.first_error,
+            }
+        };
+        let _ = self.results_tx.send(result);
+    }
+
+    fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
+        let _ = self.events_tx.send(OffloadingEvent {
+            keys,
+            medium: Medium::Storage,
+            removed,
+            locality: self.locality,
+            ownership: Some(self.tier_id.clone()),
+            removal_expected: true,
+            metadata_only: false,
+        });
+    }
+
+    fn checkpoint_logged(&mut self) {
+        if let Err(e) = self.checkpoint() {
+            log::error!("G3 tier {}: checkpoint failed: {e}", self.tier_id);
+            self.last_ckpt = Instant::now();
+        }
+    }
+
+    /// Makes the slabs durable, then writes a checkpoint of the committed index and starts
+    /// a fresh journal.
+    fn checkpoint(&mut self) -> Result<()> {
+        if self.journal.is_none() || self.sh.failed.lock().is_some() {
+            return Ok(());
+        }
+        for f in &self.set.files {
+            f.meta
+                .sync_data()
+                .map_err(|e| Error::io("fdatasync", &f.path, e))?;
+        }
+        let entries = match self.sh.index.lock().as_ref() {
+            Some(ix) => ix.entries_lru_first(),
+            None => return Ok(()),
+        };
+        let dir = self.set.meta_dir().to_path_buf();
+        let seq = self.ckpt_seq + 1;
+        write_checkpoint(&dir, self.set.set_uuid(), seq, self.next_gen, &entries)?;
+        self.journal = Some(JournalWriter::create(&dir, self.set.set_uuid(), seq)?);
+        self.ckpt_seq = seq;
+        self.last_ckpt = Instant::now();
+        self.sh
+            .metrics
+            .journal_poisoned
+            .store(false, Ordering::Relaxed);
+        self.sh.metrics.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Final checkpoint and engine shutdown; the result says whether I/O may still reference
+    /// the region (never, once the engine's shutdown returned).
+    fn close(&mut self) -> Result<()> {
+        let ck = self.checkpoint();
+        self.engine.shutdown();
+        ck
+    }
+}

@@ -1,0 +1,442 @@
+//! The `faulty` engine: wraps another engine and injects faults, deterministically, for tests.
+//!
+//! Operations are numbered from 1 in the order [`IoEngine::submit`] receives them (every
+//! request counts, valid or not). A [`FaultPlan`] names which operations fail with EIO, which
+//! move only part of their bytes (the wrapper really transfers the shorter length through the
+//! inner engine, then reports [`ErrorKind::ShortIo`]: a short transfer is never a success),
+//! which reads get a bit flipped in the buffer after they complete, the latency added to every
+//! completion, and after how many writes every further write fails.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Select, Sender};
+use parking_lot::{Mutex, RwLock};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::files::{dir_name, os_error, request_error};
+use crate::io::{EngineHandle, EngineInfo, IoCompletion, IoDir, IoEngine, IoRequest};
+use crate::region::PrimaryRegion;
+
+/// Flip bit `bit` of byte `byte` (counted from the start of the request's buffer) after
+/// operation `op` completes successfully as a read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BitFlip {
+    /// Operation number (1-based).
+    pub op: u64,
+    /// Byte within the transferred range.
+    pub byte: usize,
+    /// Bit within the byte (0..8).
+    pub bit: u8,
+}
+
+/// Which faults to inject. Empty (the default) injects nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FaultPlan {
+    /// Operations that fail with EIO without reaching the inner engine.
+    pub eio_on: HashSet<u64>,
+    /// Operations that move only this many bytes (then fail with ShortIo).
+    pub short_on: HashMap<u64, usize>,
+    /// Bits flipped in read buffers after the read completes.
+    pub flips: Vec<BitFlip>,
+    /// Delay added to every completion.
+    pub latency: Duration,
+    /// Once this many writes have been accepted, every later write fails with EIO.
+    pub fail_writes_after: Option<u64>,
+}
+
+impl FaultPlan {
+    /// A plan that injects nothing.
+    pub fn new() -> Self {
+        FaultPlan::default()
+    }
+
+    /// Operation `op` fails with EIO.
+    pub fn eio_on(mut self, op: u64) -> Self {
+        self.eio_on.insert(op);
+        self
+    }
+
+    /// Operation `op` moves only `keep` bytes and fails with ShortIo.
+    pub fn short_on(mut self, op: u64, keep: usize) -> Self {
+        self.short_on.insert(op, keep);
+        self
+    }
+
+    /// After read `op` completes, bit `bit` of byte `byte` of its buffer is flipped.
+    pub fn flip_bit(mut self, op: u64, byte: usize, bit: u8) -> Self {
+        self.flips.push(BitFlip {
+            op,
+            byte,
+            bit: bit % 8,
+        });
+        self
+    }
+
+    /// Every completion is delayed by `latency`.
+    pub fn latency(mut self, latency: Duration) -> Self {
+        self.latency = latency;
+        self
+    }
+
+    /// The first `n` writes go through; every later write fails with EIO.
+    pub fn fail_writes_after(mut self, n: u64) -> Self {
+        self.fail_writes_after = Some(n);
+        self
+    }
+}
+
+/// Counts of what was injected so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Operations failed with EIO (including writes after the write limit).
+    pub eio: u64,
+    /// Operations cut short.
+    pub short: u64,
+    /// Bits flipped.
+    pub flips: u64,
+}
+
+/// What to do when an operation's inner completion arrives.
+#[derive(Debug, Clone, Copy)]
+enum OnComplete {
+    Pass,
+    Short,
+    Flip { byte: usize, bit: u8 },
+}
+
+struct Pending {
+    req: IoRequest,
+    on_complete: OnComplete,
+}
+
+#[derive(Default)]
+struct State {
+    next_op: u64,
+    writes: u64,
+    /// Keyed by operation number, which is the tag the inner engine sees.
+    pending: HashMap<u64, Pending>,
+    counts: FaultCounts,
+}
+
+enum Control {
+    Injected(IoCompletion),
+    Stop,
+}
+
+/// Wraps an engine and injects the faults of a [`FaultPlan`].
+pub struct FaultyEngine {
+    inner: Arc<dyn IoEngine>,
+    plan: FaultPlan,
+    state: Arc<Mutex<State>>,
+    control: RwLock<Option<Sender<Control>>>,
+    done_rx: Receiver<IoCompletion>,
+    forwarder: Mutex<Option<JoinHandle<()>>>,
+    flips_done: Arc<AtomicU64>,
+}
+
+impl FaultyEngine {
+    /// Wraps `inner`. Its completions must not be read by anyone else from now on.
+    pub fn new(inner: Arc<dyn IoEngine>, plan: FaultPlan) -> Result<Self> {
+        let state = Arc::new(Mutex::new(State::default()));
+        let (ctl_tx, ctl_rx) = crossbeam_channel::unbounded();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let flips_done = Arc::new(AtomicU64::new(0));
+        let fwd = Forwarder {
+            inner_rx: inner.completions().clone(),
+            ctl_rx,
+            done_tx,
+            state: state.clone(),
+            region: inner.region().clone(),
+            latency: plan.latency,
+            flips_done: flips_done.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("kvtier-faulty".to_string())
+            .spawn(move || fwd.run())
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("cannot start the fault forwarder: {e}"),
+                )
+                .with_source(e)
+            })?;
+        Ok(FaultyEngine {
+            inner,
+            plan,
+            state,
+            control: RwLock::new(Some(ctl_tx)),
+            done_rx,
+            forwarder: Mutex::new(Some(thread)),
+            flips_done,
+        })
+    }
+
+    /// Wraps a started engine, keeping its info (the name gets the `faulty(...)` prefix).
+    pub fn wrap_handle(handle: EngineHandle, plan: FaultPlan) -> Result<EngineHandle> {
+        let engine = FaultyEngine::new(handle.engine, plan)?;
+        let info = EngineInfo {
+            name: engine.name(),
+            ..handle.info
+        };
+        Ok(EngineHandle {
+            engine: Arc::new(engine),
+            info,
+        })
+    }
+
+    /// What has been injected so far.
+    pub fn counts(&self) -> FaultCounts {
+        let mut c = self.state.lock().counts;
+        c.flips = self.flips_done.load(Ordering::Relaxed);
+        c
+    }
+
+    /// Decides the fault for operation `op`; `Err` completes it at once without the inner
+    /// engine, `Ok` forwards the (possibly shortened) request.
+    fn plan_op(&self, st: &mut State, op: u64, req: &IoRequest) -> Result<(IoRequest, OnComplete)> {
+        let label = format!("file #{}", req.file);
+        let eio = |done| {
+            os_error(
+                req,
+                &label,
+                done,
+                std::io::Error::from_raw_os_error(libc::EIO),
+            )
+            .with("injected", "true")
+        };
+        if req.dir == IoDir::Write {
+            st.writes += 1;
+            if let Some(limit) = self.plan.fail_writes_after
+                && st.writes > limit
+            {
+                st.counts.eio += 1;
+                return Err(eio(0).with("injected_rule", "fail_writes_after"));
+            }
+        }
+        if self.plan.eio_on.contains(&op) {
+            st.counts.eio += 1;
+            return Err(eio(0));
+        }
+        let inner_req = IoRequest { tag: op, ..*req };
+        if let Some(&keep) = self.plan.short_on.get(&op) {
+            st.counts.short += 1;
+            let keep = keep.min(req.len.saturating_sub(1));
+            if keep == 0 {
+                return Err(injected_short(req, 0));
+            }
+            return Ok((
+                IoRequest {
+                    len: keep,
+                    ..inner_req
+                },
+                OnComplete::Short,
+            ));
+        }
+        if let Some(f) = self.plan.flips.iter().find(|f| f.op == op)
+            && req.dir == IoDir::Read
+        {
+            return Ok((
+                inner_req,
+                OnComplete::Flip {
+                    byte: f.byte,
+                    bit: f.bit,
+                },
+            ));
+        }
+        Ok((inner_req, OnComplete::Pass))
+    }
+}
+
+fn injected_short(req: &IoRequest, moved: usize) -> Error {
+    request_error(
+        ErrorKind::ShortIo,
+        format!(
+            "short {} (injected): {moved} of {} bytes at offset {} moved",
+            dir_name(req.dir),
+            req.len,
+            req.file_offset
+        ),
+        req,
+        &format!("file #{}", req.file),
+    )
+    .with("expected", req.len.to_string())
+    .with("found", moved.to_string())
+    .with("injected", "true")
+}
+
+impl IoEngine for FaultyEngine {
+    fn name(&self) -> String {
+        format!("faulty({})", self.inner.name())
+    }
+
+    fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
+        let guard = self.control.read();
+        let Some(ctl) = guard.as_ref() else {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                "the faulty engine is shut down",
+            ));
+        };
+        let mut forward = Vec::with_capacity(reqs.len());
+        {
+            let mut st = self.state.lock();
+            for req in reqs {
+                st.next_op += 1;
+                let op = st.next_op;
+                match self.plan_op(&mut st, op, req) {
+                    Ok((inner_req, on_complete)) => {
+                        st.pending.insert(
+                            op,
+                            Pending {
+                                req: *req,
+                                on_complete,
+                            },
+                        );
+                        forward.push(inner_req);
+                    }
+                    Err(e) => {
+                        let _ = ctl.send(Control::Injected(IoCompletion {
+                            tag: req.tag,
+                            result: Err(e),
+                        }));
+                    }
+                }
+            }
+        }
+        if let Err(e) = self.inner.submit(&forward) {
+            let mut st = self.state.lock();
+            for r in &forward {
+                st.pending.remove(&r.tag);
+            }
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn completions(&self) -> &Receiver<IoCompletion> {
+        &self.done_rx
+    }
+
+    fn region(&self) -> &Arc<PrimaryRegion> {
+        self.inner.region()
+    }
+
+    fn shutdown(&self) {
+        let Some(ctl) = self.control.write().take() else {
+            return;
+        };
+        // Every inner completion is queued once this returns; the forwarder then drains them.
+        self.inner.shutdown();
+        let _ = ctl.send(Control::Stop);
+        if let Some(t) = self.forwarder.lock().take()
+            && t.join().is_err()
+        {
+            log::error!("the fault forwarder thread panicked");
+        }
+    }
+}
+
+impl Drop for FaultyEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Thread that maps inner completions back to the caller's tags, applies faults and latency.
+struct Forwarder {
+    inner_rx: Receiver<IoCompletion>,
+    ctl_rx: Receiver<Control>,
+    done_tx: Sender<IoCompletion>,
+    state: Arc<Mutex<State>>,
+    region: Arc<PrimaryRegion>,
+    latency: Duration,
+    flips_done: Arc<AtomicU64>,
+}
+
+impl Forwarder {
+    fn run(self) {
+        let mut delayed: VecDeque<(Instant, IoCompletion)> = VecDeque::new();
+        let mut stopping = false;
+        loop {
+            let now = Instant::now();
+            while delayed.front().is_some_and(|(due, _)| *due <= now) {
+                if let Some((_, c)) = delayed.pop_front() {
+                    let _ = self.done_tx.send(c);
+                }
+            }
+            if stopping && delayed.is_empty() && self.state.lock().pending.is_empty() {
+                break;
+            }
+            let mut sel = Select::new();
+            let i_inner = sel.recv(&self.inner_rx);
+            let i_ctl = if stopping {
+                None
+            } else {
+                Some(sel.recv(&self.ctl_rx))
+            };
+            let oper = match delayed.front() {
+                Some((due, _)) => match sel.select_deadline(*due) {
+                    Ok(o) => o,
+                    Err(_) => continue,
+                },
+                None => sel.select(),
+            };
+            let out = if oper.index() == i_inner {
+                match oper.recv(&self.inner_rx) {
+                    Ok(c) => self.map(c),
+                    Err(_) => {
+                        log::error!("faulty: the inner engine's completion channel closed");
+                        break;
+                    }
+                }
+            } else if Some(oper.index()) == i_ctl {
+                match oper.recv(&self.ctl_rx) {
+                    Ok(Control::Injected(c)) => Some(c),
+                    Ok(Control::Stop) | Err(_) => {
+                        stopping = true;
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            if let Some(c) = out {
+                delayed.push_back((Instant::now() + self.latency, c));
+            }
+        }
+    }
+
+    fn map(&self, c: IoCompletion) -> Option<IoCompletion> {
+        let Some(p) = self.state.lock().pending.remove(&c.tag) else {
+            log::error!("faulty: completion for unknown operation {}", c.tag);
+            return None;
+        };
+        let result = match (c.result, p.on_complete) {
+            (Err(e), _) => Err(e),
+            (Ok(moved), OnComplete::Short) => Err(injected_short(&p.req, moved)),
+            (Ok(n), OnComplete::Flip { byte, bit }) => {
+                if byte < p.req.len {
+                    // SAFETY: `region_offset + byte < region_offset + len <= region.len()`
+                    // (the inner engine validated the request before completing it Ok). The
+                    // caller owns this range until it receives the completion, which has not
+                    // been delivered yet; nothing else writes it now.
+                    unsafe {
+                        let p = self.region.base_ptr().add(p.req.region_offset + byte);
+                        *p ^= 1u8 << bit;
+                    }
+                    self.flips_done.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(n)
+            }
+            (Ok(n), OnComplete::Pass) => Ok(n),
+        };
+        Some(IoCompletion {
+            tag: p.req.tag,
+            result,
+        })
+    }
+}
