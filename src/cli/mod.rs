@@ -5,8 +5,8 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
-pub mod config_cmd;
 pub mod bench_data;
+pub mod config_cmd;
 pub mod fio;
 pub mod fio_compare;
 pub mod fio_files;
@@ -17,6 +17,7 @@ pub mod plot;
 pub mod serve_loop;
 pub mod size;
 pub mod stats;
+pub mod tier_cmd;
 
 use std::process::ExitCode;
 
@@ -41,6 +42,8 @@ pub enum Command {
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio_compare::FioCompareArgs),
+    /// Administer a G3 tier: format, inspect, verify, ls, clear.
+    Tier(tier_cmd::TierArgs),
     /// Configuration tools: `kvtier config check FILE`.
     Config(config_cmd::ConfigArgs),
 }
@@ -78,6 +81,7 @@ pub fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }
         Command::FioCompare(args) => fio_compare::run(args),
+        Command::Tier(args) => tier_cmd::run(args),
         Command::Config(args) => config_cmd::run(args),
     };
     match result {
