@@ -13,7 +13,7 @@
 
 use serde::Serialize;
 
-use crate::config::ChunkSizing;
+use crate::config::{ChunkSizing, KvtierConfig};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Row alignment: the page size; every row is page-aligned in address and length.
@@ -105,6 +105,32 @@ impl ChunkGeometry {
         })
     }
 
+    /// Checks that a region handed over by its owner (vLLM's shared offload region, adopted by
+    /// pointer) has this geometry: `row_stride` a multiple of [`ROW_ALIGNMENT`]
+    /// ([`ErrorKind::Misaligned`] otherwise) and equal to the derived stride and row count
+    /// ([`ErrorKind::IncompatibleLayout`] otherwise).
+    pub fn verify_adopted(&self, row_stride: u64, num_rows: u64) -> Result<()> {
+        if row_stride == 0 || !row_stride.is_multiple_of(ROW_ALIGNMENT) {
+            return Err(Error::new(
+                ErrorKind::Misaligned,
+                format!("adopted region: row stride {row_stride} is not a positive multiple of {ROW_ALIGNMENT}"),
+            )
+            .with("found", row_stride.to_string()));
+        }
+        if row_stride != self.row_stride || num_rows != self.num_chunks {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                "adopted region does not match the configured chunk geometry",
+            )
+            .with(
+                "expected",
+                format!("{} rows of {} bytes", self.num_chunks, self.row_stride),
+            )
+            .with("found", format!("{num_rows} rows of {row_stride} bytes")));
+        }
+        Ok(())
+    }
+
     /// `(num_rows, row_stride)` as `usize` for [`crate::region::PrimaryRegion::create`].
     pub fn region_dims(&self) -> Result<(usize, usize)> {
         let to_usize = |v: u64, what: &str| {
@@ -145,6 +171,25 @@ impl ChunkSizing {
                 Ok(tokens / gpu)
             }
         }
+    }
+}
+
+impl KvtierConfig {
+    /// The chunk geometry of this configuration for one worker's KV bytes per GPU block and
+    /// the number of copies; `gpu_block_size_tokens` is needed only when `block_size` is set.
+    pub fn geometry(
+        &self,
+        worker_kv_bytes_per_block: u64,
+        copies: u32,
+        gpu_block_size_tokens: Option<u32>,
+    ) -> Result<ChunkGeometry> {
+        let blocks_per_chunk = self.chunk.blocks_per_chunk(gpu_block_size_tokens)?;
+        ChunkGeometry::derive(
+            worker_kv_bytes_per_block,
+            copies,
+            blocks_per_chunk,
+            self.cpu_bytes_to_use,
+        )
     }
 }
 
@@ -223,6 +268,28 @@ mod tests {
         // The product fits but rounding up to 4096 does not.
         let e = ChunkGeometry::derive(u64::MAX, 1, 1, u64::MAX).unwrap_err();
         assert!(e.to_string().contains("overflows"), "{e}");
+    }
+
+    #[test]
+    fn adopted_region_must_match() {
+        let g = ChunkGeometry::derive(512, 2, 2, 100 << 20).unwrap();
+        g.verify_adopted(4096, 25_600).unwrap();
+        let e = g.verify_adopted(2048, 25_600).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Misaligned);
+        let e = g.verify_adopted(8192, 12_800).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
+        assert_eq!(e.context_value("found"), Some("12800 rows of 8192 bytes"));
+        let e = g.verify_adopted(4096, 25_599).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
+    }
+
+    #[test]
+    fn config_geometry_uses_its_sizing_and_pool() {
+        let mut c = KvtierConfig::new(100 << 20);
+        c.chunk = ChunkSizing::BlockSizeTokens(32);
+        let g = c.geometry(512, 2, Some(16)).unwrap();
+        assert_eq!((g.blocks_per_chunk, g.num_chunks), (2, 25_600));
+        assert!(c.geometry(512, 2, None).is_err());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! * [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
 //! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
 //! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
+//! * [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
 //! * [`config`]: configuration model, merge and validation.
 //! * [`geometry`]: chunk geometry (row stride, rows) derived from the KV layout and pool size.
 //! * [`cli`]: the `kvtier` command line.
@@ -18,6 +19,7 @@ pub mod g3;
 pub mod geometry;
 pub mod io;
 pub mod key;
+pub mod metrics;
 pub mod primary;
 pub mod region;
 pub mod tiering;

@@ -77,13 +77,7 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
     let geometry = match args.bytes_per_block {
         None => None,
         Some(bytes_per_block) => {
-            let blocks_per_chunk = cfg.chunk.blocks_per_chunk(args.gpu_block_size)?;
-            Some(ChunkGeometry::derive(
-                bytes_per_block,
-                args.copies,
-                blocks_per_chunk,
-                cfg.cpu_bytes_to_use,
-            )?)
+            Some(cfg.geometry(bytes_per_block, args.copies, args.gpu_block_size)?)
         }
     };
     let report = CheckReport {

@@ -142,33 +142,48 @@ impl Overlay {
         })?;
         let mut fields = BTreeMap::new();
         for (k, v) in obj {
-            let Some(&key) = BACKPRESSURE_KEYS.iter().find(|c| **c == k) else {
-                return Err(fields::unknown_key(path, k, &BACKPRESSURE_KEYS));
-            };
-            let p = join(path, key);
-            let value = match key {
-                "backpressure_cls" => FieldValue::Text(class_name(&p, v, &[DETECTOR_CLS])?.into()),
-                "policy_cls" => FieldValue::Text(class_name(&p, v, &POLICY_CLASSES)?.into()),
-                "high_water_s" => FieldValue::Real(positive(&p, v, "a number > 0 (s/MiB)")?),
-                "low_water_s" => FieldValue::Real(non_negative(&p, v, "a number >= 0 (s/MiB)")?),
+            let p = join(path, k);
+            let (key, value) = match k.as_str() {
+                "backpressure_cls" => (
+                    "backpressure_cls",
+                    FieldValue::Text(class_name(&p, v, &[DETECTOR_CLS])?.into()),
+                ),
+                "policy_cls" => (
+                    "policy_cls",
+                    FieldValue::Text(class_name(&p, v, &POLICY_CLASSES)?.into()),
+                ),
+                "high_water_s" => (
+                    "high_water_s",
+                    FieldValue::Real(positive(&p, v, "a number > 0 (s/MiB)")?),
+                ),
+                "low_water_s" => (
+                    "low_water_s",
+                    FieldValue::Real(non_negative(&p, v, "a number >= 0 (s/MiB)")?),
+                ),
                 "alpha" => {
                     let a = fields::number(&p, v, "a number with 0 < alpha <= 1")?;
                     if !(a > 0.0 && a <= 1.0) {
                         return Err(fields::range_error(&p, "0 < alpha <= 1", a));
                     }
-                    FieldValue::Real(a)
+                    ("alpha", FieldValue::Real(a))
                 }
-                "warmup_completions" => {
-                    FieldValue::Count(fields::integer_u32(&p, v, 0, "an integer >= 0")?)
-                }
-                "decay_half_life_s" => {
-                    FieldValue::Real(positive(&p, v, "a number of seconds > 0")?)
-                }
-                "cooldown_s" => FieldValue::Real(non_negative(&p, v, "a number of seconds >= 0")?),
-                "failure_threshold" => {
-                    FieldValue::Count(fields::integer_u32(&p, v, 1, "an integer >= 1")?)
-                }
-                _ => unreachable!("every BACKPRESSURE_KEYS entry is handled"),
+                "warmup_completions" => (
+                    "warmup_completions",
+                    FieldValue::Count(fields::integer_u32(&p, v, 0, "an integer >= 0")?),
+                ),
+                "decay_half_life_s" => (
+                    "decay_half_life_s",
+                    FieldValue::Real(positive(&p, v, "a number of seconds > 0")?),
+                ),
+                "cooldown_s" => (
+                    "cooldown_s",
+                    FieldValue::Real(non_negative(&p, v, "a number of seconds >= 0")?),
+                ),
+                "failure_threshold" => (
+                    "failure_threshold",
+                    FieldValue::Count(fields::integer_u32(&p, v, 1, "an integer >= 1")?),
+                ),
+                _ => return Err(fields::unknown_key(path, k, &BACKPRESSURE_KEYS)),
             };
             fields.insert(key, Field { value, origin: p });
         }
@@ -311,10 +326,9 @@ pub(crate) fn resolve_for_tier(
     );
     merged.fill("cooldown_s", FieldValue::Real(DEFAULT_COOLDOWN_S), dflt);
 
-    let (high, low) = match (merged.real("high_water_s"), merged.real("low_water_s")) {
-        (Some(h), Some(l)) => (h, l),
-        _ => unreachable!("water marks were filled above"),
-    };
+    // Both marks were filled above; the fallbacks only restate the preset.
+    let high = merged.real("high_water_s").unwrap_or(preset.high_water_s);
+    let low = merged.real("low_water_s").unwrap_or(preset.low_water_s);
     if low > high {
         return Err(Error::config(
             join(tier_path, "backpressure"),

@@ -54,15 +54,19 @@ pub(crate) fn missing(path: &str, expected: &str) -> Error {
     Error::config(path, "required key is missing").with("expected", expected)
 }
 
-/// The closest candidate to `key`, if any is close enough to be a plausible misspelling.
+/// The closest candidate to `key`, if any is close enough to be a plausible misspelling:
+/// few edits for its length, or a strong common prefix (Jaro-Winkler). Fewest edits win.
 pub(crate) fn closest<'a>(key: &str, candidates: &[&'a str]) -> Option<&'a str> {
     let lower = key.to_ascii_lowercase();
     candidates
         .iter()
-        .map(|c| (strsim::jaro_winkler(&lower, c), *c))
-        .filter(|(score, _)| *score >= 0.8)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, c)| c)
+        .map(|c| {
+            let edits = strsim::damerau_levenshtein(&lower, &c.to_ascii_lowercase());
+            (edits, strsim::jaro_winkler(&lower, c), *c)
+        })
+        .filter(|(edits, jw, c)| *edits <= (c.len() / 3).max(1) || *jw >= 0.85)
+        .min_by(|a, b| a.0.cmp(&b.0).then(b.1.total_cmp(&a.1)))
+        .map(|(_, _, c)| c)
 }
 
 /// Whether `key` looks like a misspelling of `candidate` (not equal, within a small edit
@@ -164,6 +168,12 @@ mod tests {
         assert_eq!(closest("backpresure", &valid), Some("backpressure"));
         assert_eq!(closest("Locality", &valid), Some("locality"));
         assert_eq!(closest("zzzz", &valid), None);
+        assert_eq!(closest("lur", &["lru", "arc"]), Some("lru"));
+        assert_eq!(
+            closest("cpu_byte", &["cpu_bytes_to_use", "block_size"]),
+            Some("cpu_bytes_to_use")
+        );
+        assert_eq!(closest("tpe", &["type", "paths"]), Some("type"));
     }
 
     #[test]

@@ -59,14 +59,13 @@ pub struct TierConfig {
     /// The tier type (`nvme`, `memory`, ...).
     #[serde(rename = "type")]
     pub tier_type: String,
-    /// `module_path` of an out-of-tree tier (vLLM imports it; kvtier only records it).
-    pub module_path: Option<String>,
     /// `LOCAL` or `REMOTE`, if configured.
     #[serde(serialize_with = "ser_locality")]
     pub locality: Option<Locality>,
     /// Merged back-pressure config; `None` = no detector, the tier never drops stores.
     pub backpressure: Option<BackpressureConfig>,
-    /// Type-specific keys, validated by the tier's own config parser.
+    /// Type-specific keys, validated by the tier's own config parser. `module_path` (checked
+    /// to be a string) stays here too: vLLM imports it, kvtier's tiers ignore it.
     pub params: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -77,7 +76,6 @@ impl TierConfig {
         TierConfig {
             index,
             tier_type: tier_type.into(),
-            module_path: None,
             locality: None,
             backpressure: None,
             params: serde_json::Map::new(),

@@ -35,17 +35,31 @@ pub const VLLM_OWNED_KEYS: [&str; 8] = [
     "cache_policy_module_path",
 ];
 
-/// Keys of vLLM's `--kv-transfer-config` object accepted around `kv_connector_extra_config`.
-pub const WRAPPER_KEYS: [&str; 5] = [
+/// Keys of vLLM's `--kv-transfer-config` object (`KVTransferConfig`) accepted around
+/// `kv_connector_extra_config`. kvtier reads `kv_connector` (must be `OffloadingConnector`),
+/// `engine_id` and `kv_connector_extra_config`; the others are vLLM's and ignored.
+pub const WRAPPER_KEYS: [&str; 13] = [
     "kv_connector",
-    "kv_role",
-    "kv_connector_module_path",
     "engine_id",
     "kv_connector_extra_config",
+    "kv_role",
+    "kv_connector_module_path",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_load_failure_policy",
+    "enable_permute_local_kv",
 ];
 
 /// Keys common to every `secondary_tiers[i]`; every other key belongs to the tier's parser.
+/// `module_path` is type-checked and left in [`TierConfig::params`] for the tier to ignore.
 pub const TIER_COMMON_KEYS: [&str; 4] = ["type", "module_path", "locality", "backpressure"];
+
+/// Common keys taken out of the entry (not passed on in `params`).
+const EXTRACTED_TIER_KEYS: [&str; 3] = ["type", "locality", "backpressure"];
 
 /// The connector whose extra config this is.
 const CONNECTOR: &str = "OffloadingConnector";
@@ -93,11 +107,9 @@ pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
                     .with("found", name));
                 }
             }
-            "kv_role" | "kv_connector_module_path" => {
-                fields::string(p, v)?;
-            }
             "engine_id" => outer_engine_id = Some(engine_id(p, v)?),
             "kv_connector_extra_config" => {}
+            _ if WRAPPER_KEYS.contains(&p) => {}
             _ => return Err(fields::unknown_key("", k, &WRAPPER_KEYS)),
         }
     }
@@ -157,7 +169,7 @@ fn resolve_extra(
         (Some(_), Some(_)) => {
             return Err(Error::config(
                 path("block_size"),
-                "block_size and blocks_per_chunk are mutually exclusive; set only one",
+                "cannot be combined with blocks_per_chunk (they are mutually exclusive); set only one",
             ));
         }
         (Some(v), None) => ChunkSizing::BlockSizeTokens(fields::integer_u32(
@@ -186,8 +198,8 @@ fn resolve_extra(
             if n >= 2 {
                 return Err(Error::config(
                     p,
-                    "store_threshold >= 2 is not supported with tiering (vLLM's \
-                     TieringOffloadingSpec rejects it); use 0 or 1, or remove the key",
+                    "values >= 2 are not supported with tiering (vLLM's TieringOffloadingSpec \
+                     rejects them); use 0 or 1, or remove the key",
                 )
                 .with("found", n.to_string()));
             }
@@ -369,10 +381,9 @@ fn resolve_tier(
             t.to_string()
         }
     };
-    let module_path = match entry.get("module_path") {
-        None => None,
-        Some(m) => Some(fields::string(&join(&tier_path, "module_path"), m)?.to_string()),
-    };
+    if let Some(m) = entry.get("module_path") {
+        fields::string(&join(&tier_path, "module_path"), m)?;
+    }
     let locality = match entry.get("locality") {
         None => None,
         Some(l) => {
@@ -383,6 +394,20 @@ fn resolve_tier(
             })?)
         }
     };
+    let mut params = Map::new();
+    for (k, v) in entry {
+        if EXTRACTED_TIER_KEYS.contains(&k.as_str()) {
+            continue;
+        }
+        if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
+            return Err(Error::config(
+                join(&tier_path, k),
+                "unknown key: looks like a misspelt common tier key",
+            )
+            .with("did_you_mean", *common));
+        }
+        params.insert(k.clone(), v.clone());
+    }
     let (backpressure, bp_notes) =
         backpressure::resolve_for_tier(top_bp, entry, &tier_path, &tier_type, locality)?;
     if bp_notes.filled_detector_cls {
@@ -393,24 +418,9 @@ fn resolve_tier(
         ));
     }
 
-    let mut params = Map::new();
-    for (k, v) in entry {
-        if TIER_COMMON_KEYS.contains(&k.as_str()) {
-            continue;
-        }
-        if let Some(common) = TIER_COMMON_KEYS.iter().find(|c| fields::is_near_miss(k, c)) {
-            return Err(Error::config(
-                join(&tier_path, k),
-                "unknown key; a near-miss of a common tier key is not passed to the tier as its own key",
-            )
-            .with("did_you_mean", *common));
-        }
-        params.insert(k.clone(), v.clone());
-    }
     Ok(TierConfig {
         index: i,
         tier_type,
-        module_path,
         locality,
         backpressure,
         params,

@@ -1,0 +1,470 @@
+//! Store back-pressure, as vLLM 0.33.0's `tiering/backpressure.py` does it (contract doc §7):
+//! an EMA of store latency in seconds per MiB with hysteresis, a consecutive-failure trip, idle
+//! decay, a cooldown after pressure clears, a healthy bypass, and a drop policy
+//! ([`ThrottledDropPolicy`] by default, or [`DropStorePolicy`]).
+//!
+//! Only stores (cascades) are gated; promotions never are. Time comes from an injectable
+//! [`Clock`], so tests are deterministic.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::BackpressureConfig;
+use crate::error::{Error, Result};
+use crate::tiering::clock::Clock;
+use crate::tiering::job::Locality;
+
+/// One MiB: the EMA is in seconds per MiB.
+pub const MIB: f64 = (1u64 << 20) as f64;
+/// Default EMA smoothing factor.
+pub const DEFAULT_ALPHA: f64 = 0.15;
+/// Default number of completions averaged before the EMA starts.
+pub const DEFAULT_WARMUP_COMPLETIONS: u32 = 10;
+/// Default idle-decay half-life, seconds.
+pub const DEFAULT_DECAY_HALF_LIFE_S: f64 = 2.0;
+/// Default cooldown after pressure clears, seconds.
+pub const DEFAULT_COOLDOWN_S: f64 = 1.0;
+/// Consecutive completions below low water after which the gate is bypassed.
+pub const HEALTHY_THRESHOLD: u32 = 10;
+/// A failure trip lifts the EMA to this multiple of high water.
+pub const FAILURE_EMA_FACTOR: f64 = 4.0;
+/// [`ThrottledDropPolicy`]'s ramp: drop fraction 0 at high water, 1 at `(1 + ramp) x` high.
+pub const DEFAULT_RAMP_FACTOR: f64 = 2.0;
+/// LOCAL preset: (high water, low water) in s/MiB.
+pub const LOCAL_WATER_MARKS: (f64, f64) = (0.010, 0.002);
+/// NETWORK preset: (high water, low water) in s/MiB.
+pub const NETWORK_WATER_MARKS: (f64, f64) = (0.050, 0.010);
+/// The only detector class kvtier implements.
+pub const DETECTOR_CLASS: &str = "EMABackpressureDetector";
+
+/// Which policy decides under pressure (`policy_cls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    /// `ThrottledDropPolicy` (default): drop fraction ramps from 0 to 1.
+    Throttled,
+    /// `DropStorePolicy`: drop every store while under pressure.
+    DropAll,
+}
+
+/// Fully resolved detector parameters (vLLM's `EMABackpressureDetector` kwargs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DetectorParams {
+    /// EMA above this (s/MiB) means pressure.
+    pub high_water_s: f64,
+    /// EMA below this (s/MiB) clears pressure.
+    pub low_water_s: f64,
+    /// Smoothing factor, `0 < alpha <= 1`.
+    pub alpha: f64,
+    /// Completions averaged before the EMA starts.
+    pub warmup_completions: u32,
+    /// Idle-decay half-life, seconds.
+    pub decay_half_life_s: f64,
+    /// Cooldown after pressure clears, seconds.
+    pub cooldown_s: f64,
+    /// Consecutive failed stores that trip pressure (`None`: failures are ignored).
+    pub failure_threshold: Option<u32>,
+    /// The drop policy.
+    pub policy: PolicyKind,
+}
+
+impl DetectorParams {
+    /// Resolves a merged config for a tier: missing water marks come from the tier-aware preset
+    /// (NETWORK for `REMOTE` locality or type `obj`, else LOCAL), `failure_threshold` defaults
+    /// to 3 only for `fs` / `obj` (vLLM's rule; kvtier's config layer sets it for its own
+    /// storage tiers), every other missing field takes vLLM's default. Validates like vLLM.
+    pub fn resolve(
+        cfg: &BackpressureConfig,
+        tier_type: &str,
+        locality: Option<Locality>,
+        key_path: &str,
+    ) -> Result<Self> {
+        let key = |k: &str| format!("{key_path}.backpressure.{k}");
+        if let Some(cls) = &cfg.backpressure_cls
+            && cls != DETECTOR_CLASS
+        {
+            return Err(Error::config(
+                key("backpressure_cls"),
+                format!("unknown detector class {cls:?} (kvtier implements {DETECTOR_CLASS})"),
+            )
+            .with("expected", DETECTOR_CLASS)
+            .with("found", cls.clone()));
+        }
+        let policy = match cfg.policy_cls.as_deref() {
+            None | Some("ThrottledDropPolicy") => PolicyKind::Throttled,
+            Some("DropStorePolicy") => PolicyKind::DropAll,
+            Some(other) => {
+                return Err(Error::config(
+                    key("policy_cls"),
+                    format!("unknown back-pressure policy {other:?}"),
+                )
+                .with("expected", "ThrottledDropPolicy or DropStorePolicy")
+                .with("found", other.to_string()));
+            }
+        };
+        let network = locality == Some(Locality::Remote) || tier_type == "obj";
+        let (high, low) = if network {
+            NETWORK_WATER_MARKS
+        } else {
+            LOCAL_WATER_MARKS
+        };
+        let default_failure = matches!(tier_type, "fs" | "obj").then_some(3);
+        let p = DetectorParams {
+            high_water_s: cfg.high_water_s.unwrap_or(high),
+            low_water_s: cfg.low_water_s.unwrap_or(low),
+            alpha: cfg.alpha.unwrap_or(DEFAULT_ALPHA),
+            warmup_completions: cfg.warmup_completions.unwrap_or(DEFAULT_WARMUP_COMPLETIONS),
+            decay_half_life_s: cfg.decay_half_life_s.unwrap_or(DEFAULT_DECAY_HALF_LIFE_S),
+            cooldown_s: cfg.cooldown_s.unwrap_or(DEFAULT_COOLDOWN_S),
+            failure_threshold: cfg.failure_threshold.or(default_failure),
+            policy,
+        };
+        let alpha_ok = p.alpha > 0.0 && p.alpha <= 1.0;
+        if !alpha_ok {
+            return Err(Error::config(key("alpha"), "must satisfy 0 < alpha <= 1")
+                .with("found", p.alpha.to_string()));
+        }
+        let marks_ok = p.low_water_s >= 0.0 && p.low_water_s <= p.high_water_s;
+        if !marks_ok {
+            return Err(
+                Error::config(key("low_water_s"), "must be >= 0 and <= high_water_s")
+                    .with("expected", format!("<= {}", p.high_water_s))
+                    .with("found", p.low_water_s.to_string()),
+            );
+        }
+        if p.failure_threshold == Some(0) {
+            return Err(Error::config(key("failure_threshold"), "must be >= 1").with("found", "0"));
+        }
+        let times_ok = p.decay_half_life_s > 0.0 && p.cooldown_s >= 0.0;
+        if !times_ok {
+            return Err(Error::config(
+                key("decay_half_life_s"),
+                "decay_half_life_s must be > 0 and cooldown_s >= 0",
+            ));
+        }
+        Ok(p)
+    }
+}
+
+/// What the gate decided for one store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreDecision {
+    /// Create the store job.
+    Store,
+    /// Drop it (already counted).
+    Drop,
+}
+
+/// `ThrottledDropPolicy(ramp_factor=2.0)`: under pressure, drops the fraction
+/// `min(1, max(0, ema - high) / high / ramp)` of stores, exactly, with an accumulator.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ThrottledDropPolicy {
+    ramp_factor: f64,
+    accumulator: f64,
+}
+
+impl ThrottledDropPolicy {
+    /// The default policy with ramp factor 2.0.
+    pub fn new() -> Self {
+        ThrottledDropPolicy {
+            ramp_factor: DEFAULT_RAMP_FACTOR,
+            accumulator: 0.0,
+        }
+    }
+
+    /// The dropped fraction for an EMA under pressure.
+    pub fn drop_rate(&self, ema: f64, high: f64) -> f64 {
+        if high <= 0.0 {
+            return 1.0;
+        }
+        let overshoot = (ema - high).max(0.0) / high;
+        (overshoot / self.ramp_factor).min(1.0)
+    }
+
+    fn should_store(&mut self, under_pressure: bool, ema: f64, high: f64) -> bool {
+        if !under_pressure {
+            return true;
+        }
+        let rate = self.drop_rate(ema, high);
+        if rate >= 1.0 {
+            return false;
+        }
+        if rate <= 0.0 {
+            return true;
+        }
+        self.accumulator += rate;
+        if self.accumulator >= 1.0 {
+            self.accumulator -= 1.0;
+            false
+        } else {
+            true
+        }
+    }
+}
+
+impl Default for ThrottledDropPolicy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// `DropStorePolicy`: drops every store while under pressure.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DropStorePolicy;
+
+#[derive(Debug, Clone)]
+enum Policy {
+    Throttled(ThrottledDropPolicy),
+    DropAll(DropStorePolicy),
+}
+
+/// A pressure transition, for the caller's log and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transition {
+    /// Pressure turned on.
+    Activated,
+    /// Pressure turned off.
+    Cleared,
+}
+
+/// `EMABackpressureDetector` with its drop policy and drop counters.
+#[derive(Debug)]
+pub struct EmaDetector {
+    params: DetectorParams,
+    name: String,
+    clock: Arc<dyn Clock>,
+    policy: Policy,
+    samples: Vec<f64>,
+    completions: u64,
+    warmed_up: bool,
+    ema: f64,
+    under_pressure: bool,
+    failure_tripped: bool,
+    healthy_streak: u32,
+    consecutive_failures: u32,
+    pressure_cleared_at: Option<Instant>,
+    cooldown_calls: u64,
+    last_update: Option<Instant>,
+    stores_dropped: u64,
+    blocks_dropped: u64,
+    transitions: Vec<Transition>,
+}
+
+impl EmaDetector {
+    /// A detector named `name` (used in logs: `Tier #1 (nvme)`).
+    pub fn new(params: DetectorParams, name: impl Into<String>, clock: Arc<dyn Clock>) -> Self {
+        let policy = match params.policy {
+            PolicyKind::Throttled => Policy::Throttled(ThrottledDropPolicy::new()),
+            PolicyKind::DropAll => Policy::DropAll(DropStorePolicy),
+        };
+        EmaDetector {
+            params,
+            name: name.into(),
+            clock,
+            policy,
+            samples: Vec::new(),
+            completions: 0,
+            warmed_up: false,
+            ema: 0.0,
+            under_pressure: false,
+            failure_tripped: false,
+            healthy_streak: 0,
+            consecutive_failures: 0,
+            pressure_cleared_at: None,
+            cooldown_calls: 0,
+            last_update: None,
+            stores_dropped: 0,
+            blocks_dropped: 0,
+            transitions: Vec::new(),
+        }
+    }
+
+    /// The resolved parameters.
+    pub fn params(&self) -> &DetectorParams {
+        &self.params
+    }
+
+    /// Current EMA in s/MiB (`stats["store_latency_ema"]`).
+    pub fn ema(&self) -> f64 {
+        self.ema
+    }
+
+    /// Consecutive failed stores (`stats["consecutive_store_failures"]`).
+    pub fn consecutive_failures(&self) -> u32 {
+        self.consecutive_failures
+    }
+
+    /// Consecutive completions below low water.
+    pub fn healthy_streak(&self) -> u32 {
+        self.healthy_streak
+    }
+
+    /// Stores and blocks dropped since creation or reset (cumulative).
+    pub fn dropped(&self) -> (u64, u64) {
+        (self.stores_dropped, self.blocks_dropped)
+    }
+
+    /// Transitions since the last call (each is also logged once, when it happens).
+    pub fn take_transitions(&mut self) -> Vec<Transition> {
+        std::mem::take(&mut self.transitions)
+    }
+
+    /// `update(submit_time, num_bytes)`: a completed store that started at `submit_time`.
+    /// `num_bytes == 0` is ignored.
+    pub fn update(&mut self, submit_time: Instant, num_bytes: u64) {
+        if num_bytes == 0 {
+            return;
+        }
+        let elapsed = self.clock.now().saturating_duration_since(submit_time);
+        self.on_store_completed(elapsed, num_bytes);
+    }
+
+    /// One completed store: `elapsed` for `num_bytes` bytes.
+    pub fn on_store_completed(&mut self, elapsed: Duration, num_bytes: u64) {
+        if num_bytes == 0 {
+            return;
+        }
+        let now = self.clock.now();
+        let s_per_mib = elapsed.as_secs_f64() / (num_bytes as f64 / MIB);
+        self.consecutive_failures = 0;
+        self.completions += 1;
+        self.last_update = Some(now);
+        if !self.warmed_up {
+            self.samples.push(s_per_mib);
+            if self.samples.len() >= self.params.warmup_completions as usize {
+                self.ema = self.samples.iter().sum::<f64>() / self.samples.len().max(1) as f64;
+                self.samples = Vec::new();
+                self.warmed_up = true;
+            }
+            if self.params.warmup_completions > 0 {
+                return;
+            }
+        } else {
+            self.ema = self.params.alpha * s_per_mib + (1.0 - self.params.alpha) * self.ema;
+        }
+        if self.ema > self.params.high_water_s {
+            self.set_pressure(true);
+            self.healthy_streak = 0;
+            self.pressure_cleared_at = None;
+        } else if self.ema < self.params.low_water_s {
+            if self.under_pressure {
+                self.pressure_cleared_at = Some(now);
+                self.cooldown_calls = 0;
+            }
+            self.set_pressure(false);
+            self.failure_tripped = false;
+            self.healthy_streak = self.healthy_streak.saturating_add(1);
+        } else {
+            self.healthy_streak = 0;
+        }
+    }
+
+    /// One failed store. Only counts with a failure threshold.
+    pub fn on_store_failed(&mut self) {
+        let Some(threshold) = self.params.failure_threshold else {
+            return;
+        };
+        self.healthy_streak = 0;
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        if self.consecutive_failures >= threshold {
+            self.ema = self.ema.max(FAILURE_EMA_FACTOR * self.params.high_water_s);
+            self.failure_tripped = true;
+            self.pressure_cleared_at = None;
+            self.last_update = Some(self.clock.now());
+            self.set_pressure(true);
+        }
+    }
+
+    /// Refreshes pressure (applying idle decay) and returns it.
+    pub fn is_under_pressure(&mut self) -> bool {
+        if self.under_pressure && (self.warmed_up || self.failure_tripped) {
+            let now = self.clock.now();
+            if let Some(last) = self.last_update {
+                let dt = now.saturating_duration_since(last).as_secs_f64();
+                if dt > 0.0 {
+                    self.ema *= 0.5f64.powf(dt / self.params.decay_half_life_s);
+                }
+            }
+            self.last_update = Some(now);
+            if self.ema < self.params.low_water_s {
+                self.set_pressure(false);
+                self.failure_tripped = false;
+                self.pressure_cleared_at = Some(now);
+                self.cooldown_calls = 0;
+            }
+        }
+        self.under_pressure
+    }
+
+    /// The store gate, called with the number of keys of the store.
+    pub fn should_store(&mut self, num_blocks: usize) -> StoreDecision {
+        let under = self.is_under_pressure();
+        if !under && self.healthy_streak >= HEALTHY_THRESHOLD {
+            return StoreDecision::Store;
+        }
+        if !under && let Some(cleared) = self.pressure_cleared_at {
+            let since = self.clock.now().saturating_duration_since(cleared);
+            if since.as_secs_f64() < self.params.cooldown_s {
+                self.cooldown_calls += 1;
+                if self.cooldown_calls.is_multiple_of(2) {
+                    self.count_drop(num_blocks);
+                    return StoreDecision::Drop;
+                }
+            }
+        }
+        let high = self.params.high_water_s;
+        let store = match &mut self.policy {
+            Policy::Throttled(p) => p.should_store(under, self.ema, high),
+            Policy::DropAll(_) => !under,
+        };
+        if store {
+            StoreDecision::Store
+        } else {
+            self.count_drop(num_blocks);
+            StoreDecision::Drop
+        }
+    }
+
+    /// Clears all state and the policy (`reset_cache`).
+    pub fn reset(&mut self) {
+        let fresh = EmaDetector::new(self.params.clone(), self.name.clone(), self.clock.clone());
+        let (stores, blocks) = (self.stores_dropped, self.blocks_dropped);
+        *self = fresh;
+        // Cumulative drop counts feed monotonic counters; they survive a reset.
+        self.stores_dropped = stores;
+        self.blocks_dropped = blocks;
+    }
+
+    /// Whether the last completion or failure put the detector past warm-up.
+    pub fn is_warmed_up(&self) -> bool {
+        self.warmed_up
+    }
+
+    fn count_drop(&mut self, num_blocks: usize) {
+        self.stores_dropped += 1;
+        self.blocks_dropped += num_blocks as u64;
+    }
+
+    fn set_pressure(&mut self, on: bool) {
+        if on == self.under_pressure {
+            return;
+        }
+        self.under_pressure = on;
+        let t = if on {
+            Transition::Activated
+        } else {
+            Transition::Cleared
+        };
+        self.transitions.push(t);
+        log::warn!(
+            "{} back-pressure {} (stats={{store_latency_ema: {:.6}, consecutive_store_failures: {}}})",
+            self.name,
+            if on { "activated" } else { "cleared" },
+            self.ema,
+            self.consecutive_failures
+        );
+    }
+}
+
+#[cfg(test)]
+#[path = "backpressure_tests.rs"]
+mod tests;

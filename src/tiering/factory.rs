@@ -1,0 +1,202 @@
+//! The tier factory: a tier type name (`secondary_tiers[i].type`) -> a constructor.
+//!
+//! Built in: `memory` ([`MemoryTier`]). Tests and embedders can register more with
+//! [`TierFactory::register`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::config::TierConfig;
+use crate::error::{Error, Result};
+use crate::region::PrimaryRegion;
+use crate::tiering::clock::Clock;
+use crate::tiering::memory_tier::{ExecMode, MemoryTier, MemoryTierOptions};
+use crate::tiering::secondary::SecondaryTier;
+
+/// What a constructor gets besides its own config entry.
+#[derive(Debug, Clone)]
+pub struct TierBuildContext {
+    /// The primary region every transfer reads from or writes to.
+    pub region: Arc<PrimaryRegion>,
+    /// The manager's clock.
+    pub clock: Arc<dyn Clock>,
+    /// The tier's metric label and event ownership id, `<index+1>:<type>`.
+    pub tier_label: String,
+}
+
+/// A tier constructor.
+pub type TierConstructor =
+    Arc<dyn Fn(&TierConfig, &TierBuildContext) -> Result<Box<dyn SecondaryTier>> + Send + Sync>;
+
+/// Maps tier type names to constructors.
+#[derive(Clone)]
+pub struct TierFactory {
+    ctors: BTreeMap<String, TierConstructor>,
+}
+
+impl std::fmt::Debug for TierFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierFactory")
+            .field("types", &self.ctors.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Default for TierFactory {
+    fn default() -> Self {
+        Self::with_builtins()
+    }
+}
+
+impl TierFactory {
+    /// A factory with no types.
+    pub fn empty() -> Self {
+        TierFactory {
+            ctors: BTreeMap::new(),
+        }
+    }
+
+    /// A factory with kvtier's built-in tier types.
+    pub fn with_builtins() -> Self {
+        let mut f = Self::empty();
+        f.register("memory", Arc::new(build_memory_tier));
+        f
+    }
+
+    /// Adds (or replaces) a type.
+    pub fn register(&mut self, tier_type: &str, ctor: TierConstructor) {
+        self.ctors.insert(tier_type.to_string(), ctor);
+    }
+
+    /// The registered type names.
+    pub fn types(&self) -> Vec<&str> {
+        self.ctors.keys().map(String::as_str).collect()
+    }
+
+    /// Builds the tier of `cfg.tier_type`.
+    pub fn create(
+        &self,
+        cfg: &TierConfig,
+        ctx: &TierBuildContext,
+    ) -> Result<Box<dyn SecondaryTier>> {
+        match self.ctors.get(&cfg.tier_type) {
+            Some(ctor) => ctor(cfg, ctx),
+            None => {
+                let mut e = Error::config(
+                    format!("{}.type", cfg.key_path()),
+                    format!("unknown secondary tier type {:?}", cfg.tier_type),
+                )
+                .with("expected", self.types().join(", "))
+                .with("found", cfg.tier_type.clone());
+                if let Some(best) = self
+                    .types()
+                    .into_iter()
+                    .filter(|t| strsim::levenshtein(t, &cfg.tier_type) <= 2)
+                    .min_by_key(|t| strsim::levenshtein(t, &cfg.tier_type))
+                {
+                    e = e.with("did_you_mean", best);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+fn param_u64(cfg: &TierConfig, key: &str) -> Result<Option<u64>> {
+    match cfg.params.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            Error::config(
+                format!("{}.{key}", cfg.key_path()),
+                "must be a non-negative integer",
+            )
+            .with("found", v.to_string())
+        }),
+    }
+}
+
+/// Builds a `memory` tier. Keys: `capacity_chunks` (optional), `latency_us` (optional,
+/// simulated per-job latency on its thread).
+pub fn build_memory_tier(
+    cfg: &TierConfig,
+    ctx: &TierBuildContext,
+) -> Result<Box<dyn SecondaryTier>> {
+    const KNOWN: [&str; 2] = ["capacity_chunks", "latency_us"];
+    if let Some(k) = cfg.params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(Error::config(
+            format!("{}.{k}", cfg.key_path()),
+            "unknown key for a memory tier",
+        )
+        .with("expected", KNOWN.join(", ")));
+    }
+    let mut opts = MemoryTierOptions::new(ctx.tier_label.clone());
+    opts.locality = cfg.locality;
+    opts.capacity_chunks = param_u64(cfg, "capacity_chunks")?.map(|c| c as usize);
+    let latency = Duration::from_micros(param_u64(cfg, "latency_us")?.unwrap_or(0));
+    opts.mode = ExecMode::Threaded { latency };
+    Ok(Box::new(MemoryTier::start(ctx.region.clone(), opts)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+    use crate::tiering::clock::SystemClock;
+
+    fn tier_cfg(t: &str, params: serde_json::Value) -> TierConfig {
+        TierConfig {
+            index: 2,
+            tier_type: t.into(),
+            locality: None,
+            backpressure: None,
+            params: params.as_object().cloned().unwrap_or_default(),
+        }
+    }
+
+    #[test]
+    fn unknown_types_and_keys_are_config_errors_naming_the_key() {
+        let f = TierFactory::with_builtins();
+        let ctx = TierBuildContext {
+            region: Arc::new(PrimaryRegion::create(2, 4096).unwrap()),
+            clock: Arc::new(SystemClock),
+            tier_label: "3:memory".into(),
+        };
+        let e = f
+            .create(&tier_cfg("memroy", serde_json::json!({})), &ctx)
+            .err()
+            .expect("must fail");
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert_eq!(e.context_value("key"), Some("secondary_tiers[2].type"));
+        assert_eq!(e.context_value("did_you_mean"), Some("memory"));
+        let e = f
+            .create(
+                &tier_cfg("memory", serde_json::json!({"capacity": 3})),
+                &ctx,
+            )
+            .err()
+            .expect("must fail");
+        assert_eq!(e.context_value("key"), Some("secondary_tiers[2].capacity"));
+        let e = f
+            .create(
+                &tier_cfg("memory", serde_json::json!({"capacity_chunks": -3})),
+                &ctx,
+            )
+            .err()
+            .expect("must fail");
+        assert_eq!(
+            e.context_value("key"),
+            Some("secondary_tiers[2].capacity_chunks")
+        );
+        let mut t = f
+            .create(
+                &tier_cfg("memory", serde_json::json!({"capacity_chunks": 3})),
+                &ctx,
+            )
+            .unwrap();
+        assert_eq!(t.tier_type(), "memory");
+        t.shutdown().unwrap();
+    }
+}

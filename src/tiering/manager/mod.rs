@@ -1,0 +1,593 @@
+//! The tiering manager: the CPU primary tier plus secondary tiers, with vLLM 0.33.0's
+//! multi-tier semantics (contract doc §1, §3, §6, §7, §9).
+//!
+//! Driven by one caller at a time (the scheduler). No call waits on I/O: tiers enqueue, and
+//! completions are collected by polling ([`TieringManager::poll`], and implicitly by `lookup`
+//! once per step, `prepare_store` and `on_schedule_end`).
+//!
+//! * [`lookup`](TieringManager::lookup) and promotions: `lookup.rs`.
+//! * GPU stores, cascades, parked cascades, GPU loads: `cascade.rs`.
+//! * Finished-job processing (exactly-once checks, metrics, back-pressure feed): `jobs.rs`.
+//! * Construction, request lifecycle, reset, shutdown, events, metrics: here.
+
+mod cascade;
+mod jobs;
+mod lookup;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::config::KvtierConfig;
+use crate::error::{Error, ErrorKind, Result};
+use crate::key::ChunkKey;
+use crate::metrics::Registry;
+use crate::primary::PrimaryTier;
+use crate::region::PrimaryRegion;
+use crate::tiering::backpressure::{DetectorParams, EmaDetector};
+use crate::tiering::clock::{Clock, SystemClock};
+use crate::tiering::factory::{TierBuildContext, TierFactory};
+use crate::tiering::job::{JobId, Medium, OffloadPolicy, OffloadingEvent, RequestContext};
+use crate::tiering::secondary::SecondaryTier;
+use crate::tiering::telemetry::TieringMetrics;
+
+/// What the scheduler tells the manager at the end of a step (vLLM `ScheduleEndContext`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ScheduleEndContext {
+    /// Requests scheduled for the first time this step (their lookup metrics stop).
+    pub new_req_ids: Vec<Arc<str>>,
+    /// Requests preempted this step.
+    pub preempted_req_ids: Vec<Arc<str>>,
+}
+
+/// Manager options.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// Metric namespace prefix (default `kvtier:`; `vllm:` for drop-in dashboards).
+    pub metrics_prefix: String,
+    /// Time source for job stamps, latencies and back-pressure.
+    pub clock: Arc<dyn Clock>,
+    /// Whether the primary emits stored/removed events.
+    pub enable_events: bool,
+}
+
+impl Default for ManagerOptions {
+    fn default() -> Self {
+        ManagerOptions {
+            metrics_prefix: crate::metrics::DEFAULT_PREFIX.to_string(),
+            clock: Arc::new(SystemClock),
+            enable_events: false,
+        }
+    }
+}
+
+/// A secondary tier handed to [`TieringManager::with_tiers`].
+pub struct TierSpec {
+    /// The tier.
+    pub tier: Box<dyn SecondaryTier>,
+    /// Back-pressure parameters; `None` = no detector (stores are never dropped).
+    pub backpressure: Option<DetectorParams>,
+}
+
+/// Where a promoted chunk came from (for cache-hit-source metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadSource {
+    /// Secondary tier index (config order).
+    pub tier: usize,
+    /// That tier's medium (`Cpu` -> host, `Storage` -> disk, `None` -> unspecified).
+    pub medium: Option<Medium>,
+}
+
+struct TierSlot {
+    tier: Box<dyn SecondaryTier>,
+    label: String,
+    detector: Option<EmaDetector>,
+    active_promotions: usize,
+    active_cascades: usize,
+    promotion_rows: usize,
+    cascade_rows: usize,
+}
+
+#[derive(Debug)]
+struct ActiveJob {
+    tier: usize,
+    keys: Vec<ChunkKey>,
+    is_promotion: bool,
+    submit_time: Instant,
+}
+
+#[derive(Debug)]
+struct PendingPromotion {
+    keys: Vec<ChunkKey>,
+    chunk_ids: Vec<u32>,
+}
+
+#[derive(Debug)]
+struct RequestState {
+    ctx: RequestContext,
+    policies: Vec<OffloadPolicy>,
+    pending_primary_stores: usize,
+    finished: bool,
+    /// Lookup metrics are recorded until the request is first scheduled.
+    tracking: Option<LookupTracking>,
+}
+
+#[derive(Debug, Default)]
+struct LookupTracking {
+    resolved: HashSet<(usize, ChunkKey)>,
+    first_retry: HashMap<(usize, ChunkKey), Instant>,
+}
+
+/// The tiering manager (vLLM `TieringOffloadingManager`).
+pub struct TieringManager {
+    primary: PrimaryTier,
+    region: Arc<PrimaryRegion>,
+    row_stride: u64,
+    tiers: Vec<TierSlot>,
+    clock: Arc<dyn Clock>,
+    next_job_id: JobId,
+    jobs: HashMap<JobId, ActiveJob>,
+    pending_promotions: BTreeMap<(usize, Arc<str>), PendingPromotion>,
+    load_sources: HashMap<ChunkKey, usize>,
+    requests: HashMap<Arc<str>, RequestState>,
+    parked_cascades: BTreeMap<Arc<str>, Vec<ChunkKey>>,
+    promotions_held: bool,
+    polled_this_step: bool,
+    errors: Vec<Error>,
+    contract_violations: u64,
+    metrics: TieringMetrics,
+    shut_down: bool,
+}
+
+impl std::fmt::Debug for TieringManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TieringManager")
+            .field(
+                "tiers",
+                &self.tiers.iter().map(|t| &t.label).collect::<Vec<_>>(),
+            )
+            .field("active_jobs", &self.jobs.len())
+            .field("requests", &self.requests.len())
+            .finish()
+    }
+}
+
+/// `<index+1>:<type>`.
+pub fn tier_label(index: usize, tier_type: &str) -> String {
+    format!("{}:{tier_type}", index + 1)
+}
+
+fn shutdown_in_reverse(tiers: &mut Vec<Box<dyn SecondaryTier>>) {
+    while let Some(mut t) = tiers.pop() {
+        if let Err(e) = t.shutdown() {
+            log::error!("failed to shut down secondary tier during initialization cleanup: {e}");
+        }
+    }
+}
+
+impl TieringManager {
+    /// Builds the manager from the resolved config: the primary over `region`, then each
+    /// secondary tier in config order through `factory`. On any failure every tier already
+    /// built is shut down in reverse order, the primary is dropped (so `region` is unmapped
+    /// unless the caller holds another reference), and the original error is returned.
+    pub fn from_config(
+        cfg: &KvtierConfig,
+        region: Arc<PrimaryRegion>,
+        factory: &TierFactory,
+        opts: ManagerOptions,
+    ) -> Result<Self> {
+        if cfg.store_threshold >= 2 {
+            return Err(Error::config(
+                "store_threshold",
+                "store_threshold >= 2 is not supported with secondary tiers",
+            )
+            .with("found", cfg.store_threshold.to_string()));
+        }
+        // Validate the prefix before anything is started.
+        Registry::new(opts.metrics_prefix.clone())?;
+        let primary = PrimaryTier::new(region.clone(), cfg.eviction_policy, opts.enable_events);
+        let mut built: Vec<Box<dyn SecondaryTier>> = Vec::new();
+        let mut params = Vec::new();
+        for tc in &cfg.secondary_tiers {
+            let label = tier_label(tc.index, &tc.tier_type);
+            let step = tc
+                .backpressure
+                .as_ref()
+                .map(|bp| DetectorParams::resolve(bp, &tc.tier_type, tc.locality, &tc.key_path()))
+                .transpose()
+                .and_then(|p| {
+                    let ctx = TierBuildContext {
+                        region: region.clone(),
+                        clock: opts.clock.clone(),
+                        tier_label: label.clone(),
+                    };
+                    factory.create(tc, &ctx).map(|t| (t, p))
+                });
+            match step {
+                Ok((t, p)) => {
+                    log::info!("Created secondary tier #{} ({})", tc.index, tc.tier_type);
+                    built.push(t);
+                    params.push(p);
+                }
+                Err(e) => {
+                    shutdown_in_reverse(&mut built);
+                    drop(primary);
+                    return Err(e);
+                }
+            }
+        }
+        let specs = built
+            .into_iter()
+            .zip(params)
+            .map(|(tier, backpressure)| TierSpec { tier, backpressure })
+            .collect();
+        Self::with_tiers(primary, specs, opts)
+    }
+
+    /// Assembles a manager from a primary and already-built tiers (labels `<i+1>:<type>` by
+    /// position). On failure the tiers are shut down in reverse order.
+    pub fn with_tiers(
+        primary: PrimaryTier,
+        specs: Vec<TierSpec>,
+        opts: ManagerOptions,
+    ) -> Result<Self> {
+        let labels: Vec<(String, bool)> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (tier_label(i, s.tier.tier_type()), s.backpressure.is_some()))
+            .collect();
+        let metrics = match TieringMetrics::new(&opts.metrics_prefix, &labels) {
+            Ok(m) => m,
+            Err(e) => {
+                let mut tiers: Vec<_> = specs.into_iter().map(|s| s.tier).collect();
+                shutdown_in_reverse(&mut tiers);
+                return Err(e);
+            }
+        };
+        let tiers = specs
+            .into_iter()
+            .zip(labels)
+            .enumerate()
+            .map(|(i, (s, (label, _)))| TierSlot {
+                detector: s.backpressure.map(|p| {
+                    let name = format!("Tier #{i} ({})", s.tier.tier_type());
+                    EmaDetector::new(p, name, opts.clock.clone())
+                }),
+                tier: s.tier,
+                label,
+                active_promotions: 0,
+                active_cascades: 0,
+                promotion_rows: 0,
+                cascade_rows: 0,
+            })
+            .collect();
+        let region = primary.region().clone();
+        log::info!(
+            "Created TieringManager with primary tier ({} chunks) and {} secondary tier(s)",
+            primary.num_chunks(),
+            labels_len(&metrics)
+        );
+        Ok(TieringManager {
+            row_stride: region.row_stride() as u64,
+            region,
+            primary,
+            tiers,
+            clock: opts.clock,
+            next_job_id: 0,
+            jobs: HashMap::new(),
+            pending_promotions: BTreeMap::new(),
+            load_sources: HashMap::new(),
+            requests: HashMap::new(),
+            parked_cascades: BTreeMap::new(),
+            promotions_held: false,
+            polled_this_step: false,
+            errors: Vec::new(),
+            contract_violations: 0,
+            metrics,
+            shut_down: false,
+        })
+    }
+
+    /// The primary tier (read-only).
+    pub fn primary(&self) -> &PrimaryTier {
+        &self.primary
+    }
+
+    /// The primary region.
+    pub fn region(&self) -> &Arc<PrimaryRegion> {
+        &self.region
+    }
+
+    /// Number of secondary tiers.
+    pub fn num_tiers(&self) -> usize {
+        self.tiers.len()
+    }
+
+    /// Secondary tier `i` (read-only).
+    pub fn tier(&self, i: usize) -> Option<&dyn SecondaryTier> {
+        self.tiers.get(i).map(|t| t.tier.as_ref())
+    }
+
+    /// Tier `i`'s back-pressure detector, if configured.
+    pub fn detector(&self, i: usize) -> Option<&EmaDetector> {
+        self.tiers.get(i).and_then(|t| t.detector.as_ref())
+    }
+
+    /// Jobs submitted and not yet reported.
+    pub fn active_jobs(&self) -> usize {
+        self.jobs.len()
+    }
+
+    /// Total contract violations seen (duplicate, unknown or foreign job reports...).
+    pub fn contract_violations(&self) -> u64 {
+        self.contract_violations
+    }
+
+    fn next_id(&mut self) -> JobId {
+        let id = self.next_job_id;
+        self.next_job_id += 1;
+        id
+    }
+
+    fn contract_error(&mut self, e: Error) {
+        log::error!("tiering contract violation: {e}");
+        self.contract_violations += 1;
+        self.metrics
+            .registry
+            .inc(self.metrics.contract_violations, 1.0);
+        self.errors.push(e);
+    }
+
+    /// Errors held since the last call (surfaced by [`TieringManager::poll`] too).
+    fn take_error(&mut self) -> Result<()> {
+        if self.errors.is_empty() {
+            return Ok(());
+        }
+        let n = self.errors.len();
+        let first = self.errors.remove(0);
+        self.errors.clear();
+        if n > 1 {
+            Err(first.with("more_errors", (n - 1).to_string()))
+        } else {
+            Err(first)
+        }
+    }
+
+    /// A request starts: every tier says which chunks it wants.
+    pub fn on_new_request(&mut self, req: &RequestContext) {
+        let policies = self
+            .tiers
+            .iter_mut()
+            .map(|t| t.tier.on_new_request(req))
+            .collect();
+        self.requests.insert(
+            req.req_id.clone(),
+            RequestState {
+                ctx: req.clone(),
+                policies,
+                pending_primary_stores: 0,
+                finished: false,
+                tracking: Some(LookupTracking::default()),
+            },
+        );
+    }
+
+    /// The request is finished. Tiers hear of it once its pending primary stores and parked
+    /// cascades are done.
+    pub fn on_request_finished(&mut self, req: &RequestContext) {
+        self.primary.on_request_finished(req);
+        match self.requests.get_mut(&req.req_id) {
+            Some(st) => {
+                st.finished = true;
+                st.tracking = None;
+                self.maybe_finalize(&req.req_id.clone());
+            }
+            None => {
+                for t in &mut self.tiers {
+                    t.tier.on_request_finished(req);
+                }
+            }
+        }
+    }
+
+    fn maybe_finalize(&mut self, req_id: &Arc<str>) {
+        let ready = self.requests.get(req_id).is_some_and(|st| {
+            st.finished
+                && st.pending_primary_stores == 0
+                && !self.parked_cascades.contains_key(req_id)
+        });
+        if ready && let Some(st) = self.requests.remove(req_id) {
+            for t in &mut self.tiers {
+                t.tier.on_request_finished(&st.ctx);
+            }
+        }
+    }
+
+    /// End of a scheduling step: collect finished jobs, submit this step's promotions (one
+    /// load job per (tier, request)), retry parked cascades, tell the tiers. Returns the first
+    /// contract violation seen since the last check.
+    pub fn on_schedule_end(&mut self, ctx: &ScheduleEndContext) -> Result<()> {
+        self.process_finished_jobs();
+        self.flush_pending_promotions();
+        self.flush_parked_cascades();
+        for t in &mut self.tiers {
+            t.tier.on_schedule_end();
+        }
+        for id in &ctx.new_req_ids {
+            if let Some(st) = self.requests.get_mut(id) {
+                st.tracking = None;
+            }
+        }
+        self.polled_this_step = false;
+        self.take_error()
+    }
+
+    /// Collects finished jobs from every tier now. Returns the first contract violation.
+    pub fn poll(&mut self) -> Result<()> {
+        self.process_finished_jobs();
+        self.take_error()
+    }
+
+    /// True while jobs, promotions or parked cascades are outstanding, or a tier has work.
+    pub fn has_pending_work(&self) -> bool {
+        !self.jobs.is_empty()
+            || !self.pending_promotions.is_empty()
+            || !self.parked_cascades.is_empty()
+            || self.tiers.iter().any(|t| t.tier.has_pending_work())
+    }
+
+    /// Stored/removed events of the primary and every tier since the last call.
+    pub fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        let mut ev = self.primary.take_events();
+        for t in &mut self.tiers {
+            ev.extend(t.tier.take_events());
+        }
+        ev
+    }
+
+    /// Where a promoted chunk came from.
+    pub fn get_load_source(&self, key: &ChunkKey) -> Option<LoadSource> {
+        self.load_sources.get(key).map(|&tier| LoadSource {
+            tier,
+            medium: self.tiers[tier].tier.medium(),
+        })
+    }
+
+    fn note_evicted(&mut self, keys: &[ChunkKey]) {
+        for k in keys {
+            self.load_sources.remove(k);
+        }
+    }
+
+    /// Sleep / weight update: drains every tier, processes their results, drops pending
+    /// promotions, finalizes finished requests, resets the primary and the detectors, and
+    /// holds promotions until [`TieringManager::on_reset_flushed`]. Secondary data is kept.
+    pub fn reset_cache(&mut self) -> Result<()> {
+        for t in &mut self.tiers {
+            t.tier.drain_jobs();
+        }
+        self.process_finished_jobs();
+        if !self.jobs.is_empty() {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "{} job(s) still unreported after drain_jobs; the primary is not reset",
+                    self.jobs.len()
+                ),
+            );
+            self.contract_error(e);
+            return self.take_error();
+        }
+        for (_, p) in std::mem::take(&mut self.pending_promotions) {
+            self.primary.complete_write(&p.keys, false);
+        }
+        self.load_sources.clear();
+        self.parked_cascades.clear();
+        let finished: Vec<Arc<str>> = self
+            .requests
+            .iter()
+            .filter(|(_, s)| s.finished)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for st in self.requests.values_mut() {
+            st.pending_primary_stores = 0;
+        }
+        for id in finished {
+            self.maybe_finalize(&id);
+        }
+        self.primary.reset_cache();
+        for t in &mut self.tiers {
+            if let Some(d) = &mut t.detector {
+                d.reset();
+            }
+        }
+        self.promotions_held = true;
+        self.take_error()
+    }
+
+    /// The workers reported every job in flight at the reset: promotions may start again.
+    pub fn on_reset_flushed(&mut self) {
+        self.promotions_held = false;
+    }
+
+    /// Shuts the tiers down in config order. If any fails, its error (the last one) is
+    /// returned and the primary region is deliberately kept mapped for the life of the
+    /// process, because a failed tier may still do I/O into it.
+    pub fn shutdown(&mut self) -> Result<()> {
+        if self.shut_down {
+            return Ok(());
+        }
+        self.shut_down = true;
+        let mut last = None;
+        for t in &mut self.tiers {
+            if let Err(e) = t.tier.shutdown() {
+                log::error!("failed to shut down secondary tier {}: {e}", t.label);
+                last = Some(e);
+            }
+        }
+        match last {
+            None => Ok(()),
+            Some(e) => {
+                log::error!("keeping the primary region mapped: a tier may still reference it");
+                std::mem::forget(self.region.clone());
+                Err(e)
+            }
+        }
+    }
+
+    /// Refreshes gauges (usage, active jobs, EMA, drops, tier metrics) in the registry.
+    pub fn refresh_metrics(&mut self) {
+        let u = self.primary.usage();
+        let total = u.total.max(1) as f64;
+        let m = &mut self.metrics;
+        m.registry.set(m.cpu_usage.0, u.used as f64 / total);
+        m.registry
+            .set(m.cpu_usage.1, u.reserved_for_write as f64 / total);
+        m.registry
+            .set(m.cpu_usage.2, u.pinned_for_read as f64 / total);
+        for (i, t) in self.tiers.iter().enumerate() {
+            let s = m.tiers[i];
+            m.registry
+                .set(s.write_usage, t.promotion_rows as f64 / total);
+            m.registry.set(s.read_usage, t.cascade_rows as f64 / total);
+            m.registry
+                .set(s.active_promotions, t.active_promotions as f64);
+            m.registry.set(s.active_cascades, t.active_cascades as f64);
+            if let (Some((ema, stores, blocks)), Some(d)) = (s.backpressure, &t.detector) {
+                let (ds, db) = d.dropped();
+                m.registry.set(ema, d.ema());
+                m.registry.set(stores, ds as f64);
+                m.registry.set(blocks, db as f64);
+            }
+        }
+        for i in 0..self.tiers.len() {
+            let tm = self.tiers[i].tier.metrics();
+            self.metrics.record_tier_metrics(i, tm);
+        }
+    }
+
+    /// The registry (call [`TieringManager::refresh_metrics`] first for current gauges).
+    pub fn registry(&self) -> &Registry {
+        &self.metrics.registry
+    }
+
+    /// Refreshes and renders every metric (`text/plain; version=0.0.4`).
+    pub fn metrics_text(&mut self) -> String {
+        self.refresh_metrics();
+        self.metrics.registry.render()
+    }
+}
+
+fn labels_len(m: &TieringMetrics) -> usize {
+    m.tiers.len()
+}
+
+impl Drop for TieringManager {
+    fn drop(&mut self) {
+        if !self.shut_down
+            && let Err(e) = self.shutdown()
+        {
+            log::error!("tiering manager shutdown on drop failed: {e}");
+        }
+    }
+}
