@@ -16,7 +16,6 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -418,7 +417,12 @@ fn store_phase(
     }
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    Ok(phase_report(plan, latencies, seconds, process_cpu_seconds() - cpu0))
+    Ok(phase_report(
+        plan,
+        latencies,
+        seconds,
+        process_cpu_seconds() - cpu0,
+    ))
 }
 
 fn load_phase(
@@ -484,7 +488,12 @@ fn load_phase(
     }
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    Ok(phase_report(plan, latencies, seconds, process_cpu_seconds() - cpu0))
+    Ok(phase_report(
+        plan,
+        latencies,
+        seconds,
+        process_cpu_seconds() - cpu0,
+    ))
 }
 
 fn phase_report(
@@ -535,9 +544,10 @@ fn verify(
             continue;
         }
         let rows = manager.prepare_load(std::slice::from_ref(key), &req)?;
-        let row = rows.first().copied().ok_or_else(|| {
-            Error::new(ErrorKind::Internal, "prepare_load returned no row")
-        })?;
+        let row = rows
+            .first()
+            .copied()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "prepare_load returned no row"))?;
         // SAFETY: `prepare_load` pinned the row for reading: nobody writes it until
         // `complete_load`.
         let bytes = unsafe { region.row(row as usize)? };
@@ -569,7 +579,12 @@ pub fn render(r: &BenchReport) -> String {
         r.layout.tokens_per_chunk,
         format_size(r.chunks * r.layout.row_stride)
     );
-    let paths: Vec<String> = r.tier.paths.iter().map(|p| p.display().to_string()).collect();
+    let paths: Vec<String> = r
+        .tier
+        .paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
     out.push_str(&format!(
         "tier: {} ({} capacity), engine {}, direct I/O: {}, {} in flight\n\n",
         paths.join(", "),
@@ -661,7 +676,10 @@ mod tests {
             plan(&["--max-bytes-in-flight", "1MiB"]).unwrap_err().kind(),
             ErrorKind::Config
         );
-        assert_eq!(plan(&["--blocks-per-chunk", "0"]).unwrap_err().kind(), ErrorKind::Config);
+        assert_eq!(
+            plan(&["--blocks-per-chunk", "0"]).unwrap_err().kind(),
+            ErrorKind::Config
+        );
         let e = plan(&["--tp", "3"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config, "{e}");
         let e = plan(&["--layout", "/nonexistent/layout.toml"]).unwrap_err();

@@ -5,7 +5,9 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
+pub mod bench;
 pub mod bench_data;
+pub mod bench_tier;
 pub mod config_cmd;
 pub mod fio;
 pub mod fio_compare;
@@ -39,6 +41,8 @@ pub struct Cli {
 pub enum Command {
     /// Print the version and build features.
     Version,
+    /// Store chunks through the whole stack into a G3 tier, load them back, verify every byte.
+    Bench(bench::BenchArgs),
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio_compare::FioCompareArgs),
@@ -80,6 +84,7 @@ pub fn main() -> ExitCode {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
             Ok(ExitCode::SUCCESS)
         }
+        Command::Bench(args) => bench::run(args),
         Command::FioCompare(args) => fio_compare::run(args),
         Command::Tier(args) => tier_cmd::run(args),
         Command::Config(args) => config_cmd::run(args),
