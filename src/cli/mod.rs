@@ -16,6 +16,7 @@ pub mod http;
 pub mod kvtier_workload;
 pub mod output;
 pub mod plot;
+pub mod serve;
 pub mod serve_loop;
 pub mod size;
 pub mod stats;
@@ -46,6 +47,8 @@ pub enum Command {
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio_compare::FioCompareArgs),
+    /// Run the manager with the configured tiers and serve /metrics and /healthz.
+    Serve(serve::ServeArgs),
     /// Administer a G3 tier: format, inspect, verify, ls, clear.
     Tier(tier_cmd::TierArgs),
     /// Configuration tools: `kvtier config check FILE`.
@@ -86,6 +89,7 @@ pub fn main() -> ExitCode {
         }
         Command::Bench(args) => bench::run(args),
         Command::FioCompare(args) => fio_compare::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Tier(args) => tier_cmd::run(args),
         Command::Config(args) => config_cmd::run(args),
     };
