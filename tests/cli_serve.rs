@@ -144,11 +144,9 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
         "{err}"
     );
 
-    // SAFETY: sending SIGTERM to our own child process.
-    assert_eq!(
-        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) },
-        0
-    );
+    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
     let status = wait_with_timeout(&mut child, Duration::from_secs(60));
     let mut err = String::new();
     child
