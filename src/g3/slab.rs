@@ -485,13 +485,18 @@ fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
     }
 }
 
-/// Bytes available to an unprivileged writer in the filesystem of `dir` (`statvfs`).
+/// Bytes available to an unprivileged writer in the filesystem of `dir` (`statvfs`); `None`
+/// when unknown.
 pub fn available_bytes(dir: &Path) -> Option<u64> {
     let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
     // SAFETY: statvfs is plain old data; zeroed is a valid initial value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    if st.f_blocks == 0 {
+        // ramfs and some virtual filesystems report no size at all: unknown, not full.
         return None;
     }
     Some(st.f_bavail as u64 * st.f_frsize as u64)

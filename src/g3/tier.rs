@@ -283,12 +283,18 @@ impl G3Tier {
         }
     }
 
-    fn stop(&mut self) -> Result<()> {
+    /// Stops like a crash would leave things: finishes started jobs, cancels queued ones, but
+    /// writes no checkpoint (the journal stays as it is). For crash-recovery tests and tools.
+    pub fn close_without_checkpoint(mut self) -> Result<()> {
+        self.stop(false)
+    }
+
+    fn stop(&mut self, checkpoint: bool) -> Result<()> {
         let Some(tx) = self.cmd_tx.take() else {
             return Ok(());
         };
         let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
-        let sent = tx.send(Cmd::Shutdown(ack_tx)).is_ok();
+        let sent = tx.send(Cmd::Shutdown(ack_tx, checkpoint)).is_ok();
         drop(tx);
         let result = if sent {
             ack_rx.recv().unwrap_or_else(|_| {
@@ -377,7 +383,7 @@ impl SecondaryTier for G3Tier {
     }
 
     fn shutdown(&mut self) -> Result<()> {
-        self.stop()
+        self.stop(true)
     }
 
     fn metrics(&self) -> Vec<TierMetric> {
@@ -387,7 +393,7 @@ impl SecondaryTier for G3Tier {
 
 impl Drop for G3Tier {
     fn drop(&mut self) {
-        if let Err(e) = self.stop() {
+        if let Err(e) = self.stop(true) {
             log::error!("G3 tier shutdown on drop failed: {e}");
         }
     }

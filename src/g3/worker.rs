@@ -34,8 +34,8 @@ pub(crate) enum Cmd {
     Load(TransferJob),
     /// Cancel queued jobs, wait for started ones, then signal.
     Drain(Sender<()>),
-    /// Drain, checkpoint, stop the engine, then signal and exit.
-    Shutdown(Sender<Result<()>>),
+    /// Drain, checkpoint (when the flag is true), stop the engine, then signal and exit.
+    Shutdown(Sender<Result<()>>, bool),
 }
 
 /// State shared between the tier (caller side) and its worker.
@@ -125,6 +125,7 @@ pub(crate) struct Worker {
     in_flight: u64,
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
+    checkpoint_on_close: bool,
 }
 
 impl Worker {
@@ -151,6 +152,7 @@ impl Worker {
             in_flight: 0,
             drain_waiters: Vec::new(),
             shutdown_ack: None,
+            checkpoint_on_close: true,
         }
     }
 
@@ -268,9 +270,10 @@ impl Worker {
                 self.cancel_queued();
                 self.drain_waiters.push(ack);
             }
-            Cmd::Shutdown(ack) => {
+            Cmd::Shutdown(ack, checkpoint) => {
                 self.cancel_queued();
                 self.shutdown_ack = Some(ack);
+                self.checkpoint_on_close = checkpoint;
             }
         }
     }
@@ -421,10 +424,19 @@ impl Worker {
     }
 
     fn prepare_store(&mut self, a: &mut Active) {
-        let journal_bad = self
+        let mut journal_bad = self
             .journal
             .as_ref()
             .and_then(|j| j.poisoned().map(str::to_string));
+        if journal_bad.is_none()
+            && self
+                .sh
+                .paths
+                .iter()
+                .all(|p| p.poisoned.load(Ordering::Relaxed))
+        {
+            journal_bad = Some("every slab path is poisoned by an earlier failed write".into());
+        }
         let mut evicted = Vec::new();
         {
             let mut guard = self.sh.index.lock();
@@ -445,7 +457,7 @@ impl Worker {
                         i,
                         Error::new(
                             ErrorKind::Poisoned,
-                            format!("G3 journal refuses writes: {why}"),
+                            format!("G3 tier refuses writes: {why}"),
                         ),
                     );
                     continue;
@@ -871,7 +883,11 @@ impl Worker {
     /// Final checkpoint and engine shutdown; the result says whether I/O may still reference
     /// the region (never, once the engine's shutdown returned).
     fn close(&mut self) -> Result<()> {
-        let ck = self.checkpoint();
+        let ck = if self.checkpoint_on_close {
+            self.checkpoint()
+        } else {
+            Ok(())
+        };
         self.engine.shutdown();
         ck
     }

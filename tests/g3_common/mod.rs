@@ -1,0 +1,135 @@
+//! Helpers shared by the G3 integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
+use kvtier::key::ChunkKey;
+use kvtier::region::PrimaryRegion;
+use kvtier::tiering::job::{JobResult, RequestContext, TransferJob};
+use kvtier::tiering::secondary::SecondaryTier;
+
+pub const STRIDE: usize = 8192;
+
+pub fn region(rows: usize) -> Arc<PrimaryRegion> {
+    Arc::new(PrimaryRegion::create(rows, STRIDE).unwrap())
+}
+
+pub fn key(i: u64) -> ChunkKey {
+    let mut b = vec![0xC3u8; 32];
+    b.extend_from_slice(&i.to_le_bytes());
+    ChunkKey::new(b)
+}
+
+/// Deterministic bytes of chunk `i`.
+pub fn pattern(i: u64, len: usize) -> Vec<u8> {
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+pub fn fill_row(r: &PrimaryRegion, row: u32, i: u64) {
+    // SAFETY: tests own every row of their region.
+    unsafe { r.row_mut(row as usize).unwrap() }.copy_from_slice(&pattern(i, r.row_stride()));
+}
+
+pub fn clear_row(r: &PrimaryRegion, row: u32) {
+    // SAFETY: tests own every row of their region.
+    unsafe { r.row_mut(row as usize).unwrap() }.fill(0);
+}
+
+pub fn row_is(r: &PrimaryRegion, row: u32, i: u64) -> bool {
+    // SAFETY: tests own every row of their region; no I/O targets it now.
+    let got = unsafe { r.row(row as usize).unwrap() };
+    got == pattern(i, r.row_stride()).as_slice()
+}
+
+pub fn job(id: u64, keys: &[u64], rows: &[u32], load: bool) -> TransferJob {
+    TransferJob {
+        job_id: id,
+        keys: keys.iter().map(|&k| key(k)).collect(),
+        chunk_ids: rows.to_vec(),
+        is_promotion: load,
+        req_id: Arc::from("req"),
+        submit_time: Instant::now(),
+    }
+}
+
+pub fn req() -> RequestContext {
+    RequestContext::new("req")
+}
+
+pub fn config(dirs: &[&Path], slots: u64) -> G3TierConfig {
+    let mut c = G3TierConfig::new(
+        dirs.iter()
+            .map(|d| d.to_path_buf())
+            .collect::<Vec<PathBuf>>(),
+        slots * STRIDE as u64,
+    );
+    c.io_engine = kvtier::io::IoEngineKind::Psync;
+    c
+}
+
+pub fn open(cfg: G3TierConfig, r: &Arc<PrimaryRegion>) -> G3Tier {
+    let t = G3Tier::open(
+        cfg,
+        r.clone(),
+        geometry_namespace(STRIDE),
+        "g3-test".into(),
+        None,
+    )
+    .unwrap();
+    assert!(t.wait_recovered(Duration::from_secs(30)));
+    t
+}
+
+/// Polls until `n` results arrived (failing after 30 s).
+pub fn results(t: &mut G3Tier, n: usize) -> Vec<JobResult> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while out.len() < n {
+        out.extend(t.get_finished_jobs());
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} results arrived",
+            out.len()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(out.len(), n, "more results than jobs: {out:?}");
+    out
+}
+
+/// Submits one job and waits for its result.
+pub fn run(t: &mut G3Tier, j: TransferJob) -> JobResult {
+    if j.is_promotion {
+        t.submit_load(j);
+    } else {
+        t.submit_store(j);
+    }
+    results(t, 1).remove(0)
+}
+
+pub fn metric(t: &G3Tier, name: &str) -> f64 {
+    t.metrics()
+        .iter()
+        .filter(|m| m.name == name)
+        .map(|m| m.value)
+        .sum()
+}
+
+pub fn tmpdir() -> tempfile::TempDir {
+    tempfile::tempdir_in("/tmp").unwrap()
+}
+
+pub fn lookup(t: &mut G3Tier, i: u64) -> kvtier::tiering::job::LookupResult {
+    t.lookup(&key(i), &req())
+}

@@ -1,0 +1,248 @@
+//! Faults: corrupted slots, injected EIO / short transfers / bit flips, poisoned paths, a
+//! torn or corrupt journal tail.
+
+mod g3_common;
+
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::Duration;
+
+use g3_common::*;
+use kvtier::error::ErrorKind;
+use kvtier::g3::journal::JOURNAL_FILE_NAME;
+use kvtier::g3::slab::SLAB_FILE_NAME;
+use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
+use kvtier::io::{FaultPlan, FaultyEngine, open_engine};
+use kvtier::region::PrimaryRegion;
+use kvtier::tiering::job::LookupResult;
+use kvtier::tiering::secondary::SecondaryTier;
+use std::sync::Arc;
+
+fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
+    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
+        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
+    });
+    let t = G3Tier::open_with_engine(
+        cfg,
+        r.clone(),
+        geometry_namespace(STRIDE),
+        "t".into(),
+        None,
+        factory,
+    )
+    .unwrap();
+    assert!(t.wait_recovered(Duration::from_secs(30)));
+    t
+}
+
+fn store_four(t: &mut G3Tier, r: &PrimaryRegion) {
+    for i in 0..4u32 {
+        fill_row(r, i, u64::from(i));
+    }
+    let res = run(t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false));
+    assert!(res.success, "{res:?}");
+    t.take_events();
+}
+
+fn keys_of(res: &kvtier::tiering::job::JobResult) -> Vec<kvtier::key::ChunkKey> {
+    let mut k = res.successful_keys.clone().unwrap_or_default();
+    k.sort();
+    k
+}
+
+fn sorted(ids: &[u64]) -> Vec<kvtier::key::ChunkKey> {
+    let mut k: Vec<_> = ids.iter().map(|&i| key(i)).collect();
+    k.sort();
+    k
+}
+
+#[test]
+fn flipped_bit_on_disk_fails_that_key_only() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut t = open(config(&[d.path()], 8), &r);
+    store_four(&mut t, &r);
+    // Slot 1 holds key 1 (free slots are handed out in order): flip one bit of it on disk.
+    let slab = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.path().join(SLAB_FILE_NAME))
+        .unwrap();
+    let off = 4096 + STRIDE as u64 + 1234;
+    let mut b = [0u8; 1];
+    slab.read_exact_at(&mut b, off).unwrap();
+    slab.write_all_at(&[b[0] ^ 0x10], off).unwrap();
+    slab.sync_all().unwrap();
+    for row in 4..8 {
+        clear_row(&r, row);
+    }
+    let res = run(&mut t, job(2, &[0, 1, 2, 3], &[4, 5, 6, 7], true));
+    assert!(!res.success);
+    assert_eq!(keys_of(&res), sorted(&[0, 2, 3]));
+    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Checksum);
+    assert!(row_is(&r, 4, 0) && row_is(&r, 6, 2) && row_is(&r, 7, 3));
+    assert_eq!(metric(&t, "g3_checksum_failures"), 1.0);
+    // The key is a miss from now on (no promotion livelock) and its slot is released.
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    let ev = t.take_events();
+    assert!(
+        ev.iter().any(|e| e.removed && e.keys == vec![key(1)]),
+        "{ev:?}"
+    );
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(
+        lookup(&mut t, 1),
+        LookupResult::Miss,
+        "the removal was journaled"
+    );
+    assert_eq!(lookup(&mut t, 2), LookupResult::Hit);
+}
+
+#[test]
+fn bit_flipped_during_read_is_caught() {
+    let d = tmpdir();
+    let r = region(8);
+    // Ops 1-4 are the store's writes; ops 5-8 the load's reads; op 7 gets a bit flipped.
+    let mut t = open_faulty(
+        config(&[d.path()], 8),
+        &r,
+        FaultPlan::new().flip_bit(7, 100, 3),
+    );
+    store_four(&mut t, &r);
+    let res = run(&mut t, job(2, &[0, 1, 2, 3], &[4, 5, 6, 7], true));
+    assert!(!res.success);
+    assert_eq!(keys_of(&res), sorted(&[0, 1, 3]));
+    assert_eq!(metric(&t, "g3_checksum_failures"), 1.0);
+    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+}
+
+#[test]
+fn eio_mid_load_gives_per_key_results() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut t = open_faulty(config(&[d.path()], 8), &r, FaultPlan::new().eio_on(6));
+    store_four(&mut t, &r);
+    let res = run(&mut t, job(2, &[0, 1, 2, 3], &[4, 5, 6, 7], true));
+    assert!(!res.success);
+    assert_eq!(keys_of(&res), sorted(&[0, 2, 3]));
+    assert_eq!(
+        res.transfer_bytes,
+        Some(3 * STRIDE as u64),
+        "bytes actually moved"
+    );
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(metric(&t, "g3_io_errors"), 1.0);
+    // Reads do not poison a path.
+    assert_eq!(metric(&t, "g3_path_healthy"), 1.0);
+}
+
+#[test]
+fn failed_write_poisons_the_path() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut t = open_faulty(
+        config(&[d.path()], 8),
+        &r,
+        FaultPlan::new().fail_writes_after(2),
+    );
+    for i in 0..4u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    let res = run(&mut t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false));
+    assert!(!res.success);
+    assert_eq!(res.transfer_bytes, Some(2 * STRIDE as u64));
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+    assert_eq!(metric(&t, "g3_path_healthy"), 0.0);
+    fill_row(&r, 4, 4);
+    let res = run(&mut t, job(2, &[4], &[4], false));
+    assert!(!res.success);
+    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Poisoned);
+    // Earlier chunks stay readable.
+    clear_row(&r, 5);
+    assert!(run(&mut t, job(3, &[1], &[5], true)).success);
+    assert!(row_is(&r, 5, 1));
+}
+
+#[test]
+fn short_write_is_never_success() {
+    let d = tmpdir();
+    let r = region(4);
+    let mut t = open_faulty(
+        config(&[d.path()], 8),
+        &r,
+        FaultPlan::new().short_on(2, 4096),
+    );
+    fill_row(&r, 0, 0);
+    fill_row(&r, 1, 1);
+    let res = run(&mut t, job(1, &[0, 1], &[0, 1], false));
+    assert!(!res.success);
+    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::ShortIo);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+}
+
+fn journal_len(dir: &Path) -> u64 {
+    std::fs::metadata(dir.join(JOURNAL_FILE_NAME))
+        .unwrap()
+        .len()
+}
+
+#[test]
+fn torn_journal_tail_is_cut_off() {
+    let d = tmpdir();
+    let r = region(4);
+    let mut t = open(config(&[d.path()], 8), &r);
+    for i in 0..3u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    assert!(run(&mut t, job(2, &[2], &[2], false)).success);
+    t.close_without_checkpoint().unwrap();
+    // Tear key 2's record (the last one) in half.
+    let len = journal_len(d.path());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.path().join(JOURNAL_FILE_NAME))
+        .unwrap();
+    f.set_len(len - 20).unwrap();
+    drop(f);
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+    assert!(metric(&t, "g3_recovery_cut_bytes") > 0.0);
+    // The journal was cut back to its valid prefix and accepts new records.
+    fill_row(&r, 3, 3);
+    assert!(run(&mut t, job(3, &[3], &[3], false)).success);
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(lookup(&mut t, 3), LookupResult::Hit);
+    assert_eq!(metric(&t, "g3_recovery_cut_bytes"), 0.0);
+}
+
+#[test]
+fn garbage_after_the_journal_is_ignored() {
+    let d = tmpdir();
+    let r = region(2);
+    let mut t = open(config(&[d.path()], 8), &r);
+    fill_row(&r, 0, 7);
+    assert!(run(&mut t, job(1, &[7], &[0], false)).success);
+    t.close_without_checkpoint().unwrap();
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(d.path().join(JOURNAL_FILE_NAME))
+        .unwrap();
+    f.write_all(&[0x5A; 57]).unwrap();
+    drop(f);
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(lookup(&mut t, 7), LookupResult::Hit);
+    assert_eq!(metric(&t, "g3_recovery_cut_bytes"), 57.0);
+    clear_row(&r, 1);
+    assert!(run(&mut t, job(2, &[7], &[1], true)).success);
+    assert!(row_is(&r, 1, 7));
+}
