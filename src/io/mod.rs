@@ -13,12 +13,14 @@ use std::sync::Arc;
 pub mod faulty;
 mod files;
 mod open;
+pub mod probe;
 pub mod psync;
 pub mod uring;
 
 pub use faulty::{FaultPlan, FaultyEngine};
 pub use files::DIRECT_IO_ALIGNMENT;
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
+pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};
 
 use crossbeam_channel::Receiver;
 

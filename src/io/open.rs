@@ -43,7 +43,8 @@ pub struct EngineInfo {
     /// Whether the region is registered as io_uring fixed buffers (READ_FIXED / WRITE_FIXED).
     pub fixed_buffers: bool,
     /// Why something less than "io_uring with fixed buffers" runs: `auto` chose psync because
-    /// io_uring setup failed, or uring runs unregistered buffers because registration failed.
+    /// io_uring setup or buffer registration failed, or an explicit `uring` runs unregistered
+    /// buffers because registration failed.
     /// `None` when nothing fell back (or psync was asked for).
     pub fallback_reason: Option<String>,
 }
@@ -70,8 +71,8 @@ impl std::fmt::Debug for EngineHandle {
 ///   (ENOMEM under a memlock limit, EFAULT for file-backed memory), it still runs, with plain
 ///   READ/WRITE opcodes; the reason is logged once and returned in the info.
 /// * `Psync`: the pread/pwrite pool.
-/// * `Auto`: `Uring` when a ring can be set up here, else `Psync`, with the reason logged once
-///   and returned in [`EngineInfo::fallback_reason`].
+/// * `Auto`: `Uring` when a ring can be set up here and the region registers as fixed buffers,
+///   else `Psync`, with the reason logged once and returned in [`EngineInfo::fallback_reason`].
 pub fn open_engine(
     kind: IoEngineKind,
     region: Arc<PrimaryRegion>,
@@ -89,17 +90,38 @@ pub fn open_engine(
         IoEngineKind::Uring => {
             let engine = UringEngine::new(region, files, opts.queue_depth, opts.o_direct)
                 .map_err(|(e, _)| e)?;
+            if let Some(reason) = engine.fallback_reason() {
+                log::warn!("io_uring: {reason}; using unregistered READ/WRITE opcodes");
+            }
             Ok(uring_handle(engine))
         }
         IoEngineKind::Auto => {
-            match UringEngine::new(region.clone(), files, opts.queue_depth, opts.o_direct) {
-                Ok(engine) => Ok(uring_handle(engine)),
-                Err((e, files)) => {
-                    let reason = format!("io_uring is unavailable here ({e}); using psync");
-                    log::warn!("{reason}");
-                    open_psync(region, files, opts, Some(reason))
-                }
-            }
+            // Duplicates of the descriptors, for psync in case io_uring does not work out.
+            let spare = files
+                .iter()
+                .map(File::try_clone)
+                .collect::<std::io::Result<Vec<_>>>()
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Io,
+                        format!("cannot duplicate file descriptors: {e}"),
+                    )
+                    .with_source(e)
+                })?;
+            let why = match UringEngine::new(region.clone(), files, opts.queue_depth, opts.o_direct)
+            {
+                Ok(engine) => match engine.fallback_reason().map(str::to_string) {
+                    None => return Ok(uring_handle(engine)),
+                    Some(reason) => {
+                        engine.shutdown();
+                        reason
+                    }
+                },
+                Err((e, _)) => e.to_string(),
+            };
+            let reason = format!("io_uring unusable here ({why}); using psync");
+            log::warn!("{reason}");
+            open_psync(region, spare, opts, Some(reason))
         }
     }
 }

@@ -1,0 +1,300 @@
+//! Capability probes run before a tier trusts a path or an engine.
+//!
+//! [`probe_direct_io`] checks a directory the way the tier will use it: it must exist, be a
+//! directory and be writable (those are errors), and it reports whether O_DIRECT works there
+//! (one real aligned 4096-byte write and read through a temporary file, removed afterwards),
+//! which alignment the kernel reports through `statx(STATX_DIOALIGN)`, whether misaligned direct
+//! I/O is refused (tmpfs, for example, accepts it, so alignment bugs hide there), and the
+//! filesystem type. [`probe_io_uring`] checks that a ring can be set up and runs a NOP.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::region::PrimaryRegion;
+
+/// `STATX_DIOALIGN` (Linux 6.1): ask statx for direct-I/O alignment.
+const STATX_DIOALIGN: u32 = 0x2000;
+
+/// Size of the probe's test write.
+const PROBE_BYTES: usize = 4096;
+
+/// What [`probe_direct_io`] found out about a directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectIoProbe {
+    /// The directory probed.
+    pub dir: PathBuf,
+    /// Filesystem name from `statfs` (`"ext4"`, `"xfs"`, `"tmpfs"`, ...; `"unknown"` otherwise).
+    pub fs_type: &'static str,
+    /// The raw `statfs` `f_type` magic.
+    pub fs_magic: u64,
+    /// Whether an aligned 4096-byte O_DIRECT write and read-back worked.
+    pub o_direct: bool,
+    /// Why O_DIRECT does not work, when it does not.
+    pub o_direct_error: Option<String>,
+    /// `stx_dio_mem_align` when statx reports DIO alignment (nonzero), else `None`.
+    pub dio_mem_align: Option<u32>,
+    /// `stx_dio_offset_align` when statx reports DIO alignment (nonzero), else `None`.
+    pub dio_offset_align: Option<u32>,
+    /// Whether the filesystem refused a misaligned O_DIRECT write (false on tmpfs, where
+    /// O_DIRECT accepts anything, and whenever O_DIRECT does not work at all).
+    pub enforces_alignment: bool,
+}
+
+impl DirectIoProbe {
+    /// `Ok` when O_DIRECT works here; otherwise an [`ErrorKind::Unsupported`] error naming the
+    /// directory, the filesystem and the reason (for `direct_io = "required"`).
+    pub fn require_direct_io(&self) -> Result<()> {
+        if self.o_direct {
+            return Ok(());
+        }
+        let why = self.o_direct_error.as_deref().unwrap_or("unknown reason");
+        Err(Error::new(
+            ErrorKind::Unsupported,
+            format!(
+                "O_DIRECT does not work in {} (filesystem {}): {why}",
+                self.dir.display(),
+                self.fs_type
+            ),
+        )
+        .with("path", self.dir.display().to_string())
+        .with("filesystem", self.fs_type))
+    }
+}
+
+/// Name of a `statfs` `f_type` magic.
+pub fn fs_type_name(magic: u64) -> &'static str {
+    match magic & 0xFFFF_FFFF {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58F6 => "ramfs",
+        0x794C_7630 => "overlayfs",
+        0x6969 => "nfs",
+        0x2FC1_2FC1 => "zfs",
+        0xF2F5_2010 => "f2fs",
+        0x6573_5546 => "fuse",
+        0xFF53_4D42 => "cifs",
+        0xFE53_4D42 => "smb2",
+        0x00C3_6400 => "ceph",
+        0x0102_1997 => "9p",
+        0x7371_7368 => "squashfs",
+        0x4D44 => "vfat",
+        0x2011_BAB0 => "exfat",
+        0x6264_6576 => "bdev",
+        0x5346_544E => "ntfs",
+        0x0BD0_0BD0 => "lustre",
+        0x4750_4653 => "gpfs",
+        _ => "unknown",
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidPath,
+            format!("{} contains a NUL byte", path.display()),
+        )
+        .with("path", path.display().to_string())
+    })
+}
+
+fn statfs_magic(dir: &Path) -> Result<u64> {
+    let c = c_path(dir)?;
+    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(Error::io("statfs", dir, std::io::Error::last_os_error()));
+    }
+    Ok(st.f_type as u64)
+}
+
+/// `(mem_align, offset_align)` from statx, when the kernel reports nonzero DIO alignment.
+fn statx_dio_align(path: &Path) -> Option<(u32, u32)> {
+    let c = c_path(path).ok()?;
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, STATX_DIOALIGN, &mut st) };
+    if rc != 0 || st.stx_mask & STATX_DIOALIGN == 0 {
+        return None;
+    }
+    (st.stx_dio_offset_align != 0).then_some((st.stx_dio_mem_align, st.stx_dio_offset_align))
+}
+
+/// Removes the probe file when dropped.
+struct TempProbeFile(PathBuf);
+
+impl Drop for TempProbeFile {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.0) {
+            log::warn!("cannot remove probe file {}: {e}", self.0.display());
+        }
+    }
+}
+
+fn check_dir(dir: &Path) -> Result<()> {
+    let meta = std::fs::metadata(dir).map_err(|e| {
+        let reason = match e.raw_os_error() {
+            Some(libc::ENOENT) => "does not exist",
+            Some(libc::EACCES) => "is not accessible (permission denied)",
+            Some(libc::ENOTDIR) => "has a non-directory component",
+            _ => "cannot be inspected",
+        };
+        Error::new(
+            ErrorKind::InvalidPath,
+            format!("{} {reason}: {e}", dir.display()),
+        )
+        .with("path", dir.display().to_string())
+        .with_source(e)
+    })?;
+    if !meta.is_dir() {
+        return Err(Error::new(
+            ErrorKind::InvalidPath,
+            format!("{} is not a directory", dir.display()),
+        )
+        .with("path", dir.display().to_string()));
+    }
+    Ok(())
+}
+
+fn create_probe_file(dir: &Path) -> Result<TempProbeFile> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let name = format!(
+        ".kvtier-probe-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    );
+    let path = dir.join(name);
+    match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+    {
+        Ok(_) => Ok(TempProbeFile(path)),
+        Err(e) => {
+            let reason = match e.raw_os_error() {
+                Some(libc::EACCES) | Some(libc::EPERM) => "is not writable (permission denied)",
+                Some(libc::EROFS) => "is on a read-only filesystem",
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) => "has no space left",
+                _ => "does not accept new files",
+            };
+            let kind = match e.raw_os_error() {
+                Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,
+                _ => ErrorKind::InvalidPath,
+            };
+            Err(Error::new(kind, format!("{} {reason}: {e}", dir.display()))
+                .with("path", dir.display().to_string())
+                .with_source(e))
+        }
+    }
+}
+
+/// Outcome of the real O_DIRECT round trip: `Ok(enforces_alignment)` or why it failed.
+fn direct_round_trip(path: &Path) -> std::result::Result<bool, String> {
+    let file: File = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::EINVAL) => format!("the filesystem refuses O_DIRECT opens (EINVAL): {e}"),
+            _ => format!("opening with O_DIRECT failed: {e}"),
+        })?;
+    // Two page-aligned rows: one to write from, one to read into.
+    let buf = PrimaryRegion::create(2, PROBE_BYTES)
+        .map_err(|e| format!("cannot allocate an aligned probe buffer: {e}"))?;
+    // SAFETY: `buf` is private to this function; the two row views are disjoint and each is
+    // the only view of its row while it lives.
+    let (src, dst) = unsafe { (buf.row_mut(0), buf.row_mut(1)) };
+    let (src, dst) = match (src, dst) {
+        (Ok(s), Ok(d)) => (s, d),
+        _ => return Err("probe buffer rows are unavailable".to_string()),
+    };
+    for (i, b) in src.iter_mut().enumerate() {
+        *b = (i % 251) as u8 ^ 0x5A;
+    }
+    match file.write_at(src, 0) {
+        Ok(n) if n == PROBE_BYTES => {}
+        Ok(n) => {
+            return Err(format!(
+                "aligned O_DIRECT write moved {n} of {PROBE_BYTES} bytes"
+            ));
+        }
+        Err(e) => return Err(format!("aligned O_DIRECT write failed: {e}")),
+    }
+    match file.read_at(dst, 0) {
+        Ok(n) if n == PROBE_BYTES => {}
+        Ok(n) => {
+            return Err(format!(
+                "aligned O_DIRECT read moved {n} of {PROBE_BYTES} bytes"
+            ));
+        }
+        Err(e) => return Err(format!("aligned O_DIRECT read failed: {e}")),
+    }
+    if src[..] != dst[..] {
+        return Err("O_DIRECT read back different bytes than were written".to_string());
+    }
+    // A misaligned write: 100 bytes from an odd address at an odd offset.
+    let accepted = file.write_at(&src[1..101], 7).is_ok();
+    Ok(!accepted)
+}
+
+/// Probes `dir` for use as a tier path: see the module docs.
+///
+/// Errors (naming the path and the reason): the directory is missing, not a directory, or not
+/// writable. That O_DIRECT does not work is a finding, not an error: see
+/// [`DirectIoProbe::require_direct_io`].
+pub fn probe_direct_io(dir: &Path) -> Result<DirectIoProbe> {
+    check_dir(dir)?;
+    let fs_magic = statfs_magic(dir)?;
+    let fs_type = fs_type_name(fs_magic);
+    let probe_file = create_probe_file(dir)?;
+    let align = statx_dio_align(&probe_file.0);
+    let outcome = direct_round_trip(&probe_file.0);
+    drop(probe_file);
+    let (o_direct, o_direct_error, enforces_alignment) = match outcome {
+        Ok(enforces) => (true, None, enforces),
+        Err(why) => (false, Some(why), false),
+    };
+    Ok(DirectIoProbe {
+        dir: dir.to_path_buf(),
+        fs_type,
+        fs_magic,
+        o_direct,
+        o_direct_error,
+        dio_mem_align: align.map(|a| a.0),
+        dio_offset_align: align.map(|a| a.1),
+        enforces_alignment,
+    })
+}
+
+/// Whether an io_uring can be set up here and completes a NOP; `Err` says why not.
+pub fn probe_io_uring() -> std::result::Result<(), String> {
+    let mut ring = io_uring::IoUring::new(4).map_err(|e| {
+        let hint = match e.raw_os_error() {
+            Some(libc::ENOSYS) => " (kernel without io_uring)",
+            Some(libc::EPERM) => " (disabled by kernel.io_uring_disabled or a seccomp filter)",
+            _ => "",
+        };
+        format!("io_uring_setup failed: {e}{hint}")
+    })?;
+    let nop = io_uring::opcode::Nop::new().build().user_data(7);
+    // SAFETY: a NOP references no memory.
+    unsafe { ring.submission().push(&nop) }
+        .map_err(|_| "the submission queue of a fresh ring is full".to_string())?;
+    ring.submit_and_wait(1)
+        .map_err(|e| format!("io_uring_enter failed: {e}"))?;
+    match ring.completion().next() {
+        Some(c) if c.user_data() == 7 && c.result() >= 0 => Ok(()),
+        Some(c) => Err(format!("io_uring NOP completed with {}", c.result())),
+        None => Err("io_uring NOP produced no completion".to_string()),
+    }
+}

@@ -1,0 +1,334 @@
+//! The `uring` engine: one dedicated io_uring thread per engine.
+//!
+//! * The region is registered as fixed buffers in pieces of at most 1 GiB, each a whole number
+//!   of rows, and transfers use READ_FIXED / WRITE_FIXED. A request must lie inside one piece.
+//!   When registration fails (ENOMEM under a memlock limit, EFAULT for file-backed memory) the
+//!   engine uses plain READ / WRITE instead and says why ([`UringEngine::fallback_reason`]).
+//! * Files are registered as fixed files when the kernel allows it.
+//! * Requests arrive over a channel. With nothing in flight the ring thread blocks on that
+//!   channel; with I/O in flight it blocks in `submit_and_wait(1)`, and a submitter that finds
+//!   it waiting there wakes it through an eventfd polled by the ring. It never spins.
+//! * A completion shorter than the remainder is resubmitted for the rest (buffer, offset and
+//!   length advanced); 0 bytes is [`ErrorKind::ShortIo`]; a negative result is an I/O error
+//!   with its errno.
+//! * Buffers stay valid until their completion: the thread holds an `Arc<PrimaryRegion>`, and
+//!   shutdown waits for every request before it unregisters and drops the ring.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::{Receiver, Sender};
+use io_uring::IoUring;
+
+mod ring;
+
+use parking_lot::{Mutex, RwLock};
+use ring::RingThread;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::files::FileTable;
+use crate::io::{IoCompletion, IoEngine, IoRequest};
+use crate::region::PrimaryRegion;
+
+/// Default submission queue size.
+pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
+
+/// The largest single registered buffer the kernel accepts.
+pub const MAX_REGISTERED_BUFFER: usize = 1 << 30;
+
+/// The most bytes one SQE moves (larger unregistered requests continue in further SQEs).
+const MAX_SQE_LEN: usize = 1 << 30;
+
+/// `user_data` of the eventfd poll that wakes the ring thread.
+const WAKE_TAG: u64 = u64::MAX;
+
+/// io_uring on a dedicated thread.
+pub struct UringEngine {
+    region: Arc<PrimaryRegion>,
+    files: Arc<FileTable>,
+    requests: RwLock<Option<Sender<IoRequest>>>,
+    done_tx: Sender<IoCompletion>,
+    done_rx: Receiver<IoCompletion>,
+    wake: Arc<Wake>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Registered piece size; `None` when the region is not registered.
+    piece: Option<usize>,
+    fallback_reason: Option<String>,
+}
+
+/// How a submitter wakes a ring thread blocked in `submit_and_wait`.
+pub(crate) struct Wake {
+    pub(crate) fd: OwnedFd,
+    /// True while the ring thread is (about to be) blocked in the kernel with I/O in flight.
+    pub(crate) waiting: AtomicBool,
+}
+
+impl Wake {
+    pub(crate) fn ring(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full counter (EAGAIN)
+        // already means "wake up", so the result is not needed.
+        unsafe {
+            libc::write(self.fd.as_raw_fd(), (&raw const one).cast(), 8);
+        }
+    }
+
+    pub(crate) fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64; the fd is non-blocking.
+        unsafe {
+            libc::read(self.fd.as_raw_fd(), (&raw mut v).cast(), 8);
+        }
+    }
+}
+
+/// How the region is split into registered buffers: pieces of at most `max_piece` bytes, each a
+/// whole number of rows; `None` when one row is already larger.
+fn piece_bytes(region: &PrimaryRegion, max_piece: usize) -> Option<usize> {
+    let rows = max_piece / region.row_stride();
+    (rows > 0).then(|| rows * region.row_stride())
+}
+
+/// Registers `region` as fixed buffers, or says why not.
+fn register_region(
+    ring: &IoUring,
+    region: &PrimaryRegion,
+    max_piece: usize,
+) -> std::result::Result<usize, String> {
+    let Some(piece) = piece_bytes(region, max_piece) else {
+        return Err(format!(
+            "row_stride {} exceeds the {max_piece}-byte limit of one registered buffer",
+            region.row_stride()
+        ));
+    };
+    let mut iovecs = Vec::new();
+    let mut off = 0;
+    while off < region.len() {
+        let len = piece.min(region.len() - off);
+        iovecs.push(libc::iovec {
+            // SAFETY: `off < len()`, inside the mapping.
+            iov_base: unsafe { region.base_ptr().add(off) }.cast(),
+            iov_len: len,
+        });
+        off += len;
+    }
+    if iovecs.len() > usize::from(u16::MAX) {
+        return Err(format!(
+            "the region needs {} registered buffers; at most {} are addressable",
+            iovecs.len(),
+            u16::MAX
+        ));
+    }
+    // SAFETY: every iovec lies inside the region, which the ring thread keeps alive (it holds
+    // an `Arc`) until after it unregisters the buffers; nothing moves the mapping.
+    match unsafe { ring.submitter().register_buffers(&iovecs) } {
+        Ok(()) => Ok(piece),
+        Err(e) => {
+            let hint = match e.raw_os_error() {
+                Some(libc::ENOMEM) => " (locked-memory limit, RLIMIT_MEMLOCK, too low)",
+                Some(libc::EFAULT) => " (file-backed mappings cannot be registered)",
+                _ => "",
+            };
+            Err(format!(
+                "registering the {}-byte region as {} fixed buffers failed: {e}{hint}",
+                region.len(),
+                iovecs.len()
+            ))
+        }
+    }
+}
+
+impl UringEngine {
+    /// Sets up a ring of `queue_depth` entries, registers `region` and `files`, and starts the
+    /// ring thread. On failure the files are handed back with the error (so that `auto` can
+    /// fall back to psync with them).
+    pub fn new(
+        region: Arc<PrimaryRegion>,
+        files: Vec<std::fs::File>,
+        queue_depth: u32,
+        o_direct: bool,
+    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
+        Self::with_piece_limit(region, files, queue_depth, o_direct, MAX_REGISTERED_BUFFER)
+    }
+
+    /// As [`UringEngine::new`], registering pieces of at most `max_piece` bytes (tests use a
+    /// small limit to exercise several pieces without a 1 GiB region).
+    pub(crate) fn with_piece_limit(
+        region: Arc<PrimaryRegion>,
+        files: Vec<std::fs::File>,
+        queue_depth: u32,
+        o_direct: bool,
+        max_piece: usize,
+    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
+        let max_piece = max_piece.min(MAX_REGISTERED_BUFFER);
+        let depth = queue_depth.max(1);
+        let ring = match IoUring::builder().setup_cqsize(depth * 2).build(depth) {
+            Ok(r) => r,
+            Err(e) => {
+                let err = Error::new(
+                    ErrorKind::Unsupported,
+                    format!("cannot set up an io_uring with {depth} entries: {e}"),
+                )
+                .with_source(e);
+                return Err((err, files));
+            }
+        };
+        // SAFETY: plain eventfd creation; the result is checked.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if raw < 0 {
+            let e = std::io::Error::last_os_error();
+            let err = Error::new(ErrorKind::Io, format!("eventfd failed: {e}")).with_source(e);
+            return Err((err, files));
+        }
+        // SAFETY: `raw` is a fresh fd we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let wake = Arc::new(Wake {
+            fd,
+            waiting: AtomicBool::new(false),
+        });
+        let files = Arc::new(FileTable::new(files, o_direct));
+        let fixed_files = files.len() > 0
+            && match ring.submitter().register_files(&files.raw_fds()) {
+                Ok(()) => true,
+                Err(e) => {
+                    log::warn!(
+                        "io_uring: registering {} files failed ({e}); using plain fds",
+                        files.len()
+                    );
+                    false
+                }
+            };
+        let (piece, fallback_reason) = match register_region(&ring, &region, max_piece) {
+            Ok(piece) => (Some(piece), None),
+            // Logged by the caller, which knows whether it falls back further (to psync).
+            Err(reason) => (None, Some(reason)),
+        };
+        let (req_tx, req_rx) = crossbeam_channel::unbounded();
+        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let mut worker = RingThread {
+            ring,
+            files: files.clone(),
+            region: region.clone(),
+            piece,
+            fixed_files,
+            rx: req_rx,
+            done: done_tx.clone(),
+            wake: wake.clone(),
+            depth: depth as usize,
+            ops: Vec::new(),
+            free: Vec::new(),
+            in_flight: 0,
+            ready: VecDeque::new(),
+            poll_armed: false,
+        };
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-uring".to_string())
+            .spawn(move || worker.run());
+        let thread = match spawned {
+            Ok(t) => t,
+            Err(e) => {
+                let err = Error::new(ErrorKind::Io, format!("cannot start the ring thread: {e}"))
+                    .with_source(e);
+                // The closure (and its clone of the table) was dropped with the error.
+                let files = Arc::try_unwrap(files)
+                    .map(FileTable::into_files)
+                    .unwrap_or_default();
+                return Err((err, files));
+            }
+        };
+        Ok(UringEngine {
+            region,
+            files,
+            requests: RwLock::new(Some(req_tx)),
+            done_tx,
+            done_rx,
+            wake,
+            thread: Mutex::new(Some(thread)),
+            piece,
+            fallback_reason,
+        })
+    }
+
+    /// Whether the region is registered and transfers use READ_FIXED / WRITE_FIXED.
+    pub fn fixed_buffers(&self) -> bool {
+        self.piece.is_some()
+    }
+
+    /// Why fixed buffers are not used, if they are not.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback_reason.as_deref()
+    }
+
+    /// Bytes per registered buffer piece (a whole number of rows, at most 1 GiB).
+    pub fn piece_bytes(&self) -> Option<usize> {
+        self.piece
+    }
+}
+
+impl IoEngine for UringEngine {
+    fn name(&self) -> String {
+        "uring".to_string()
+    }
+
+    fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
+        let guard = self.requests.read();
+        let Some(tx) = guard.as_ref() else {
+            return Err(Error::new(
+                ErrorKind::Closed,
+                "the uring engine is shut down",
+            ));
+        };
+        let mut sent = false;
+        for req in reqs {
+            if let Err(e) = self.files.validate(req, &self.region) {
+                let _ = self.done_tx.send(IoCompletion {
+                    tag: req.tag,
+                    result: Err(e),
+                });
+                continue;
+            }
+            tx.send(*req).map_err(|_| {
+                Error::new(ErrorKind::Internal, "the ring thread exited unexpectedly")
+            })?;
+            sent = true;
+        }
+        // Pairs with the fence in `RingThread::wait`: either the ring thread sees the new
+        // requests before it blocks, or we see it waiting and wake it.
+        fence(Ordering::SeqCst);
+        if sent && self.wake.waiting.load(Ordering::SeqCst) {
+            self.wake.ring();
+        }
+        Ok(())
+    }
+
+    fn completions(&self) -> &Receiver<IoCompletion> {
+        &self.done_rx
+    }
+
+    fn region(&self) -> &Arc<PrimaryRegion> {
+        &self.region
+    }
+
+    fn shutdown(&self) {
+        drop(self.requests.write().take());
+        // The ring thread may be blocked waiting for I/O; it exits once everything completed.
+        self.wake.ring();
+        if let Some(t) = self.thread.lock().take()
+            && t.join().is_err()
+        {
+            log::error!("the io_uring thread panicked");
+        }
+    }
+}
+
+impl Drop for UringEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,309 @@
+//! The ring thread: owns the io_uring, turns requests into SQEs, reaps CQEs, resubmits
+//! remainders, and blocks (on the channel when idle, in `submit_and_wait(1)` otherwise).
+
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{Ordering, fence};
+
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
+use io_uring::{IoUring, opcode, types};
+
+use super::{MAX_SQE_LEN, WAKE_TAG, Wake};
+use crate::error::{Error, ErrorKind, Result};
+use crate::io::files::{FileTable, check_partial, os_error, short_error};
+use crate::io::{IoCompletion, IoDir, IoRequest};
+use crate::region::PrimaryRegion;
+
+/// One request in the ring's care.
+pub(super) struct Op {
+    req: IoRequest,
+    /// Bytes moved so far.
+    done: usize,
+}
+
+/// State owned by the ring thread.
+pub(super) struct RingThread {
+    pub(super) ring: IoUring,
+    pub(super) files: Arc<FileTable>,
+    pub(super) region: Arc<PrimaryRegion>,
+    /// Registered piece size, `None` when buffers are not registered.
+    pub(super) piece: Option<usize>,
+    pub(super) fixed_files: bool,
+    pub(super) rx: Receiver<IoRequest>,
+    pub(super) done: Sender<IoCompletion>,
+    pub(super) wake: Arc<Wake>,
+    pub(super) depth: usize,
+    /// Slot table; the slot index is the SQE's `user_data`.
+    pub(super) ops: Vec<Option<Op>>,
+    pub(super) free: Vec<usize>,
+    /// Ops whose SQE is in the kernel.
+    pub(super) in_flight: usize,
+    /// Ops waiting for room in the ring (new, or a remainder to resubmit).
+    pub(super) ready: VecDeque<usize>,
+    pub(super) poll_armed: bool,
+}
+
+macro_rules! rw_entry {
+    ($fd:expr, $dir:expr, $buf:expr, $len:expr, $off:expr, $piece:expr) => {
+        match ($dir, $piece) {
+            (IoDir::Read, Some(idx)) => opcode::ReadFixed::new($fd, $buf, $len, idx)
+                .offset($off)
+                .build(),
+            (IoDir::Write, Some(idx)) => opcode::WriteFixed::new($fd, $buf.cast_const(), $len, idx)
+                .offset($off)
+                .build(),
+            (IoDir::Read, None) => opcode::Read::new($fd, $buf, $len).offset($off).build(),
+            (IoDir::Write, None) => opcode::Write::new($fd, $buf.cast_const(), $len)
+                .offset($off)
+                .build(),
+        }
+    };
+}
+
+impl RingThread {
+    pub(super) fn run(&mut self) {
+        let mut closing = false;
+        loop {
+            if self.in_flight == 0 && self.ready.is_empty() {
+                if closing {
+                    break;
+                }
+                // Idle: block on the channel.
+                match self.rx.recv() {
+                    Ok(req) => self.accept(req),
+                    Err(_) => break,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(req) => self.accept(req),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        closing = true;
+                        break;
+                    }
+                }
+            }
+            self.push_ready();
+            if self.in_flight > 0 {
+                self.wait(closing);
+            }
+            self.reap();
+        }
+        self.finish();
+    }
+
+    fn accept(&mut self, req: IoRequest) {
+        let op = Op { req, done: 0 };
+        let slot = match self.free.pop() {
+            Some(s) => {
+                self.ops[s] = Some(op);
+                s
+            }
+            None => {
+                self.ops.push(Some(op));
+                self.ops.len() - 1
+            }
+        };
+        self.ready.push_back(slot);
+    }
+
+    fn complete(&mut self, slot: usize, result: Result<usize>) {
+        if let Some(op) = self.ops[slot].take() {
+            self.free.push(slot);
+            let _ = self.done.send(IoCompletion {
+                tag: op.req.tag,
+                result,
+            });
+        }
+    }
+
+    /// Moves ready ops into the submission queue while the ring has room.
+    fn push_ready(&mut self) {
+        while self.in_flight < self.depth {
+            let Some(&slot) = self.ready.front() else {
+                break;
+            };
+            let entry = match self.entry(slot) {
+                Ok(e) => e,
+                Err(e) => {
+                    self.ready.pop_front();
+                    self.complete(slot, Err(e));
+                    continue;
+                }
+            };
+            // SAFETY: the entry's buffer lies inside the region, which this thread keeps alive
+            // (and registered) until every op has completed; the op's slot stays occupied
+            // until its CQE is reaped, so `user_data` maps back to exactly one op.
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                break;
+            }
+            self.ready.pop_front();
+            self.in_flight += 1;
+        }
+    }
+
+    /// Builds the SQE for the remainder of op `slot`.
+    fn entry(&self, slot: usize) -> Result<io_uring::squeue::Entry> {
+        let op = self.ops[slot].as_ref().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Internal,
+                format!("io_uring op slot {slot} is empty"),
+            )
+        })?;
+        let req = &op.req;
+        let start = req.region_offset + op.done;
+        let len = (req.len - op.done).min(MAX_SQE_LEN);
+        let piece_index = match self.piece {
+            Some(piece) => {
+                let idx = req.region_offset / piece;
+                if (req.region_offset + req.len).div_ceil(piece) != idx + 1 {
+                    return Err(crate::io::files::request_error(
+                        ErrorKind::Contract,
+                        format!(
+                            "region range [{}, +{}) straddles two registered buffer pieces of \
+                             {piece} bytes; requests must stay within one piece (whole rows)",
+                            req.region_offset, req.len
+                        ),
+                        req,
+                        self.files.label(req.file),
+                    ));
+                }
+                Some(u16::try_from(idx).map_err(|_| {
+                    Error::new(ErrorKind::Internal, "registered buffer index out of range")
+                })?)
+            }
+            None => None,
+        };
+        // SAFETY: validated on submission: start + len <= region.len().
+        let buf = unsafe { self.region.base_ptr().add(start) };
+        let off = req.file_offset + op.done as u64;
+        let len = len as u32;
+        let entry = if self.fixed_files {
+            rw_entry!(
+                types::Fixed(req.file as u32),
+                req.dir,
+                buf,
+                len,
+                off,
+                piece_index
+            )
+        } else {
+            let fd = types::Fd(self.files.raw_fd(req.file));
+            rw_entry!(fd, req.dir, buf, len, off, piece_index)
+        };
+        Ok(entry.user_data(slot as u64))
+    }
+
+    /// Blocks until at least one completion (or a wake-up from a submitter).
+    fn wait(&mut self, closing: bool) {
+        if !self.poll_armed && !closing {
+            let poll =
+                opcode::PollAdd::new(types::Fd(self.wake.fd.as_raw_fd()), libc::POLLIN as u32)
+                    .build()
+                    .user_data(WAKE_TAG);
+            // SAFETY: a poll on our eventfd uses no buffer; the fd outlives the ring.
+            if unsafe { self.ring.submission().push(&poll) }.is_ok() {
+                self.poll_armed = true;
+            }
+        }
+        self.wake.waiting.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        let want = if !closing && !self.rx.is_empty() {
+            0
+        } else {
+            1
+        };
+        loop {
+            match self.ring.submit_and_wait(want) {
+                Ok(_) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                // EBUSY / EAGAIN: completions must be reaped first; the caller does that next.
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EBUSY) | Some(libc::EAGAIN)) => {
+                    break;
+                }
+                Err(e) => {
+                    log::error!("io_uring submit_and_wait failed: {e}");
+                    break;
+                }
+            }
+        }
+        self.wake.waiting.store(false, Ordering::SeqCst);
+    }
+
+    fn reap(&mut self) {
+        let cqes: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
+        for (ud, res) in cqes {
+            if ud == WAKE_TAG {
+                self.poll_armed = false;
+                self.wake.drain();
+                continue;
+            }
+            let slot = ud as usize;
+            self.in_flight -= 1;
+            self.on_cqe(slot, res);
+        }
+    }
+
+    fn on_cqe(&mut self, slot: usize, res: i32) {
+        let Some(op) = self.ops.get_mut(slot).and_then(Option::as_mut) else {
+            log::error!("io_uring completion for unknown slot {slot}");
+            return;
+        };
+        let req = op.req;
+        let label = self.files.label(req.file).to_string();
+        if res < 0 {
+            let errno = -res;
+            if errno == libc::EINTR || errno == libc::EAGAIN {
+                self.ready.push_back(slot);
+                return;
+            }
+            let err = os_error(
+                &req,
+                &label,
+                op.done,
+                std::io::Error::from_raw_os_error(errno),
+            );
+            self.complete(slot, Err(err));
+            return;
+        }
+        if res == 0 {
+            let why = match req.dir {
+                IoDir::Read => "end of file",
+                IoDir::Write => "the write made no progress",
+            };
+            let err = short_error(&req, &label, op.done, why);
+            self.complete(slot, Err(err));
+            return;
+        }
+        op.done += res as usize;
+        let done = op.done;
+        if done >= req.len {
+            self.complete(slot, Ok(req.len));
+        } else if let Some(err) = check_partial(&req, &label, done, self.files.o_direct()) {
+            self.complete(slot, Err(err));
+        } else {
+            // Resubmit the remainder ahead of newer work.
+            self.ready.push_front(slot);
+        }
+    }
+
+    fn finish(&mut self) {
+        let submitter = self.ring.submitter();
+        if self.piece.is_some()
+            && let Err(e) = submitter.unregister_buffers()
+        {
+            log::warn!("io_uring: unregistering buffers failed: {e}");
+        }
+        if self.fixed_files
+            && let Err(e) = submitter.unregister_files()
+        {
+            log::warn!("io_uring: unregistering files failed: {e}");
+        }
+    }
+}
