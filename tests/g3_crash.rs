@@ -45,7 +45,9 @@ fn store_storm_child() {
         while let Some(g) = free.pop_front() {
             let keys: Vec<u64> = (next_key..next_key + KEYS_PER_JOB).collect();
             next_key += KEYS_PER_JOB;
-            let rows: Vec<u32> = (0..KEYS_PER_JOB).map(|i| (g * KEYS_PER_JOB + i) as u32).collect();
+            let rows: Vec<u32> = (0..KEYS_PER_JOB)
+                .map(|i| (g * KEYS_PER_JOB + i) as u32)
+                .collect();
             for (k, row) in keys.iter().zip(&rows) {
                 fill_row(&r, *row, *k);
             }
@@ -54,7 +56,10 @@ fn store_storm_child() {
             in_flight.push((job_id, g, keys));
         }
         for res in t.get_finished_jobs() {
-            let pos = in_flight.iter().position(|(id, _, _)| *id == res.job_id).unwrap();
+            let pos = in_flight
+                .iter()
+                .position(|(id, _, _)| *id == res.job_id)
+                .unwrap();
             let (_, g, keys) = in_flight.remove(pos);
             assert!(res.success, "{res:?}");
             for k in keys {
@@ -80,15 +85,27 @@ fn kill_9_during_store_storm() {
     std::fs::create_dir(d.path().join("slab")).unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
-        .args(["store_storm_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "store_storm_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, d.path())
         .spawn()
         .unwrap();
     // Let it run past the capacity (so evictions happen too), then kill it mid-storm.
     let deadline = Instant::now() + Duration::from_secs(60);
     while reported(d.path()).len() < (SLOTS + 64) as usize {
-        assert!(child.try_wait().unwrap().is_none(), "the storm child exited early");
-        assert!(Instant::now() < deadline, "the storm child made too little progress");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the storm child exited early"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the storm child made too little progress"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     child.kill().unwrap(); // SIGKILL
@@ -111,7 +128,11 @@ fn kill_9_during_store_storm() {
     }
     // The newest reported keys cannot have been evicted: they must have survived the kill.
     for &i in done.iter().rev().take(64) {
-        assert_eq!(lookup(&mut t, i), LookupResult::Hit, "reported key {i} was lost");
+        assert_eq!(
+            lookup(&mut t, i),
+            LookupResult::Hit,
+            "reported key {i} was lost"
+        );
     }
     assert_eq!(metric(&t, "g3_checksum_failures"), 0.0);
     eprintln!(

@@ -67,7 +67,10 @@ fn missing_path_is_refused() {
     let e = open_err(config(&[&missing], 4), &r);
     assert_eq!(e.kind(), ErrorKind::InvalidPath);
     assert!(e.to_string().contains("does not exist"), "{e}");
-    assert!(e.to_string().contains(&missing.display().to_string()), "{e}");
+    assert!(
+        e.to_string().contains(&missing.display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]
@@ -92,7 +95,11 @@ fn unwritable_directory_is_refused() {
     let r = region(1);
     let ro = d.path().join("ro");
     std::fs::create_dir(&ro).unwrap();
-    let ok = Command::new("chattr").arg("+i").arg(&ro).status().is_ok_and(|s| s.success());
+    let ok = Command::new("chattr")
+        .arg("+i")
+        .arg(&ro)
+        .status()
+        .is_ok_and(|s| s.success());
     if !ok {
         eprintln!("skipping: chattr +i is not available here");
         return;
@@ -107,13 +114,19 @@ fn unwritable_directory_is_refused() {
 #[test]
 fn filesystem_without_o_direct_is_refused_or_falls_back() {
     let d = tmpdir();
-    let Some(_m) = Mount::new("ramfs", "rw", d.path()) else { return };
+    let Some(_m) = Mount::new("ramfs", "rw", d.path()) else {
+        return;
+    };
     let r = region(2);
     let e = open_err(config(&[d.path()], 4), &r);
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{e}");
     assert!(e.to_string().contains("ramfs"), "{e}");
     assert!(e.to_string().contains(SLAB_FILE_NAME), "{e}");
-    assert_eq!(e.context_value("filesystem").map(|f| f.starts_with("ramfs")), Some(true));
+    assert_eq!(
+        e.context_value("filesystem")
+            .map(|f| f.starts_with("ramfs")),
+        Some(true)
+    );
     // `auto` falls back to buffered I/O, visibly.
     let mut cfg = config(&[d.path()], 4);
     cfg.direct_io = DirectIoMode::Auto;
@@ -131,7 +144,9 @@ fn filesystem_without_o_direct_is_refused_or_falls_back() {
 #[test]
 fn no_space_at_preallocation_names_path_needed_and_available() {
     let d = tmpdir();
-    let Some(_m) = Mount::new("tmpfs", "size=1m", d.path()) else { return };
+    let Some(_m) = Mount::new("tmpfs", "size=1m", d.path()) else {
+        return;
+    };
     let r = region(1);
     let e = open_err(config(&[d.path()], 1024), &r); // 8 MiB of slots on a 1 MiB filesystem
     assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
@@ -140,14 +155,20 @@ fn no_space_at_preallocation_names_path_needed_and_available() {
     assert_eq!(needed, 4096 + 1024 * STRIDE as u64);
     assert!(available < needed && available <= 1 << 20, "{e}");
     assert!(e.to_string().contains(SLAB_FILE_NAME), "{e}");
-    assert!(!d.path().join(SLAB_FILE_NAME).exists(), "a failed create leaves nothing behind");
+    assert!(
+        !d.path().join(SLAB_FILE_NAME).exists(),
+        "a failed create leaves nothing behind"
+    );
 }
 
 fn wait_locked_by(child: &mut Child, slab: &Path) -> bool {
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline {
         let locks = std::fs::read_to_string("/proc/locks").unwrap_or_default();
-        if locks.lines().any(|l| l.contains(&format!(" {} ", child.id()))) {
+        if locks
+            .lines()
+            .any(|l| l.contains(&format!(" {} ", child.id())))
+        {
             return true;
         }
         assert!(child.try_wait().unwrap().is_none(), "flock exited early");
@@ -163,17 +184,28 @@ fn slab_locked_by_another_process_names_its_pid() {
     let r = region(1);
     open(config(&[d.path()], 4), &r).shutdown().unwrap();
     let slab = d.path().join(SLAB_FILE_NAME);
-    let Ok(mut child) = Command::new("flock").args(["-x", "-o"]).arg(&slab).args(["sleep", "30"]).spawn()
+    let Ok(mut child) = Command::new("flock")
+        .args(["-x", "-o"])
+        .arg(&slab)
+        .args(["sleep", "30"])
+        .spawn()
     else {
         eprintln!("skipping: the flock command is not available");
         return;
     };
-    assert!(wait_locked_by(&mut child, &slab), "flock never took the lock");
+    assert!(
+        wait_locked_by(&mut child, &slab),
+        "flock never took the lock"
+    );
     let e = open_err(config(&[d.path()], 4), &r);
     let _ = child.kill();
     let _ = child.wait();
     assert_eq!(e.kind(), ErrorKind::Locked, "{e}");
-    assert_eq!(e.context_value("pid"), Some(child.id().to_string().as_str()), "{e}");
+    assert_eq!(
+        e.context_value("pid"),
+        Some(child.id().to_string().as_str()),
+        "{e}"
+    );
     assert!(e.to_string().contains(&slab.display().to_string()), "{e}");
     // Once the holder is gone the slab opens again.
     open(config(&[d.path()], 4), &r).shutdown().unwrap();
@@ -186,7 +218,10 @@ fn a_second_tier_on_the_same_slab_is_locked_out() {
     let t = open(config(&[d.path()], 4), &r);
     let e = open_err(config(&[d.path()], 4), &r);
     assert_eq!(e.kind(), ErrorKind::Locked, "{e}");
-    assert_eq!(e.context_value("pid"), Some(std::process::id().to_string().as_str()));
+    assert_eq!(
+        e.context_value("pid"),
+        Some(std::process::id().to_string().as_str())
+    );
     drop(t);
 }
 
@@ -216,7 +251,10 @@ fn superblock_of_another_geometry_is_refused_with_both_values() {
     // Another namespace digest.
     let e = open_ns_err(config(&[d.path()], 8), &r, [7; 32]);
     assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
-    assert_eq!(e.context_value("expected"), Some(hex::encode([7u8; 32]).as_str()));
+    assert_eq!(
+        e.context_value("expected"),
+        Some(hex::encode([7u8; 32]).as_str())
+    );
     // Another capacity.
     let e = open_err(config(&[d.path()], 9), &r);
     assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
@@ -230,7 +268,9 @@ fn superblock_of_another_geometry_is_refused_with_both_values() {
 fn stripe_set_order_and_completeness_are_checked() {
     let (a, b) = (tmpdir(), tmpdir());
     let r = region(1);
-    open(config(&[a.path(), b.path()], 4), &r).shutdown().unwrap();
+    open(config(&[a.path(), b.path()], 4), &r)
+        .shutdown()
+        .unwrap();
     let e = open_err(config(&[b.path(), a.path()], 4), &r);
     assert_eq!(e.kind(), ErrorKind::IncompatibleLayout, "{e}");
     assert_eq!(e.context_value("expected"), Some("member 0 of 2"));

@@ -163,7 +163,7 @@ pub struct LayoutDescriptor {
 }
 
 fn bad(origin: &str, key: &str, msg: impl Into<String>) -> Error {
-    Error::config(format!("{origin}: {key}"), msg).with("layout", origin.to_string())
+    Error::config(format!("{origin}: {key}"), msg).with("path", origin.to_string())
 }
 
 impl LayoutDescriptor {
@@ -187,10 +187,12 @@ impl LayoutDescriptor {
             )
             .with("path", origin.to_string())
             .with(
-                "span",
+                "line",
                 e.span()
-                    .map(|s| format!("bytes {}..{}", s.start, s.end))
-                    .unwrap_or_default(),
+                    .map(|s| {
+                        (text[..s.start.min(text.len())].matches('\n').count() + 1).to_string()
+                    })
+                    .unwrap_or_else(|| "?".into()),
             )
         })?;
         desc.validate_as(origin)?;

@@ -28,6 +28,8 @@ use clap::{Parser, Subcommand};
 
 use crate::error::{Error, ErrorKind};
 
+pub mod layout_cmd;
+
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]
 #[command(name = "kvtier", version, about, long_about = None)]
@@ -53,6 +55,8 @@ pub enum Command {
     Tier(tier_cmd::TierArgs),
     /// Configuration tools: `kvtier config check FILE`.
     Config(config_cmd::ConfigArgs),
+    /// Inspect and validate KV layout descriptors (canonical mappings and digests).
+    Layout(layout_cmd::LayoutArgs),
 }
 
 /// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
@@ -92,6 +96,7 @@ pub fn main() -> ExitCode {
         Command::Serve(args) => serve::run(args),
         Command::Tier(args) => tier_cmd::run(args),
         Command::Config(args) => config_cmd::run(args),
+        Command::Layout(args) => layout_cmd::run(args),
     };
     match result {
         Ok(code) => code,

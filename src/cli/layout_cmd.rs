@@ -1,0 +1,315 @@
+//! `kvtier layout show` and `kvtier layout check`: inspect and validate layout descriptors.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+use serde_json::{Value, json};
+
+use crate::canonical::digest::{self, NamespaceParams, VllmDigestFields};
+use crate::canonical::gather::direct_row_range;
+use crate::canonical::validate::static_portability_claim;
+use crate::canonical::{
+    LayerMapping, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks, prepare_canonical,
+    verify_tiling,
+};
+use crate::error::{Error, ErrorKind, Result};
+
+/// `kvtier layout ...`
+#[derive(Debug, Args)]
+pub struct LayoutArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: LayoutCommand,
+}
+
+/// The layout subcommands.
+#[derive(Debug, Subcommand)]
+pub enum LayoutCommand {
+    /// Print per-layer mappings, portability, row stride and both digests for one descriptor.
+    Show(ShowArgs),
+    /// Validate every descriptor (`*.toml`) in a folder at TP 1, 2, 4 and 8.
+    Check(CheckArgs),
+}
+
+/// `kvtier layout show FILE --tp N [--rank R] [--canonical] [--blocks-per-chunk N] [--json]`
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// The layout descriptor (TOML).
+    pub file: PathBuf,
+    /// Tensor-parallel size.
+    #[arg(long)]
+    pub tp: u32,
+    /// The rank whose mapping to print.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Use the canonical (parallelism-agnostic) layout instead of the direct per-rank layout.
+    #[arg(long)]
+    pub canonical: bool,
+    /// GPU blocks per chunk (decides the row stride).
+    #[arg(long, default_value_t = 1)]
+    pub blocks_per_chunk: u32,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvtier layout check DIR`
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    /// Folder holding `*.toml` layout descriptors.
+    pub dir: PathBuf,
+}
+
+/// Runs a layout subcommand.
+pub fn run(args: LayoutArgs) -> Result<ExitCode> {
+    match args.command {
+        LayoutCommand::Show(a) => show(&a),
+        LayoutCommand::Check(a) => check(&a.dir),
+    }
+}
+
+/// The `show` report as JSON (the `--json` output).
+pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
+    let cfg = ParallelConfig::tp(args.tp, args.rank);
+    let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)?;
+    let (layers, plan_bytes) = if args.canonical {
+        let shared = static_portability_claim(desc, args.tp, args.tp, true);
+        let prepared = prepare_canonical(desc, &cfg, args.blocks_per_chunk, shared)?;
+        params.all_layers_portable = prepared.status.all_layers_portable;
+        let mine = prepared.mappings[args.rank as usize].clone();
+        (mine, prepared.plan.canonical_area_bytes)
+    } else {
+        let all = derive_all_ranks(desc, args.tp)?;
+        verify_tiling(&all)?;
+        let mine = all.into_iter().nth(args.rank as usize).ok_or_else(|| {
+            Error::new(
+                ErrorKind::Config,
+                format!("--rank {} is out of range for --tp {}", args.rank, args.tp),
+            )
+        })?;
+        let plan = RowPlan::new(&mine, args.blocks_per_chunk)?;
+        (mine, plan.local_chunk_bytes)
+    };
+    let (vllm_hex, vllm_fields) =
+        digest::vllm_digest(&VllmDigestFields::from_descriptor(desc, &params));
+    let rank_bytes = desc.worker_kv_bytes_per_block(args.tp)? * u64::from(args.blocks_per_chunk);
+    Ok(json!({
+        "file": args.file.display().to_string(),
+        "model_name": desc.model_name,
+        "revision": desc.revision,
+        "attention": desc.attention,
+        "num_layers": desc.num_layers,
+        "dtype": desc.dtype,
+        "tokens_per_block": desc.tokens_per_block,
+        "kv_layout": desc.kv_layout.as_str(),
+        "kv_split": desc.split().as_str(),
+        "tp": args.tp,
+        "rank": args.rank,
+        "canonical": args.canonical,
+        "blocks_per_chunk": args.blocks_per_chunk,
+        "worker_kv_bytes_per_block": desc.worker_kv_bytes_per_block(args.tp)?,
+        "canonical_bytes_per_block": desc.canonical_bytes_per_block(),
+        "rank_chunk_bytes": rank_bytes,
+        "row_area_bytes": plan_bytes,
+        "direct_row_range": (!args.canonical).then(|| {
+            // A replicated layout keeps one copy at the row start, written alike by every rank.
+            let slot = if params.replicated_layout { 0 } else { args.rank };
+            let r = direct_row_range(rank_bytes, slot);
+            [r.start, r.end]
+        }),
+        "row_stride": params.row_stride,
+        "canonical_row_stride": desc.canonical_row_stride(args.blocks_per_chunk)?,
+        "replicated_layout": params.replicated_layout,
+        "all_layers_portable": args.canonical && params.all_layers_portable,
+        "layers": layers.iter().map(layer_json).collect::<Vec<_>>(),
+        "vllm_digest": vllm_hex,
+        "vllm_digest_fields": vllm_fields,
+        "namespace": digest::namespace_hex(desc, &params),
+    }))
+}
+
+fn layer_json(lm: &LayerMapping) -> Value {
+    let m = lm.mapping.as_ref();
+    json!({
+        "layer": lm.layer,
+        "layer_name": lm.layer_name,
+        "kind": lm.kind,
+        "reason": lm.reason,
+        "canonical_page_size_bytes": m.map(|m| m.canonical_page_size_bytes),
+        "local_page_size_bytes": m.map(|m| m.local_page_size_bytes),
+        "num_writers": m.map(|m| m.num_writers),
+        "writer_index": m.map(|m| m.writer_index),
+        "parallelism_agnostic": m.map(|m| m.parallelism_agnostic),
+        "runs": m.map(|m| m.runs.clone()),
+    })
+}
+
+fn show(args: &ShowArgs) -> Result<ExitCode> {
+    let desc = LayoutDescriptor::load(&args.file)?;
+    let report = show_json(&desc, args)?;
+    if args.json {
+        let text = serde_json::to_string_pretty(&report)
+            .map_err(|e| Error::new(ErrorKind::Internal, format!("serialising report: {e}")))?;
+        println!("{text}");
+    } else {
+        print_text(&report);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn print_text(r: &Value) {
+    let s = |k: &str| match &r[k] {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        v => v.to_string(),
+    };
+    println!("layout      {} ({})", s("model_name"), s("file"));
+    println!(
+        "geometry    {} layers, {} attention, {}, {} tokens/block, {} {}",
+        s("num_layers"),
+        s("attention"),
+        s("dtype"),
+        s("tokens_per_block"),
+        s("kv_layout"),
+        s("kv_split")
+    );
+    let mode = if r["canonical"] == json!(true) {
+        "canonical"
+    } else {
+        "direct"
+    };
+    println!(
+        "parallel    TP {} rank {} ({mode} layout)",
+        s("tp"),
+        s("rank")
+    );
+    println!(
+        "bytes       {} per rank per block, {} canonical per block",
+        s("worker_kv_bytes_per_block"),
+        s("canonical_bytes_per_block")
+    );
+    println!(
+        "row         stride {} for {} blocks per chunk (canonical stride {}, replicated {})",
+        s("row_stride"),
+        s("blocks_per_chunk"),
+        s("canonical_row_stride"),
+        s("replicated_layout")
+    );
+    println!("portable    {}", s("all_layers_portable"));
+    if let Some([a, b]) = r["direct_row_range"]
+        .as_array()
+        .map(|v| [v[0].clone(), v[1].clone()])
+    {
+        println!(
+            "direct      rank {} stores its whole page at row bytes [{a}, {b}); the canonical mappings below apply only with --canonical",
+            s("rank")
+        );
+    }
+    // Consecutive layers with identical mappings are printed once.
+    let layers = r["layers"].as_array().cloned().unwrap_or_default();
+    let summary = |l: &Value| {
+        let mut l = l.clone();
+        if let Some(o) = l.as_object_mut() {
+            o.remove("layer");
+            o.remove("layer_name");
+        }
+        l
+    };
+    let mut i = 0;
+    while i < layers.len() {
+        let mut j = i;
+        while j + 1 < layers.len() && summary(&layers[j + 1]) == summary(&layers[i]) {
+            j += 1;
+        }
+        let l = &layers[i];
+        let runs = l["runs"].as_array().map_or(0, |r| r.len());
+        println!(
+            "layers {i}-{j}  {} page {} -> canonical {}, {runs} run(s), writers {} (index {}), agnostic {}{}",
+            l["kind"].as_str().unwrap_or("?"),
+            l["local_page_size_bytes"],
+            l["canonical_page_size_bytes"],
+            l["num_writers"],
+            l["writer_index"],
+            l["parallelism_agnostic"],
+            l["reason"]
+                .as_str()
+                .map(|r| format!(" ({r})"))
+                .unwrap_or_default()
+        );
+        for run in l["runs"].as_array().into_iter().flatten() {
+            println!(
+                "    local {} -> canonical {}: {} x {} B (strides {} / {})",
+                run["local_offset"],
+                run["canonical_offset"],
+                run["num_fragments"],
+                run["fragment_size"],
+                run["local_stride"],
+                run["canonical_stride"]
+            );
+        }
+        i = j + 1;
+    }
+    println!("vllm_digest {}", s("vllm_digest"));
+    println!("namespace   {}", s("namespace"));
+}
+
+/// Checks one descriptor at every TP in {1, 2, 4, 8} it allows; returns those TP sizes.
+pub fn check_file(path: &Path) -> Result<Vec<u32>> {
+    let desc = LayoutDescriptor::load(path)?;
+    let tps = desc.allowed_tp(&[1, 2, 4, 8]);
+    if tps.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!("{}: the model allows none of TP 1, 2, 4, 8", path.display()),
+        ));
+    }
+    for &tp in &tps {
+        for canonical in [false, true] {
+            let shared = static_portability_claim(&desc, tp, tp, canonical);
+            for rank in 0..tp {
+                let cfg = ParallelConfig::tp(tp, rank);
+                if canonical {
+                    prepare_canonical(&desc, &cfg, 1, shared)?;
+                }
+            }
+            let all = derive_all_ranks(&desc, tp)?;
+            verify_tiling(&all)?;
+        }
+    }
+    Ok(tps)
+}
+
+fn check(dir: &Path) -> Result<ExitCode> {
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("read layout folder", dir, e))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::new(
+            ErrorKind::InvalidPath,
+            format!("{}: no *.toml layout descriptors found", dir.display()),
+        ));
+    }
+    let mut failed = 0;
+    for f in &files {
+        match check_file(f) {
+            Ok(tps) => {
+                let tps: Vec<String> = tps.iter().map(u32::to_string).collect();
+                println!("ok    {} (TP {})", f.display(), tps.join(", "));
+            }
+            Err(e) => {
+                failed += 1;
+                println!("FAIL  {}: {e}", f.display());
+            }
+        }
+    }
+    println!("{} descriptor(s), {failed} failed", files.len());
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
