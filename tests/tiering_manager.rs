@@ -17,14 +17,6 @@ use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TieringManager};
 use tiering_common::*;
 
-fn gpu_store(m: &mut TieringManager, keys: &[ChunkKey], r: &kvtier::tiering::job::RequestContext) {
-    let out = m.prepare_store(keys, r).expect("primary has room");
-    for (k, &c) in out.keys_to_store.iter().zip(&out.chunk_ids) {
-        write_row(m.region(), c, k);
-    }
-    m.complete_store(&out.keys_to_store, r, true);
-}
-
 fn end_step(m: &mut TieringManager) {
     m.on_schedule_end(&ScheduleEndContext::default())
         .expect("no contract violation");

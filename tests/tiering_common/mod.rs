@@ -12,6 +12,7 @@ use kvtier::config::EvictionPolicyKind;
 use kvtier::key::ChunkKey;
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
+use kvtier::tiering::backpressure::DetectorParams;
 use kvtier::tiering::clock::{Clock, ManualClock};
 use kvtier::tiering::job::{
     JobId, JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent,
@@ -265,15 +266,24 @@ pub fn manager_with(
     clock: &ManualClock,
     tiers: Vec<MemoryTierOptions>,
 ) -> (TieringManager, Vec<Arc<Mutex<AuditLog>>>) {
+    manager_with_bp(rows, clock, tiers.into_iter().map(|t| (t, None)).collect())
+}
+
+/// Like [`manager_with`], each tier with optional back-pressure parameters.
+pub fn manager_with_bp(
+    rows: usize,
+    clock: &ManualClock,
+    tiers: Vec<(MemoryTierOptions, Option<DetectorParams>)>,
+) -> (TieringManager, Vec<Arc<Mutex<AuditLog>>>) {
     let region = region(rows);
     let mut specs = Vec::new();
     let mut logs = Vec::new();
-    for o in tiers {
+    for (o, bp) in tiers {
         let t = MemoryTier::start(region.clone(), o).expect("memory tier");
         let (a, log) = AuditTier::new(Box::new(t), region.clone());
         specs.push(TierSpec {
             tier: Box::new(a),
-            backpressure: None,
+            backpressure: bp,
         });
         logs.push(log);
     }
@@ -287,6 +297,21 @@ pub fn manager_with(
         TieringManager::with_tiers(primary, specs, opts).expect("manager"),
         logs,
     )
+}
+
+/// Stores `keys` through the GPU path (prepare, write the key's bytes, complete). Returns the
+/// keys actually stored, or `None` if the primary refused.
+pub fn gpu_store(
+    m: &mut TieringManager,
+    keys: &[ChunkKey],
+    r: &RequestContext,
+) -> Option<Vec<ChunkKey>> {
+    let out = m.prepare_store(keys, r)?;
+    for (k, &c) in out.keys_to_store.iter().zip(&out.chunk_ids) {
+        write_row(m.region(), c, k);
+    }
+    m.complete_store(&out.keys_to_store, r, true);
+    Some(out.keys_to_store)
 }
 
 /// A request context.

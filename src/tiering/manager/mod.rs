@@ -308,6 +308,11 @@ impl TieringManager {
         self.tiers.get(i).map(|t| t.tier.as_ref())
     }
 
+    /// Secondary tier `i`'s metric label (`<i+1>:<type>`).
+    pub fn tier_label(&self, i: usize) -> Option<&str> {
+        self.tiers.get(i).map(|t| t.label.as_str())
+    }
+
     /// Tier `i`'s back-pressure detector, if configured.
     pub fn detector(&self, i: usize) -> Option<&EmaDetector> {
         self.tiers.get(i).and_then(|t| t.detector.as_ref())
