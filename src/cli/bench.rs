@@ -681,7 +681,8 @@ mod tests {
             ErrorKind::Config
         );
         let e = plan(&["--tp", "3"]).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(crate::cli::is_user_error(&e), "{e:?}");
+        assert!(e.to_string().contains("TP size 3"), "{e}");
         let e = plan(&["--layout", "/nonexistent/layout.toml"]).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/layout.toml"), "{e}");
     }
