@@ -146,6 +146,8 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
         "1",
         "--profile",
         "mixed",
+        "--kvtier-side",
+        "engine",
         "--keep",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
@@ -157,4 +159,36 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
     );
     assert!(dir.path().join("kvtier-fio-compare.fio.dat").exists());
     assert!(dir.path().join("kvtier-fio-compare.kvtier.dat").exists());
+
+    // The G3 side keeps its tier directory with --keep; mixed needs the engine side.
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--size",
+        "4MiB",
+        "--row-size",
+        "1MiB",
+        "--iodepth",
+        "1",
+        "--pairs",
+        "1",
+        "--profile",
+        "store",
+        "--keep",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        dir.path()
+            .join("kvtier-fio-compare.g3/kvtier-g3.slab")
+            .exists()
+    );
+    let out = kvtier(&["fio-compare", "--path", d, "--profile", "mixed"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--kvtier-side engine"),
+        "{}",
+        stderr(&out)
+    );
 }

@@ -15,7 +15,8 @@ use serde::Serialize;
 
 use crate::cli::fio::{self, FioRun, Profile};
 use crate::cli::fio_files;
-use crate::cli::kvtier_workload::{KvtierWorkload, WorkloadShape};
+use crate::cli::g3_workload::{G3Shape, G3Workload};
+use crate::cli::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
 use crate::cli::output::{Table, print_json, progress_bar};
 use crate::cli::plot::{Panel, render_svg};
 use crate::cli::size::{format_gbps, format_size, parse_size};
@@ -23,9 +24,23 @@ use crate::cli::stats::median;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
 
-/// How the files are prepared, in the words the report uses.
+/// How the files are prepared, in the words the report uses (engine side).
 pub const FILE_STATE: &str = "preallocated with fallocate and written in full once before the \
 first pass; store passes overwrite written extents, load passes read them";
+
+/// How the files are prepared when kvtier runs through the G3 tier.
+pub const FILE_STATE_G3: &str = "preallocated (fio: fallocate; kvtier: the G3 slabs, \
+posix_fallocate) and written in full once before the first pass (kvtier: an untimed store pass \
+fills every slot); store passes overwrite written extents, load passes read them";
+
+/// Which kvtier code path the comparison drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvtierSide {
+    /// The G3 tier's whole data path (jobs, slots, CRC32, journal), fsync never.
+    G3,
+    /// kvtier's I/O engine alone on a plain file (what the tier's I/O layer can do).
+    Engine,
+}
 
 /// Arguments of `kvtier fio-compare`.
 #[derive(Debug, clap::Args)]
@@ -59,6 +74,9 @@ pub struct FioCompareArgs {
     /// kvtier/fio pairs per profile (and per depth with --plot); the order alternates.
     #[arg(long, default_value_t = 3, value_name = "N")]
     pub pairs: usize,
+    /// What kvtier runs: the G3 tier's data path, or its I/O engine on a plain file.
+    #[arg(long, value_enum, default_value = "g3", value_name = "SIDE")]
+    pub kvtier_side: KvtierSide,
     /// kvtier's I/O engine: auto, uring or psync.
     #[arg(long, default_value = "uring", value_parser = parse_engine, value_name = "ENGINE")]
     pub io_engine: IoEngineKind,
@@ -126,6 +144,8 @@ pub struct ProfileComparison {
     pub paths: Vec<PathBuf>,
     /// How the files were prepared (both sides alike).
     pub file_state: &'static str,
+    /// `g3` (the tier's data path) or `engine` (the I/O engine on a plain file).
+    pub kvtier_side: &'static str,
     /// Alternating pairs per point.
     pub pairs: usize,
     /// kvtier's engine as it ran (`uring`, fixed buffers or not, O_DIRECT).
@@ -147,16 +167,31 @@ pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
     let plan = Plan::from_args(&args)?;
     let cleanup = Cleanup {
         files: plan.all_files(),
+        dirs: plan.g3_dirs.clone(),
         keep: args.keep,
     };
-    fio_files::prepare(&plan.all_files(), plan.per_file, plan.row_size)?;
-    let mut workload = KvtierWorkload::open(&WorkloadShape {
-        files: plan.kvtier_files.clone(),
-        file_size: plan.per_file,
-        row_size: plan.row_size,
-        max_depth: plan.max_depth(),
-        engine: args.io_engine,
-    })?;
+    let mut workload = match args.kvtier_side {
+        KvtierSide::Engine => {
+            fio_files::prepare(&plan.all_files(), plan.per_file, plan.row_size)?;
+            Side::Engine(KvtierWorkload::open(&WorkloadShape {
+                files: plan.kvtier_files.clone(),
+                file_size: plan.per_file,
+                row_size: plan.row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+            })?)
+        }
+        KvtierSide::G3 => {
+            fio_files::prepare(&plan.fio_files, plan.per_file, plan.row_size)?;
+            Side::G3(G3Workload::open(&G3Shape {
+                dirs: plan.g3_dirs.clone(),
+                bytes_per_path: plan.per_file,
+                row_size: plan.row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+            })?)
+        }
+    };
     let scratch = tempfile::Builder::new()
         .prefix("kvtier-fio-")
         .tempdir()
@@ -185,8 +220,9 @@ pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
             iodepth: plan.depth,
             file_size: plan.per_file * plan.paths.len() as u64,
             paths: plan.paths.clone(),
-            file_state: FILE_STATE,
+            file_state: plan.file_state,
             pairs: plan.pairs,
+            kvtier_side: plan.side_name,
             kvtier_engine: workload.describe(),
             fio_version: fio_version.clone(),
             kvtier_samples: main.kvtier_samples,
@@ -240,7 +276,7 @@ fn measure(
     plan: &Plan,
     profile: Profile,
     depth: u32,
-    workload: &mut KvtierWorkload,
+    workload: &mut Side,
     scratch: &Path,
     bar: &indicatif::ProgressBar,
 ) -> Result<DepthPoint> {
@@ -288,6 +324,9 @@ struct Plan {
     pairs: usize,
     fio_files: Vec<PathBuf>,
     kvtier_files: Vec<PathBuf>,
+    g3_dirs: Vec<PathBuf>,
+    file_state: &'static str,
+    side_name: &'static str,
 }
 
 impl Plan {
@@ -356,14 +395,37 @@ impl Plan {
             args.profiles.clone()
         };
         profiles.dedup();
+        if args.kvtier_side == KvtierSide::G3 && profiles.contains(&Profile::Mixed) {
+            return Err(Error::config(
+                "--profile",
+                "mixed runs on the engine side only (concurrent stores would evict the keys \
+                 being loaded): add --kvtier-side engine",
+            ));
+        }
         let fio_files = paths
             .iter()
             .map(|p| p.join("kvtier-fio-compare.fio.dat"))
             .collect();
-        let kvtier_files = paths
-            .iter()
-            .map(|p| p.join("kvtier-fio-compare.kvtier.dat"))
-            .collect();
+        let (kvtier_files, g3_dirs) = match args.kvtier_side {
+            KvtierSide::Engine => (
+                paths
+                    .iter()
+                    .map(|p| p.join("kvtier-fio-compare.kvtier.dat"))
+                    .collect(),
+                Vec::new(),
+            ),
+            KvtierSide::G3 => (
+                Vec::new(),
+                paths
+                    .iter()
+                    .map(|p| p.join("kvtier-fio-compare.g3"))
+                    .collect(),
+            ),
+        };
+        let (file_state, side_name) = match args.kvtier_side {
+            KvtierSide::Engine => (FILE_STATE, "engine"),
+            KvtierSide::G3 => (FILE_STATE_G3, "g3"),
+        };
         Ok(Plan {
             paths,
             profiles,
@@ -374,6 +436,9 @@ impl Plan {
             pairs: args.pairs,
             fio_files,
             kvtier_files,
+            g3_dirs,
+            file_state,
+            side_name,
         })
     }
 
@@ -381,6 +446,7 @@ impl Plan {
         self.depths.iter().copied().max().unwrap_or(self.depth)
     }
 
+    /// Every plain test file (fio's, and kvtier's on the engine side).
     fn all_files(&self) -> Vec<PathBuf> {
         self.fio_files
             .iter()
@@ -402,9 +468,10 @@ pub fn check_dir(p: &Path) -> Result<()> {
     }
 }
 
-/// Removes the test files on drop unless asked to keep them.
+/// Removes the test files and tier directories on drop unless asked to keep them.
 struct Cleanup {
     files: Vec<PathBuf>,
+    dirs: Vec<PathBuf>,
     keep: bool,
 }
 
@@ -419,6 +486,42 @@ impl Drop for Cleanup {
             {
                 log::warn!("cannot remove {}: {e}", f.display());
             }
+        }
+        for d in &self.dirs {
+            if let Err(e) = std::fs::remove_dir_all(d)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cannot remove {}: {e}", d.display());
+            }
+        }
+    }
+}
+
+/// kvtier's side of the comparison.
+enum Side {
+    Engine(KvtierWorkload),
+    G3(G3Workload),
+}
+
+impl Side {
+    fn run_pass(&mut self, profile: Profile, depth: u32) -> Result<PassStats> {
+        match self {
+            Side::Engine(w) => w.run_pass(profile, depth),
+            Side::G3(w) => w.run_pass(profile, depth),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Side::Engine(w) => format!("I/O engine on a plain file: {}", w.describe()),
+            Side::G3(w) => w.describe(),
+        }
+    }
+
+    fn close(self) -> Result<()> {
+        match self {
+            Side::Engine(w) => w.close(),
+            Side::G3(w) => w.close(),
         }
     }
 }
@@ -441,7 +544,7 @@ fn render_report(plan: &Plan, results: &[ProfileComparison], fio_version: &str) 
         display_paths(&plan.paths),
         plan.pairs
     );
-    out.push_str(&format!("file state: {FILE_STATE}\n"));
+    out.push_str(&format!("file state: {}\n", plan.file_state));
     if let Some(r) = results.first() {
         out.push_str(&format!(
             "kvtier: {}; fio: {fio_version}\n\n",

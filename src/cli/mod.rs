@@ -12,6 +12,7 @@ pub mod config_cmd;
 pub mod fio;
 pub mod fio_compare;
 pub mod fio_files;
+pub mod g3_workload;
 pub mod http;
 pub mod kvtier_workload;
 pub mod output;
