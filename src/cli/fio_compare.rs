@@ -183,13 +183,13 @@ pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
         }
         KvtierSide::G3 => {
             fio_files::prepare(&plan.fio_files, plan.per_file, plan.row_size)?;
-            Side::G3(G3Workload::open(&G3Shape {
+            Side::G3(Box::new(G3Workload::open(&G3Shape {
                 dirs: plan.g3_dirs.clone(),
                 bytes_per_path: plan.per_file,
                 row_size: plan.row_size,
                 max_depth: plan.max_depth(),
                 engine: args.io_engine,
-            })?)
+            })?))
         }
     };
     let scratch = tempfile::Builder::new()
@@ -500,7 +500,7 @@ impl Drop for Cleanup {
 /// kvtier's side of the comparison.
 enum Side {
     Engine(KvtierWorkload),
-    G3(G3Workload),
+    G3(Box<G3Workload>),
 }
 
 impl Side {
