@@ -213,6 +213,7 @@ impl Plan {
                 ),
             ));
         }
+        check_memory(chunks * row_stride, mem_available())?;
         let rows_in_flight = (args.max_bytes_in_flight / row_stride) as usize;
         // A job is a batch of chunks (one request's chunks in one step); keep about twice the
         // tier's byte budget outstanding so the device never idles between polls.
@@ -235,6 +236,31 @@ impl Plan {
             .map(|b| b * per..((b + 1) * per).min(self.chunks))
             .collect()
     }
+}
+
+/// The primary region holds every chunk of the run (like a primary sized to the working set):
+/// refuse a `--bytes` that would take more than 3/4 of the available memory.
+fn check_memory(region_bytes: u64, available: Option<u64>) -> Result<()> {
+    match available {
+        Some(avail) if region_bytes > avail / 4 * 3 => Err(Error::config(
+            "--bytes",
+            format!(
+                "the bench keeps all {} of chunks in the primary region, but only {} of memory \
+                 is available; lower --bytes",
+                format_size(region_bytes),
+                format_size(avail)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `MemAvailable` from `/proc/meminfo`, in bytes.
+fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }
 
 /// An error in a flag's value is the user's: it keeps its message and becomes a config error
@@ -683,6 +709,11 @@ mod tests {
         let e = plan(&["--tp", "3"]).unwrap_err();
         assert!(crate::cli::is_user_error(&e), "{e:?}");
         assert!(e.to_string().contains("TP size 3"), "{e}");
+        let e = check_memory(8 << 30, Some(8 << 30)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("--bytes"), "{e}");
+        assert!(check_memory(2 << 30, Some(8 << 30)).is_ok());
+        assert!(check_memory(2 << 30, None).is_ok());
         let e = plan(&["--layout", "/nonexistent/layout.toml"]).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/layout.toml"), "{e}");
     }
