@@ -43,7 +43,8 @@ const VALID: &str = r#"{
   "cpu_bytes_to_use": "100MiB", "blocks_per_chunk": 2,
   "backpressure": {"backpressure_cls": "EMABackpressureDetector", "alpha": 0.2},
   "secondary_tiers": [
-    {"type": "nvme", "paths": ["/mnt/a"], "backpressure": {"high_water_s": 0.02}},
+    {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "4GiB",
+     "backpressure": {"high_water_s": 0.02}},
     {"type": "custom", "locality": "REMOTE"},
     {"type": "plain"}
   ]
@@ -111,7 +112,8 @@ fn toml_is_accepted_and_block_size_needs_gpu_block_size() {
     let p = write(
         dir.path(),
         "c.toml",
-        "cpu_bytes_to_use = \"1GiB\"\nblock_size = 64\n[[secondary_tiers]]\ntype = \"nvme\"\n",
+        "cpu_bytes_to_use = \"1GiB\"\nblock_size = 64\n[[secondary_tiers]]\ntype = \"nvme\"\n\
+         paths = [\"/mnt/a\"]\ncapacity_bytes = \"4GiB\"\n",
     );
     let out = check(&p, &[]);
     assert_eq!(
@@ -227,4 +229,26 @@ fn documented_examples_are_valid_and_equivalent() {
     let doc_value: Value = serde_json::from_str(block).unwrap();
     let file_value: Value = serde_json::from_str(&file).unwrap();
     assert_eq!(doc_value, file_value);
+}
+
+#[test]
+fn nvme_tier_keys_are_validated_by_the_g3_parser() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"cpu_bytes_to_use": "1GiB", "secondary_tiers": [
+        {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "8GiB"}, {"type": "custom", "x": 1}]}"#;
+    let out = check(&write(dir.path(), "good.json", good), &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tier_params"][0]["validated"], true);
+    assert_eq!(v["tier_params"][1]["validated"], false);
+
+    let typo = good.replace("capacity_bytes", "capacity_byte");
+    let out = check(&write(dir.path(), "typo.json", &typo), &[]);
+    assert_user_error(&out, "secondary_tiers[0].capacity_byte");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("typo.json"));
 }

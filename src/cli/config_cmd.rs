@@ -1,7 +1,9 @@
 //! `kvtier config check FILE [--bytes-per-block N] [--copies N] [--gpu-block-size N]`: reads a
 //! JSON or TOML configuration, validates it and prints the resolved configuration as JSON
 //! (back-pressure merged per tier with presets and defaults filled in; chunk geometry when the
-//! layout inputs are given). Exit 0 when valid, 2 with a one-line error on stderr when not.
+//! layout inputs are given). Type-specific tier keys are validated by the tier's own parser
+//! where kvtier has that tier (`nvme`). Exit 0 when valid, 2 with a one-line error on stderr
+//! when not.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,7 +12,7 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::config::size::{format_size_human, parse_size};
-use crate::config::{self, Format, KvtierConfig};
+use crate::config::{self, Format, KvtierConfig, TierConfig};
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 
@@ -60,7 +62,38 @@ struct CheckReport<'a> {
     cpu_bytes_to_use_human: String,
     config: &'a KvtierConfig,
     geometry: Option<ChunkGeometry>,
+    tier_params: Vec<TierParamsCheck>,
     notes: &'a [String],
+}
+
+/// Whether a tier's type-specific keys (`params`) were validated, and by what.
+#[derive(Serialize)]
+struct TierParamsCheck {
+    index: usize,
+    #[serde(rename = "type")]
+    tier_type: String,
+    validated: bool,
+    by: &'static str,
+}
+
+/// Validates a tier's type-specific keys with the tier's own parser, where kvtier has one.
+fn check_tier_params(tier: &TierConfig) -> Result<TierParamsCheck> {
+    let (validated, by) = match tier.tier_type.as_str() {
+        "nvme" => {
+            crate::g3::config::G3TierConfig::from_tier(tier)?;
+            (true, "the nvme (G3) tier parser")
+        }
+        _ => (
+            false,
+            "nothing: kvtier has no tier of this type; vLLM's factory checks it",
+        ),
+    };
+    Ok(TierParamsCheck {
+        index: tier.index,
+        tier_type: tier.tier_type.clone(),
+        validated,
+        by,
+    })
 }
 
 /// Runs `kvtier config ...`.
@@ -80,6 +113,12 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
             Some(cfg.geometry(bytes_per_block, args.copies, args.gpu_block_size)?)
         }
     };
+    let tier_params = cfg
+        .secondary_tiers
+        .iter()
+        .map(check_tier_params)
+        .collect::<Result<Vec<_>>>()
+        .map_err(|e| config::error_in_file(&args.file, e))?;
     let report = CheckReport {
         file: args.file.display().to_string(),
         format: format.as_str(),
@@ -87,6 +126,7 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
         cpu_bytes_to_use_human: format_size_human(cfg.cpu_bytes_to_use),
         config: cfg,
         geometry,
+        tier_params,
         notes: &resolved.notes,
     };
     let json = serde_json::to_string_pretty(&report).map_err(|e| {

@@ -140,16 +140,18 @@ pub fn load_resolved(path: &Path) -> Result<ResolvedConfig> {
         .with("path", path.display().to_string())
         .with_source(e)
     })?;
-    let in_file = |e: Error| {
-        let message = format!("{}: {}", path.display(), e.message());
-        let mut out = Error::new(e.kind(), message);
-        for (k, v) in e.context() {
-            out = out.with(k, v.clone());
-        }
-        out.with("path", path.display().to_string())
-    };
+    let in_file = |e: Error| error_in_file(path, e);
     let value = parse_value(&text, format).map_err(in_file)?;
     resolve(&value).map_err(in_file)
+}
+
+/// The same error with `<path>: ` in front of its message and the path in its context.
+pub(crate) fn error_in_file(path: &Path, e: Error) -> Error {
+    let mut out = Error::new(e.kind(), format!("{}: {}", path.display(), e.message()));
+    for (k, v) in e.context() {
+        out = out.with(k, v.clone());
+    }
+    out.with("path", path.display().to_string())
 }
 
 /// Reads, parses and validates a configuration file (`.json` or `.toml`); notes are logged.
