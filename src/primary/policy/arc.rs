@@ -16,6 +16,8 @@
 //! place, set aside when eviction meets them).
 
 use super::ghost::{Ghost, GhostLists};
+use crate::primary::mem_hints::huge_slice;
+
 use super::list::{Link, List, new_links};
 use super::{Admission, ArcStats, EvictionPolicy, PolicyStats};
 
@@ -48,7 +50,7 @@ impl ArcPolicy {
     pub fn new(capacity: usize) -> Self {
         ArcPolicy {
             links: new_links(capacity),
-            state: vec![0u8; capacity].into_boxed_slice(),
+            state: huge_slice(capacity, || 0u8),
             t1: List::default(),
             t2: List::default(),
             aside: List::default(),

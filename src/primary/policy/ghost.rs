@@ -8,6 +8,7 @@
 
 use super::list::{Link, List, NIL, new_links};
 use crate::primary::index::IndexTable;
+use crate::primary::mem_hints::huge_slice;
 
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,9 +39,9 @@ impl GhostLists {
     /// Room for `capacity` ghosts in total.
     pub(crate) fn new(capacity: usize) -> Self {
         let mut g = GhostLists {
-            fps: vec![0u64; capacity].into_boxed_slice(),
+            fps: huge_slice(capacity, || 0u64),
             links: new_links(capacity),
-            which: vec![FREE; capacity].into_boxed_slice(),
+            which: huge_slice(capacity, || FREE),
             b1: List::default(),
             b2: List::default(),
             free_head: NIL,

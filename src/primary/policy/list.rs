@@ -24,7 +24,7 @@ impl Link {
 
 /// A fresh array of `n` unlinked nodes.
 pub(crate) fn new_links(n: usize) -> Box<[Link]> {
-    vec![Link::UNLINKED; n].into_boxed_slice()
+    crate::primary::mem_hints::huge_slice(n, || Link::UNLINKED)
 }
 
 /// The ends and length of one list.

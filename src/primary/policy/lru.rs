@@ -1,6 +1,8 @@
 //! Least-recently-used eviction over an intrusive list (see the module docs of `policy` for
 //! how non-evictable entries are handled).
 
+use crate::primary::mem_hints::huge_slice;
+
 use super::list::{Link, List, new_links};
 use super::{Admission, EvictionPolicy, PolicyStats};
 
@@ -25,7 +27,7 @@ impl LruPolicy {
     pub fn new(capacity: usize) -> Self {
         LruPolicy {
             links: new_links(capacity),
-            state: vec![0u8; capacity].into_boxed_slice(),
+            state: huge_slice(capacity, || 0u8),
             main: List::default(),
             aside: List::default(),
             evictable: 0,
