@@ -195,3 +195,118 @@ fn file_backed_region_falls_back_to_unregistered_buffers() {
     drop(region);
     drop(unmap);
 }
+
+/// Under a locked-memory limit (a non-root user without CAP_IPC_LOCK: 8 MiB here), registering
+/// a larger region fails with ENOMEM: explicit `uring` runs unregistered and says so, `auto`
+/// picks psync. As root the limit does not apply, so the test re-runs itself as `nobody`.
+#[test]
+fn memlock_limit_enomem_falls_back() {
+    const CHILD: &str = "KVTIER_IO_ENOMEM_CHILD";
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if std::env::var_os(CHILD).is_some() || !root {
+        enomem_body();
+        return;
+    }
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args(["--exact", "memlock_limit_enomem_falls_back", "--nocapture"])
+        .env(CHILD, "1")
+        .current_dir("/tmp")
+        .uid(65534)
+        .gid(65534)
+        .output();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIP: cannot re-run the test as nobody: {e}");
+            return;
+        }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprint!("{stderr}");
+    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 passed") || stderr.contains("1 passed"),
+        "the child did not run the test:\n{stdout}"
+    );
+}
+
+fn enomem_body() {
+    if let Err(why) = probe_io_uring() {
+        eprintln!("SKIP: io_uring unavailable here: {why}");
+        return;
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid out-pointer.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) };
+    assert_eq!(rc, 0);
+    if lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur > (64 << 20) {
+        eprintln!(
+            "SKIP: RLIMIT_MEMLOCK is {} here; too large to exceed cheaply",
+            lim.rlim_cur
+        );
+        return;
+    }
+    let stride = 1 << 20;
+    let rows = (lim.rlim_cur as usize).div_ceil(stride) + 4;
+    let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let file = open_direct(&dir.path().join("slab"));
+    let h = open_engine(
+        IoEngineKind::Uring,
+        region.clone(),
+        vec![file],
+        &EngineOptions::default(),
+    )
+    .unwrap();
+    if h.info.fixed_buffers {
+        eprintln!("SKIP: a {rows} MiB region registered despite the memlock limit (CAP_IPC_LOCK?)");
+        return;
+    }
+    let reason = h.info.fallback_reason.clone().unwrap();
+    eprintln!("uring fallback as uid {}: {reason}", effective_uid());
+    assert!(reason.contains("RLIMIT_MEMLOCK"), "{reason}");
+    let w = IoRequest {
+        dir: IoDir::Write,
+        file: 0,
+        file_offset: 0,
+        region_offset: stride,
+        len: stride,
+        tag: 1,
+    };
+    h.engine.submit(&[w]).unwrap();
+    let c = h
+        .engine
+        .completions()
+        .recv_timeout(Duration::from_secs(30))
+        .unwrap();
+    assert_eq!((c.tag, c.result.unwrap()), (1, stride));
+    h.engine.shutdown();
+    drop(h);
+    let file = open_direct(&dir.path().join("slab"));
+    let auto = open_engine(
+        IoEngineKind::Auto,
+        region,
+        vec![file],
+        &EngineOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(auto.info.kind, IoEngineKind::Psync);
+    assert!(
+        auto.info
+            .fallback_reason
+            .unwrap()
+            .contains("RLIMIT_MEMLOCK")
+    );
+}
+
+fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
