@@ -116,15 +116,13 @@ fn kill_9_during_store_storm() {
     let mut t = open(config(&[&d.path().join("slab")], SLOTS), &r);
     let listed = kvtier::g3::admin::list_keys(&[d.path().join("slab")]).unwrap();
     assert!(!listed.is_empty());
-    let mut checked = 0;
-    for e in &listed {
+    for (checked, e) in (0u64..).zip(&listed) {
         let k = kvtier::key::ChunkKey::from_hex(&e.key).unwrap();
         let i = u64::from_le_bytes(k.as_bytes()[32..40].try_into().unwrap());
         clear_row(&r, 0);
         let res = run(&mut t, job(1_000_000 + checked, &[i], &[0], true));
         assert!(res.success, "indexed key {i} failed to load: {res:?}");
         assert!(row_is(&r, 0, i), "key {i} loaded someone else's bytes");
-        checked += 1;
     }
     // The newest reported keys cannot have been evicted: they must have survived the kill.
     for &i in done.iter().rev().take(64) {

@@ -246,3 +246,90 @@ fn garbage_after_the_journal_is_ignored() {
     assert!(run(&mut t, job(2, &[7], &[1], true)).success);
     assert!(row_is(&r, 1, 7));
 }
+
+/// A filesystem mounted for one test; unmounted on drop.
+struct Mount(std::path::PathBuf);
+
+impl Mount {
+    fn tmpfs(dir: &Path, size: &str) -> Option<Mount> {
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .ok()?;
+        if out.status.success() {
+            Some(Mount(dir.to_path_buf()))
+        } else {
+            eprintln!(
+                "skipping: cannot mount tmpfs ({})",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            None
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn journal_write_failure_refuses_stores_and_keeps_loads() {
+    let d = tmpdir();
+    let Some(_m) = Mount::tmpfs(d.path(), "256k") else {
+        return;
+    };
+    let r = region(4);
+    let mut cfg = config(&[d.path()], 4);
+    cfg.checkpoint_interval = None;
+    let mut t = open(cfg.clone(), &r);
+    fill_row(&r, 0, 1);
+    assert!(run(&mut t, job(1, &[1], &[0], false)).success);
+    // Fill the filesystem so the next journal append hits ENOSPC.
+    let filler = d.path().join("filler");
+    let mut f = std::fs::File::create(&filler).unwrap();
+    while f.write_all(&[0u8; 4096]).is_ok() {}
+    drop(f);
+    // Stores (with evictions) append records until the journal needs a new page.
+    let mut failed_key = None;
+    for k in 100..400u64 {
+        fill_row(&r, 1, k);
+        let res = run(&mut t, job(k, &[k], &[1], false));
+        if !res.success {
+            assert_eq!(
+                res.error.as_ref().unwrap().kind(),
+                ErrorKind::NoSpace,
+                "{res:?}"
+            );
+            failed_key = Some(k);
+            break;
+        }
+        // Keep key 1 most recently used so it is never evicted.
+        assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    }
+    let k = failed_key.expect("the journal never ran out of space");
+    assert_eq!(
+        lookup(&mut t, k),
+        LookupResult::Miss,
+        "an unjournaled store is not a hit"
+    );
+    assert_eq!(metric(&t, "g3_journal_healthy"), 0.0);
+    fill_row(&r, 2, 3);
+    let res = run(&mut t, job(3, &[3], &[2], false));
+    assert!(!res.success);
+    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Poisoned);
+    // Loads of committed keys still work.
+    clear_row(&r, 3);
+    assert!(run(&mut t, job(4000, &[1], &[3], true)).success);
+    assert!(row_is(&r, 3, 1));
+    // With space back, the shutdown checkpoint restores a clean journal.
+    std::fs::remove_file(&filler).unwrap();
+    t.shutdown().unwrap();
+    drop(t);
+    let mut t = open(cfg, &r);
+    assert_eq!(metric(&t, "g3_journal_healthy"), 1.0);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    assert!(run(&mut t, job(5000, &[3], &[2], false)).success);
+}

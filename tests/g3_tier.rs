@@ -276,3 +276,99 @@ fn drain_finishes_started_jobs_and_cancels_queued_ones() {
     assert_eq!(metric(&t, "g3_jobs_cancelled"), 3.0);
     t.shutdown().unwrap();
 }
+
+#[test]
+fn round_trip_with_every_engine() {
+    use kvtier::io::IoEngineKind;
+    for kind in [IoEngineKind::Uring, IoEngineKind::Psync, IoEngineKind::Auto] {
+        let d = tmpdir();
+        let r = region(4);
+        let mut cfg = config(&[d.path()], 8);
+        cfg.io_engine = kind;
+        cfg.max_bytes_in_flight = 2 * STRIDE as u64;
+        let mut t = match G3Tier::open(
+            cfg,
+            r.clone(),
+            kvtier::g3::geometry_namespace(STRIDE),
+            "t".into(),
+            None,
+        ) {
+            Ok(t) => t,
+            Err(e) if kind == IoEngineKind::Uring && e.kind() == ErrorKind::Unsupported => {
+                eprintln!("skipping the uring engine: {e}");
+                continue;
+            }
+            Err(e) => panic!("{kind:?}: {e}"),
+        };
+        assert!(t.wait_recovered(Duration::from_secs(30)));
+        for i in 0..3u32 {
+            fill_row(&r, i, 40 + u64::from(i));
+        }
+        assert!(
+            run(&mut t, job(1, &[40, 41, 42], &[0, 1, 2], false)).success,
+            "{kind:?}"
+        );
+        clear_row(&r, 3);
+        assert!(run(&mut t, job(2, &[41], &[3], true)).success, "{kind:?}");
+        assert!(row_is(&r, 3, 41), "{kind:?} ({})", t.info().engine);
+        t.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn journal_size_triggers_checkpoints_and_state_survives() {
+    let d = tmpdir();
+    let r = region(4);
+    let mut cfg = config(&[d.path()], 8);
+    cfg.checkpoint_journal_bytes = 200; // about three records
+    cfg.fsync = kvtier::g3::FsyncPolicy::Never;
+    let mut t = open(cfg.clone(), &r);
+    for i in 0..4u32 {
+        fill_row(&r, i, 60 + u64::from(i));
+        assert!(
+            run(
+                &mut t,
+                job(u64::from(i) + 1, &[60 + u64::from(i)], &[i], false)
+            )
+            .success
+        );
+    }
+    assert!(
+        metric(&t, "g3_checkpoints") >= 1.0,
+        "no checkpoint was written"
+    );
+    t.close_without_checkpoint().unwrap();
+    let rep = kvtier::g3::admin::inspect(&cfg.paths).unwrap();
+    assert!(rep.checkpoint_seq >= 2, "seq {}", rep.checkpoint_seq);
+    assert!(rep.warnings.is_empty(), "{:?}", rep.warnings);
+    let mut t = open(cfg, &r);
+    assert_eq!(t.len(), 4);
+    clear_row(&r, 0);
+    assert!(run(&mut t, job(9, &[62], &[0], true)).success);
+    assert!(row_is(&r, 0, 62));
+}
+
+#[test]
+fn interval_checkpoint_fires_while_idle() {
+    let d = tmpdir();
+    let r = region(1);
+    let mut cfg = config(&[d.path()], 4);
+    cfg.checkpoint_interval = Some(Duration::from_millis(20));
+    let mut t = open(cfg, &r);
+    fill_row(&r, 0, 1);
+    assert!(run(&mut t, job(1, &[1], &[0], false)).success);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while metric(&t, "g3_checkpoints") < 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no interval checkpoint"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let journal = d.path().join(kvtier::g3::journal::JOURNAL_FILE_NAME);
+    assert_eq!(
+        std::fs::metadata(journal).unwrap().len(),
+        kvtier::g3::journal::FILE_HEADER_SIZE as u64,
+        "the journal restarts empty after a checkpoint"
+    );
+}

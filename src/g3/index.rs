@@ -183,16 +183,22 @@ impl Index {
         if slot as usize >= self.slots.len() {
             return false;
         }
-        if let Some(&old) = self.map.get(&key) {
-            self.clear_slot(old);
-        }
         self.clear_slot(slot);
+        // One hash per record: the key's previous slot (if any) comes back from the insert.
+        if let Some(old) = self.map.insert(key.clone(), slot) {
+            let e = &mut self.slots[old as usize];
+            e.key = None;
+            if e.state == SlotState::Valid {
+                self.valid -= 1;
+                self.unlink(old);
+            }
+            self.slots[old as usize].state = SlotState::Free;
+        }
         let e = &mut self.slots[slot as usize];
-        e.key = Some(key.clone());
+        e.key = Some(key);
         e.crc = crc;
         e.generation = generation;
         e.state = SlotState::Valid;
-        self.map.insert(key, slot);
         self.valid += 1;
         self.push_mru(slot);
         true

@@ -400,8 +400,8 @@ pub fn lock_holder_of(f: &File) -> Option<u32> {
     })
 }
 
-/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read of the
-/// superblock; on failure an error (`required`) or a buffered descriptor with one warning
+/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read and write of
+/// the superblock page; on failure an error (`required`) or a buffered descriptor with one warning
 /// (`auto`).
 fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
     let fs_type = fs_type_of(p);
@@ -410,10 +410,21 @@ fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
         .write(true)
         .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
         .open(p);
+    // The probe is one aligned O_DIRECT read of the superblock page and one O_DIRECT write
+    // of the same bytes back (identical content, so even a torn write changes nothing).
     let probe = opened.and_then(|f| {
         let mut buf = AlignedBuf::new(SUPERBLOCK_SIZE).map_err(std::io::Error::other)?;
         f.read_exact_at(buf.as_mut_slice(), 0)?;
+        f.write_all_at(buf.as_slice(), 0)?;
         Ok(f)
+    });
+    // statx(STATX_DIOALIGN), where the kernel reports it, must allow 4096-byte alignment.
+    let probe = probe.and_then(|f| match dio_alignment(p) {
+        Some((mem, off)) if mem > 4096 || off > 4096 => Err(std::io::Error::other(format!(
+            "the filesystem requires O_DIRECT alignment of {mem} bytes (memory) and {off} \
+             bytes (offset), kvtier uses 4096"
+        ))),
+        _ => Ok(f),
     });
     match probe {
         Ok(f) => Ok((f, true, fs_type)),
@@ -514,21 +525,21 @@ pub fn fs_type_of(p: &Path) -> String {
         return "unknown".into();
     }
     let magic = st.f_type as u64 & 0xffff_ffff;
-    let name = match magic {
-        0xef53 => "ext4",
-        0x5846_5342 => "xfs",
-        0x0102_1994 => "tmpfs",
-        0x8584_58f6 => "ramfs",
-        0x794c_7630 => "overlayfs",
-        0x9123_683e => "btrfs",
-        0x6969 => "nfs",
-        0x6573_5546 => "fuse",
-        0x2fc1_2fc1 => "zfs",
-        0x9fa0 => "proc",
-        0x6265_6572 => "sysfs",
-        _ => "unknown",
-    };
+    let name = crate::io::probe::fs_type_name(magic);
     format!("{name} (0x{magic:x})")
+}
+
+/// `(memory, offset)` O_DIRECT alignment of the filesystem holding `dir`'s slabs, from the
+/// I/O layer's probe (`statx(STATX_DIOALIGN)`), when the kernel reports it.
+fn dio_alignment(slab: &Path) -> Option<(u32, u32)> {
+    let dir = slab.parent()?;
+    match crate::io::probe_direct_io(dir) {
+        Ok(p) => Some((p.dio_mem_align?, p.dio_offset_align?)),
+        Err(e) => {
+            log::debug!("direct-I/O probe of {} failed: {e}", dir.display());
+            None
+        }
+    }
 }
 
 /// Reads and decodes the superblock of an open slab.

@@ -6,7 +6,7 @@
 //! the index mutex, each together with its journal record, so that the committed index always
 //! equals checkpoint + journal.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -15,16 +15,22 @@ use crossbeam_channel::{Receiver, Sender, after, never};
 use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::config::{FsyncPolicy, G3TierConfig};
+use crate::g3::config::G3TierConfig;
 use crate::g3::format::slot_location;
 use crate::g3::index::{Index, Slot};
-use crate::g3::journal::{JournalWriter, MAX_KEY_LEN, write_checkpoint};
+use crate::g3::journal::{JournalWriter, write_checkpoint};
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::recovery;
 use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::key::ChunkKey;
 use crate::tiering::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
+
+mod load;
+mod store;
+
+/// Most store jobs committed together (one fdatasync per slab, one journal append).
+const MAX_COMMIT_GROUP: usize = 64;
 
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
@@ -126,6 +132,8 @@ pub(crate) struct Worker {
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
     checkpoint_on_close: bool,
+    /// Store jobs whose writes completed, waiting for the next group commit.
+    commits: Vec<Active>,
 }
 
 impl Worker {
@@ -153,6 +161,7 @@ impl Worker {
             drain_waiters: Vec::new(),
             shutdown_ack: None,
             checkpoint_on_close: true,
+            commits: Vec::new(),
         }
     }
 
@@ -166,10 +175,17 @@ impl Worker {
             *self.sh.failed.lock() = Some(e);
         }
         self.sh.metrics.recovered.store(true, Ordering::Release);
-        let completions = self.engine.completions().clone();
+        let mut completions = self.engine.completions().clone();
         let mut cmd_open = true;
         loop {
             self.pump();
+            // Group commit once the completions that are already there are handled (or
+            // when the group is large).
+            if !self.commits.is_empty()
+                && (completions.is_empty() || self.commits.len() >= MAX_COMMIT_GROUP)
+            {
+                self.flush_commits();
+            }
             if self.idle() {
                 for w in self.drain_waiters.drain(..) {
                     let _ = w.send(());
@@ -204,7 +220,11 @@ impl Worker {
                 },
                 recv(completions) -> c => match c {
                     Ok(c) => self.complete(c),
-                    Err(_) => self.engine_gone(),
+                    Err(_) => {
+                        // Never select on a disconnected channel again (it would spin).
+                        completions = never();
+                        self.engine_gone();
+                    }
                 },
                 recv(tick) -> _ => self.checkpoint_logged(),
             }
@@ -212,7 +232,10 @@ impl Worker {
     }
 
     fn idle(&self) -> bool {
-        self.active.is_empty() && self.ops.is_empty() && self.queue.is_empty()
+        self.active.is_empty()
+            && self.ops.is_empty()
+            && self.queue.is_empty()
+            && self.commits.is_empty()
     }
 
     fn recover(&mut self) -> Result<()> {
@@ -401,151 +424,6 @@ impl Worker {
         self.engine.region().row_offset(row as usize).map(|_| ())
     }
 
-    fn prepare_load(&mut self, a: &mut Active) {
-        let mut guard = self.sh.index.lock();
-        let Some(ix) = guard.as_mut() else { return };
-        for i in 0..a.keys.len() {
-            if let Err(e) = self.check_row(a.rows[i]) {
-                a.fail(i, e);
-                continue;
-            }
-            match ix.pin(&a.keys[i]) {
-                Some(sc) => a.slots[i] = Some(sc),
-                None => a.fail(
-                    i,
-                    Error::new(
-                        ErrorKind::Internal,
-                        format!("key {} is not held by this tier", a.keys[i]),
-                    )
-                    .with("key", a.keys[i].to_hex()),
-                ),
-            }
-        }
-    }
-
-    fn prepare_store(&mut self, a: &mut Active) {
-        let mut journal_bad = self
-            .journal
-            .as_ref()
-            .and_then(|j| j.poisoned().map(str::to_string));
-        if journal_bad.is_none()
-            && self
-                .sh
-                .paths
-                .iter()
-                .all(|p| p.poisoned.load(Ordering::Relaxed))
-        {
-            journal_bad = Some("every slab path is poisoned by an earlier failed write".into());
-        }
-        let mut evicted = Vec::new();
-        {
-            let mut guard = self.sh.index.lock();
-            let Some(ix) = guard.as_mut() else { return };
-            let mut seen = HashSet::new();
-            for i in 0..a.keys.len() {
-                let key = &a.keys[i];
-                if ix.is_held(key) || !seen.insert(key.clone()) {
-                    a.status[i] = KeyStatus::Skipped;
-                    self.sh
-                        .metrics
-                        .stores_skipped
-                        .fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
-                if let Some(why) = &journal_bad {
-                    a.fail(
-                        i,
-                        Error::new(
-                            ErrorKind::Poisoned,
-                            format!("G3 tier refuses writes: {why}"),
-                        ),
-                    );
-                    continue;
-                }
-                if key.len() > MAX_KEY_LEN {
-                    a.fail(
-                        i,
-                        Error::new(
-                            ErrorKind::Config,
-                            format!("key of {} bytes is longer than {MAX_KEY_LEN}", key.len()),
-                        ),
-                    );
-                    continue;
-                }
-                if let Err(e) = self.check_row(a.rows[i]) {
-                    a.fail(i, e);
-                    continue;
-                }
-                match ix.reserve(key) {
-                    Some(r) => {
-                        a.slots[i] = Some((r.slot, 0));
-                        if let Some(ev) = r.evicted {
-                            evicted.push(ev);
-                        }
-                    }
-                    None => a.fail(
-                        i,
-                        Error::new(
-                            ErrorKind::NoSpace,
-                            "no G3 slot can be reused now (all busy or on poisoned paths)",
-                        ),
-                    ),
-                }
-            }
-            self.refresh_slot_gauges(ix);
-        }
-        if !evicted.is_empty() {
-            self.sh
-                .metrics
-                .evictions
-                .fetch_add(evicted.len() as u64, Ordering::Relaxed);
-            let keys: Vec<ChunkKey> = evicted.iter().map(|(k, _)| k.clone()).collect();
-            self.event(keys, true);
-            // An eviction is journaled (and, under fsync = always, made durable) before the
-            // slot is overwritten.
-            let sync = self.cfg.fsync == FsyncPolicy::Always;
-            let res = match self.journal.as_mut() {
-                Some(j) => {
-                    evicted.iter().for_each(|(_, s)| j.remove(*s));
-                    j.flush(sync)
-                }
-                None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
-            };
-            if let Err(e) = res {
-                self.sh
-                    .metrics
-                    .journal_poisoned
-                    .store(true, Ordering::Relaxed);
-                let mut guard = self.sh.index.lock();
-                for i in 0..a.keys.len() {
-                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
-                        if let Some(ix) = guard.as_mut() {
-                            ix.abort(slot);
-                        }
-                        a.slots[i] = None;
-                        a.fail(i, e.duplicate());
-                    }
-                }
-                return;
-            }
-        }
-        let region = self.engine.region().clone();
-        for i in 0..a.keys.len() {
-            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
-                // SAFETY: the manager pins a store job's rows (no writer) until the job is
-                // reported; the row index was range-checked above.
-                let crc = match unsafe { region.row(a.rows[i] as usize) } {
-                    Ok(bytes) => crc32fast::hash(bytes),
-                    Err(e) => {
-                        a.fail(i, e);
-                        continue;
-                    }
-                };
-                a.slots[i] = Some((slot, crc));
-            }
-        }
-    }
-
     fn complete(&mut self, c: IoCompletion) {
         let serial = (c.tag >> 32) as u32;
         let i = (c.tag & 0xffff_ffff) as usize;
@@ -632,186 +510,18 @@ impl Worker {
     fn finish(&mut self, a: Active) {
         if a.load {
             self.finish_load(a);
+            self.maybe_checkpoint();
         } else {
             self.finish_store(a);
         }
-        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn maybe_checkpoint(&mut self) {
         if let Some(j) = &self.journal
             && j.len() >= self.cfg.checkpoint_journal_bytes
         {
             self.checkpoint_logged();
         }
-    }
-
-    fn finish_store(&mut self, mut a: Active) {
-        let n_paths = self.set.files.len();
-        let sync = self.cfg.fsync == FsyncPolicy::Always;
-        // Write failures poison their path.
-        for i in 0..a.keys.len() {
-            if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
-                let e = a
-                    .first_error
-                    .clone()
-                    .unwrap_or_else(|| Error::new(ErrorKind::Io, "write failed"));
-                self.poison_path(slot as usize % n_paths, &e);
-            }
-        }
-        // Under fsync = always the data is made durable before the journal names it.
-        if sync {
-            let touched: HashSet<usize> = (0..a.keys.len())
-                .filter(|&i| a.status[i] == KeyStatus::Done)
-                .filter_map(|i| a.slots[i].map(|(s, _)| s as usize % n_paths))
-                .collect();
-            for f in touched {
-                if let Err(err) = self.set.files[f].meta.sync_data() {
-                    let e = Error::io("fdatasync", &self.set.files[f].path, err);
-                    self.poison_path(f, &e);
-                    for i in 0..a.keys.len() {
-                        if a.status[i] == KeyStatus::Done
-                            && a.slots[i].is_some_and(|(s, _)| s as usize % n_paths == f)
-                        {
-                            a.fail(i, e.duplicate());
-                        }
-                    }
-                }
-            }
-        }
-        let done: Vec<usize> = (0..a.keys.len())
-            .filter(|&i| a.status[i] == KeyStatus::Done)
-            .collect();
-        let mut journal_err = None;
-        let mut gens = Vec::with_capacity(done.len());
-        if !done.is_empty() {
-            match self.journal.as_mut() {
-                Some(j) => {
-                    for &i in &done {
-                        let (slot, crc) = a.slots[i].unwrap_or((0, 0));
-                        gens.push(self.next_gen);
-                        j.insert(&a.keys[i], slot, crc, self.next_gen);
-                        self.next_gen += 1;
-                    }
-                    journal_err = j.flush(sync).err();
-                }
-                None => journal_err = Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
-            }
-        }
-        if let Some(e) = &journal_err {
-            self.sh
-                .metrics
-                .journal_poisoned
-                .store(true, Ordering::Relaxed);
-            for &i in &done {
-                a.fail(i, e.duplicate());
-            }
-        }
-        let mut stored = Vec::new();
-        {
-            let mut guard = self.sh.index.lock();
-            if let Some(ix) = guard.as_mut() {
-                for (n, &i) in done.iter().enumerate() {
-                    if let Some((slot, crc)) = a.slots[i] {
-                        if journal_err.is_none() {
-                            ix.commit(slot, crc, gens[n]);
-                            stored.push(a.keys[i].clone());
-                        } else {
-                            ix.abort(slot);
-                        }
-                    }
-                }
-                for i in 0..a.keys.len() {
-                    if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i])
-                        && !done.contains(&i)
-                    {
-                        ix.abort(slot);
-                    }
-                }
-                self.refresh_slot_gauges(ix);
-            }
-        }
-        let m = &self.sh.metrics;
-        m.keys_stored
-            .fetch_add(stored.len() as u64, Ordering::Relaxed);
-        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
-        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
-        if !stored.is_empty() {
-            self.event(stored, false);
-        }
-        self.report(a, None);
-    }
-
-    fn finish_load(&mut self, mut a: Active) {
-        let region = self.engine.region().clone();
-        let mut dropped = Vec::new();
-        let mut loaded = Vec::new();
-        {
-            let mut guard = self.sh.index.lock();
-            for i in 0..a.keys.len() {
-                let Some((slot, crc)) = a.slots[i] else {
-                    continue;
-                };
-                if a.status[i] == KeyStatus::Done {
-                    // SAFETY: the manager reserves a load job's rows (no other reader or
-                    // writer) until the job is reported; our read into the row has completed.
-                    let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
-                    match found {
-                        Ok(found) if found == crc => {
-                            loaded.push(a.keys[i].clone());
-                        }
-                        Ok(found) => {
-                            self.sh
-                                .metrics
-                                .checksum_failures
-                                .fetch_add(1, Ordering::Relaxed);
-                            let e = Error::new(
-                                ErrorKind::Checksum,
-                                format!(
-                                    "G3 slot {slot} failed its CRC check for key {}",
-                                    a.keys[i]
-                                ),
-                            )
-                            .with("key", a.keys[i].to_hex())
-                            .with("expected", format!("{crc:08x}"))
-                            .with("found", format!("{found:08x}"));
-                            log::warn!("{e}");
-                            a.fail(i, e);
-                        }
-                        Err(e) => a.fail(i, e),
-                    }
-                }
-                if let Some(ix) = guard.as_mut() {
-                    if a.status[i] == KeyStatus::Failed
-                        && let Some(k) = ix.drop_slot(slot)
-                    {
-                        dropped.push((k, slot));
-                    }
-                    ix.unpin(slot);
-                }
-            }
-            if let Some(ix) = guard.as_ref() {
-                self.refresh_slot_gauges(ix);
-            }
-        }
-        if !dropped.is_empty() {
-            // A failed key becomes a miss at once and its slot is released (no promotion
-            // livelock); the removal is journaled.
-            let sync = self.cfg.fsync == FsyncPolicy::Always;
-            if let Some(j) = self.journal.as_mut() {
-                dropped.iter().for_each(|(_, s)| j.remove(*s));
-                if j.flush(sync).is_err() {
-                    self.sh
-                        .metrics
-                        .journal_poisoned
-                        .store(true, Ordering::Relaxed);
-                }
-            }
-            self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
-        }
-        let m = &self.sh.metrics;
-        m.keys_loaded
-            .fetch_add(loaded.len() as u64, Ordering::Relaxed);
-        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
-        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
-        self.report(a, Some(loaded));
     }
 
     fn report(&mut self, a: Active, loaded: Option<Vec<ChunkKey>>) {
@@ -829,6 +539,7 @@ impl Worker {
                 error: a.first_error,
             }
         };
+        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
         let _ = self.results_tx.send(result);
     }
 
@@ -847,8 +558,9 @@ impl Worker {
     fn checkpoint_logged(&mut self) {
         if let Err(e) = self.checkpoint() {
             log::error!("G3 tier {}: checkpoint failed: {e}", self.tier_id);
-            self.last_ckpt = Instant::now();
         }
+        // Success, failure or a skipped checkpoint all restart the interval (no re-firing).
+        self.last_ckpt = Instant::now();
     }
 
     /// Makes the slabs durable, then writes a checkpoint of the committed index and starts

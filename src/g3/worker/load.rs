@@ -1,0 +1,107 @@
+//! The load half of the worker: pinning slots, CRC check after the read, and turning every
+//! failed key into a miss.
+
+use std::sync::atomic::Ordering;
+
+use super::{Active, KeyStatus, Worker};
+use crate::error::{Error, ErrorKind};
+use crate::g3::config::FsyncPolicy;
+
+impl Worker {
+    pub(super) fn prepare_load(&mut self, a: &mut Active) {
+        let mut guard = self.sh.index.lock();
+        let Some(ix) = guard.as_mut() else { return };
+        for i in 0..a.keys.len() {
+            if let Err(e) = self.check_row(a.rows[i]) {
+                a.fail(i, e);
+                continue;
+            }
+            match ix.pin(&a.keys[i]) {
+                Some(sc) => a.slots[i] = Some(sc),
+                None => a.fail(
+                    i,
+                    Error::new(
+                        ErrorKind::Internal,
+                        format!("key {} is not held by this tier", a.keys[i]),
+                    )
+                    .with("key", a.keys[i].to_hex()),
+                ),
+            }
+        }
+    }
+
+    pub(super) fn finish_load(&mut self, mut a: Active) {
+        let region = self.engine.region().clone();
+        let mut dropped = Vec::new();
+        let mut loaded = Vec::new();
+        // CRCs first, without the index lock (lookups must not wait on hashing).
+        for i in 0..a.keys.len() {
+            let Some((slot, crc)) = a.slots[i] else {
+                continue;
+            };
+            if a.status[i] != KeyStatus::Done {
+                continue;
+            }
+            // SAFETY: the manager reserves a load job's rows (no other reader or writer)
+            // until the job is reported; our read into the row has completed.
+            let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
+            match found {
+                Ok(found) if found == crc => loaded.push(a.keys[i].clone()),
+                Ok(found) => {
+                    self.sh
+                        .metrics
+                        .checksum_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                    let e = Error::new(
+                        ErrorKind::Checksum,
+                        format!("G3 slot {slot} failed its CRC check for key {}", a.keys[i]),
+                    )
+                    .with("key", a.keys[i].to_hex())
+                    .with("expected", format!("{crc:08x}"))
+                    .with("found", format!("{found:08x}"));
+                    log::warn!("{e}");
+                    a.fail(i, e);
+                }
+                Err(e) => a.fail(i, e),
+            }
+        }
+        {
+            let mut guard = self.sh.index.lock();
+            if let Some(ix) = guard.as_mut() {
+                for i in 0..a.keys.len() {
+                    let Some((slot, _)) = a.slots[i] else {
+                        continue;
+                    };
+                    if a.status[i] == KeyStatus::Failed
+                        && let Some(k) = ix.drop_slot(slot)
+                    {
+                        dropped.push((k, slot));
+                    }
+                    ix.unpin(slot);
+                }
+                self.refresh_slot_gauges(ix);
+            }
+        }
+        if !dropped.is_empty() {
+            // A failed key becomes a miss at once and its slot is released (no promotion
+            // livelock); the removal is journaled.
+            let sync = self.cfg.fsync == FsyncPolicy::Always;
+            if let Some(j) = self.journal.as_mut() {
+                dropped.iter().for_each(|(_, s)| j.remove(*s));
+                if j.flush(sync).is_err() {
+                    self.sh
+                        .metrics
+                        .journal_poisoned
+                        .store(true, Ordering::Relaxed);
+                }
+            }
+            self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
+        }
+        let m = &self.sh.metrics;
+        m.keys_loaded
+            .fetch_add(loaded.len() as u64, Ordering::Relaxed);
+        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+        m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
+        self.report(a, Some(loaded));
+    }
+}

@@ -1,0 +1,256 @@
+//! The store half of the worker: reserving slots (evicting, journaled first), CRC before the
+//! write, durability and journaling after it.
+
+use std::collections::{BTreeSet, HashSet};
+use std::sync::atomic::Ordering;
+
+use super::{Active, KeyStatus, Worker};
+use crate::error::{Error, ErrorKind};
+use crate::g3::config::FsyncPolicy;
+use crate::g3::journal::MAX_KEY_LEN;
+use crate::key::ChunkKey;
+
+impl Worker {
+    pub(super) fn prepare_store(&mut self, a: &mut Active) {
+        let mut journal_bad = self
+            .journal
+            .as_ref()
+            .and_then(|j| j.poisoned().map(str::to_string));
+        if journal_bad.is_none()
+            && self
+                .sh
+                .paths
+                .iter()
+                .all(|p| p.poisoned.load(Ordering::Relaxed))
+        {
+            journal_bad = Some("every slab path is poisoned by an earlier failed write".into());
+        }
+        let mut evicted = Vec::new();
+        {
+            let mut guard = self.sh.index.lock();
+            let Some(ix) = guard.as_mut() else { return };
+            let mut seen = HashSet::new();
+            for i in 0..a.keys.len() {
+                let key = &a.keys[i];
+                if ix.is_held(key) || !seen.insert(key.clone()) {
+                    a.status[i] = KeyStatus::Skipped;
+                    self.sh
+                        .metrics
+                        .stores_skipped
+                        .fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                if let Some(why) = &journal_bad {
+                    a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::Poisoned,
+                            format!("G3 tier refuses writes: {why}"),
+                        ),
+                    );
+                    continue;
+                }
+                if key.len() > MAX_KEY_LEN {
+                    a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::Config,
+                            format!("key of {} bytes is longer than {MAX_KEY_LEN}", key.len()),
+                        ),
+                    );
+                    continue;
+                }
+                if let Err(e) = self.check_row(a.rows[i]) {
+                    a.fail(i, e);
+                    continue;
+                }
+                match ix.reserve(key) {
+                    Some(r) => {
+                        a.slots[i] = Some((r.slot, 0));
+                        if let Some(ev) = r.evicted {
+                            evicted.push(ev);
+                        }
+                    }
+                    None => a.fail(
+                        i,
+                        Error::new(
+                            ErrorKind::NoSpace,
+                            "no G3 slot can be reused now (all busy or on poisoned paths)",
+                        ),
+                    ),
+                }
+            }
+            self.refresh_slot_gauges(ix);
+        }
+        if !evicted.is_empty() {
+            self.sh
+                .metrics
+                .evictions
+                .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+            let keys: Vec<ChunkKey> = evicted.iter().map(|(k, _)| k.clone()).collect();
+            self.event(keys, true);
+            // An eviction is journaled (and, under fsync = always, made durable) before the
+            // slot is overwritten.
+            let sync = self.cfg.fsync == FsyncPolicy::Always;
+            let res = match self.journal.as_mut() {
+                Some(j) => {
+                    evicted.iter().for_each(|(_, s)| j.remove(*s));
+                    j.flush(sync)
+                }
+                None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+            };
+            if let Err(e) = res {
+                self.sh
+                    .metrics
+                    .journal_poisoned
+                    .store(true, Ordering::Relaxed);
+                let mut guard = self.sh.index.lock();
+                for i in 0..a.keys.len() {
+                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                        if let Some(ix) = guard.as_mut() {
+                            ix.abort(slot);
+                        }
+                        a.slots[i] = None;
+                        a.fail(i, e.duplicate());
+                    }
+                }
+                return;
+            }
+        }
+        let region = self.engine.region().clone();
+        for i in 0..a.keys.len() {
+            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                // SAFETY: the manager pins a store job's rows (no writer) until the job is
+                // reported; the row index was range-checked above.
+                let crc = match unsafe { region.row(a.rows[i] as usize) } {
+                    Ok(bytes) => crc32fast::hash(bytes),
+                    Err(e) => {
+                        a.fail(i, e);
+                        continue;
+                    }
+                };
+                a.slots[i] = Some((slot, crc));
+            }
+        }
+    }
+
+    /// A store job's writes have all completed: poison the paths of failed writes and queue
+    /// the job for the next group commit.
+    pub(super) fn finish_store(&mut self, a: Active) {
+        let n_paths = self.set.files.len();
+        for i in 0..a.keys.len() {
+            if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                let e = a
+                    .first_error
+                    .clone()
+                    .unwrap_or_else(|| Error::new(ErrorKind::Io, "write failed"));
+                self.poison_path(slot as usize % n_paths, &e);
+            }
+        }
+        self.commits.push(a);
+    }
+
+    /// Group commit of every finished store job: under `fsync = always` one fdatasync per
+    /// slab written (data durable before the journal names it), then one journal append (and
+    /// fdatasync), then the index commit, the events and the results.
+    pub(super) fn flush_commits(&mut self) {
+        if self.commits.is_empty() {
+            return;
+        }
+        let mut jobs = std::mem::take(&mut self.commits);
+        let n_paths = self.set.files.len();
+        let sync = self.cfg.fsync == FsyncPolicy::Always;
+        let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);
+        if sync {
+            let touched: BTreeSet<usize> = jobs
+                .iter()
+                .flat_map(|a| {
+                    (0..a.keys.len())
+                        .filter(|&i| a.status[i] == KeyStatus::Done)
+                        .filter_map(|i| path_of(a, i))
+                })
+                .collect();
+            for f in touched {
+                if let Err(err) = self.set.files[f].meta.sync_data() {
+                    let e = Error::io("fdatasync", &self.set.files[f].path, err);
+                    self.poison_path(f, &e);
+                    for a in jobs.iter_mut() {
+                        for i in 0..a.keys.len() {
+                            if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(f) {
+                                a.fail(i, e.duplicate());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // One append for the whole group.
+        let mut gens: Vec<Vec<u64>> = jobs.iter().map(|a| vec![0; a.keys.len()]).collect();
+        let any_done = jobs.iter().any(|a| a.status.contains(&KeyStatus::Done));
+        let journal_err = match (any_done, self.journal.as_mut()) {
+            (false, _) => None,
+            (true, Some(j)) => {
+                for (a, g) in jobs.iter().zip(gens.iter_mut()) {
+                    for (i, gen_i) in g.iter_mut().enumerate() {
+                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.slots[i]) {
+                            *gen_i = self.next_gen;
+                            j.insert(&a.keys[i], slot, crc, self.next_gen);
+                            self.next_gen += 1;
+                        }
+                    }
+                }
+                j.flush(sync).err()
+            }
+            (true, None) => Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+        };
+        if let Some(e) = &journal_err {
+            self.sh
+                .metrics
+                .journal_poisoned
+                .store(true, Ordering::Relaxed);
+            for a in jobs.iter_mut() {
+                for i in 0..a.keys.len() {
+                    if a.status[i] == KeyStatus::Done {
+                        a.fail(i, e.duplicate());
+                    }
+                }
+            }
+        }
+        // Statuses are final: Done keys become loadable, failed reservations are released.
+        let mut stored: Vec<Vec<ChunkKey>> = Vec::with_capacity(jobs.len());
+        {
+            let mut guard = self.sh.index.lock();
+            for (a, g) in jobs.iter().zip(&gens) {
+                let mut keys = Vec::new();
+                if let Some(ix) = guard.as_mut() {
+                    for (i, &gen_i) in g.iter().enumerate() {
+                        match (a.status[i], a.slots[i]) {
+                            (KeyStatus::Done, Some((slot, crc))) => {
+                                ix.commit(slot, crc, gen_i);
+                                keys.push(a.keys[i].clone());
+                            }
+                            (KeyStatus::Failed, Some((slot, _))) => ix.abort(slot),
+                            _ => {}
+                        }
+                    }
+                }
+                stored.push(keys);
+            }
+            if let Some(ix) = guard.as_ref() {
+                self.refresh_slot_gauges(ix);
+            }
+        }
+        for (a, keys) in jobs.into_iter().zip(stored) {
+            let m = &self.sh.metrics;
+            m.keys_stored
+                .fetch_add(keys.len() as u64, Ordering::Relaxed);
+            let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+            m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
+            if !keys.is_empty() {
+                self.event(keys, false);
+            }
+            self.report(a, None);
+        }
+        self.maybe_checkpoint();
+    }
+}
