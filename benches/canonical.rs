@@ -3,7 +3,8 @@
 //! of the TP group gathers its share into the row (store), or scatters it back (load).
 //!
 //! `cargo bench --bench canonical` runs the criterion groups and then prints a ratio table
-//! (best of several passes) of gather and scatter against memcpy; the target is >= 0.8.
+//! (memcpy, gather and scatter passes interleaved, best pass of each) against memcpy; the
+//! target is >= 0.8. `KVTIER_BENCH_RATIO_ONLY=1` prints only the table.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -59,30 +60,58 @@ fn scatter_all(s: &mut Setup) {
     }
 }
 
-fn best_of(passes: usize, mut f: impl FnMut()) -> Duration {
-    (0..passes)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..20 {
-                f();
-            }
-            t.elapsed() / 20
-        })
-        .min()
-        .unwrap_or_default()
+/// Average time of one call over a pass of 20 calls.
+fn pass(mut f: impl FnMut()) -> Duration {
+    let t = Instant::now();
+    for _ in 0..20 {
+        f();
+    }
+    t.elapsed() / 20
+}
+
+/// Ratio table for one TP size: memcpy, gather and scatter passes interleaved (so a busy
+/// machine slows all three alike), best pass of each kept.
+fn ratio_row(tp: u32, src: &[u8], dst: &mut [u8]) {
+    let mut s = setup(tp);
+    let (mut m, mut g, mut sc) = (Duration::MAX, Duration::MAX, Duration::MAX);
+    let mut chunk = 0u64;
+    for _ in 0..15 {
+        m = m.min(pass(|| dst.copy_from_slice(black_box(src))));
+        g = g.min(pass(|| {
+            chunk += 1;
+            gather_all(&mut s, chunk);
+        }));
+        sc = sc.min(pass(|| scatter_all(&mut s)));
+    }
+    let gbps = |d: Duration| s.bytes as f64 / d.as_secs_f64() / 1e9;
+    println!(
+        "TP {tp}: memcpy {:>6.2} GB/s | gather {:>6.2} GB/s ({:.2} of memcpy) | scatter {:>6.2} GB/s ({:.2} of memcpy)",
+        gbps(m),
+        gbps(g),
+        m.as_secs_f64() / g.as_secs_f64(),
+        gbps(sc),
+        m.as_secs_f64() / sc.as_secs_f64()
+    );
 }
 
 fn main() {
+    let bytes = default_layout().canonical_bytes_per_block();
+    let src = vec![7u8; bytes as usize];
+    let mut dst = vec![0u8; bytes as usize];
+    if std::env::var_os("KVTIER_BENCH_RATIO_ONLY").is_some() {
+        println!("canonical gather/scatter vs memcpy, Llama-3.1-8B, {bytes} bytes per chunk");
+        for tp in TPS {
+            ratio_row(tp, &src, &mut dst);
+        }
+        return;
+    }
     let mut c = Criterion::default()
         .sample_size(20)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .configure_from_args();
     let mut group = c.benchmark_group("canonical_llama_3_1_8b");
-    let bytes = default_layout().canonical_bytes_per_block();
     group.throughput(Throughput::Bytes(bytes));
-    let src = vec![7u8; bytes as usize];
-    let mut dst = vec![0u8; bytes as usize];
     group.bench_function("memcpy", |b| {
         b.iter(|| dst.copy_from_slice(black_box(&src)));
     });
@@ -102,26 +131,8 @@ fn main() {
     group.finish();
     c.final_summary();
 
-    // Ratio table: same bytes, best of 10 passes of 20 iterations each.
-    let memcpy = best_of(10, || dst.copy_from_slice(black_box(&src)));
-    let gbps = |d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
     println!("\ncanonical gather/scatter vs memcpy, Llama-3.1-8B, {bytes} bytes per chunk");
-    println!("memcpy      {:>8.2} GB/s", gbps(memcpy));
     for tp in TPS {
-        let mut s = setup(tp);
-        assert_eq!(s.bytes, bytes);
-        let mut chunk = 0u64;
-        let g = best_of(10, || {
-            chunk += 1;
-            gather_all(&mut s, chunk);
-        });
-        let sc = best_of(10, || scatter_all(&mut s));
-        println!(
-            "TP {tp}: gather {:>8.2} GB/s ({:.2} of memcpy), scatter {:>8.2} GB/s ({:.2} of memcpy)",
-            gbps(g),
-            memcpy.as_secs_f64() / g.as_secs_f64(),
-            gbps(sc),
-            memcpy.as_secs_f64() / sc.as_secs_f64()
-        );
+        ratio_row(tp, &src, &mut dst);
     }
 }

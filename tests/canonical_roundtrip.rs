@@ -1,17 +1,21 @@
 //! Round trip of a full KV block through the canonical layout: shard it per rank as vLLM
-//! holds it, gather into a canonical primary row (elected writers only), then load it back
-//! under every TP size the model allows, scatter, and compare byte for byte with that TP's
-//! independently encoded shards. Also the direct (per-rank) path: same topology only.
+//! holds it, gather into a canonical primary row (elected writers only), store the row in the
+//! G3 tier, load it back under every TP size the model allows, scatter, and compare byte for
+//! byte with that TP's independently encoded shards. Also the direct (per-rank) path: it loads
+//! under the same topology and the G3 tier refuses it under any other.
 
 mod canonical_support;
 
-use canonical_support::{all_layouts, encode_local_chunk, reduced};
+use std::sync::Arc;
+
+use canonical_support::{all_layouts, encode_local_chunk, g3_transfer, open_g3, reduced};
 use kvtier::canonical::digest::{NamespaceParams, check_namespace, namespace_digest};
 use kvtier::canonical::gather::direct_row_range;
 use kvtier::canonical::{
     KvLayout, KvSplit, LayoutDescriptor, ParallelConfig, PreparedCanonical, prepare_canonical,
 };
 use kvtier::region::PrimaryRegion;
+use kvtier::tiering::secondary::SecondaryTier;
 
 const TPS: [u32; 4] = [1, 2, 4, 8];
 const SENTINEL: u8 = 0xEE;
@@ -87,33 +91,59 @@ fn load_all_ranks(
     }
 }
 
-/// The full matrix for one descriptor: store at each TP, load at every TP, through a row of
-/// a primary region (the G3 tier is not on this branch yet; see docs/canonical.md).
+/// The full matrix for one descriptor: every TP size stores its chunks (gathered into a primary
+/// row) into one G3 store opened under its own namespace; then every TP size reopens that same
+/// store (its namespace is equal: the layout is portable), loads every chunk into another row,
+/// scatters and compares.
 fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
     let tps = desc.allowed_tp(&TPS);
     assert!(!tps.is_empty(), "{}: no TP size allowed", desc.model_name);
     let stride = desc.canonical_row_stride(bpc).unwrap() as usize;
-    let region = PrimaryRegion::create(1, stride).unwrap();
-    // Portable namespaces agree across TP for rows of the same stride.
+    let region = Arc::new(PrimaryRegion::create(2, stride).unwrap());
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let slots = (tps.len() * chunks.len()) as u64;
     let ns = |tp| {
         let mut p = NamespaceParams::new(desc, tp, bpc, true).unwrap();
         p.row_stride = stride as u64;
         namespace_digest(desc, &p)
     };
-    for &chunk in chunks {
-        let canonical = encode_local_chunk(desc, 1, 0, chunk, bpc);
-        let by_tp: Vec<Vec<Vec<u8>>> = tps.iter().map(|&tp| shards(desc, tp, bpc, chunk)).collect();
-        for (i, &tp_store) in tps.iter().enumerate() {
-            // SAFETY: this test is the only user of the region.
+    let key = |i: usize, c: usize| (i * chunks.len() + c) as u64;
+    let canonical: Vec<Vec<u8>> = chunks
+        .iter()
+        .map(|&c| encode_local_chunk(desc, 1, 0, c, bpc))
+        .collect();
+    let by_tp: Vec<Vec<Vec<Vec<u8>>>> = tps
+        .iter()
+        .map(|&tp| chunks.iter().map(|&c| shards(desc, tp, bpc, c)).collect())
+        .collect();
+    for (i, &tp_store) in tps.iter().enumerate() {
+        let mut g3 = open_g3(dir.path(), &region, ns(tp_store), slots).unwrap();
+        for (c, &chunk) in chunks.iter().enumerate() {
+            // SAFETY: this test is the only user of the region; no I/O is in flight.
             let row = unsafe { region.row_mut(0).unwrap() };
-            store_all_ranks(desc, tp_store, bpc, chunk, &by_tp[i], &canonical, row);
-            for (j, &tp_load) in tps.iter().enumerate() {
-                check_namespace("test row", &ns(tp_store), &ns(tp_load)).unwrap();
-                // SAFETY: as above; the mutable view is no longer used.
-                let row = unsafe { region.row(0).unwrap() };
-                load_all_ranks(desc, tp_load, bpc, &by_tp[j], row, tp_store);
+            store_all_ranks(desc, tp_store, bpc, chunk, &by_tp[i][c], &canonical[c], row);
+            g3_transfer(&mut g3, key(i, c), 0, false);
+        }
+        g3.shutdown().unwrap();
+    }
+    for (j, &tp_load) in tps.iter().enumerate() {
+        let mut g3 = open_g3(dir.path(), &region, ns(tp_load), slots).unwrap_or_else(|e| {
+            panic!(
+                "{} TP {tp_load}: portable store refused: {e}",
+                desc.model_name
+            )
+        });
+        for (i, &tp_store) in tps.iter().enumerate() {
+            for (c, expected) in by_tp[j].iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { region.row_mut(1).unwrap() }.fill(0);
+                g3_transfer(&mut g3, key(i, c), 1, true);
+                // SAFETY: as above; the load has completed.
+                let row = unsafe { region.row(1).unwrap() };
+                load_all_ranks(desc, tp_load, bpc, expected, row, tp_store);
             }
         }
+        g3.shutdown().unwrap();
     }
 }
 
@@ -156,25 +186,55 @@ fn real_descriptors_round_trip_one_block() {
     }
 }
 
-/// The direct layout: each rank's page whole at `rank * page`; loads under the same topology,
-/// refused (namespace mismatch) under any other.
+/// The direct layout: each rank's page whole at `rank * page`. A G3 store written under one TP
+/// size reopens and loads under the same topology; under any other TP size the tier refuses to
+/// open it (the namespace digests differ). Rows share one stride so that only the namespace
+/// can tell the topologies apart.
 #[test]
 fn direct_path_loads_only_under_the_same_topology() {
     for (name, d) in all_layouts() {
         let d = reduced(&d, 2, 4);
         let bpc = 2;
         let tps = d.allowed_tp(&TPS);
-        let ns = |tp| namespace_digest(&d, &NamespaceParams::new(&d, tp, bpc, false).unwrap());
+        let stride = tps
+            .iter()
+            .map(|&tp| NamespaceParams::new(&d, tp, bpc, false).unwrap().row_stride)
+            .max()
+            .unwrap();
+        let ns = |tp| {
+            let mut p = NamespaceParams::new(&d, tp, bpc, false).unwrap();
+            p.row_stride = stride;
+            namespace_digest(&d, &p)
+        };
+        let region = Arc::new(PrimaryRegion::create(2, stride as usize).unwrap());
         for &tp in &tps {
-            let params = NamespaceParams::new(&d, tp, bpc, false).unwrap();
-            let mut row = vec![SENTINEL; params.row_stride as usize];
+            let dir = tempfile::tempdir_in("/tmp").unwrap();
+            let replicated = NamespaceParams::new(&d, tp, bpc, false)
+                .unwrap()
+                .replicated_layout;
             let page = d.worker_kv_bytes_per_block(tp).unwrap() * u64::from(bpc);
-            let slot = |rank: u32| if params.replicated_layout { 0 } else { rank };
-            for rank in 0..tp {
-                let r = direct_row_range(page, slot(rank));
-                let local = encode_local_chunk(&d, tp, rank, 7, bpc);
-                row[r.start as usize..r.end as usize].copy_from_slice(&local);
+            let slot = |rank: u32| if replicated { 0 } else { rank };
+            {
+                // SAFETY: this test is the only user of the region; no I/O is in flight.
+                let row = unsafe { region.row_mut(0).unwrap() };
+                row.fill(SENTINEL);
+                for rank in 0..tp {
+                    let r = direct_row_range(page, slot(rank));
+                    let local = encode_local_chunk(&d, tp, rank, 7, bpc);
+                    row[r.start as usize..r.end as usize].copy_from_slice(&local);
+                }
             }
+            let mut g3 = open_g3(dir.path(), &region, ns(tp), 2).unwrap();
+            g3_transfer(&mut g3, 1, 0, false);
+            g3.shutdown().unwrap();
+            // Same topology: reopens, loads, every rank finds its own page.
+            let mut g3 = open_g3(dir.path(), &region, ns(tp), 2).unwrap();
+            // SAFETY: as above.
+            unsafe { region.row_mut(1).unwrap() }.fill(0);
+            g3_transfer(&mut g3, 1, 1, true);
+            g3.shutdown().unwrap();
+            // SAFETY: as above; the load has completed.
+            let row = unsafe { region.row(1).unwrap() };
             for rank in 0..tp {
                 let r = direct_row_range(page, slot(rank));
                 let expected = encode_local_chunk(&d, tp, rank, 7, bpc);
@@ -183,18 +243,16 @@ fn direct_path_loads_only_under_the_same_topology() {
                     "{name} TP {tp} rank {rank}"
                 );
             }
-            for &other in &tps {
-                let verdict = check_namespace("direct row", &ns(tp), &ns(other));
-                if other == tp {
-                    verdict.unwrap();
-                } else {
-                    let e = verdict.expect_err("direct bytes must be refused under another TP");
-                    assert_eq!(
-                        e.kind(),
-                        kvtier::ErrorKind::IncompatibleLayout,
-                        "{name}: {e}"
-                    );
-                }
+            // Any other topology: refused before a byte is read.
+            for &other in tps.iter().filter(|&&o| o != tp) {
+                let e = open_g3(dir.path(), &region, ns(other), 2)
+                    .expect_err("direct bytes must be refused under another TP");
+                assert_eq!(
+                    e.kind(),
+                    kvtier::ErrorKind::IncompatibleLayout,
+                    "{name}: {e}"
+                );
+                check_namespace("direct store", &ns(tp), &ns(other)).unwrap_err();
             }
         }
     }

@@ -173,3 +173,69 @@ pub fn encode_local_chunk(
     }
     out
 }
+
+/// A G3 tier over slab files in `dir`, with slots of `region.row_stride()` bytes, keyed by
+/// `namespace`. Opening an existing store under another namespace is refused by the tier.
+pub fn open_g3(
+    dir: &std::path::Path,
+    region: &std::sync::Arc<kvtier::region::PrimaryRegion>,
+    namespace: [u8; 32],
+    slots: u64,
+) -> kvtier::Result<kvtier::g3::G3Tier> {
+    let mut cfg =
+        kvtier::g3::G3TierConfig::new(vec![dir.to_path_buf()], slots * region.row_stride() as u64);
+    cfg.io_engine = kvtier::io::IoEngineKind::Psync;
+    cfg.fsync = kvtier::g3::FsyncPolicy::Never;
+    let t = kvtier::g3::G3Tier::open(
+        cfg,
+        region.clone(),
+        namespace,
+        "canonical-test".into(),
+        None,
+    )?;
+    assert!(
+        t.wait_recovered(std::time::Duration::from_secs(30)),
+        "G3 recovery timed out"
+    );
+    Ok(t)
+}
+
+/// A chunk key derived from a small id.
+pub fn g3_key(id: u64) -> kvtier::key::ChunkKey {
+    let mut b = vec![0x4Bu8; 32];
+    b.extend_from_slice(&id.to_le_bytes());
+    kvtier::key::ChunkKey::new(b)
+}
+
+/// Stores (`load == false`) or loads one key to / from `row` and waits for the result.
+pub fn g3_transfer(t: &mut kvtier::g3::G3Tier, key: u64, row: u32, load: bool) {
+    use kvtier::tiering::secondary::SecondaryTier;
+    let job = kvtier::tiering::job::TransferJob {
+        job_id: key,
+        keys: vec![g3_key(key)],
+        chunk_ids: vec![row],
+        is_promotion: load,
+        req_id: std::sync::Arc::from("canonical"),
+        submit_time: std::time::Instant::now(),
+    };
+    if load {
+        t.submit_load(job);
+    } else {
+        t.submit_store(job);
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let done = t.get_finished_jobs();
+        if let Some(r) = done.first() {
+            assert_eq!(done.len(), 1);
+            assert!(
+                r.success,
+                "G3 {} of key {key} failed: {r:?}",
+                if load { "load" } else { "store" }
+            );
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "G3 job timed out");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
