@@ -299,6 +299,12 @@ fn failed_loads_free_rows_and_are_not_retried_forever() {
         Some(1)
     );
     assert_eq!(m.primary().usage().reserved_for_write, 0);
+    assert_eq!(
+        m.registry()
+            .value("kv_offload_tiering_read_time", &["1:memory"]),
+        None,
+        "a promotion that loaded nothing adds no read time"
+    );
 }
 
 #[test]
@@ -399,10 +405,7 @@ fn reporting_violations_are_contract_errors() {
             Some(0),
             "the genuine report was processed once"
         );
-        assert_eq!(
-            value(&mut m, "kvtier_tiering_contract_violations", &[]),
-            1.0
-        );
+        assert_eq!(value(&mut m, "tiering_contract_violations", &[]), 1.0);
         m.poll().unwrap();
     }
 }
@@ -615,4 +618,38 @@ fn metrics_use_vllm_names_labels_buckets_and_the_prefix() {
     )
     .expect_err("invalid prefix");
     assert_eq!(e.kind(), ErrorKind::Config);
+}
+
+#[test]
+fn manager_is_send() {
+    fn assert_send<T: Send>() {}
+    assert_send::<TieringManager>();
+}
+
+#[test]
+fn finish_waits_for_unsubmitted_promotions() {
+    let clock = ManualClock::new();
+    let (mut m, _logs) = manager_with(
+        4,
+        &clock,
+        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
+    );
+    let w = req("w");
+    let k = key(12, 0);
+    gpu_store(&mut m, std::slice::from_ref(&k), &w);
+    m.poll().unwrap();
+    churn(&mut m, 4);
+    let r = req("r");
+    m.on_new_request(&r);
+    assert_eq!(m.lookup(&k, &r), LookupResult::HitPending);
+    m.on_request_finished(&r);
+    let finished =
+        |m: &mut TieringManager| value(m, "memory_tier_requests_finished", &["1:memory"]);
+    let before = finished(&mut m);
+    end_step(&mut m);
+    assert_eq!(
+        finished(&mut m),
+        before + 1.0,
+        "told after its load job was submitted"
+    );
 }

@@ -63,3 +63,35 @@ fn faulty_bounded_memory_tier_in_front_of_a_healthy_one() {
     );
     assert!(st.promoted_rows > 50, "{st:?}");
 }
+
+#[test]
+fn back_pressured_slow_tier_drops_stores_without_breaking_invariants() {
+    use kvtier::tiering::backpressure::{DetectorParams, PolicyKind};
+    let clock = ManualClock::new();
+    // A store job takes >= 5 ms of virtual time: 0.3 to 1.3 s/MiB depending on its size.
+    let slow = inline_opts("1:memory", &clock, 5, 1, FaultPlan::default());
+    let params = DetectorParams {
+        high_water_s: 0.3,
+        low_water_s: 0.05,
+        alpha: 0.15,
+        warmup_completions: 10,
+        decay_half_life_s: 2.0,
+        cooldown_s: 1.0,
+        failure_threshold: Some(3),
+        policy: PolicyKind::Throttled,
+    };
+    let tiers = vec![
+        (slow, Some(params)),
+        (
+            inline_opts("2:memory", &clock, 1, 1, FaultPlan::default()),
+            None,
+        ),
+    ];
+    let (m, logs) = manager_with_bp(80, &clock, tiers);
+    let mut sim = Sim::new(m, clock, logs, 11);
+    let st = sim.run(3000, &[HELD, HELD]);
+    let (stores, blocks) = sim.m.detector(0).expect("detector").dropped();
+    eprintln!("back-pressured: {st:?}; dropped {stores} stores / {blocks} blocks");
+    assert!(stores > 20 && blocks >= stores, "stores dropped: {stores}");
+    assert!(st.promoted_rows > 50, "promotions keep flowing: {st:?}");
+}

@@ -1,7 +1,7 @@
 //! The tier factory: a tier type name (`secondary_tiers[i].type`) -> a constructor.
 //!
-//! Built in: `memory` ([`MemoryTier`]). Tests and embedders can register more with
-//! [`TierFactory::register`].
+//! Built in: `nvme` ([`G3Tier`], kvtier's NVMe slab tier) and `memory` ([`MemoryTier`], for
+//! tests and examples). Tests and embedders can register more with [`TierFactory::register`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,6 +11,7 @@ use serde_json::Value;
 
 use crate::config::TierConfig;
 use crate::error::{Error, Result};
+use crate::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
 use crate::tiering::memory_tier::{ExecMode, MemoryTier, MemoryTierOptions};
@@ -25,6 +26,28 @@ pub struct TierBuildContext {
     pub clock: Arc<dyn Clock>,
     /// The tier's metric label and event ownership id, `<index+1>:<type>`.
     pub tier_label: String,
+    /// The storage namespace digest for persistent tiers. `None`: the geometry-only
+    /// namespace of the row stride ([`geometry_namespace`]), until canonical layout digests
+    /// are supplied by the caller.
+    pub namespace: Option<[u8; 32]>,
+}
+
+impl TierBuildContext {
+    /// A context with the geometry-only namespace.
+    pub fn new(region: Arc<PrimaryRegion>, clock: Arc<dyn Clock>, tier_label: String) -> Self {
+        TierBuildContext {
+            region,
+            clock,
+            tier_label,
+            namespace: None,
+        }
+    }
+
+    /// The namespace to use: the supplied digest or the geometry namespace.
+    pub fn namespace(&self) -> [u8; 32] {
+        self.namespace
+            .unwrap_or_else(|| geometry_namespace(self.region.row_stride()))
+    }
 }
 
 /// A tier constructor.
@@ -63,6 +86,7 @@ impl TierFactory {
     pub fn with_builtins() -> Self {
         let mut f = Self::empty();
         f.register("memory", Arc::new(build_memory_tier));
+        f.register("nvme", Arc::new(build_nvme_tier));
         f
     }
 
@@ -118,6 +142,19 @@ fn param_u64(cfg: &TierConfig, key: &str) -> Result<Option<u64>> {
     }
 }
 
+/// Builds an `nvme` tier ([`G3Tier`]) from its params (see `docs/g3.md`).
+pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
+    let g3 = G3TierConfig::from_tier(cfg)?;
+    let tier = G3Tier::open(
+        g3,
+        ctx.region.clone(),
+        ctx.namespace(),
+        ctx.tier_label.clone(),
+        cfg.locality,
+    )?;
+    Ok(Box::new(tier))
+}
+
 /// Builds a `memory` tier. Keys: `capacity_chunks` (optional), `latency_us` (optional,
 /// simulated per-job latency on its thread).
 pub fn build_memory_tier(
@@ -159,11 +196,11 @@ mod tests {
     #[test]
     fn unknown_types_and_keys_are_config_errors_naming_the_key() {
         let f = TierFactory::with_builtins();
-        let ctx = TierBuildContext {
-            region: Arc::new(PrimaryRegion::create(2, 4096).unwrap()),
-            clock: Arc::new(SystemClock),
-            tier_label: "3:memory".into(),
-        };
+        let ctx = TierBuildContext::new(
+            Arc::new(PrimaryRegion::create(2, 4096).unwrap()),
+            Arc::new(SystemClock),
+            "3:memory".into(),
+        );
         let e = f
             .create(&tier_cfg("memroy", serde_json::json!({})), &ctx)
             .err()

@@ -14,6 +14,7 @@ pub mod factory;
 pub mod job;
 pub mod manager;
 pub mod memory_tier;
+pub mod rng;
 pub mod secondary;
 pub mod telemetry;
 

@@ -57,7 +57,7 @@ pub mod names {
     /// Gauge: primary rows pinned for reading (`ref_cnt > 0`).
     pub const CPU_CACHE_READ_USAGE_PERC: &str = "kv_offload_cpu_cache_read_usage_perc";
     /// Counter (kvtier): breaches of the job-reporting contract (duplicate, unknown, foreign ids).
-    pub const CONTRACT_VIOLATIONS: &str = "kvtier_tiering_contract_violations";
+    pub const CONTRACT_VIOLATIONS: &str = "tiering_contract_violations";
 }
 
 /// Buckets of the sync lookup delay histogram.
@@ -135,9 +135,9 @@ pub struct TieringMetrics {
     pub promotion_allocation_failures: SeriesId,
     /// CPU usage gauges: (usage, write usage, read usage).
     pub cpu_usage: (SeriesId, SeriesId, SeriesId),
-    /// `kvtier_tiering_contract_violations`.
+    /// `tiering_contract_violations`.
     pub contract_violations: SeriesId,
-    tier_metric_series: HashMap<TierMetricKey, SeriesId>,
+    tier_metric_series: HashMap<TierMetricKey, Option<SeriesId>>,
 }
 
 impl TieringMetrics {
@@ -335,18 +335,19 @@ impl TieringMetrics {
                     values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
                     let fam = self.registry.family(m.name, m.help, kind, &names);
                     let series = fam.and_then(|f| self.registry.series(f, &values));
-                    match series {
-                        Ok(id) => {
-                            self.tier_metric_series.insert(key, id);
-                            id
-                        }
+                    let id = match series {
+                        Ok(id) => Some(id),
                         Err(e) => {
+                            // Logged once; the series stays absent from the exposition.
                             log::warn!("tier metric {} not exported: {e}", m.name);
-                            continue;
+                            None
                         }
-                    }
+                    };
+                    self.tier_metric_series.insert(key, id);
+                    id
                 }
             };
+            let Some(id) = id else { continue };
             self.registry.set(id, m.value);
         }
     }

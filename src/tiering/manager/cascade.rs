@@ -86,6 +86,12 @@ impl TieringManager {
         self.primary.prepare_load(keys, req)
     }
 
+    /// Records an access to resident chunks (primary recency only; vLLM 0.33.0's scheduler
+    /// never calls it).
+    pub fn touch(&mut self, keys: &[ChunkKey]) {
+        self.primary.touch(keys);
+    }
+
     /// Unpins chunks after a primary -> GPU load.
     pub fn complete_load(&mut self, keys: &[ChunkKey]) -> Result<()> {
         self.primary.complete_load(keys)

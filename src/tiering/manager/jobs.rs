@@ -115,7 +115,10 @@ impl TieringManager {
             s.latency_failure
         };
         reg.observe(hist, latency.as_secs_f64());
-        if let Some(tt) = r.transfer_time {
+        // vLLM adds a failed promotion's time only when some of its keys did load.
+        if let Some(tt) = r.transfer_time
+            && (r.success || loaded > 0)
+        {
             self.metrics.add_transfer_time(t, true, tt.as_secs_f64());
         }
         let slot = &mut self.tiers[t];

@@ -149,7 +149,10 @@ impl TieringManager {
     /// One load job per (tier, request) with every key promoted this step.
     pub(super) fn flush_pending_promotions(&mut self) {
         let now = self.clock.now();
-        for ((tier, req_id), p) in std::mem::take(&mut self.pending_promotions) {
+        let pending = std::mem::take(&mut self.pending_promotions);
+        let mut reqs: Vec<Arc<str>> = Vec::with_capacity(pending.len());
+        for ((tier, req_id), p) in pending {
+            reqs.push(req_id.clone());
             let job_id = self.next_id();
             let n = p.keys.len();
             self.jobs.insert(
@@ -172,6 +175,9 @@ impl TieringManager {
                 req_id: Arc::clone(&req_id),
                 submit_time: now,
             });
+        }
+        for id in reqs {
+            self.maybe_finalize(&id);
         }
     }
 }

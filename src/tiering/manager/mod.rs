@@ -49,6 +49,8 @@ pub struct ManagerOptions {
     pub clock: Arc<dyn Clock>,
     /// Whether the primary emits stored/removed events.
     pub enable_events: bool,
+    /// Storage namespace digest handed to persistent tiers (`None`: geometry namespace).
+    pub namespace: Option<[u8; 32]>,
 }
 
 impl Default for ManagerOptions {
@@ -57,6 +59,7 @@ impl Default for ManagerOptions {
             metrics_prefix: crate::metrics::DEFAULT_PREFIX.to_string(),
             clock: Arc::new(SystemClock),
             enable_events: false,
+            namespace: None,
         }
     }
 }
@@ -196,11 +199,9 @@ impl TieringManager {
                 .map(|bp| DetectorParams::resolve(bp, &tc.tier_type, tc.locality, &tc.key_path()))
                 .transpose()
                 .and_then(|p| {
-                    let ctx = TierBuildContext {
-                        region: region.clone(),
-                        clock: opts.clock.clone(),
-                        tier_label: label.clone(),
-                    };
+                    let mut ctx =
+                        TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
+                    ctx.namespace = opts.namespace;
                     factory.create(tc, &ctx).map(|t| (t, p))
                 });
             match step {
@@ -396,10 +397,13 @@ impl TieringManager {
     }
 
     fn maybe_finalize(&mut self, req_id: &Arc<str>) {
+        // Also wait for promotions not yet submitted: a tier must not hear of the request's
+        // end before its last `submit_load`.
         let ready = self.requests.get(req_id).is_some_and(|st| {
             st.finished
                 && st.pending_primary_stores == 0
                 && !self.parked_cascades.contains_key(req_id)
+                && !self.pending_promotions.keys().any(|(_, r)| r == req_id)
         });
         if ready && let Some(st) = self.requests.remove(req_id) {
             for t in &mut self.tiers {
