@@ -106,6 +106,36 @@ fn bench_json_schema_and_every_chunk_verified() {
 }
 
 #[test]
+fn a_wrong_byte_fails_the_bench_with_exit_1() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "bench",
+            "--bytes",
+            "16MiB",
+            "--max-bytes-in-flight",
+            "8MiB",
+            "--path",
+            parent.path().to_str().unwrap(),
+            "--json",
+        ])
+        .env("KVTIER_BENCH_CORRUPT_CHUNK", "5")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["chunks_verified"], 7);
+    assert_eq!(v["chunks_mismatched"], 1);
+    assert_eq!(v["chunks_missing"], 0);
+    assert!(
+        stderr(&out).contains("1 of 8 chunks did not load back intact"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
 fn kept_tier_is_inspected_listed_verified_and_a_flipped_byte_is_found() {
     let parent = tempfile::tempdir_in("/tmp").unwrap();
     let (bench, dir) = run_bench_kept(parent.path());

@@ -298,6 +298,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
     tier.manager.reset_cache()?;
     tier.manager.on_reset_flushed();
     let load = load_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
+    if let Some(index) = corrupt_chunk_for_test()? {
+        corrupt_loaded_chunk(&mut tier.manager, &keys, index)?;
+    }
     let (verified, mismatched, missing) = verify(&mut tier.manager, &keys, seed, progress)?;
 
     let facts = tier.facts();
@@ -344,6 +347,41 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
         );
         Ok(ExitCode::from(1))
     }
+}
+
+/// Test hook: `KVTIER_BENCH_CORRUPT_CHUNK=<index>` flips one byte of that chunk's loaded row
+/// before verification, to prove that a wrong byte fails the run (exit 1). Logged when used.
+pub const CORRUPT_CHUNK_ENV: &str = "KVTIER_BENCH_CORRUPT_CHUNK";
+
+fn corrupt_chunk_for_test() -> Result<Option<u64>> {
+    match std::env::var(CORRUPT_CHUNK_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => {
+            v.trim().parse().map(Some).map_err(|_| {
+                Error::config(CORRUPT_CHUNK_ENV, format!("{v:?} is not a chunk index"))
+            })
+        }
+    }
+}
+
+fn corrupt_loaded_chunk(manager: &mut TieringManager, keys: &[ChunkKey], index: u64) -> Result<()> {
+    let key = keys.get(index as usize).ok_or_else(|| {
+        Error::config(CORRUPT_CHUNK_ENV, format!("chunk {index} is out of range"))
+    })?;
+    log::warn!("{CORRUPT_CHUNK_ENV}: flipping one byte of chunk {index} before verification");
+    let req = RequestContext::new("bench-corrupt");
+    manager.on_new_request(&req);
+    let rows = manager.prepare_load(std::slice::from_ref(key), &req)?;
+    let region = manager.region().clone();
+    if let Some(&row) = rows.first() {
+        // SAFETY: the row is pinned and this single-threaded driver is its only user until
+        // `complete_load`; the G3 tier finished writing it (the promotion completed).
+        let bytes = unsafe { region.row_mut(row as usize)? };
+        bytes[bytes.len() / 2] ^= 0x40;
+    }
+    manager.complete_load(std::slice::from_ref(key))?;
+    manager.on_request_finished(&req);
+    Ok(())
 }
 
 /// A seed that differs between runs (so a kept tier never makes a later run look good).

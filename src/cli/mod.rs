@@ -30,6 +30,7 @@ use clap::{Parser, Subcommand};
 use crate::error::{Error, ErrorKind};
 
 pub mod layout_cmd;
+pub mod logger;
 
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]
@@ -86,6 +87,7 @@ pub fn report(e: &Error) -> ExitCode {
 
 /// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
+    logger::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Version => {
