@@ -34,7 +34,20 @@ pub mod logger;
 
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]
-#[command(name = "kvtier", version, about, long_about = None)]
+#[command(
+    name = "kvtier",
+    version,
+    about,
+    long_about = None,
+    after_help = "Examples:
+  kvtier bench                                  # the whole stack on a temporary tier, verified
+  kvtier fio-compare --path /mnt/nvme0          # kvtier vs fio, same file state, row size, depth
+  kvtier tier inspect /mnt/nvme0 /mnt/nvme1     # what a tier holds
+  kvtier serve --config kvtier.json             # /metrics on 127.0.0.1:9464
+
+Exit codes: 0 success, 1 kvtier failed (I/O error, bytes that did not verify), 2 your input
+(bad path or option, unreadable config, tier locked by another process, layout mismatch)."
+)]
 pub struct Cli {
     /// The command to run.
     #[command(subcommand)]

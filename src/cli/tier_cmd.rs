@@ -18,6 +18,14 @@ use crate::g3::slab::SLAB_FILE_NAME;
 
 /// `kvtier tier`.
 #[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Paths are the tier's directories in the tier's order. Examples:
+  kvtier tier format /mnt/nvme0 /mnt/nvme1 --capacity 1TiB
+  kvtier tier inspect /mnt/nvme0 /mnt/nvme1
+  kvtier tier verify /mnt/nvme0 /mnt/nvme1
+  kvtier tier ls /mnt/nvme0 /mnt/nvme1 | wc -l
+  kvtier tier clear /mnt/nvme0 /mnt/nvme1 --yes"
+)]
 pub struct TierArgs {
     /// What to do.
     #[command(subcommand)]
