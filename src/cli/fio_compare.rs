@@ -11,15 +11,14 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use serde::Serialize;
-
 use crate::cli::fio::{self, FioRun, Profile};
 use crate::cli::fio_files;
+use crate::cli::fio_report::{DepthPoint, ProfileComparison, display_paths, render_report};
 use crate::cli::g3_workload::{G3Shape, G3Workload};
 use crate::cli::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
-use crate::cli::output::{Table, print_json, progress_bar};
+use crate::cli::output::{print_json, progress_bar};
 use crate::cli::plot::{Panel, render_svg};
-use crate::cli::size::{format_gbps, format_size, parse_size};
+use crate::cli::size::{format_size, parse_size};
 use crate::cli::stats::median;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
@@ -104,61 +103,6 @@ pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {
             "unknown I/O engine {s:?} (use auto, uring or psync)"
         )),
     }
-}
-
-/// One measured point: medians of alternating runs.
-#[derive(Debug, Clone, Serialize)]
-pub struct DepthPoint {
-    /// Rows in flight per direction.
-    pub iodepth: u32,
-    /// Median kvtier throughput, bytes per second.
-    pub kvtier_bytes_per_sec: f64,
-    /// Median fio throughput, bytes per second.
-    pub fio_bytes_per_sec: f64,
-    /// kvtier / fio.
-    pub ratio: f64,
-    /// Every kvtier pass, in run order.
-    pub kvtier_samples: Vec<f64>,
-    /// Every fio pass, in run order.
-    pub fio_samples: Vec<f64>,
-}
-
-/// The `--json` object for one profile.
-#[derive(Debug, Clone, Serialize)]
-pub struct ProfileComparison {
-    /// `store`, `load` or `mixed`.
-    pub profile: &'static str,
-    /// Median kvtier throughput at the main depth, bytes per second.
-    pub kvtier_bytes_per_sec: f64,
-    /// Median fio throughput at the main depth, bytes per second.
-    pub fio_bytes_per_sec: f64,
-    /// kvtier / fio at the main depth.
-    pub ratio: f64,
-    /// Bytes per I/O.
-    pub row_size: u64,
-    /// Rows in flight per direction.
-    pub iodepth: u32,
-    /// Bytes of each side's file(s), over all paths.
-    pub file_size: u64,
-    /// Directories tested.
-    pub paths: Vec<PathBuf>,
-    /// How the files were prepared (both sides alike).
-    pub file_state: &'static str,
-    /// `g3` (the tier's data path) or `engine` (the I/O engine on a plain file).
-    pub kvtier_side: &'static str,
-    /// Alternating pairs per point.
-    pub pairs: usize,
-    /// kvtier's engine as it ran (`uring`, fixed buffers or not, O_DIRECT).
-    pub kvtier_engine: String,
-    /// `fio --version`.
-    pub fio_version: String,
-    /// Samples at the main depth.
-    pub kvtier_samples: Vec<f64>,
-    /// Samples at the main depth.
-    pub fio_samples: Vec<f64>,
-    /// The depth sweep (with `--plot`), ascending depth.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub sweep: Vec<DepthPoint>,
 }
 
 /// Runs `kvtier fio-compare`.
@@ -314,19 +258,19 @@ fn measure(
 
 /// What will run, resolved and validated from the arguments.
 #[derive(Debug)]
-struct Plan {
-    paths: Vec<PathBuf>,
-    profiles: Vec<Profile>,
-    row_size: u64,
-    per_file: u64,
-    depth: u32,
-    depths: Vec<u32>,
-    pairs: usize,
-    fio_files: Vec<PathBuf>,
-    kvtier_files: Vec<PathBuf>,
-    g3_dirs: Vec<PathBuf>,
-    file_state: &'static str,
-    side_name: &'static str,
+pub(crate) struct Plan {
+    pub(crate) paths: Vec<PathBuf>,
+    pub(crate) profiles: Vec<Profile>,
+    pub(crate) row_size: u64,
+    pub(crate) per_file: u64,
+    pub(crate) depth: u32,
+    pub(crate) depths: Vec<u32>,
+    pub(crate) pairs: usize,
+    pub(crate) fio_files: Vec<PathBuf>,
+    pub(crate) kvtier_files: Vec<PathBuf>,
+    pub(crate) g3_dirs: Vec<PathBuf>,
+    pub(crate) file_state: &'static str,
+    pub(crate) side_name: &'static str,
 }
 
 impl Plan {
@@ -524,60 +468,6 @@ impl Side {
             Side::G3(w) => w.close(),
         }
     }
-}
-
-fn display_paths(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-fn render_report(plan: &Plan, results: &[ProfileComparison], fio_version: &str) -> String {
-    let mut out = format!(
-        "fio-compare: {} rows, depth {} ({} in flight), {} per side on {}, {} alternating pairs\n",
-        format_size(plan.row_size),
-        plan.depth,
-        format_size(plan.row_size * u64::from(plan.depth)),
-        format_size(plan.per_file * plan.paths.len() as u64),
-        display_paths(&plan.paths),
-        plan.pairs
-    );
-    out.push_str(&format!("file state: {}\n", plan.file_state));
-    if let Some(r) = results.first() {
-        out.push_str(&format!(
-            "kvtier: {}; fio: {fio_version}\n\n",
-            r.kvtier_engine
-        ));
-    }
-    let mut table = Table::new(["profile", "kvtier", "fio", "kvtier/fio"]);
-    for r in results {
-        table.row([
-            r.profile.to_string(),
-            format_gbps(r.kvtier_bytes_per_sec),
-            format_gbps(r.fio_bytes_per_sec),
-            format!("{:.3}", r.ratio),
-        ]);
-    }
-    out.push_str(&table.render());
-    if results.iter().any(|r| !r.sweep.is_empty()) {
-        out.push('\n');
-        let mut sweep = Table::new(["profile", "depth", "kvtier", "fio", "kvtier/fio"]);
-        for r in results {
-            for p in &r.sweep {
-                sweep.row([
-                    r.profile.to_string(),
-                    p.iodepth.to_string(),
-                    format_gbps(p.kvtier_bytes_per_sec),
-                    format_gbps(p.fio_bytes_per_sec),
-                    format!("{:.3}", p.ratio),
-                ]);
-            }
-        }
-        out.push_str(&sweep.render());
-    }
-    out
 }
 
 #[cfg(test)]

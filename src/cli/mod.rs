@@ -7,11 +7,14 @@
 
 pub mod bench;
 pub mod bench_data;
+pub mod bench_phases;
+pub mod bench_report;
 pub mod bench_tier;
 pub mod config_cmd;
 pub mod fio;
 pub mod fio_compare;
 pub mod fio_files;
+pub mod fio_report;
 pub mod g3_workload;
 pub mod http;
 pub mod kvtier_workload;
