@@ -8,6 +8,8 @@
 //!   request finished every 256 cycles; includes building the key from bytes.
 //! * `load_pin_unpin`: `prepare_load` + `complete_load` of one random resident key, the
 //!   request finished every 256 cycles.
+//! * `store_cycle_x16`, `load_pin_unpin_x16`: the same with 16 keys per call (throughput in
+//!   keys), where the table entries of the batch are prefetched together.
 //!
 //! Before the timings it prints the memory per resident chunk measured with a counting
 //! global allocator: right after construction, and with every slot resident (keys of up to
@@ -230,6 +232,26 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
         })
     });
 
+    // The same with 16 keys per call (one request's new chunks), throughput in keys.
+    g.throughput(Throughput::Elements(16));
+    g.bench_function("store_cycle_x16", |b| {
+        b.iter(|| {
+            let ks: Vec<ChunkKey> = (0..16)
+                .map(|_| {
+                    next += 1;
+                    key(next)
+                })
+                .collect();
+            let out = t.prepare_store(&ks, &req).expect("store refused");
+            t.complete_store(&out.keys_to_store, true);
+            if next & 255 < 16 {
+                t.on_request_finished(&req);
+            }
+            black_box(out.chunk_ids.len())
+        })
+    });
+    g.throughput(Throughput::Elements(1));
+
     // Random resident keys: recently stored ones or survivors of the fill.
     let first_stored = RESIDENT as u64 * 4;
     let mut resident: Vec<ChunkKey> = Vec::with_capacity(QUERIES);
@@ -253,6 +275,21 @@ fn bench_policy(c: &mut Criterion, policy: EvictionPolicyKind) {
             t.complete_load(k).expect("unload");
             n += 1;
             if n & 255 == 0 {
+                t.on_request_finished(&req);
+            }
+            black_box(ids)
+        })
+    });
+    g.throughput(Throughput::Elements(16));
+    let mut m = 0usize;
+    g.bench_function("load_pin_unpin_x16", |b| {
+        b.iter(|| {
+            m = (m + 16) & (QUERIES - 1);
+            let ks = &resident[m..m + 16];
+            let ids = t.prepare_load(ks, &req).expect("load");
+            t.complete_load(ks).expect("unload");
+            n += 16;
+            if n & 255 < 16 {
                 t.on_request_finished(&req);
             }
             black_box(ids)

@@ -282,3 +282,13 @@ fn lookup_many_agrees_with_lookup() {
     assert_eq!(out[20], LookupResult::HitPending);
     assert_eq!(out[1], LookupResult::Miss);
 }
+
+#[test]
+fn tier_is_send() {
+    fn assert_send<T: Send>(_: &T) {}
+    let t = tier(1, false);
+    assert_send(&t);
+    // Moving it to another thread and back keeps it usable.
+    let t = std::thread::spawn(move || t).join().unwrap();
+    assert_eq!(t.num_chunks(), 1);
+}

@@ -207,6 +207,24 @@ impl PrimaryTier {
         self.slots.find(key.as_bytes())
     }
 
+    /// The hashes of `keys`; for a batch, their first table entries are prefetched as well,
+    /// so the searches that follow overlap their memory latency.
+    fn hash_batch(&self, keys: &[ChunkKey]) -> Vec<u64> {
+        self.hash_batch_with(keys, keys.len() > 1)
+    }
+
+    fn hash_batch_with(&self, keys: &[ChunkKey], prefetch: bool) -> Vec<u64> {
+        keys.iter()
+            .map(|k| {
+                let h = self.hash(k);
+                if prefetch {
+                    self.slots.warm(h);
+                }
+                h
+            })
+            .collect()
+    }
+
     /// `Miss`, `Hit` (ready or pinned) or `HitPending` (write in flight).
     pub fn lookup(&self, key: &ChunkKey) -> LookupResult {
         match self.find(key) {

@@ -42,8 +42,9 @@ impl PrimaryTier {
 
     fn pin(&mut self, keys: &[ChunkKey], op: &str) -> Result<Vec<u32>> {
         let mut found = Vec::with_capacity(keys.len());
-        for key in keys {
-            let Some(f) = self.find(key) else {
+        let hashes = self.hash_batch(keys);
+        for (key, &hash) in keys.iter().zip(&hashes) {
+            let Some(f) = self.slots.find_hashed(hash, key.as_bytes()) else {
                 self.counters.contract_violations += 1;
                 return Err(contract_error(op, key, "is not in the primary tier"));
             };
@@ -79,8 +80,9 @@ impl PrimaryTier {
         // Phase 1: decrement the counts only, undoing them if a key is not pinned.
         let mut found: Vec<Found> = Vec::with_capacity(keys.len());
         let mut failure = None;
-        for key in keys {
-            match self.find(key) {
+        let hashes = self.hash_batch(keys);
+        for (key, &hash) in keys.iter().zip(&hashes) {
+            match self.slots.find_hashed(hash, key.as_bytes()) {
                 Some(f) if self.slots.ref_at(f.pos) > 0 => {
                     self.slots.set_ref_at(f.pos, self.slots.ref_at(f.pos) - 1);
                     found.push(f);

@@ -45,8 +45,14 @@ impl PrimaryTier {
         let mut seen: Option<HashSet<&[u8]>> = None;
         let mut reused: Vec<usize> = Vec::new();
         let mut protected: Vec<u32> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let hash = self.hash(key);
+        // When this store will probably evict, start loading the likely victim's bookkeeping
+        // now, so that it overlaps with the lookups of the keys.
+        let may_evict = self.slots.free() < keys.len();
+        let hashes = self.hash_batch_with(keys, keys.len() > 1 || may_evict);
+        if may_evict && let Some(victim) = self.policy.prefetch_next_victim() {
+            self.slots.prefetch_slot(victim);
+        }
+        for (i, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             if let Some(f) = self.slots.find_hashed(hash, key.as_bytes()) {
                 match self.slots.ref_at(f.pos) {
                     IN_FLIGHT => {}
@@ -157,8 +163,9 @@ impl PrimaryTier {
     pub fn complete_store(&mut self, keys: &[ChunkKey], success: bool) {
         let mut done = Vec::new();
         let mut count = 0u64;
-        for key in keys {
-            let f = match self.find(key) {
+        let hashes = self.hash_batch(keys);
+        for (key, &hash) in keys.iter().zip(&hashes) {
+            let f = match self.slots.find_hashed(hash, key.as_bytes()) {
                 Some(f) if self.slots.ref_at(f.pos) == IN_FLIGHT => f,
                 found => {
                     self.counters.contract_violations += 1;

@@ -16,7 +16,7 @@
 //! place, set aside when eviction meets them).
 
 use super::ghost::{Ghost, GhostLists};
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::mem_hints::{huge_slice, prefetch};
 
 use super::list::{Link, List, new_links};
 use super::{Admission, ArcStats, EvictionPolicy, PolicyStats};
@@ -256,6 +256,18 @@ impl EvictionPolicy for ArcPolicy {
 
     fn num_evictable(&self) -> usize {
         self.ev_t1 + self.ev_t2
+    }
+
+    fn prefetch_next_victim(&self) -> Option<u32> {
+        let (first, second) = if self.t1_len > self.p {
+            (&self.t1, &self.t2)
+        } else {
+            (&self.t2, &self.t1)
+        };
+        let s = first.back().or_else(|| second.back())?;
+        prefetch(&self.links[s as usize]);
+        prefetch(&self.state[s as usize]);
+        Some(s)
     }
 
     fn evict(

@@ -1,7 +1,7 @@
 //! Least-recently-used eviction over an intrusive list (see the module docs of `policy` for
 //! how non-evictable entries are handled).
 
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::mem_hints::{huge_slice, prefetch};
 
 use super::list::{Link, List, new_links};
 use super::{Admission, EvictionPolicy, PolicyStats};
@@ -102,6 +102,13 @@ impl EvictionPolicy for LruPolicy {
 
     fn num_evictable(&self) -> usize {
         self.evictable
+    }
+
+    fn prefetch_next_victim(&self) -> Option<u32> {
+        let s = self.main.back()?;
+        prefetch(&self.links[s as usize]);
+        prefetch(&self.state[s as usize]);
+        Some(s)
     }
 
     fn evict(

@@ -117,6 +117,13 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
         victims: &mut Vec<u32>,
     ) -> bool;
 
+    /// Prefetches the bookkeeping of the entry most likely to be evicted next and returns
+    /// its slot, so that a store can overlap that memory latency with its own lookups. A
+    /// hint only: it changes nothing, and the actual victim may differ.
+    fn prefetch_next_victim(&self) -> Option<u32> {
+        None
+    }
+
     /// Forgets history that outlives entries (ARC ghosts and target); resident entries stay.
     fn reset_history(&mut self) {}
 
