@@ -1,9 +1,9 @@
 //! The in-memory index: key -> slot in O(1), per-slot state, and an intrusive LRU list over
 //! slots. It never touches the disk; the journal records what changes it.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 
+use crate::g3::keymap::{KeyTable, advise_huge_pages};
 use crate::key::ChunkKey;
 
 /// A slot number within the stripe set.
@@ -18,7 +18,12 @@ pub struct KeyHasher(u64);
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        self.0
+        // Final avalanche (splitmix64): the multiply-rotate rounds leave the low bits, which
+        // pick the bucket, depending on few input bits.
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
     }
     fn write(&mut self, bytes: &[u8]) {
         const K: u64 = 0x517c_c1b7_2722_0a95;
@@ -32,6 +37,13 @@ impl Hasher for KeyHasher {
             self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
         }
     }
+}
+
+/// The index's hash of a key's bytes.
+pub fn key_hash(key: &ChunkKey) -> u64 {
+    let mut h = KeyHasher::default();
+    h.write(key.as_bytes());
+    h.finish()
 }
 
 /// What a slot currently holds.
@@ -85,7 +97,7 @@ pub struct Reservation {
 /// Key -> slot map, slot table, free list and LRU.
 #[derive(Debug)]
 pub struct Index {
-    map: HashMap<ChunkKey, Slot, BuildHasherDefault<KeyHasher>>,
+    map: KeyTable,
     slots: Vec<SlotEntry>,
     free: Vec<Slot>,
     /// Most recently used.
@@ -109,9 +121,11 @@ impl Index {
             prev: NIL,
             next: NIL,
         };
+        let slots = vec![blank; total_slots as usize];
+        advise_huge_pages(&slots);
         Index {
-            map: HashMap::with_capacity_and_hasher(total_slots as usize, Default::default()),
-            slots: vec![blank; total_slots as usize],
+            map: KeyTable::with_capacity(total_slots as usize),
+            slots,
             free: (0..total_slots).rev().collect(),
             head: NIL,
             tail: NIL,
@@ -119,6 +133,12 @@ impl Index {
             dead_paths: vec![false; n_paths.max(1)],
             valid: 0,
         }
+    }
+
+    fn find(&self, key: &ChunkKey) -> Option<Slot> {
+        self.map.find(key_hash(key), |s| {
+            self.slots[s as usize].key.as_ref() == Some(key)
+        })
     }
 
     /// Total slots.
@@ -153,20 +173,19 @@ impl Index {
 
     /// True if `key` is committed (loadable now).
     pub fn is_valid(&self, key: &ChunkKey) -> bool {
-        self.map
-            .get(key)
-            .is_some_and(|&s| self.slots[s as usize].state == SlotState::Valid)
+        self.find(key)
+            .is_some_and(|s| self.slots[s as usize].state == SlotState::Valid)
     }
 
     /// True if `key` is committed or being written (a store of it is skipped).
     pub fn is_held(&self, key: &ChunkKey) -> bool {
-        self.map.contains_key(key)
+        self.find(key).is_some()
     }
 
     /// Moves a committed key to the MRU end. Returns whether it is committed.
     pub fn touch(&mut self, key: &ChunkKey) -> bool {
-        match self.map.get(key) {
-            Some(&s) if self.slots[s as usize].state == SlotState::Valid => {
+        match self.find(key) {
+            Some(s) if self.slots[s as usize].state == SlotState::Valid => {
                 self.unlink(s);
                 self.push_mru(s);
                 true
@@ -177,23 +196,42 @@ impl Index {
 
     // ---- recovery ----
 
+    /// Hints the CPU to load what replaying an insert of a key with hash `hash` into `slot`
+    /// will touch.
+    pub fn prefetch_insert(&self, hash: u64, slot: Slot) {
+        self.map.prefetch(hash);
+        if let Some(e) = self.slots.get(slot as usize) {
+            crate::g3::keymap::prefetch(e);
+        }
+    }
+
     /// Replays an insert: `slot` now holds `key`. Idempotent; whatever `slot` or `key` held
     /// before is dropped. Returns false if `slot` is out of range.
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
+        let h = key_hash(&key);
+        self.apply_insert_hashed(key, h, slot, crc, generation)
+    }
+
+    /// [`Index::apply_insert`] with the key's [`key_hash`] already computed.
+    pub fn apply_insert_hashed(
+        &mut self,
+        key: ChunkKey,
+        h: u64,
+        slot: Slot,
+        crc: u32,
+        generation: u64,
+    ) -> bool {
         if slot as usize >= self.slots.len() {
             return false;
         }
         self.clear_slot(slot);
-        // One hash per record: the key's previous slot (if any) comes back from the insert.
-        if let Some(old) = self.map.insert(key.clone(), slot) {
-            let e = &mut self.slots[old as usize];
-            e.key = None;
-            if e.state == SlotState::Valid {
-                self.valid -= 1;
-                self.unlink(old);
-            }
-            self.slots[old as usize].state = SlotState::Free;
+        if let Some(old) = self
+            .map
+            .find(h, |s| self.slots[s as usize].key.as_ref() == Some(&key))
+        {
+            self.clear_slot(old);
         }
+        self.map.insert(h, slot);
         let e = &mut self.slots[slot as usize];
         e.key = Some(key);
         e.crc = crc;
@@ -221,7 +259,7 @@ impl Index {
         }
         let e = &mut self.slots[slot as usize];
         if let Some(k) = e.key.take() {
-            self.map.remove(&k);
+            self.map.remove(key_hash(&k), slot);
         }
         e.state = SlotState::Free;
     }
@@ -239,7 +277,7 @@ impl Index {
     /// Reserves a slot for `key` (not currently held): a free slot, else the least recently
     /// used committed slot that no read holds. `None` when every candidate is busy.
     pub fn reserve(&mut self, key: &ChunkKey) -> Option<Reservation> {
-        debug_assert!(!self.map.contains_key(key));
+        debug_assert!(self.find(key).is_none());
         let mut evicted = None;
         let slot = loop {
             if let Some(s) = self.free.pop() {
@@ -262,7 +300,7 @@ impl Index {
         e.key = Some(key.clone());
         e.crc = 0;
         e.generation = 0;
-        self.map.insert(key.clone(), slot);
+        self.map.insert(key_hash(key), slot);
         Some(Reservation { slot, evicted })
     }
 
@@ -301,7 +339,7 @@ impl Index {
             return;
         }
         if let Some(k) = e.key.take() {
-            self.map.remove(&k);
+            self.map.remove(key_hash(&k), slot);
         }
         e.state = SlotState::Free;
         self.release(slot);
@@ -311,7 +349,7 @@ impl Index {
 
     /// Pins a committed key for reading: `(slot, crc)`. Also marks it most recently used.
     pub fn pin(&mut self, key: &ChunkKey) -> Option<(Slot, u32)> {
-        let &s = self.map.get(key)?;
+        let s = self.find(key)?;
         if self.slots[s as usize].state != SlotState::Valid {
             return None;
         }
@@ -345,7 +383,7 @@ impl Index {
         let e = &mut self.slots[slot as usize];
         let key = e.key.take();
         if let Some(k) = &key {
-            self.map.remove(k);
+            self.map.remove(key_hash(k), slot);
         }
         if readers > 0 {
             e.state = SlotState::Orphan;

@@ -50,6 +50,8 @@ pub struct G3Metrics {
     pub jobs_cancelled: AtomicU64,
     /// Jobs refused because the queue was full.
     pub jobs_rejected: AtomicU64,
+    /// Lookups answered RETRY because the index was busy (checkpoint snapshot).
+    pub lookup_retries_busy: AtomicU64,
     /// Checkpoints written.
     pub checkpoints: AtomicU64,
     /// Recovery duration in microseconds (set once).
@@ -219,6 +221,12 @@ impl G3Metrics {
             ),
             m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
         ];
+        out.push(m(
+            "g3_lookup_retries_busy",
+            "Lookups answered RETRY because the index was busy",
+            Counter,
+            get(&self.lookup_retries_busy),
+        ));
         let mut engine = m(
             "g3_engine_info",
             "The I/O engine in use (value 1)",

@@ -14,6 +14,7 @@ pub mod config;
 pub mod format;
 pub mod index;
 pub mod journal;
+pub mod keymap;
 pub mod metrics;
 pub mod recovery;
 pub mod slab;

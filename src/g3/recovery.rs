@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::g3::index::Index;
+use crate::g3::index::{Index, key_hash};
 use crate::g3::journal::{
     CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
     JOURNAL_MAGIC, JournalWriter, Record, decode_records, write_checkpoint,
@@ -39,6 +39,56 @@ pub struct Recovered {
     pub duration: Duration,
 }
 
+/// Applies decoded records in small batches, prefetching what each insert will touch one
+/// batch ahead so that the cache misses of a batch overlap.
+#[derive(Default)]
+struct Replay {
+    batch: Vec<(Record, u64)>,
+    records: u64,
+    max_gen: u64,
+    out_of_range: u64,
+}
+
+const REPLAY_BATCH: usize = 16;
+
+impl Replay {
+    fn push(&mut self, index: &mut Index, r: Record) {
+        let h = match &r {
+            Record::Insert { key, slot, .. } => {
+                let h = key_hash(key);
+                index.prefetch_insert(h, *slot);
+                h
+            }
+            Record::Remove { .. } => 0,
+        };
+        self.batch.push((r, h));
+        if self.batch.len() >= REPLAY_BATCH {
+            self.flush(index);
+        }
+    }
+
+    fn flush(&mut self, index: &mut Index) {
+        for (r, h) in self.batch.drain(..) {
+            self.records += 1;
+            let ok = match r {
+                Record::Insert {
+                    key,
+                    slot,
+                    crc,
+                    generation,
+                } => {
+                    self.max_gen = self.max_gen.max(generation);
+                    index.apply_insert_hashed(key, h, slot, crc, generation)
+                }
+                Record::Remove { slot } => index.apply_remove(slot),
+            };
+            if !ok {
+                self.out_of_range += 1;
+            }
+        }
+    }
+}
+
 fn read_optional(p: &Path) -> Result<Option<Vec<u8>>> {
     match std::fs::read(p) {
         Ok(b) => Ok(Some(b)),
@@ -61,27 +111,7 @@ pub fn recover(
         log::warn!("{w}");
         warnings.push(w);
     };
-    let mut records = 0u64;
-    let mut max_gen = 0u64;
-    let mut out_of_range = 0u64;
-    let mut apply = |index: &mut Index, r: Record| {
-        records += 1;
-        let ok = match r {
-            Record::Insert {
-                key,
-                slot,
-                crc,
-                generation,
-            } => {
-                max_gen = max_gen.max(generation);
-                index.apply_insert(key, slot, crc, generation)
-            }
-            Record::Remove { slot } => index.apply_remove(slot),
-        };
-        if !ok {
-            out_of_range += 1;
-        }
-    };
+    let mut replay = Replay::default();
 
     let ckpt_path = dir.join(CHECKPOINT_FILE_NAME);
     let mut ckpt_seq = 0;
@@ -103,8 +133,9 @@ pub fn recover(
                 let mut n = 0u64;
                 let (_, problem) = decode_records(&bytes[FILE_HEADER_SIZE..], |r| {
                     n += 1;
-                    apply(&mut index, r)
+                    replay.push(&mut index, r)
                 });
+                replay.flush(&mut index);
                 if let Some(p) = problem {
                     warn(format!(
                         "G3 checkpoint {} is damaged ({p}); {n} of {} entries recovered",
@@ -148,7 +179,8 @@ pub fn recover(
                     ));
                 }
                 let body = &bytes[FILE_HEADER_SIZE..];
-                let (valid, problem) = decode_records(body, |r| apply(&mut index, r));
+                let (valid, problem) = decode_records(body, |r| replay.push(&mut index, r));
+                replay.flush(&mut index);
                 if let Some(p) = problem {
                     cut_bytes = (body.len() - valid) as u64;
                     warn(format!(
@@ -162,18 +194,19 @@ pub fn recover(
             }
         }
     }
-    if out_of_range > 0 {
+    if replay.out_of_range > 0 {
         warn(format!(
-            "{out_of_range} G3 index records named slots beyond {total_slots}; ignored"
+            "{} G3 index records named slots beyond {total_slots}; ignored",
+            replay.out_of_range
         ));
     }
     index.finish_recovery();
     Ok(Recovered {
         index,
-        next_generation: next_generation.max(max_gen + 1),
+        next_generation: next_generation.max(replay.max_gen + 1),
         checkpoint_seq: ckpt_seq,
         journal_valid_len,
-        records,
+        records: replay.records,
         cut_bytes,
         warnings,
         duration: start.elapsed(),

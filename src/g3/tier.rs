@@ -26,6 +26,9 @@ use crate::tiering::job::{
 };
 use crate::tiering::secondary::{SecondaryTier, TierMetric};
 
+/// Longest a lookup waits for the index lock before answering RETRY.
+const LOOKUP_LOCK_WAIT: std::time::Duration = std::time::Duration::from_micros(100);
+
 /// Facts about an open tier, for logs, the CLI and tests.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct G3Info {
@@ -338,12 +341,16 @@ impl SecondaryTier for G3Tier {
         if !self.is_recovered() {
             return LookupResult::Retry;
         }
-        let hit = self
-            .shared
-            .index
-            .lock()
-            .as_mut()
-            .is_some_and(|ix| ix.touch(key));
+        // The worker holds the lock only briefly, except while it snapshots the index for a
+        // checkpoint; rather than wait for that, answer RETRY (asked again next step).
+        let Some(mut guard) = self.shared.index.try_lock_for(LOOKUP_LOCK_WAIT) else {
+            self.shared
+                .metrics
+                .lookup_retries_busy
+                .fetch_add(1, Ordering::Relaxed);
+            return LookupResult::Retry;
+        };
+        let hit = guard.as_mut().is_some_and(|ix| ix.touch(key));
         if hit {
             LookupResult::Hit
         } else {

@@ -400,6 +400,9 @@ impl Worker {
                 continue;
             }
             let Some((slot, _)) = a.slots[i] else {
+                // Never report a key as moved that no transfer was issued for.
+                let e = Error::new(ErrorKind::Internal, "no G3 slot was assigned to this key");
+                a.fail(i, e.with("key", a.keys[i].to_hex()));
                 continue;
             };
             let (file, file_offset) = slot_location(u64::from(slot), self.set.files.len(), stride);
@@ -525,7 +528,11 @@ impl Worker {
     }
 
     fn report(&mut self, a: Active, loaded: Option<Vec<ChunkKey>>) {
-        let ok = !a.status.contains(&KeyStatus::Failed);
+        // Success means every key moved (or was skipped as already held); nothing else.
+        let ok = a
+            .status
+            .iter()
+            .all(|s| matches!(s, KeyStatus::Done | KeyStatus::Skipped));
         let elapsed = a.started.elapsed();
         let result = if ok {
             JobResult::ok(a.job_id, elapsed, a.bytes)
