@@ -97,6 +97,39 @@ pub(crate) fn fill(
     Ok(())
 }
 
+/// Turns a job that never finishes into an error instead of a hang.
+struct StallGuard {
+    last_progress: Instant,
+}
+
+/// How long the bench waits without any job finishing before it gives up.
+const STALL_LIMIT: Duration = Duration::from_secs(120);
+
+impl StallGuard {
+    fn new() -> Self {
+        StallGuard {
+            last_progress: Instant::now(),
+        }
+    }
+
+    fn check(&mut self, progressed: bool, phase: &str) -> Result<()> {
+        if progressed {
+            self.last_progress = Instant::now();
+            return Ok(());
+        }
+        if self.last_progress.elapsed() > STALL_LIMIT {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "{phase} phase: no job finished for {} s; the tier stopped reporting",
+                    STALL_LIMIT.as_secs()
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// An outstanding job: its batch, keys, and when it was submitted.
 struct Outstanding {
     batch: usize,
@@ -117,6 +150,7 @@ pub(crate) fn store_phase(
     let mut latencies = Vec::with_capacity(batches.len());
     let mut outstanding: VecDeque<Outstanding> = VecDeque::new();
     let mut next = 0;
+    let mut stall = StallGuard::new();
     while next < batches.len() || !outstanding.is_empty() {
         while next < batches.len() && outstanding.len() < plan.window_jobs {
             let req = request("store", next);
@@ -143,7 +177,10 @@ pub(crate) fn store_phase(
             !done
         });
         if outstanding.len() == before && !outstanding.is_empty() {
+            stall.check(false, "store")?;
             std::thread::sleep(POLL_INTERVAL);
+        } else {
+            stall.check(true, "store")?;
         }
     }
     let seconds = start.elapsed().as_secs_f64();
@@ -170,6 +207,7 @@ pub(crate) fn load_phase(
     let mut latencies = Vec::with_capacity(batches.len());
     let mut outstanding: VecDeque<Outstanding> = VecDeque::new();
     let mut next = 0;
+    let mut stall = StallGuard::new();
     while next < batches.len() || !outstanding.is_empty() {
         let mut submitted = false;
         while next < batches.len() && outstanding.len() < plan.window_jobs {
@@ -211,7 +249,10 @@ pub(crate) fn load_phase(
             !done
         });
         if outstanding.len() == before && !outstanding.is_empty() && !submitted {
+            stall.check(false, "load")?;
             std::thread::sleep(POLL_INTERVAL);
+        } else {
+            stall.check(true, "load")?;
         }
     }
     for b in 0..batches.len() {

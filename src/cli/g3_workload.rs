@@ -26,6 +26,9 @@ use crate::tiering::secondary::SecondaryTier;
 /// How long the driver sleeps when no job has finished (it polls like a scheduler loop).
 const POLL_INTERVAL: Duration = Duration::from_micros(100);
 
+/// How long a pass waits without any job finishing before it gives up.
+const STALL_LIMIT: Duration = Duration::from_secs(120);
+
 /// What the G3 side runs on.
 #[derive(Debug, Clone)]
 pub struct G3Shape {
@@ -159,6 +162,7 @@ impl G3Workload {
         let mut done = 0usize;
         let mut failed: Option<Error> = None;
         let start = Instant::now();
+        let mut last_progress = start;
         while done < keys.len() {
             // Keep twice the budget queued so the tier never waits for this driver.
             while next < keys.len() && failed.is_none() {
@@ -182,9 +186,19 @@ impl G3Workload {
             }
             let finished = tier.get_finished_jobs();
             if finished.is_empty() {
+                if last_progress.elapsed() > STALL_LIMIT {
+                    return Err(Error::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "no G3 job finished for {} s; the tier stopped reporting",
+                            STALL_LIMIT.as_secs()
+                        ),
+                    ));
+                }
                 std::thread::sleep(POLL_INTERVAL);
                 continue;
             }
+            last_progress = Instant::now();
             for r in finished {
                 done += 1;
                 if let Some(row) = row_of_job.remove(&r.job_id) {
