@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::cli::fio::Profile;
 use crate::cli::fio_files::open_direct;
@@ -182,9 +182,15 @@ impl KvtierWorkload {
         self.engine.submit(&batch)?;
         while in_flight > 0 {
             batch.clear();
-            let first =
-                self.engine.completions().recv().map_err(|_| {
-                    Error::new(ErrorKind::Closed, "the I/O engine stopped mid-pass")
+            let first = self
+                .engine
+                .completions()
+                .recv_timeout(Duration::from_secs(120))
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Closed,
+                        format!("the I/O engine stopped completing requests mid-pass ({e})"),
+                    )
                 })?;
             let mut done = vec![first];
             done.extend(self.engine.completions().try_iter());
