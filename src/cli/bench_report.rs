@@ -1,0 +1,148 @@
+//! The report of `kvtier bench`: the `--json` schema and the human table.
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::cli::output::Table;
+use crate::cli::size::{format_gbps, format_size};
+
+/// Timing of one direction.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PhaseReport {
+    /// Bytes moved (whole rows).
+    pub bytes: u64,
+    /// Wall time from the first job submitted to the last one finished.
+    pub seconds: f64,
+    /// `bytes / seconds / 1e9`.
+    pub gb_per_s: f64,
+    /// Jobs (one per batch of chunks).
+    pub jobs: usize,
+    /// Chunks per job.
+    pub chunks_per_job: usize,
+    /// Median job latency (submission to completion seen), milliseconds.
+    pub job_latency_p50_ms: f64,
+    /// 99th percentile job latency, milliseconds.
+    pub job_latency_p99_ms: f64,
+    /// User + system CPU seconds of the whole process during the phase.
+    pub cpu_seconds: f64,
+    /// CPU seconds per GB (10^9 bytes) moved.
+    pub cpu_seconds_per_gb: f64,
+}
+
+/// The layout the rows were sized for.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct LayoutReport {
+    /// Model name.
+    pub model: String,
+    /// TP size.
+    pub tp: u32,
+    /// GPU blocks per chunk.
+    pub blocks_per_chunk: u32,
+    /// Tokens per chunk.
+    pub tokens_per_chunk: u32,
+    /// Bytes per primary row and G3 slot.
+    pub row_stride: u64,
+    /// The namespace digest written into the slab superblocks (hex).
+    pub namespace: String,
+}
+
+/// The tier as it ran.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TierReport {
+    /// Tier directories.
+    pub paths: Vec<PathBuf>,
+    /// Capacity over all paths.
+    pub capacity_bytes: u64,
+    /// Cap on bytes in flight.
+    pub max_bytes_in_flight: u64,
+    /// The I/O engine in use (`uring`, `psync`).
+    pub io_engine: String,
+    /// `direct` when every path uses O_DIRECT, else `buffered` (or `mixed`).
+    pub direct_io: String,
+    /// Whether the tier was kept.
+    pub kept: bool,
+}
+
+/// `kvtier bench --json`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct BenchReport {
+    /// Layout.
+    pub layout: LayoutReport,
+    /// Tier.
+    pub tier: TierReport,
+    /// Chunks stored and loaded.
+    pub chunks: u64,
+    /// Primary -> G3.
+    pub store: PhaseReport,
+    /// G3 -> primary.
+    pub load: PhaseReport,
+    /// Chunks whose every byte matched.
+    pub chunks_verified: u64,
+    /// Chunks that loaded with different bytes.
+    pub chunks_mismatched: u64,
+    /// Chunks that did not come back (store or promotion failed).
+    pub chunks_missing: u64,
+    /// True iff every chunk was verified.
+    pub ok: bool,
+}
+
+/// The human report.
+pub fn render(r: &BenchReport) -> String {
+    let mut out = format!(
+        "kvtier bench: {} chunks of {} ({}, TP {}, {} tokens per chunk) = {}\n",
+        r.chunks,
+        format_size(r.layout.row_stride),
+        r.layout.model,
+        r.layout.tp,
+        r.layout.tokens_per_chunk,
+        format_size(r.chunks * r.layout.row_stride)
+    );
+    let paths: Vec<String> = r
+        .tier
+        .paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+    out.push_str(&format!(
+        "tier: {} ({} capacity), engine {}, direct I/O: {}, {} in flight\n\n",
+        paths.join(", "),
+        format_size(r.tier.capacity_bytes),
+        r.tier.io_engine,
+        r.tier.direct_io,
+        format_size(r.tier.max_bytes_in_flight)
+    ));
+    let mut t = Table::new([
+        "phase",
+        "throughput",
+        "job p50",
+        "job p99",
+        "jobs",
+        "CPU s/GB",
+    ]);
+    for (name, p) in [("store", &r.store), ("load", &r.load)] {
+        t.row([
+            name.to_string(),
+            format_gbps(p.bytes as f64 / p.seconds.max(1e-9)),
+            format!("{:.2} ms", p.job_latency_p50_ms),
+            format!("{:.2} ms", p.job_latency_p99_ms),
+            format!("{} x {}", p.jobs, p.chunks_per_job),
+            format!("{:.3}", p.cpu_seconds_per_gb),
+        ]);
+    }
+    out.push_str(&t.render());
+    out.push_str(&format!(
+        "\nchunks verified: {} / {}{}\n",
+        r.chunks_verified,
+        r.chunks,
+        if r.ok { " (every byte matches)" } else { "" }
+    ));
+    if r.tier.kept {
+        out.push_str(&format!(
+            "tier kept at {} (kvtier tier inspect {})\n",
+            paths.join(", "),
+            paths.join(" ")
+        ));
+    }
+    out
+}

@@ -1,0 +1,127 @@
+//! `kvtier serve`: runs the tiering manager with the configured tiers behind a metrics
+//! endpoint until SIGTERM or Ctrl-C, then drains, checkpoints and exits 0.
+//!
+//! The region is sized like vLLM sizes it: the layout (default Llama-3.1-8B) and TP give the
+//! bytes per GPU block, the config gives `blocks_per_chunk` (or `block_size`) and
+//! `cpu_bytes_to_use`; `nvme` tiers get the layout's namespace digest for their superblocks.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use crate::canonical::{LayoutDescriptor, NamespaceParams, default_layout, namespace_digest};
+use crate::cli::http::DEFAULT_METRICS_ADDR;
+use crate::cli::serve_loop::{Service, serve_until_signal};
+use crate::cli::size::format_size;
+use crate::config::KvtierConfig;
+use crate::error::{Error, Result};
+use crate::g3::{G3Tier, G3TierConfig};
+use crate::geometry::ChunkGeometry;
+use crate::region::PrimaryRegion;
+use crate::tiering::factory::TierFactory;
+use crate::tiering::manager::{ManagerOptions, TieringManager};
+
+/// Arguments of `kvtier serve`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  kvtier serve --config docs/examples/kvtier.json
+  kvtier serve --config kvtier.toml --metrics-addr 0.0.0.0:9464     # let other hosts scrape
+  curl -s http://127.0.0.1:9464/metrics | grep kv_offload_tiering_write_bytes
+
+SIGTERM or Ctrl-C drains the jobs in flight, writes the tiers' checkpoints and exits 0.")]
+pub struct ServeArgs {
+    /// Configuration file (vLLM's kv_connector_extra_config or kv_transfer_config; .json or .toml).
+    #[arg(long, value_name = "FILE")]
+    pub config: PathBuf,
+    /// Address of the metrics endpoint (host:port; port 0 picks a free one). Loopback by default.
+    #[arg(long, default_value = DEFAULT_METRICS_ADDR, value_name = "ADDR")]
+    pub metrics_addr: String,
+    /// Model layout descriptor (TOML) that sizes the rows. Default: Llama-3.1-8B.
+    #[arg(long, value_name = "FILE")]
+    pub layout: Option<PathBuf>,
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp: u32,
+    /// Metric name prefix (`vllm:` makes vLLM dashboards work unchanged).
+    #[arg(long, default_value = crate::metrics::DEFAULT_PREFIX, value_name = "PREFIX")]
+    pub metrics_prefix: String,
+}
+
+/// Runs `kvtier serve`.
+pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    let cfg = crate::config::load(&args.config)?;
+    let layout = match &args.layout {
+        Some(p) => LayoutDescriptor::load(p)?,
+        None => default_layout(),
+    };
+    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix)?;
+    serve_until_signal(&args.metrics_addr, Box::new(ManagerService { manager }))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Sizes the region from the layout and config, and builds the manager with `nvme` tiers that
+/// carry the layout's namespace.
+pub fn build_manager(
+    cfg: &KvtierConfig,
+    layout: &LayoutDescriptor,
+    tp: u32,
+    metrics_prefix: &str,
+) -> Result<TieringManager> {
+    let blocks_per_chunk = cfg.chunk.blocks_per_chunk(Some(layout.tokens_per_block))?;
+    let params = NamespaceParams::new(layout, tp, blocks_per_chunk, cfg.canonical_layout)
+        .map_err(|e| Error::config("--tp", e.message().to_string()))?;
+    let copies = if params.replicated_layout { 1 } else { tp };
+    let geometry = ChunkGeometry::derive(
+        layout.worker_kv_bytes_per_block(tp)?,
+        copies,
+        blocks_per_chunk,
+        cfg.cpu_bytes_to_use,
+    )?;
+    let (rows, stride) = geometry.region_dims()?;
+    log::info!(
+        "primary region: {rows} rows of {} ({})",
+        format_size(geometry.row_stride),
+        format_size(geometry.region_bytes)
+    );
+    let region = Arc::new(PrimaryRegion::create(rows, stride)?);
+    let namespace = namespace_digest(layout, &params);
+    let mut factory = TierFactory::with_builtins();
+    factory.register(
+        "nvme",
+        Arc::new(move |tc, ctx| {
+            let g3 = G3TierConfig::from_tier(tc)?;
+            let tier = G3Tier::open(
+                g3,
+                ctx.region.clone(),
+                namespace,
+                ctx.tier_label.clone(),
+                tc.locality,
+            )?;
+            Ok(Box::new(tier))
+        }),
+    );
+    let opts = ManagerOptions {
+        metrics_prefix: metrics_prefix.to_string(),
+        ..ManagerOptions::default()
+    };
+    TieringManager::from_config(cfg, region, &factory, opts)
+}
+
+/// The manager as a [`Service`]: a scrape collects finished jobs, then renders.
+struct ManagerService {
+    manager: TieringManager,
+}
+
+impl Service for ManagerService {
+    fn metrics_text(&mut self) -> Result<String> {
+        if let Err(e) = self.manager.poll() {
+            log::error!("tiering manager: {e}");
+        }
+        Ok(self.manager.metrics_text())
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.manager.poll()?;
+        self.manager.shutdown()
+    }
+}

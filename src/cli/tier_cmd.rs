@@ -1,0 +1,402 @@
+//! `kvtier tier ...`: offline administration of a G3 tier (a stripe set of slab files, one per
+//! path, in the order the tier lists them): format, inspect, verify, ls, clear.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use serde::Serialize;
+
+use crate::canonical::{LayoutDescriptor, NamespaceParams, default_layout, namespace_digest};
+use crate::cli::output::{Table, print_json};
+use crate::cli::size::{format_size, parse_size};
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::DirectIoMode;
+use crate::g3::admin::{self, FormatOptions, SlabReport};
+use crate::g3::journal::CHECKPOINT_FILE_NAME;
+use crate::g3::slab::SLAB_FILE_NAME;
+
+/// `kvtier tier`.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Paths are the tier's directories in the tier's order. Examples:
+  kvtier tier format /mnt/nvme0 /mnt/nvme1 --capacity 1TiB
+  kvtier tier inspect /mnt/nvme0 /mnt/nvme1
+  kvtier tier verify /mnt/nvme0 /mnt/nvme1
+  kvtier tier ls /mnt/nvme0 /mnt/nvme1 | wc -l
+  kvtier tier clear /mnt/nvme0 /mnt/nvme1 --yes"
+)]
+pub struct TierArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: TierCommand,
+}
+
+/// The tier subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum TierCommand {
+    /// Create an empty tier (discarding what the paths held).
+    #[command(after_help = "Examples:
+  kvtier tier format /mnt/nvme0 --capacity 512GiB
+  kvtier tier format /mnt/nvme0 /mnt/nvme1 --layout layouts/qwen3-32b.toml --tp 2 --capacity 2T --yes")]
+    Format(FormatArgs),
+    /// Show superblocks, geometry, namespace, used/free slots, journal and checkpoint.
+    #[command(after_help = "Example:\n  kvtier tier inspect /mnt/nvme0 /mnt/nvme1 --json")]
+    Inspect(PathsArgs),
+    /// Read every stored slot and check its CRC; list bad keys; exit 1 if any.
+    #[command(after_help = "Example:\n  kvtier tier verify /mnt/nvme0")]
+    Verify(PathsArgs),
+    /// List stored keys (hex), least recently used first.
+    #[command(after_help = "Example:\n  kvtier tier ls /mnt/nvme0 | head")]
+    Ls(PathsArgs),
+    /// Forget every stored chunk (slabs stay allocated); asks unless --yes.
+    #[command(after_help = "Example:\n  kvtier tier clear /mnt/nvme0 --yes")]
+    Clear(ClearArgs),
+}
+
+/// Paths of a tier, plus `--json`.
+#[derive(Debug, clap::Args)]
+pub struct PathsArgs {
+    /// The tier's directories, in the tier's order.
+    #[arg(required = true, value_name = "PATH")]
+    pub paths: Vec<PathBuf>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `kvtier tier clear`.
+#[derive(Debug, clap::Args)]
+pub struct ClearArgs {
+    /// The tier's directories, in the tier's order.
+    #[arg(required = true, value_name = "PATH")]
+    pub paths: Vec<PathBuf>,
+    /// Do not ask.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+}
+
+/// `kvtier tier format`.
+#[derive(Debug, clap::Args)]
+pub struct FormatArgs {
+    /// Directories, one slab file each (rows are striped across them in this order).
+    #[arg(required = true, value_name = "PATH")]
+    pub paths: Vec<PathBuf>,
+    /// Capacity over all paths (split evenly, rounded down to whole slots).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub capacity: u64,
+    /// Model layout descriptor (TOML). Default: Llama-3.1-8B, bf16, 16-token blocks.
+    #[arg(long, value_name = "FILE")]
+    pub layout: Option<PathBuf>,
+    /// Tensor-parallel size.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp: u32,
+    /// GPU blocks per chunk.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub blocks_per_chunk: u32,
+    /// O_DIRECT policy: required (a path without it is an error) or auto.
+    #[arg(long, default_value = "required", value_parser = parse_direct_io, value_name = "MODE")]
+    pub direct_io: DirectIoMode,
+    /// Do not ask before discarding an existing tier.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_direct_io(s: &str) -> std::result::Result<DirectIoMode, String> {
+    match s {
+        "required" => Ok(DirectIoMode::Required),
+        "auto" => Ok(DirectIoMode::Auto),
+        _ => Err(format!(
+            "unknown direct-I/O mode {s:?} (use required or auto)"
+        )),
+    }
+}
+
+/// Runs `kvtier tier ...`.
+pub fn run(args: TierArgs) -> Result<ExitCode> {
+    match args.command {
+        TierCommand::Format(a) => format(a),
+        TierCommand::Inspect(a) => inspect(a),
+        TierCommand::Verify(a) => verify(a),
+        TierCommand::Ls(a) => ls(a),
+        TierCommand::Clear(a) => clear(a),
+    }
+}
+
+fn format(a: FormatArgs) -> Result<ExitCode> {
+    let layout = match &a.layout {
+        Some(p) => LayoutDescriptor::load(p)?,
+        None => default_layout(),
+    };
+    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, true)?;
+    let existing: Vec<PathBuf> = a
+        .paths
+        .iter()
+        .map(|p| p.join(SLAB_FILE_NAME))
+        .filter(|p| p.exists())
+        .collect();
+    if !existing.is_empty() && !a.yes {
+        let list: Vec<String> = existing.iter().map(|p| p.display().to_string()).collect();
+        confirm(&format!(
+            "{} already hold(s) a tier; formatting discards every stored chunk",
+            list.join(", ")
+        ))?;
+    }
+    let report = admin::format(
+        &a.paths,
+        &FormatOptions {
+            row_stride: params.row_stride,
+            capacity_bytes: a.capacity,
+            namespace: namespace_digest(&layout, &params),
+            direct_io: a.direct_io,
+        },
+    )?;
+    if a.json {
+        print_json(&InspectOutput::new(&report, &a.paths))?;
+    } else {
+        println!(
+            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk)",
+            a.paths.len(),
+            layout.model_name,
+            a.tp,
+            a.blocks_per_chunk
+        );
+        print!("{}", render_inspect(&InspectOutput::new(&report, &a.paths)));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `inspect --json` (and `format --json`): the admin report plus the checkpoint size.
+#[derive(Debug, Serialize)]
+pub struct InspectOutput<'a> {
+    /// Superblocks, slots, index.
+    #[serde(flatten)]
+    pub report: &'a SlabReport,
+    /// Checkpoint file size in bytes (0 when absent).
+    pub checkpoint_bytes: u64,
+    /// Slots holding a chunk.
+    pub used_slots: u64,
+}
+
+impl<'a> InspectOutput<'a> {
+    fn new(report: &'a SlabReport, paths: &[PathBuf]) -> Self {
+        let checkpoint_bytes = paths
+            .first()
+            .and_then(|p| std::fs::metadata(p.join(CHECKPOINT_FILE_NAME)).ok())
+            .map_or(0, |m| m.len());
+        InspectOutput {
+            report,
+            checkpoint_bytes,
+            used_slots: report.total_slots.saturating_sub(report.free_slots as u64),
+        }
+    }
+}
+
+fn inspect(a: PathsArgs) -> Result<ExitCode> {
+    let report = admin::inspect(&a.paths)?;
+    let out = InspectOutput::new(&report, &a.paths);
+    if a.json {
+        print_json(&out)?;
+    } else {
+        print!("{}", render_inspect(&out));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn render_inspect(o: &InspectOutput<'_>) -> String {
+    let r = o.report;
+    let mut s = String::new();
+    if let Some(first) = r.files.first() {
+        let sb = &first.superblock;
+        s.push_str(&format!(
+            "stripe set {} ({} path(s)), format v{}, created {}\n",
+            hex::encode(sb.set_uuid),
+            sb.path_count,
+            sb.version,
+            utc_time(sb.created_unix_s)
+        ));
+        s.push_str(&format!(
+            "row stride: {} ({} bytes)\nnamespace:  {}\n",
+            format_size(sb.row_stride),
+            sb.row_stride,
+            hex::encode(sb.namespace)
+        ));
+    }
+    s.push_str(&format!(
+        "slots:      {} total, {} used ({} entries), {} free\n",
+        r.total_slots, o.used_slots, r.entries, r.free_slots
+    ));
+    s.push_str(&format!(
+        "index:      checkpoint #{} ({}), journal {}, {} records read in {:.3} s\n\n",
+        r.checkpoint_seq,
+        format_size(o.checkpoint_bytes),
+        format_size(r.journal_bytes),
+        r.index_records,
+        r.recovery_seconds
+    ));
+    let mut t = Table::new(["slab", "index", "slots", "size", "fs", "locked by"]);
+    for f in &r.files {
+        t.row([
+            f.path.display().to_string(),
+            format!("{}/{}", f.superblock.path_index, f.superblock.path_count),
+            f.superblock.slots_in_file.to_string(),
+            format_size(f.file_bytes),
+            f.fs_type.clone(),
+            f.locked_by
+                .map_or_else(|| "-".to_string(), |pid| format!("pid {pid}")),
+        ]);
+    }
+    s.push_str(&t.render());
+    for w in &r.warnings {
+        s.push_str(&format!("warning: {w}\n"));
+    }
+    s
+}
+
+fn verify(a: PathsArgs) -> Result<ExitCode> {
+    let report = admin::verify(&a.paths)?;
+    if a.json {
+        print_json(&report)?;
+    } else {
+        println!(
+            "checked {} stored chunk(s): {} ok, {} bad",
+            report.checked,
+            report.ok,
+            report.bad.len()
+        );
+        if !report.bad.is_empty() {
+            let mut t = Table::new(["key", "slot", "expected crc", "found"]);
+            for b in &report.bad {
+                t.row([
+                    b.key.clone(),
+                    b.slot.to_string(),
+                    format!("{:08x}", b.expected_crc),
+                    match (&b.found_crc, &b.error) {
+                        (Some(c), _) => format!("{c:08x}"),
+                        (None, Some(e)) => e.clone(),
+                        (None, None) => "?".to_string(),
+                    },
+                ]);
+            }
+            print!("{}", t.render());
+        }
+    }
+    if report.bad.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "kvtier: error: {} of {} stored chunk(s) failed their CRC check",
+            report.bad.len(),
+            report.checked
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+fn ls(a: PathsArgs) -> Result<ExitCode> {
+    let keys = admin::list_keys(&a.paths)?;
+    if a.json {
+        print_json(&keys)?;
+    } else {
+        let stdout = std::io::stdout();
+        let mut out = stdout.lock();
+        for k in &keys {
+            // A closed pipe (`| head`) ends the listing quietly.
+            if writeln!(out, "{}", k.key).is_err() {
+                break;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn clear(a: ClearArgs) -> Result<ExitCode> {
+    if !a.yes {
+        let report = admin::inspect(&a.paths)?;
+        confirm(&format!(
+            "clearing forgets all {} stored chunk(s) in {}",
+            report.entries,
+            display(&a.paths)
+        ))?;
+    }
+    admin::clear(&a.paths)?;
+    println!("cleared {}", display(&a.paths));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn display(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Asks on the terminal; refuses (a user error) when stdin is not a terminal.
+fn confirm(what: &str) -> Result<()> {
+    let stdin = std::io::stdin();
+    if !stdin.is_terminal() {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!("{what}; not asking on a non-interactive input: pass --yes to go ahead"),
+        ));
+    }
+    eprint!("{what}. Continue? [y/N] ");
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    stdin
+        .lock()
+        .read_line(&mut answer)
+        .map_err(|e| Error::io("read the answer from", Path::new("stdin"), e))?;
+    if matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes") {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::Cancelled,
+            "cancelled: nothing was changed",
+        ))
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` for seconds since the Unix epoch.
+fn utc_time(unix_s: u64) -> String {
+    let days = (unix_s / 86_400) as i64;
+    let rem = unix_s % 86_400;
+    // Days to civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc_time(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc_time(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc_time(1_795_942_749), "2026-11-29 08:59:09 UTC");
+    }
+
+    #[test]
+    fn direct_io_modes() {
+        assert_eq!(parse_direct_io("auto"), Ok(DirectIoMode::Auto));
+        assert!(parse_direct_io("sometimes").is_err());
+    }
+}

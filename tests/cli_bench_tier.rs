@@ -1,0 +1,289 @@
+//! `kvtier bench` and `kvtier tier ...` end to end: the bench JSON schema on a small run, the
+//! kept tier inspected, listed and verified, a flipped byte in a slab found by `tier verify`,
+//! and the user-error exits.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("spawn kvtier")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> Value {
+    assert!(o.status.success(), "exit {:?}: {}", o.status, stderr(o));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// A user mistake: exit 2 and exactly one line on stderr.
+fn assert_user_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains(needle), "expected {needle:?} in {err}");
+}
+
+fn run_bench_kept(parent: &Path) -> (Value, PathBuf) {
+    let out = kvtier(&[
+        "bench",
+        "--bytes",
+        "64MiB",
+        "--max-bytes-in-flight",
+        "16MiB",
+        "--path",
+        parent.to_str().unwrap(),
+        "--keep",
+        "--json",
+    ]);
+    let v = json(&out);
+    let dir = PathBuf::from(v["tier"]["paths"][0].as_str().unwrap());
+    (v, dir)
+}
+
+#[test]
+fn bench_json_schema_and_every_chunk_verified() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let out = kvtier(&[
+        "bench",
+        "--bytes",
+        "64MiB",
+        "--max-bytes-in-flight",
+        "16MiB",
+        "--path",
+        parent.path().to_str().unwrap(),
+        "--json",
+    ]);
+    let v = json(&out);
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["chunks"], 32);
+    assert_eq!(v["chunks_verified"], 32);
+    assert_eq!(v["chunks_mismatched"], 0);
+    assert_eq!(v["chunks_missing"], 0);
+    let layout = &v["layout"];
+    assert_eq!(layout["model"], "meta-llama/Llama-3.1-8B-Instruct");
+    assert_eq!(layout["tp"], 1);
+    assert_eq!(layout["blocks_per_chunk"], 1);
+    assert_eq!(layout["tokens_per_chunk"], 16);
+    assert_eq!(layout["row_stride"], 2 << 20);
+    assert_eq!(layout["namespace"].as_str().unwrap().len(), 64);
+    let tier = &v["tier"];
+    assert_eq!(tier["capacity_bytes"], 64 << 20);
+    assert_eq!(tier["max_bytes_in_flight"], 16 << 20);
+    assert_eq!(tier["kept"], false);
+    assert!(!tier["io_engine"].as_str().unwrap().is_empty());
+    assert!(
+        tier["direct_io"].as_str().unwrap().contains("direct"),
+        "{tier}"
+    );
+    for phase in ["store", "load"] {
+        let p = &v[phase];
+        assert_eq!(p["bytes"], 64 << 20, "{phase}");
+        let secs = p["seconds"].as_f64().unwrap();
+        assert!(secs > 0.0);
+        let gbps = p["gb_per_s"].as_f64().unwrap();
+        assert!((gbps - (64u64 << 20) as f64 / secs / 1e9).abs() < 1e-9 * gbps.max(1.0));
+        let chunks_per_job = p["chunks_per_job"].as_u64().unwrap();
+        assert_eq!(p["jobs"].as_u64().unwrap(), 32u64.div_ceil(chunks_per_job));
+        let p50 = p["job_latency_p50_ms"].as_f64().unwrap();
+        let p99 = p["job_latency_p99_ms"].as_f64().unwrap();
+        assert!(p50 > 0.0 && p99 >= p50, "{p}");
+        assert!(p["cpu_seconds"].as_f64().unwrap() >= 0.0);
+        assert!(p["cpu_seconds_per_gb"].is_number());
+    }
+    // Not kept: the tier directory is gone.
+    assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn a_wrong_byte_fails_the_bench_with_exit_1() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args([
+            "bench",
+            "--bytes",
+            "16MiB",
+            "--max-bytes-in-flight",
+            "8MiB",
+            "--path",
+            parent.path().to_str().unwrap(),
+            "--json",
+        ])
+        .env("KVTIER_BENCH_CORRUPT_CHUNK", "5")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ok"], false);
+    assert_eq!(v["chunks_verified"], 7);
+    assert_eq!(v["chunks_mismatched"], 1);
+    assert_eq!(v["chunks_missing"], 0);
+    assert!(
+        stderr(&out).contains("1 of 8 chunks did not load back intact"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn kept_tier_is_inspected_listed_verified_and_a_flipped_byte_is_found() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let (bench, dir) = run_bench_kept(parent.path());
+    assert_eq!(bench["tier"]["kept"], true);
+    let d = dir.to_str().unwrap();
+
+    let inspect = json(&kvtier(&["tier", "inspect", d, "--json"]));
+    assert_eq!(inspect["entries"], 32);
+    assert_eq!(inspect["used_slots"], 32);
+    assert_eq!(inspect["total_slots"], 32);
+    assert_eq!(inspect["files"][0]["superblock"]["row_stride"], 2 << 20);
+    assert_eq!(
+        inspect["files"][0]["superblock"]["namespace"],
+        bench["layout"]["namespace"]
+    );
+    assert!(inspect["journal_bytes"].as_u64().unwrap() > 0);
+    assert!(inspect["checkpoint_bytes"].is_u64());
+    let text = kvtier(&["tier", "inspect", d]);
+    assert!(text.status.success());
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("32 used") && text.contains("namespace:"),
+        "{text}"
+    );
+
+    let ls = kvtier(&["tier", "ls", d]);
+    assert!(ls.status.success());
+    let keys: Vec<String> = String::from_utf8_lossy(&ls.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(keys.len(), 32);
+    assert!(keys.iter().all(|k| k.len() == 72 && hex::decode(k).is_ok()));
+
+    let ok = json(&kvtier(&["tier", "verify", d, "--json"]));
+    assert_eq!(ok["checked"], 32);
+    assert_eq!(ok["ok"], 32);
+
+    // Flip one byte inside the first data slot (after the 4096-byte superblock).
+    let listed = json(&kvtier(&["tier", "ls", d, "--json"]));
+    let slab = dir.join("kvtier-g3.slab");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&slab)
+        .unwrap();
+    let at = 4096 + 12345;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= 0x01;
+    f.write_all_at(&b, at).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let slot0 = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["slot"] == 0)
+        .expect("a key in slot 0")["key"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    let bad = kvtier(&["tier", "verify", d]);
+    assert_eq!(bad.status.code(), Some(1), "{}", stderr(&bad));
+    let out = String::from_utf8_lossy(&bad.stdout);
+    assert!(out.contains("31 ok, 1 bad"), "{out}");
+    assert!(out.contains(&slot0), "the bad key is listed: {out}");
+    assert!(stderr(&bad).contains("1 of 32"), "{}", stderr(&bad));
+
+    let clear = kvtier(&["tier", "clear", d, "--yes"]);
+    assert!(clear.status.success(), "{}", stderr(&clear));
+    let after = json(&kvtier(&["tier", "inspect", d, "--json"]));
+    assert_eq!(after["entries"], 0);
+    assert_eq!(after["free_slots"], 32);
+}
+
+#[test]
+fn tier_format_then_inspect_and_refusals() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let f = json(&kvtier(&[
+        "tier",
+        "format",
+        a,
+        b,
+        "--capacity",
+        "16MiB",
+        "--blocks-per-chunk",
+        "2",
+        "--json",
+    ]));
+    assert_eq!(f["total_slots"], 4);
+    assert_eq!(f["files"][1]["superblock"]["row_stride"], 4 << 20);
+    assert_eq!(f["files"][1]["superblock"]["path_index"], 1);
+
+    // Reformatting without --yes on a non-interactive stdin is refused; nothing changes.
+    let again = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["tier", "format", a, b, "--capacity", "16MiB"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_user_error(&again, "--yes");
+    let clear = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["tier", "clear", a, b])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert_user_error(&clear, "--yes");
+
+    // Paths in the wrong order are another stripe position: a layout mismatch.
+    assert_user_error(&kvtier(&["tier", "inspect", b, a]), "position");
+    assert_user_error(
+        &kvtier(&["tier", "verify", "/nonexistent/kvtier"]),
+        "/nonexistent/kvtier",
+    );
+    assert_user_error(
+        &kvtier(&["tier", "ls", dir.path().to_str().unwrap()]),
+        "kvtier-g3.slab",
+    );
+    let out = kvtier(&["tier", "inspect"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvtier(&["tier", "format", a, "--capacity", "lots"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn bench_user_mistakes_exit_2_with_one_line() {
+    assert_user_error(
+        &kvtier(&["bench", "--path", "/nonexistent/kvtier"]),
+        "/nonexistent/kvtier",
+    );
+    assert_user_error(
+        &kvtier(&["bench", "--bytes", "64MiB", "--capacity", "8MiB"]),
+        "--capacity",
+    );
+    assert_user_error(&kvtier(&["bench", "--tp", "3"]), "TP size 3");
+    assert_user_error(
+        &kvtier(&["bench", "--layout", "/nonexistent/model.toml"]),
+        "/nonexistent/model.toml",
+    );
+    let out = kvtier(&["bench", "--io-engine", "spdk"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvtier(&["bench", "--bogus"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = kvtier(&["frobnicate"]);
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -1,0 +1,194 @@
+//! `kvtier fio-compare` end to end: JSON schema, plot, cleanup, and the error exits.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("spawn kvtier")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn fio_installed() -> bool {
+    Command::new("fio")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+#[test]
+fn missing_fio_says_how_to_install_and_fails() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fio-compare", "--size", "4MiB"])
+        .env("KVTIER_FIO_BIN", "/nonexistent/fio")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("apt-get install fio"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn bad_path_and_bad_options_exit_2_with_one_line() {
+    let out = kvtier(&["fio-compare", "--path", "/nonexistent/kvtier-dir"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("/nonexistent/kvtier-dir"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+
+    let out = kvtier(&["fio-compare", "--row-size", "1000"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--row-size"));
+
+    let out = kvtier(&["fio-compare", "--row-size", "2 parsecs"]);
+    assert_eq!(out.status.code(), Some(2));
+
+    let out = kvtier(&["fio-compare", "--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(2));
+
+    let out = kvtier(&["fio-compare", "--profile", "sideways"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn compares_store_and_load_as_json_and_plots() {
+    if !fio_installed() {
+        eprintln!("skipping: fio is not installed (apt-get install fio)");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let svg = dir.path().join("depth.svg");
+    let d = dir.path().to_str().unwrap();
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--size",
+        "8MiB",
+        "--row-size",
+        "1MiB",
+        "--iodepth",
+        "2",
+        "--pairs",
+        "1",
+        "--depths",
+        "1",
+        "--plot",
+        svg.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let arr = v.as_array().expect("an array, one object per profile");
+    let names: Vec<&str> = arr.iter().map(|o| o["profile"].as_str().unwrap()).collect();
+    assert_eq!(names, ["store", "load"]);
+    for o in arr {
+        let k = o["kvtier_bytes_per_sec"].as_f64().unwrap();
+        let f = o["fio_bytes_per_sec"].as_f64().unwrap();
+        let r = o["ratio"].as_f64().unwrap();
+        assert!(k > 0.0 && f > 0.0, "{o}");
+        assert!((r - k / f).abs() < 1e-9 * r.max(1.0), "{o}");
+        assert_eq!(o["row_size"], 1 << 20);
+        assert_eq!(o["iodepth"], 2);
+        assert_eq!(o["pairs"], 1);
+        assert_eq!(o["kvtier_samples"].as_array().unwrap().len(), 1);
+        assert_eq!(o["fio_samples"].as_array().unwrap().len(), 1);
+        assert!(
+            o["file_state"]
+                .as_str()
+                .unwrap()
+                .contains("written in full")
+        );
+        let depths: Vec<u64> = o["sweep"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["iodepth"].as_u64().unwrap())
+            .collect();
+        assert_eq!(depths, [1, 2]);
+    }
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.starts_with("<svg") && text.contains("store") && text.contains("load"));
+    // The test files are gone (no --keep); only the plot remains.
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, [Path::new("depth.svg").as_os_str()]);
+}
+
+#[test]
+fn table_output_names_the_file_state_and_keep_keeps_files() {
+    if !fio_installed() {
+        eprintln!("skipping: fio is not installed (apt-get install fio)");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--size",
+        "4MiB",
+        "--row-size",
+        "1MiB",
+        "--iodepth",
+        "1",
+        "--pairs",
+        "1",
+        "--profile",
+        "mixed",
+        "--kvtier-side",
+        "engine",
+        "--keep",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("file state: preallocated"), "{text}");
+    assert!(
+        text.contains("kvtier/fio") && text.contains("mixed"),
+        "{text}"
+    );
+    assert!(dir.path().join("kvtier-fio-compare.fio.dat").exists());
+    assert!(dir.path().join("kvtier-fio-compare.kvtier.dat").exists());
+
+    // The G3 side keeps its tier directory with --keep; mixed needs the engine side.
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--size",
+        "4MiB",
+        "--row-size",
+        "1MiB",
+        "--iodepth",
+        "1",
+        "--pairs",
+        "1",
+        "--profile",
+        "store",
+        "--keep",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        dir.path()
+            .join("kvtier-fio-compare.g3/kvtier-g3.slab")
+            .exists()
+    );
+    let out = kvtier(&["fio-compare", "--path", d, "--profile", "mixed"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("--kvtier-side engine"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -1,0 +1,234 @@
+//! `kvtier serve` end to end: the endpoint answers /metrics with vLLM's metric names and
+//! /healthz, holds the tier's lock while running, and SIGTERM drains, checkpoints and exits 0.
+//! Also the user-error exits: unreadable config, bad address, layout mismatch.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("spawn kvtier")
+}
+
+fn write_config(dir: &Path) -> std::path::PathBuf {
+    let tier = dir.join("tier");
+    std::fs::create_dir_all(&tier).unwrap();
+    let cfg = dir.join("kvtier.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB",
+                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
+                                      "capacity_bytes": "16MiB"}}]}}"#,
+            tier.display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+fn get(addr: &str, path: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    (head.to_string(), body.to_string())
+}
+
+/// Starts `kvtier serve` and reads the bound address from its first stdout line.
+fn start(args: &[&str]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .arg("serve")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("kvtier serve: listening on http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap_or_else(|| {
+            let _ = child.kill();
+            panic!("unexpected first line: {line:?}")
+        })
+        .to_string();
+    (child, addr)
+}
+
+fn wait_with_timeout(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("kvtier serve did not exit within {limit:?} of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// vLLM 0.33.0's tiering metric names (contract doc section 9.1).
+const VLLM_TIERING_METRICS: [&str; 19] = [
+    "kv_offload_tiering_lookup_sync_delay_seconds",
+    "kv_offload_tiering_lookup_async_delay_seconds",
+    "kv_offload_tiering_read_bytes",
+    "kv_offload_tiering_read_time",
+    "kv_offload_tiering_write_bytes",
+    "kv_offload_tiering_write_time",
+    "kv_offload_tiering_promotion_job_failures",
+    "kv_offload_tiering_cascade_job_failures",
+    "kv_offload_tiering_chunk_queries",
+    "kv_offload_tiering_chunk_hits",
+    "kv_offload_tiering_primary_write_usage_perc",
+    "kv_offload_tiering_primary_read_usage_perc",
+    "kv_offload_tiering_promotion_allocation_failures",
+    "kv_offload_tiering_active_promotion_jobs",
+    "kv_offload_tiering_active_cascade_jobs",
+    "kv_offload_tiering_backpressure_store_latency_ema",
+    "kv_offload_tiering_backpressure_stores_dropped",
+    "kv_offload_tiering_backpressure_blocks_dropped",
+    "kv_offload_tiering_promotion_latency_seconds",
+];
+
+#[test]
+fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = write_config(dir.path());
+    let (mut child, addr) = start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--metrics-prefix",
+        "vllm:",
+    ]);
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
+
+    let (head, body) = get(&addr, "/metrics");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    for name in VLLM_TIERING_METRICS {
+        assert!(
+            body.contains(&format!("# TYPE vllm:{name} ")),
+            "missing vllm:{name} in\n{body}"
+        );
+    }
+    assert!(body.contains("tier=\"0:primary\""), "{body}");
+    assert!(body.contains("tier=\"1:nvme\""), "{body}");
+    let (head, body) = get(&addr, "/healthz");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert_eq!(body, "ok\n");
+    assert!(get(&addr, "/nope").0.starts_with("HTTP/1.1 404"));
+
+    // While serve runs it holds the slab lock: offline verify is refused, naming the holder.
+    let tier = dir.path().join("tier");
+    let locked = kvtier(&["tier", "verify", tier.to_str().unwrap()]);
+    assert_eq!(locked.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&locked.stderr);
+    assert!(
+        err.contains("locked") && err.contains(&child.id().to_string()),
+        "{err}"
+    );
+
+    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let status = wait_with_timeout(&mut child, Duration::from_secs(60));
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("SIGTERM received") && err.contains("stopped cleanly"),
+        "{err}"
+    );
+    assert!(
+        TcpStream::connect(&addr).is_err(),
+        "still listening after exit"
+    );
+
+    // The checkpoint was written and the lock released.
+    assert!(tier.join("kvtier-g3.checkpoint").exists());
+    let inspect = kvtier(&["tier", "inspect", tier.to_str().unwrap(), "--json"]);
+    assert!(inspect.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    assert!(v["files"][0]["locked_by"].is_null(), "{v}");
+}
+
+#[test]
+fn user_mistakes_exit_2_with_one_line() {
+    let one_line = |o: &Output, needle: &str| {
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        assert!(err.contains(needle), "expected {needle:?} in {err}");
+    };
+    one_line(
+        &kvtier(&["serve", "--config", "/nonexistent/kvtier.json"]),
+        "/nonexistent/kvtier.json",
+    );
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let bad = dir.path().join("bad.json");
+    std::fs::write(
+        &bad,
+        r#"{"cpu_bytes_to_use": "8MiB", "secondary_tierz": []}"#,
+    )
+    .unwrap();
+    one_line(
+        &kvtier(&["serve", "--config", bad.to_str().unwrap()]),
+        "secondary_tierz",
+    );
+
+    let cfg = write_config(dir.path());
+    let cfg = cfg.to_str().unwrap();
+    one_line(
+        &kvtier(&["serve", "--config", cfg, "--metrics-addr", "not an address"]),
+        "--metrics-addr",
+    );
+    // A tier formatted for one model refuses another model's layout.
+    let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/mistral-7b.toml");
+    let tier = dir.path().join("tier");
+    let fmt = kvtier(&[
+        "tier",
+        "format",
+        tier.to_str().unwrap(),
+        "--capacity",
+        "16MiB",
+        "--yes",
+    ]);
+    assert!(
+        fmt.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fmt.stderr)
+    );
+    one_line(
+        &kvtier(&[
+            "serve",
+            "--config",
+            cfg,
+            "--layout",
+            layout,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]),
+        "namespace",
+    );
+}
