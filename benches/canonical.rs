@@ -119,9 +119,9 @@ fn ratio_row(tp: u32, rounds: usize, src: &[u8], dst: &mut [u8]) {
     let (mut rg, mut rs) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         let mut best = [f64::MAX; 3];
-        for call in 0..CALLS_PER_ROUND {
-            for k in 0..3 {
-                let which = (k + round + call) % 3;
+        for k in 0..3 {
+            let which = (k + round) % 3;
+            for _ in 0..CALLS_PER_ROUND {
                 let t = match which {
                     0 => once(|| memcpy(dst, src)),
                     1 => once(|| {
