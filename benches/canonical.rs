@@ -8,12 +8,16 @@
 //!
 //! Like with like: memcpy copies one contiguous block of exactly the bytes a gather (or scatter)
 //! of the whole TP group moves, between two buffers of that size, so both sides read and write
-//! the same footprint (2 MiB in, 2 MiB out). Every buffer is filled with non-zero bytes before
-//! timing (no shared zero pages), and the destination of every side goes through `black_box` so
-//! no copy can be elided. Each round times 8 calls each of memcpy, gather and scatter,
-//! interleaved with the order rotating (so a busy machine slows all three alike), keeps each
-//! side's fastest call (dropping preempted ones) and records the round's two ratios; the table prints the median ratio over the rounds with its 10th-90th percentile
-//! spread.
+//! the same footprint (2 MiB in, 2 MiB out). Every buffer is page aligned, as primary rows and
+//! pinned worker pages are (`KVTIER_BENCH_OFFSET=16` shifts every buffer 16 bytes past the page,
+//! where a `Vec` of this size lands), and filled with non-zero bytes before timing (no shared
+//! zero pages); every destination goes through `black_box`, so no copy can be elided.
+//!
+//! Each round runs 8 consecutive calls of memcpy, of gather and of scatter (the side order
+//! rotating per round, so a busy machine slows all three alike) and keeps each side's fastest
+//! call: its buffers warm, preempted calls dropped. The round's two ratios (memcpy time over
+//! gather / scatter time) are recorded; the table prints their median over the rounds with the
+//! 10th-90th percentile spread, and the median throughputs.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -23,21 +27,57 @@ use kvtier::canonical::{ParallelConfig, RowPlan, default_layout, prepare_canonic
 
 const TPS: [u32; 4] = [1, 2, 4, 8];
 const BLOCKS_PER_CHUNK: u32 = 1;
-/// Calls of each side per round; a round keeps each side's fastest call, which filters out
-/// calls that another process preempted.
+/// Consecutive calls of each side per round; a round keeps each side's fastest call (buffers
+/// warm, preempted calls dropped).
 const CALLS_PER_ROUND: usize = 8;
+
+/// Every buffer starts this many bytes past a page boundary (`KVTIER_BENCH_OFFSET`, default 0).
+fn buffer_offset() -> usize {
+    std::env::var("KVTIER_BENCH_OFFSET")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A buffer starting [`buffer_offset`] bytes past a 4 KiB boundary, as primary rows (page
+/// aligned, multiples of 4096) and pinned worker pages are, rather than wherever the allocator
+/// puts a `Vec` (16 bytes past a page for large ones, which splits every head fragment over an
+/// extra cache line).
+struct Buf {
+    storage: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Buf {
+    fn pattern(len: u64, seed: u64) -> Buf {
+        let len = len as usize;
+        let mut storage = vec![0u8; len + 8192];
+        let start = storage.as_ptr().align_offset(4096) + buffer_offset();
+        for (i, x) in storage[start..start + len].iter_mut().enumerate() {
+            *x = ((i as u64 * 31 + seed) % 251 + 1) as u8;
+        }
+        Buf {
+            storage,
+            start,
+            len,
+        }
+    }
+
+    fn get(&self) -> &[u8] {
+        &self.storage[self.start..self.start + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.storage[self.start..self.start + self.len]
+    }
+}
 
 struct Setup {
     plans: Vec<RowPlan>,
-    locals: Vec<Vec<u8>>,
-    row: Vec<u8>,
+    locals: Vec<Buf>,
+    row: Buf,
     bytes: u64,
-}
-
-fn pattern(len: u64, seed: u64) -> Vec<u8> {
-    (0..len)
-        .map(|i| ((i * 31 + seed) % 251 + 1) as u8)
-        .collect()
 }
 
 fn setup(tp: u32) -> Setup {
@@ -52,7 +92,7 @@ fn setup(tp: u32) -> Setup {
     let locals = plans
         .iter()
         .zip(0u64..)
-        .map(|(p, seed)| pattern(p.local_chunk_bytes, seed))
+        .map(|(p, seed)| Buf::pattern(p.local_chunk_bytes, seed))
         .collect();
     let area = plans[0].canonical_area_bytes;
     let bytes = desc.canonical_bytes_per_block() * u64::from(BLOCKS_PER_CHUNK);
@@ -66,23 +106,24 @@ fn setup(tp: u32) -> Setup {
     Setup {
         plans,
         locals,
-        row: pattern(area, 99),
+        row: Buf::pattern(area, 99),
         bytes,
     }
 }
 
 fn gather_all(s: &mut Setup, chunk: u64) {
     for (p, l) in s.plans.iter().zip(&s.locals) {
-        p.gather(black_box(l), black_box(&mut s.row), chunk)
+        p.gather(black_box(l.get()), black_box(s.row.get_mut()), chunk)
             .expect("gather");
     }
-    black_box(&mut s.row);
+    black_box(s.row.get_mut());
 }
 
 fn scatter_all(s: &mut Setup) {
     for (p, l) in s.plans.iter().zip(s.locals.iter_mut()) {
-        p.scatter(black_box(&s.row), black_box(l)).expect("scatter");
-        black_box(l);
+        p.scatter(black_box(s.row.get()), black_box(l.get_mut()))
+            .expect("scatter");
+        black_box(l.get_mut());
     }
 }
 
@@ -104,9 +145,9 @@ fn quantile(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-/// Ratio row for one TP size: `rounds` rounds of [`CALLS_PER_ROUND`] memcpy, gather and scatter
-/// calls each (interleaved, order rotating), the fastest call of each side per round, ratios per
-/// round, their median and 10th-90th percentile printed.
+/// Ratio row for one TP size: `rounds` rounds of [`CALLS_PER_ROUND`] consecutive memcpy, gather
+/// and scatter calls each (side order rotating), the fastest call of each side per round, ratios
+/// per round, their median and 10th-90th percentile printed.
 fn ratio_row(tp: u32, rounds: usize, src: &[u8], dst: &mut [u8]) {
     let mut s = setup(tp);
     assert_eq!(src.len() as u64, s.bytes);
@@ -150,23 +191,25 @@ fn ratio_row(tp: u32, rounds: usize, src: &[u8], dst: &mut [u8]) {
 
 fn main() {
     let bytes = default_layout().canonical_bytes_per_block() * u64::from(BLOCKS_PER_CHUNK);
-    let src = pattern(bytes, 7);
-    let mut dst = pattern(bytes, 3);
+    let src_buf = Buf::pattern(bytes, 7);
+    let mut dst_buf = Buf::pattern(bytes, 3);
+    let (src, dst) = (src_buf.get(), dst_buf.get_mut());
     let rounds = std::env::var("KVTIER_BENCH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
         .filter(|&n: &usize| n > 0)
         .unwrap_or(41);
+    let offset = buffer_offset();
     let table = |dst: &mut [u8]| {
         println!(
-            "canonical gather/scatter vs memcpy, Llama-3.1-8B, {bytes} bytes per chunk, {rounds} rounds of the best of {CALLS_PER_ROUND} interleaved calls, median ratio per round"
+            "canonical gather/scatter vs memcpy, Llama-3.1-8B, {bytes} bytes per chunk, buffers {offset} B past a page, {rounds} rounds of the best of {CALLS_PER_ROUND} calls per side, median ratio (p10-p90)"
         );
         for tp in TPS {
-            ratio_row(tp, rounds, &src, dst);
+            ratio_row(tp, rounds, src, dst);
         }
     };
     if std::env::var_os("KVTIER_BENCH_RATIO_ONLY").is_some() {
-        table(&mut dst);
+        table(dst);
         return;
     }
     let mut c = Criterion::default()
@@ -176,7 +219,7 @@ fn main() {
         .configure_from_args();
     let mut group = c.benchmark_group("canonical_llama_3_1_8b");
     group.throughput(Throughput::Bytes(bytes));
-    group.bench_function("memcpy", |b| b.iter(|| memcpy(&mut dst, &src)));
+    group.bench_function("memcpy", |b| b.iter(|| memcpy(dst, src)));
     for tp in TPS {
         let mut s = setup(tp);
         group.bench_function(format!("gather_tp{tp}"), |b| {
@@ -193,5 +236,5 @@ fn main() {
     group.finish();
     c.final_summary();
     println!();
-    table(&mut dst);
+    table(dst);
 }
