@@ -9,8 +9,9 @@
 //!
 //! The loop runs without per-fragment bounds checks. That is sound because every op's extent is
 //! computed (with overflow checks) when it is pushed, the program keeps the largest extent on
-//! each side, and [`CopyProgram::run`] refuses buffers shorter than those extents before it
-//! touches a byte. This module holds the only `unsafe` of the canonical layout.
+//! each side (a merged op touches exactly the bytes of the ops it was merged from), and
+//! [`CopyProgram::local_to_row`] / [`CopyProgram::row_to_local`] refuse buffers shorter than
+//! those extents before touching a byte. This module holds the only `unsafe` of the canonical layout.
 
 use std::ptr;
 
@@ -100,7 +101,10 @@ impl StridedCopy {
         if !continues {
             return false;
         }
-        self.count += next.count;
+        let Some(count) = self.count.checked_add(next.count) else {
+            return false;
+        };
+        self.count = count;
         (self.local_stride, self.row_stride) = strides;
         true
     }
@@ -136,11 +140,13 @@ impl CopyProgram {
         }
         let local_end = op.end(op.local, op.local_stride)?;
         let row_end = op.end(op.row, op.row_stride)?;
-        let bytes = u64::try_from(op.size.checked_mul(op.count)?).ok()?;
+        let bytes = u64::try_from(op.size.checked_mul(op.count)?)
+            .ok()
+            .and_then(|b| b.checked_add(self.bytes))?;
         let op = op.normalized();
         self.local_extent = self.local_extent.max(local_end);
         self.row_extent = self.row_extent.max(row_end);
-        self.bytes += bytes;
+        self.bytes = bytes;
         if let Some(last) = self.ops.last_mut()
             && last.try_extend(&op)
         {

@@ -12,10 +12,11 @@
 //! copies every run. [`RowPlan::copy_list`] flattens the same plan into `(local, row, len)`
 //! triples for engines that move bytes themselves (GPUDirect Storage, DMA).
 //!
-//! [`RowPlan::new`] compiles the runs once into copy programs ([`copy`](super::copy)): strided
-//! copies with absolute offsets, merged across halves, pages and layers. Load has one program;
-//! store has one per residue of the chunk id modulo the writer rotation period (the lcm of the
-//! layers' `num_writers`), so a call only picks a program and runs it.
+//! [`RowPlan::new`] compiles the runs once into copy programs (private module
+//! `canonical::copy`): strided copies with absolute offsets, merged across halves, pages and
+//! layers. Load has one program; store has one per residue of the chunk id modulo the writer
+//! rotation period (the lcm of the layers' `num_writers`), so a call only picks a program and
+//! runs it.
 
 use serde::Serialize;
 
@@ -291,7 +292,8 @@ impl RowPlan {
     }
 
     /// Store: copies the elected-writer fragments of chunk `chunk_id` from `local` into `row`.
-    /// Returns the bytes copied.
+    /// Returns the bytes copied. Runs at memcpy speed with 64-byte aligned buffers (primary
+    /// rows are page aligned); unaligned ones make head fragments straddle extra cache lines.
     pub fn gather(&self, local: &[u8], row: &mut [u8], chunk_id: u64) -> Result<u64> {
         self.check_lengths(local.len(), row.len())?;
         let c = &self.compiled;
