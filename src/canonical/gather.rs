@@ -11,9 +11,16 @@
 //! Store copies only the runs of canonical pages this rank is the elected writer of; load
 //! copies every run. [`RowPlan::copy_list`] flattens the same plan into `(local, row, len)`
 //! triples for engines that move bytes themselves (GPUDirect Storage, DMA).
+//!
+//! [`RowPlan::new`] compiles the runs once into copy programs (private module
+//! `canonical::copy`): strided copies with absolute offsets, merged across halves, pages and
+//! layers. Load has one program; store has one per residue of the chunk id modulo the writer
+//! rotation period (the lcm of the layers' `num_writers`), so a call only picks a program and
+//! runs it.
 
 use serde::Serialize;
 
+use crate::canonical::copy::{CopyProgram, StridedCopy};
 use crate::canonical::mapping::{CanonicalPageMapping, CopyRun, LayerMapping, MappingKind};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -51,7 +58,38 @@ pub struct LayerPlan {
     pub row_base: u64,
 }
 
+/// Store programs are precompiled for writer rotation periods up to this; longer periods (never
+/// produced by [`crate::canonical::derive_mappings`], where the period divides the TP size up to
+/// this) compile the chunk's program on each call.
+const MAX_PRECOMPILED_PERIOD: u64 = 64;
+
+/// The plan's runs compiled into copy programs by [`RowPlan::new`].
+#[derive(Clone, Default, PartialEq, Eq)]
+struct CompiledPlan {
+    /// Every run of every page (load).
+    load: CopyProgram,
+    /// Writer rotation period: the lcm of the layers' `num_writers`.
+    period: u64,
+    /// Store programs by `chunk_id % period`; empty when `period` exceeds
+    /// [`MAX_PRECOMPILED_PERIOD`].
+    store: Vec<CopyProgram>,
+}
+
+impl std::fmt::Debug for CompiledPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledPlan")
+            .field("load_bytes", &self.load.bytes())
+            .field("period", &self.period)
+            .field("store_programs", &self.store.len())
+            .finish()
+    }
+}
+
 /// Everything one rank needs to gather / scatter chunks of `blocks_per_chunk` blocks.
+///
+/// The public fields describe the plan; what [`RowPlan::gather`] and [`RowPlan::scatter`] move
+/// is compiled from them by [`RowPlan::new`], so build plans with `new` rather than editing the
+/// fields of an existing one.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RowPlan {
     /// The rank.
@@ -66,6 +104,9 @@ pub struct RowPlan {
     pub local_chunk_bytes: u64,
     /// Bytes of the canonical area at the start of the row.
     pub canonical_area_bytes: u64,
+    /// The runs above compiled into copy programs.
+    #[serde(skip)]
+    compiled: CompiledPlan,
 }
 
 impl RowPlan {
@@ -123,14 +164,73 @@ impl RowPlan {
             row_base += row_len;
         }
         let (rank, tp) = mappings.first().map_or((0, 1), |lm| (lm.rank, lm.tp));
-        Ok(RowPlan {
+        let mut plan = RowPlan {
             rank,
             tp,
             blocks_per_chunk,
             layers,
             local_chunk_bytes: local_base,
             canonical_area_bytes: row_base,
+            compiled: CompiledPlan::default(),
+        };
+        plan.compiled = plan.compile()?;
+        Ok(plan)
+    }
+
+    /// Compiles the load program and the store programs of every writer residue.
+    fn compile(&self) -> Result<CompiledPlan> {
+        let mut period = 1u64;
+        for lp in &self.layers {
+            let w = u64::from(lp.mapping.num_writers.max(1));
+            period = period.saturating_mul(w / gcd(period, w));
+        }
+        let load = self.program(None)?;
+        let store = if period <= MAX_PRECOMPILED_PERIOD {
+            (0..period)
+                .map(|r| self.program(Some(r)))
+                .collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(CompiledPlan {
+            load,
+            period,
+            store,
         })
+    }
+
+    /// The copy program of chunk `store_chunk` (elected writers' pages only), or of a load
+    /// (every page) for `None`.
+    fn program(&self, store_chunk: Option<u64>) -> Result<CopyProgram> {
+        let mut program = CopyProgram::default();
+        let mut ok = true;
+        let dir = if store_chunk.is_some() {
+            Direction::Store
+        } else {
+            Direction::Load
+        };
+        self.for_each_run(store_chunk.unwrap_or(0), dir, |local, row, run| {
+            let op = (|| {
+                Some(StridedCopy {
+                    local: usize::try_from(local).ok()?,
+                    row: usize::try_from(row).ok()?,
+                    size: usize::try_from(run.fragment_size).ok()?,
+                    count: usize::try_from(run.num_fragments).ok()?,
+                    local_stride: usize::try_from(run.local_stride).ok()?,
+                    row_stride: usize::try_from(run.canonical_stride).ok()?,
+                })
+            })();
+            ok &= op.and_then(|op| program.push(op)).is_some();
+        });
+        if ok {
+            Ok(program)
+        } else {
+            Err(Error::new(
+                ErrorKind::Internal,
+                "canonical copy plan does not fit the address space".to_string(),
+            )
+            .with("rank", self.rank.to_string()))
+        }
     }
 
     fn check_lengths(&self, local: usize, row: usize) -> Result<()> {
@@ -155,8 +255,9 @@ impl RowPlan {
         Ok(())
     }
 
-    /// Calls `f(local_offset, row_offset, len)` for every fragment to move for chunk `chunk_id`.
-    fn for_each_copy(&self, chunk_id: u64, dir: Direction, mut f: impl FnMut(usize, usize, usize)) {
+    /// Calls `f(local_start, row_start, run)` for every run of every page to move for chunk
+    /// `chunk_id`, in plan order (layer, page, run); the starts are the run's first fragment.
+    fn for_each_run(&self, chunk_id: u64, dir: Direction, mut f: impl FnMut(u64, u64, &CopyRun)) {
         let bpc = u64::from(self.blocks_per_chunk);
         for lp in &self.layers {
             let m = &lp.mapping;
@@ -167,89 +268,60 @@ impl RowPlan {
                 let local_page = lp.local_base + j * m.local_page_size_bytes;
                 let row_page = lp.row_base + j * m.canonical_page_size_bytes;
                 for run in &m.runs {
-                    let size = run.fragment_size as usize;
-                    let mut l = (local_page + run.local_offset) as usize;
-                    let mut c = (row_page + run.canonical_offset) as usize;
-                    for _ in 0..run.num_fragments {
-                        f(l, c, size);
-                        l += run.local_stride as usize;
-                        c += run.canonical_stride as usize;
-                    }
+                    f(
+                        local_page + run.local_offset,
+                        row_page + run.canonical_offset,
+                        run,
+                    );
                 }
             }
         }
     }
 
+    /// Calls `f(local_offset, row_offset, len)` for every fragment to move for chunk `chunk_id`.
+    fn for_each_copy(&self, chunk_id: u64, dir: Direction, mut f: impl FnMut(u64, u64, u64)) {
+        self.for_each_run(chunk_id, dir, |local, row, run| {
+            for (l, c) in run.fragments() {
+                f(
+                    local + l - run.local_offset,
+                    row + c - run.canonical_offset,
+                    run.fragment_size,
+                );
+            }
+        });
+    }
+
     /// Store: copies the elected-writer fragments of chunk `chunk_id` from `local` into `row`.
-    /// Returns the bytes copied.
+    /// Returns the bytes copied. Runs at memcpy speed with 64-byte aligned buffers (primary
+    /// rows are page aligned); unaligned ones make head fragments straddle extra cache lines.
     pub fn gather(&self, local: &[u8], row: &mut [u8], chunk_id: u64) -> Result<u64> {
         self.check_lengths(local.len(), row.len())?;
-        let bpc = u64::from(self.blocks_per_chunk);
-        let mut copied = 0u64;
-        for lp in &self.layers {
-            let m = &lp.mapping;
-            let (lsize, csize) = (
-                m.local_page_size_bytes as usize,
-                m.canonical_page_size_bytes as usize,
-            );
-            for j in 0..bpc {
-                if !m.is_writer(chunk_id * bpc + j) {
-                    continue;
-                }
-                let l0 = (lp.local_base + j * m.local_page_size_bytes) as usize;
-                let c0 = (lp.row_base + j * m.canonical_page_size_bytes) as usize;
-                let (src, dst) = (&local[l0..l0 + lsize], &mut row[c0..c0 + csize]);
-                for run in &m.runs {
-                    copied += copy_run(
-                        &mut dst[run.canonical_offset as usize..],
-                        run.canonical_stride as usize,
-                        &src[run.local_offset as usize..],
-                        run.local_stride as usize,
-                        run,
-                    )
-                    .map_err(|e| self.run_error(lp, e))?;
-                }
-            }
-        }
-        Ok(copied)
+        let c = &self.compiled;
+        let moved = match c.store.get((chunk_id % c.period.max(1)) as usize) {
+            Some(program) => program.local_to_row(local, row),
+            None => self.program(Some(chunk_id))?.local_to_row(local, row),
+        };
+        moved.ok_or_else(|| self.extent_error())
     }
 
     /// Load: copies every fragment of the rank's share from `row` into `local`. Returns the
     /// bytes copied (always `local_chunk_bytes` for a verified plan).
     pub fn scatter(&self, row: &[u8], local: &mut [u8]) -> Result<u64> {
         self.check_lengths(local.len(), row.len())?;
-        let mut copied = 0u64;
-        for lp in &self.layers {
-            let m = &lp.mapping;
-            let (lsize, csize) = (
-                m.local_page_size_bytes as usize,
-                m.canonical_page_size_bytes as usize,
-            );
-            for j in 0..u64::from(self.blocks_per_chunk) {
-                let l0 = (lp.local_base + j * m.local_page_size_bytes) as usize;
-                let c0 = (lp.row_base + j * m.canonical_page_size_bytes) as usize;
-                let (src, dst) = (&row[c0..c0 + csize], &mut local[l0..l0 + lsize]);
-                for run in &m.runs {
-                    copied += copy_run(
-                        &mut dst[run.local_offset as usize..],
-                        run.local_stride as usize,
-                        &src[run.canonical_offset as usize..],
-                        run.canonical_stride as usize,
-                        run,
-                    )
-                    .map_err(|e| self.run_error(lp, e))?;
-                }
-            }
-        }
-        Ok(copied)
+        self.compiled
+            .load
+            .row_to_local(row, local)
+            .ok_or_else(|| self.extent_error())
     }
 
-    fn run_error(&self, lp: &LayerPlan, run: CopyRun) -> Error {
+    /// A compiled program reaching past buffers that passed `check_lengths`: the public fields
+    /// were changed after [`RowPlan::new`].
+    fn extent_error(&self) -> Error {
         Error::new(
             ErrorKind::Internal,
             format!(
-                "layer {}: copy run {run:?} reaches outside its page",
-                lp.layer_name
+                "copy plan reaches past its buffers (local chunk {} bytes, canonical area {} bytes); build plans with RowPlan::new",
+                self.local_chunk_bytes, self.canonical_area_bytes
             ),
         )
         .with("rank", self.rank.to_string())
@@ -259,7 +331,6 @@ impl RowPlan {
     pub fn copy_list(&self, chunk_id: u64, dir: Direction) -> Vec<ByteCopy> {
         let mut out: Vec<ByteCopy> = Vec::new();
         self.for_each_copy(chunk_id, dir, |l, c, n| {
-            let (l, c, n) = (l as u64, c as u64, n as u64);
             if let Some(last) = out.last_mut()
                 && last.local_offset + last.len == l
                 && last.row_offset + last.len == c
@@ -277,68 +348,11 @@ impl RowPlan {
     }
 }
 
-/// Copies the `num_fragments` fragments of `run` from `src` (fragment `i` at `i * src_stride`)
-/// to `dst` (at `i * dst_stride`); both slices start at the run's first fragment. Returns the
-/// bytes copied, or the run if it reaches past either slice (a plan built by [`RowPlan::new`]
-/// never does). Head fragments are small (256 B for one bf16 head of 128 at TP 8), where a call
-/// into `memcpy` costs as much as the copy, so the common sizes are copied as fixed-size arrays
-/// (inlined vector moves) with the size dispatch hoisted out of the fragment loop.
-fn copy_run(
-    dst: &mut [u8],
-    dst_stride: usize,
-    src: &[u8],
-    src_stride: usize,
-    run: &CopyRun,
-) -> Result<u64, CopyRun> {
-    let (size, n) = (run.fragment_size as usize, run.num_fragments as usize);
-    let ok = if n == 1 {
-        match (dst.get_mut(..size), src.get(..size)) {
-            (Some(d), Some(s)) => {
-                d.copy_from_slice(s);
-                true
-            }
-            _ => false,
-        }
-    } else if dst_stride == 0 || src_stride == 0 {
-        false
-    } else {
-        match size {
-            128 => strided::<128>(dst, dst_stride, src, src_stride, n),
-            256 => strided::<256>(dst, dst_stride, src, src_stride, n),
-            512 => strided::<512>(dst, dst_stride, src, src_stride, n),
-            1024 => strided::<1024>(dst, dst_stride, src, src_stride, n),
-            _ => strided_any(dst, dst_stride, src, src_stride, n, size),
-        }
-    };
-    if ok { Ok(run.bytes()) } else { Err(*run) }
-}
-
-fn strided<const N: usize>(dst: &mut [u8], ds: usize, src: &[u8], ss: usize, n: usize) -> bool {
-    let mut done = 0;
-    for (d, s) in dst.chunks_mut(ds).zip(src.chunks(ss)).take(n) {
-        let d = d
-            .get_mut(..N)
-            .and_then(|d| <&mut [u8; N]>::try_from(d).ok());
-        let s = s.get(..N).and_then(|s| <&[u8; N]>::try_from(s).ok());
-        let (Some(d), Some(s)) = (d, s) else {
-            return false;
-        };
-        *d = *s;
-        done += 1;
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
     }
-    done == n
-}
-
-fn strided_any(dst: &mut [u8], ds: usize, src: &[u8], ss: usize, n: usize, size: usize) -> bool {
-    let mut done = 0;
-    for (d, s) in dst.chunks_mut(ds).zip(src.chunks(ss)).take(n) {
-        let (Some(d), Some(s)) = (d.get_mut(..size), s.get(..size)) else {
-            return false;
-        };
-        d.copy_from_slice(s);
-        done += 1;
-    }
-    done == n
+    a
 }
 
 /// Store through a plan (see [`RowPlan::gather`]).
@@ -410,6 +424,60 @@ mod tests {
                 assert_eq!(x, y, "TP {tp} rank {rank}");
             }
         }
+    }
+
+    /// Llama-3.1-8B's runs continue across halves, pages and layers: one strided copy per
+    /// rank (TP 1: one contiguous copy of the whole chunk), for load and for store.
+    #[test]
+    fn llama_plans_compile_to_one_copy() {
+        let d = crate::canonical::default_layout();
+        for tp in [1u32, 2, 4, 8] {
+            let plan = RowPlan::new(&derive_mappings(&d, tp, tp - 1).unwrap(), 2).unwrap();
+            let ops = plan.compiled.load.ops();
+            assert_eq!(ops.len(), 1, "TP {tp}: {ops:?}");
+            assert_eq!(plan.compiled.load.bytes(), plan.local_chunk_bytes);
+            assert_eq!(ops[0].size * ops[0].count, plan.local_chunk_bytes as usize);
+            assert_eq!(
+                ops[0].size,
+                if tp == 1 { 4 << 20 } else { 2048 / tp as usize }
+            );
+            assert_eq!(plan.compiled.store, vec![plan.compiled.load.clone()]);
+        }
+    }
+
+    /// A writer rotation period too long to precompile compiles each chunk's store program
+    /// on the call, with the same result as the copy list.
+    #[test]
+    fn long_writer_periods_compile_per_call() {
+        let d = qwen_3b_reduced();
+        let mut layers = derive_mappings(&d, 2, 1).unwrap();
+        for (lm, writers) in layers.iter_mut().zip([9u32, 8]) {
+            let m = lm.mapping.as_mut().unwrap();
+            (m.num_writers, m.writer_index) = (writers, 5);
+        }
+        let plan = RowPlan::new(&layers, 3).unwrap();
+        assert_eq!(plan.compiled.period, 72);
+        assert!(plan.compiled.store.is_empty());
+        let local: Vec<u8> = (0..plan.local_chunk_bytes)
+            .map(|i| (i % 249) as u8)
+            .collect();
+        let n = plan.canonical_area_bytes as usize;
+        let mut any_written = false;
+        for chunk in 0..30u64 {
+            let (mut a, mut b) = (vec![0u8; n], vec![0u8; n]);
+            let moved = plan.gather(&local, &mut a, chunk).unwrap();
+            any_written |= moved > 0;
+            for c in plan.copy_list(chunk, Direction::Store) {
+                let (l, r, len) = (
+                    c.local_offset as usize,
+                    c.row_offset as usize,
+                    c.len as usize,
+                );
+                b[r..r + len].copy_from_slice(&local[l..l + len]);
+            }
+            assert_eq!(a, b, "chunk {chunk}");
+        }
+        assert!(any_written);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //!    rank's local chunk and the canonical area of a primary row.
 //! 6. [`digest::vllm_digest`] and [`digest::namespace_digest`]: what storage is keyed by.
 
+mod copy;
 pub mod descriptor;
 pub mod digest;
 pub mod gather;
