@@ -15,7 +15,6 @@ use crate::cli::serve_loop::{Service, serve_until_signal};
 use crate::cli::size::format_size;
 use crate::config::KvtierConfig;
 use crate::error::{Error, Result};
-use crate::g3::{G3Tier, G3TierConfig};
 use crate::geometry::ChunkGeometry;
 use crate::region::PrimaryRegion;
 use crate::tiering::factory::TierFactory;
@@ -85,23 +84,10 @@ pub fn build_manager(
     );
     let region = Arc::new(PrimaryRegion::create(rows, stride)?);
     let namespace = namespace_digest(layout, &params);
-    let mut factory = TierFactory::with_builtins();
-    factory.register(
-        "nvme",
-        Arc::new(move |tc, ctx| {
-            let g3 = G3TierConfig::from_tier(tc)?;
-            let tier = G3Tier::open(
-                g3,
-                ctx.region.clone(),
-                namespace,
-                ctx.tier_label.clone(),
-                tc.locality,
-            )?;
-            Ok(Box::new(tier))
-        }),
-    );
+    let factory = TierFactory::with_builtins();
     let opts = ManagerOptions {
         metrics_prefix: metrics_prefix.to_string(),
+        namespace: Some(namespace),
         ..ManagerOptions::default()
     };
     TieringManager::from_config(cfg, region, &factory, opts)
