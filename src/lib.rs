@@ -26,3 +26,19 @@ pub mod tiering;
 
 pub use error::{Error, ErrorKind, Result};
 pub use key::ChunkKey;
+
+/// Reports that a test is skipped because this machine lacks a capability (io_uring, fio,
+/// a mount, a privilege). The line goes straight to the process's stderr, bypassing the test
+/// harness's output capture, so a skip is visible in every test log and never passes silently.
+#[macro_export]
+macro_rules! skip_test {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIP [{}]: {}",
+            module_path!(),
+            format_args!($($arg)*)
+        );
+    }};
+}

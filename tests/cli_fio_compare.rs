@@ -60,7 +60,7 @@ fn bad_path_and_bad_options_exit_2_with_one_line() {
 #[test]
 fn compares_store_and_load_as_json_and_plots() {
     if !fio_installed() {
-        eprintln!("skipping: fio is not installed (apt-get install fio)");
+        kvtier::skip_test!("fio is not installed (apt-get install fio)");
         return;
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -127,7 +127,7 @@ fn compares_store_and_load_as_json_and_plots() {
 #[test]
 fn table_output_names_the_file_state_and_keep_keeps_files() {
     if !fio_installed() {
-        eprintln!("skipping: fio is not installed (apt-get install fio)");
+        kvtier::skip_test!("fio is not installed (apt-get install fio)");
         return;
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();

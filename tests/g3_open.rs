@@ -101,7 +101,7 @@ fn unwritable_directory_is_refused() {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        eprintln!("skipping: chattr +i is not available here");
+        kvtier::skip_test!("chattr +i is not available here");
         return;
     }
     let e = open_err(config(&[&ro], 4), &r);
@@ -190,7 +190,7 @@ fn slab_locked_by_another_process_names_its_pid() {
         .args(["sleep", "30"])
         .spawn()
     else {
-        eprintln!("skipping: the flock command is not available");
+        kvtier::skip_test!("the flock command is not available");
         return;
     };
     assert!(

@@ -295,7 +295,7 @@ fn round_trip_with_every_engine() {
         ) {
             Ok(t) => t,
             Err(e) if kind == IoEngineKind::Uring && e.kind() == ErrorKind::Unsupported => {
-                eprintln!("skipping the uring engine: {e}");
+                kvtier::skip_test!("the uring engine: {e}");
                 continue;
             }
             Err(e) => panic!("{kind:?}: {e}"),

@@ -92,7 +92,7 @@ fn faulty_wrapper_keeps_info_and_prefixes_name() {
 #[test]
 fn file_backed_region_falls_back_to_unregistered_buffers() {
     if let Err(why) = probe_io_uring() {
-        eprintln!("SKIP: io_uring unavailable here: {why}");
+        kvtier::skip_test!("io_uring unavailable here: {why}");
         return;
     }
     const LEN: usize = 4 * 4096;
@@ -220,7 +220,7 @@ fn memlock_limit_enomem_falls_back() {
     let out = match out {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("SKIP: cannot re-run the test as nobody: {e}");
+            kvtier::skip_test!("cannot re-run the test as nobody: {e}");
             return;
         }
     };
@@ -236,7 +236,7 @@ fn memlock_limit_enomem_falls_back() {
 
 fn enomem_body() {
     if let Err(why) = probe_io_uring() {
-        eprintln!("SKIP: io_uring unavailable here: {why}");
+        kvtier::skip_test!("io_uring unavailable here: {why}");
         return;
     }
     let mut lim = libc::rlimit {
@@ -266,7 +266,9 @@ fn enomem_body() {
     )
     .unwrap();
     if h.info.fixed_buffers {
-        eprintln!("SKIP: a {rows} MiB region registered despite the memlock limit (CAP_IPC_LOCK?)");
+        kvtier::skip_test!(
+            "a {rows} MiB region registered despite the memlock limit (CAP_IPC_LOCK?)"
+        );
         return;
     }
     let reason = h.info.fallback_reason.clone().unwrap();

@@ -23,7 +23,7 @@ fn tmp_supports_direct_io_and_enforces_alignment() {
     no_probe_files_left(dir.path());
     eprintln!("/tmp probe: {p:?}");
     if p.fs_type == "tmpfs" {
-        eprintln!("SKIP: /tmp is tmpfs here, which does not enforce O_DIRECT alignment");
+        kvtier::skip_test!("/tmp is tmpfs here, which does not enforce O_DIRECT alignment");
         return;
     }
     assert!(p.o_direct, "{p:?}");
@@ -51,14 +51,14 @@ fn tmp_supports_direct_io_and_enforces_alignment() {
 fn tmpfs_accepts_o_direct_without_enforcing_alignment() {
     let shm = Path::new("/dev/shm");
     if !shm.is_dir() {
-        eprintln!("SKIP: no /dev/shm here");
+        kvtier::skip_test!("no /dev/shm here");
         return;
     }
     let dir = tempfile::tempdir_in(shm).unwrap();
     let p = probe_direct_io(dir.path()).unwrap();
     no_probe_files_left(dir.path());
     if p.fs_type != "tmpfs" {
-        eprintln!("SKIP: /dev/shm is {} here, not tmpfs", p.fs_type);
+        kvtier::skip_test!("/dev/shm is {} here, not tmpfs", p.fs_type);
         return;
     }
     if !p.o_direct {
@@ -159,7 +159,7 @@ fn unwritable_directory_is_an_error_naming_it() {
     let e = match result {
         Err(e) => e,
         Ok(p) => {
-            eprintln!("SKIP: {} is writable here ({p:?})", target.display());
+            kvtier::skip_test!("{} is writable here ({p:?})", target.display());
             return;
         }
     };

@@ -18,7 +18,7 @@ use kvtier::region::PrimaryRegion;
 #[test]
 fn uring_partial_read_continues_into_advanced_buffer() {
     if let Err(why) = probe_io_uring() {
-        eprintln!("SKIP: io_uring unavailable here: {why}");
+        kvtier::skip_test!("io_uring unavailable here: {why}");
         return;
     }
     let mut fds = [0i32; 2];

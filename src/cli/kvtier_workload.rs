@@ -280,7 +280,7 @@ mod tests {
         }) {
             Ok(w) => w,
             Err(e) => {
-                eprintln!("skipping: cannot start an engine with O_DIRECT on /tmp: {e}");
+                crate::skip_test!("cannot start an engine with O_DIRECT on /tmp: {e}");
                 return;
             }
         };

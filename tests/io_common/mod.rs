@@ -119,7 +119,7 @@ impl Fixture {
         let handle = match open_engine(kind, region.clone(), vec![file], &opts) {
             Ok(h) => h,
             Err(e) if e.kind() == kvtier::ErrorKind::Unsupported => {
-                eprintln!("SKIP: {engine:?} engine unavailable here: {e}");
+                kvtier::skip_test!("{engine:?} engine unavailable here: {e}");
                 return None;
             }
             Err(e) => panic!("open_engine({engine:?}): {e}"),

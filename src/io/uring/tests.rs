@@ -52,7 +52,7 @@ fn requests_use_their_piece_and_never_straddle_two() {
     {
         Ok(e) => e,
         Err((e, _)) => {
-            eprintln!("SKIP: io_uring unavailable here: {e}");
+            crate::skip_test!("io_uring unavailable here: {e}");
             return;
         }
     };
