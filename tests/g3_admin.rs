@@ -1,4 +1,4 @@
-//! The admin functions behind `kvtier g3 ...`: format, inspect, list, verify, clear.
+//! The admin functions behind `kvtier tier ...`: format, inspect, list, verify, clear.
 
 mod g3_common;
 

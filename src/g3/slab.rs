@@ -152,7 +152,7 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
             ErrorKind::Corrupt,
             format!(
                 "incomplete G3 stripe set: {} exists but {} is missing; refusing to recreate a \
-                 slab under an existing index (run `kvtier g3 format` to start over)",
+                 slab under an existing index (run `kvtier tier format` to start over)",
                 slab_paths[j].display(),
                 slab_paths[i].display()
             ),
@@ -220,7 +220,7 @@ fn check_superblock(
             ErrorKind::IncompatibleLayout,
             format!(
                 "{}: {what} differs: the tier expects {expected}, the slab holds {found} \
-                 (reformat explicitly with `kvtier g3 format` to discard it)",
+                 (reformat explicitly with `kvtier tier format` to discard it)",
                 p.display()
             ),
         )
