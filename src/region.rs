@@ -20,6 +20,8 @@ use std::ptr::NonNull;
 
 use crate::error::{Error, ErrorKind, Result};
 
+mod huge_pages;
+
 /// Alignment of the region base and of every row (the x86-64 page size).
 pub const ROW_ALIGNMENT: usize = 4096;
 
@@ -40,6 +42,8 @@ pub struct PrimaryRegion {
     num_rows: usize,
     backing: Backing,
     prefault: PrefaultMethod,
+    /// Whether an owned region is backed by 2 MiB pages (see [`huge_pages`]).
+    huge_pages: bool,
 }
 
 /// How the region's pages were faulted in at creation.
@@ -106,25 +110,13 @@ impl PrimaryRegion {
             )
             .with_source(err));
         }
-        // SAFETY: mapping a valid fd of at least `len` bytes; we check for MAP_FAILED.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            let err = std::io::Error::last_os_error();
-            return Err(Error::new(
+        let ptr = huge_pages::map_shared(&fd, len).map_err(|err| {
+            Error::new(
                 ErrorKind::NoSpace,
                 format!("cannot map the primary region ({len} bytes): {err}"),
             )
-            .with_source(err));
-        }
+            .with_source(err)
+        })?;
         let base = NonNull::new(ptr.cast::<u8>())
             .ok_or_else(|| Error::new(ErrorKind::Internal, "mmap returned a null address"))?;
         let mut region = PrimaryRegion {
@@ -133,7 +125,9 @@ impl PrimaryRegion {
             num_rows,
             backing: Backing::Memfd { fd },
             prefault: PrefaultMethod::None,
+            huge_pages: false,
         };
+        region.huge_pages = huge_pages::collapse(region.base.as_ptr(), len);
         region.prefault = region.prefault_pages();
         Ok(region)
     }
@@ -164,6 +158,7 @@ impl PrimaryRegion {
             num_rows,
             backing: Backing::Adopted,
             prefault: PrefaultMethod::None,
+            huge_pages: false,
         })
     }
 
@@ -191,6 +186,13 @@ impl PrimaryRegion {
             off += page;
         }
         PrefaultMethod::TouchPages
+    }
+
+    /// Whether the region is backed by 2 MiB pages, so that rows are physically contiguous
+    /// and a large O_DIRECT transfer is one DMA segment per 2 MiB (always false for an
+    /// adopted region, whose pages are its owner's business).
+    pub fn huge_pages(&self) -> bool {
+        self.huge_pages
     }
 
     /// Bytes per row (a multiple of 4096).

@@ -30,6 +30,16 @@ pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
     Ok(())
 }
 
+/// How the buffer rows are backed, in the words the report uses: an O_DIRECT transfer is one
+/// DMA segment per physically contiguous run, so 4 KiB pages split a large row into many.
+pub fn page_note(region: &PrimaryRegion) -> &'static str {
+    if region.huge_pages() {
+        "buffers in 2 MiB pages"
+    } else {
+        "buffers in 4 KiB pages"
+    }
+}
+
 /// Opens a prepared file for O_DIRECT reads and writes.
 pub fn open_direct(path: &Path) -> Result<File> {
     OpenOptions::new()

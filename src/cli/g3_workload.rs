@@ -87,8 +87,9 @@ impl G3Workload {
     /// The data path as it runs.
     pub fn describe(&self) -> String {
         format!(
-            "G3 tier ({}, O_DIRECT, CRC32, journal, fsync never)",
-            self.engine_name
+            "G3 tier ({}, O_DIRECT, {}, CRC32, journal, fsync never)",
+            self.engine_name,
+            crate::cli::fio_files::page_note(&self.region)
         )
     }
 

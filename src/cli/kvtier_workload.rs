@@ -104,7 +104,8 @@ impl KvtierWorkload {
         } else {
             " (unregistered buffers)"
         });
-        s.push_str(", O_DIRECT");
+        s.push_str(", O_DIRECT, ");
+        s.push_str(crate::cli::fio_files::page_note(self.engine.region()));
         if let Some(why) = &self.info.fallback_reason {
             s.push_str(&format!(", fell back: {why}"));
         }
