@@ -181,13 +181,13 @@ mod tests {
             );
         }
         if !r.huge_pages() {
-            eprintln!("skipping the huge-page check: MADV_COLLAPSE is not available here");
+            crate::skip_test!("skipping the huge-page check: MADV_COLLAPSE is not available here");
             return;
         }
         let whole = (r.len() / HUGE_PAGE * HUGE_PAGE) as u64;
         match pmd_mapped_bytes(r.base_ptr() as usize) {
             Some(kb) => assert_eq!(kb * 1024, whole, "huge_pages() but not PMD-mapped"),
-            None => eprintln!("skipping the smaps check: /proc/self/smaps has no entry"),
+            None => crate::skip_test!("skipping the smaps check: /proc/self/smaps has no entry"),
         }
     }
 
