@@ -3,7 +3,8 @@
 
 use std::hash::Hasher;
 
-use crate::g3::keymap::{KeyTable, advise_huge_pages};
+use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
+use crate::g3::slot_key::SlotKey;
 use crate::key::ChunkKey;
 
 /// A slot number within the stripe set.
@@ -39,10 +40,15 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// The index's hash of a key's bytes.
+/// The index's hash of a key.
 pub fn key_hash(key: &ChunkKey) -> u64 {
+    key_hash_bytes(key.as_bytes())
+}
+
+/// The index's hash of a key's bytes.
+pub fn key_hash_bytes(key: &[u8]) -> u64 {
     let mut h = KeyHasher::default();
-    h.write(key.as_bytes());
+    h.write(key);
     h.finish()
 }
 
@@ -63,7 +69,7 @@ pub enum SlotState {
 
 #[derive(Debug, Clone)]
 struct SlotEntry {
-    key: Option<ChunkKey>,
+    key: SlotKey,
     crc: u32,
     generation: u64,
     state: SlotState,
@@ -112,8 +118,19 @@ pub struct Index {
 impl Index {
     /// An empty index over `total_slots` slots striped across `n_paths` files.
     pub fn new(total_slots: u32, n_paths: usize) -> Self {
+        let mut ix = Self::without_free_list(total_slots, n_paths);
+        ix.free = (0..total_slots).rev().collect();
+        ix
+    }
+
+    /// An empty index whose free list is built by [`Index::finish_recovery`] after replay.
+    pub fn for_recovery(total_slots: u32, n_paths: usize) -> Self {
+        Self::without_free_list(total_slots, n_paths)
+    }
+
+    fn without_free_list(total_slots: u32, n_paths: usize) -> Self {
         let blank = SlotEntry {
-            key: None,
+            key: SlotKey::Empty,
             crc: 0,
             generation: 0,
             state: SlotState::Free,
@@ -121,12 +138,15 @@ impl Index {
             prev: NIL,
             next: NIL,
         };
-        let slots = vec![blank; total_slots as usize];
-        advise_huge_pages(&slots);
+        // Huge pages are asked for before the table is first touched, so that the kernel can
+        // back it with them from the start.
+        let mut slots = Vec::with_capacity(total_slots as usize);
+        advise_huge_pages_spare(&mut slots);
+        slots.resize(total_slots as usize, blank);
         Index {
             map: KeyTable::with_capacity(total_slots as usize),
             slots,
-            free: (0..total_slots).rev().collect(),
+            free: Vec::new(),
             head: NIL,
             tail: NIL,
             n_paths: n_paths.max(1),
@@ -136,9 +156,9 @@ impl Index {
     }
 
     fn find(&self, key: &ChunkKey) -> Option<Slot> {
-        self.map.find(key_hash(key), |s| {
-            self.slots[s as usize].key.as_ref() == Some(key)
-        })
+        let b = key.as_bytes();
+        self.map
+            .find(key_hash_bytes(b), |s| self.slots[s as usize].key.holds(b))
     }
 
     /// Total slots.
@@ -209,13 +229,13 @@ impl Index {
     /// before is dropped. Returns false if `slot` is out of range.
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
         let h = key_hash(&key);
-        self.apply_insert_hashed(key, h, slot, crc, generation)
+        self.apply_insert_hashed(key.as_bytes(), h, slot, crc, generation)
     }
 
-    /// [`Index::apply_insert`] with the key's [`key_hash`] already computed.
+    /// [`Index::apply_insert`] of the key bytes `key`, whose [`key_hash_bytes`] is `h`.
     pub fn apply_insert_hashed(
         &mut self,
-        key: ChunkKey,
+        key: &[u8],
         h: u64,
         slot: Slot,
         crc: u32,
@@ -225,15 +245,12 @@ impl Index {
             return false;
         }
         self.clear_slot(slot);
-        if let Some(old) = self
-            .map
-            .find(h, |s| self.slots[s as usize].key.as_ref() == Some(&key))
-        {
+        if let Some(old) = self.map.find(h, |s| self.slots[s as usize].key.holds(key)) {
             self.clear_slot(old);
         }
         self.map.insert(h, slot);
         let e = &mut self.slots[slot as usize];
-        e.key = Some(key);
+        e.key = SlotKey::from_bytes(key);
         e.crc = crc;
         e.generation = generation;
         e.state = SlotState::Valid;
@@ -258,8 +275,8 @@ impl Index {
             self.unlink(slot);
         }
         let e = &mut self.slots[slot as usize];
-        if let Some(k) = e.key.take() {
-            self.map.remove(key_hash(&k), slot);
+        if let Some(k) = std::mem::take(&mut e.key).bytes() {
+            self.map.remove(key_hash_bytes(k), slot);
         }
         e.state = SlotState::Free;
     }
@@ -288,7 +305,7 @@ impl Index {
                 break s;
             }
             let victim = self.lru_victim()?;
-            let k = self.slots[victim as usize].key.clone();
+            let k = self.slots[victim as usize].key.to_chunk_key();
             self.clear_slot(victim);
             if let Some(k) = k {
                 evicted = Some((k, victim));
@@ -297,7 +314,7 @@ impl Index {
         };
         let e = &mut self.slots[slot as usize];
         e.state = SlotState::Writing;
-        e.key = Some(key.clone());
+        e.key = SlotKey::from_key(key);
         e.crc = 0;
         e.generation = 0;
         self.map.insert(key_hash(key), slot);
@@ -338,8 +355,8 @@ impl Index {
         if e.state != SlotState::Writing {
             return;
         }
-        if let Some(k) = e.key.take() {
-            self.map.remove(key_hash(&k), slot);
+        if let Some(k) = std::mem::take(&mut e.key).bytes() {
+            self.map.remove(key_hash_bytes(k), slot);
         }
         e.state = SlotState::Free;
         self.release(slot);
@@ -381,7 +398,7 @@ impl Index {
         self.valid -= 1;
         self.unlink(slot);
         let e = &mut self.slots[slot as usize];
-        let key = e.key.take();
+        let key = std::mem::take(&mut e.key).to_chunk_key();
         if let Some(k) = &key {
             self.map.remove(key_hash(k), slot);
         }
@@ -416,9 +433,9 @@ impl Index {
         let mut s = self.tail;
         while s != NIL {
             let e = &self.slots[s as usize];
-            if let Some(k) = &e.key {
+            if let Some(key) = e.key.to_chunk_key() {
                 out.push(IndexEntry {
-                    key: k.clone(),
+                    key,
                     slot: s,
                     crc: e.crc,
                     generation: e.generation,
