@@ -4,6 +4,7 @@
 //! cargo bench --bench g3                    # full: 256 KiB / 2 MiB / 8 MiB rows, 3 repetitions
 //! cargo bench --bench g3 -- --quick         # small sizes, to check that it runs
 //! cargo bench --bench g3 -- --recovery-only # only the index recovery figures
+//! cargo bench --bench g3 -- --row-kib 2048  # only 2 MiB rows (then recovery)
 //! KVTIER_G3_BENCH_DIR=/mnt/nvme0/bench cargo bench --bench g3
 //! ```
 //!
@@ -221,6 +222,11 @@ fn main() {
         .map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
     let use_fio = Command::new("fio").arg("--version").output().is_ok();
     let recovery_only = args.iter().any(|a| a == "--recovery-only");
+    let only_row: Option<usize> = args
+        .iter()
+        .position(|a| a == "--row-kib")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| v.parse::<usize>().expect("--row-kib takes a number of KiB") << 10);
     let (sizes, flights, working_set, reps, entries): (Vec<usize>, Vec<u64>, u64, usize, u64) =
         if quick {
             (
@@ -250,7 +256,10 @@ fn main() {
          | fio write GB/s | fio read GB/s | store/fio | load/fio |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for &stride in sizes.iter().filter(|_| !recovery_only) {
+    for &stride in sizes
+        .iter()
+        .filter(|&&s| !recovery_only && only_row.is_none_or(|r| r == s))
+    {
         for &in_flight in &flights {
             if in_flight < stride as u64 {
                 continue;
