@@ -1,6 +1,7 @@
 //! The in-memory index: key -> slot in O(1), per-slot state, and an intrusive LRU list over
 //! slots. It never touches the disk; the journal records what changes it.
 
+use std::collections::HashMap;
 use std::hash::Hasher;
 
 use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
@@ -67,13 +68,15 @@ pub enum SlotState {
     Dead,
 }
 
+/// One slot: exactly one 64-byte cache line (a short key inline, the LRU links, the CRC),
+/// so that replaying or looking up an entry costs one cache miss.
 #[derive(Debug, Clone)]
+#[repr(align(64))]
 struct SlotEntry {
     key: SlotKey,
     crc: u32,
     generation: u64,
     state: SlotState,
-    readers: u32,
     prev: u32,
     next: u32,
 }
@@ -113,7 +116,12 @@ pub struct Index {
     n_paths: usize,
     dead_paths: Vec<bool>,
     valid: usize,
+    /// Reads in flight per pinned slot (few at a time; kept out of the slot entries so that
+    /// each entry fits one cache line).
+    readers: HashMap<Slot, u32>,
 }
+
+const _: () = assert!(std::mem::size_of::<SlotEntry>() == 64);
 
 impl Index {
     /// An empty index over `total_slots` slots striped across `n_paths` files.
@@ -134,7 +142,6 @@ impl Index {
             crc: 0,
             generation: 0,
             state: SlotState::Free,
-            readers: 0,
             prev: NIL,
             next: NIL,
         };
@@ -152,6 +159,7 @@ impl Index {
             n_paths: n_paths.max(1),
             dead_paths: vec![false; n_paths.max(1)],
             valid: 0,
+            readers: HashMap::new(),
         }
     }
 
@@ -328,7 +336,7 @@ impl Index {
                 return None;
             }
             let e = &self.slots[s as usize];
-            if e.readers == 0 && !self.dead_paths[self.path_of(s)] {
+            if !self.readers.contains_key(&s) && !self.dead_paths[self.path_of(s)] {
                 return Some(s);
             }
             s = e.prev;
@@ -372,18 +380,28 @@ impl Index {
         }
         self.unlink(s);
         self.push_mru(s);
-        let e = &mut self.slots[s as usize];
-        e.readers += 1;
-        Some((s, e.crc))
+        *self.readers.entry(s).or_insert(0) += 1;
+        Some((s, self.slots[s as usize].crc))
     }
 
     /// Ends a read of `slot`; frees an orphaned slot when its last read ends.
     pub fn unpin(&mut self, slot: Slot) {
-        let e = &mut self.slots[slot as usize];
-        e.readers = e.readers.saturating_sub(1);
-        if e.readers == 0 && e.state == SlotState::Orphan {
-            e.state = SlotState::Free;
-            self.release(slot);
+        let left = match self.readers.get_mut(&slot) {
+            Some(n) => {
+                *n = n.saturating_sub(1);
+                *n
+            }
+            None => 0,
+        };
+        if left == 0 {
+            self.readers.remove(&slot);
+            let Some(e) = self.slots.get_mut(slot as usize) else {
+                return;
+            };
+            if e.state == SlotState::Orphan {
+                e.state = SlotState::Free;
+                self.release(slot);
+            }
         }
     }
 
@@ -394,7 +412,7 @@ impl Index {
         if e.state != SlotState::Valid {
             return None;
         }
-        let readers = e.readers;
+        let readers = self.readers.get(&slot).copied().unwrap_or(0);
         self.valid -= 1;
         self.unlink(slot);
         let e = &mut self.slots[slot as usize];
