@@ -1,9 +1,11 @@
 //! The in-memory index: key -> slot in O(1), per-slot state, and an intrusive LRU list over
 //! slots. It never touches the disk; the journal records what changes it.
 
+use std::collections::HashMap;
 use std::hash::Hasher;
 
-use crate::g3::keymap::{KeyTable, advise_huge_pages};
+use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
+use crate::g3::slot_key::SlotKey;
 use crate::key::ChunkKey;
 
 /// A slot number within the stripe set.
@@ -39,10 +41,15 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// The index's hash of a key's bytes.
+/// The index's hash of a key.
 pub fn key_hash(key: &ChunkKey) -> u64 {
+    key_hash_bytes(key.as_bytes())
+}
+
+/// The index's hash of a key's bytes.
+pub fn key_hash_bytes(key: &[u8]) -> u64 {
     let mut h = KeyHasher::default();
-    h.write(key.as_bytes());
+    h.write(key);
     h.finish()
 }
 
@@ -61,13 +68,15 @@ pub enum SlotState {
     Dead,
 }
 
+/// One slot: exactly one 64-byte cache line (a short key inline, the LRU links, the CRC),
+/// so that replaying or looking up an entry costs one cache miss.
 #[derive(Debug, Clone)]
+#[repr(align(64))]
 struct SlotEntry {
-    key: Option<ChunkKey>,
+    key: SlotKey,
     crc: u32,
     generation: u64,
     state: SlotState,
-    readers: u32,
     prev: u32,
     next: u32,
 }
@@ -107,38 +116,57 @@ pub struct Index {
     n_paths: usize,
     dead_paths: Vec<bool>,
     valid: usize,
+    /// Reads in flight per pinned slot (few at a time; kept out of the slot entries so that
+    /// each entry fits one cache line).
+    readers: HashMap<Slot, u32>,
 }
+
+const _: () = assert!(std::mem::size_of::<SlotEntry>() == 64);
 
 impl Index {
     /// An empty index over `total_slots` slots striped across `n_paths` files.
     pub fn new(total_slots: u32, n_paths: usize) -> Self {
+        let mut ix = Self::without_free_list(total_slots, n_paths);
+        ix.free = (0..total_slots).rev().collect();
+        ix
+    }
+
+    /// An empty index whose free list is built by [`Index::finish_recovery`] after replay.
+    pub fn for_recovery(total_slots: u32, n_paths: usize) -> Self {
+        Self::without_free_list(total_slots, n_paths)
+    }
+
+    fn without_free_list(total_slots: u32, n_paths: usize) -> Self {
         let blank = SlotEntry {
-            key: None,
+            key: SlotKey::Empty,
             crc: 0,
             generation: 0,
             state: SlotState::Free,
-            readers: 0,
             prev: NIL,
             next: NIL,
         };
-        let slots = vec![blank; total_slots as usize];
-        advise_huge_pages(&slots);
+        // Huge pages are asked for before the table is first touched, so that the kernel can
+        // back it with them from the start.
+        let mut slots = Vec::with_capacity(total_slots as usize);
+        advise_huge_pages_spare(&mut slots);
+        slots.resize(total_slots as usize, blank);
         Index {
             map: KeyTable::with_capacity(total_slots as usize),
             slots,
-            free: (0..total_slots).rev().collect(),
+            free: Vec::new(),
             head: NIL,
             tail: NIL,
             n_paths: n_paths.max(1),
             dead_paths: vec![false; n_paths.max(1)],
             valid: 0,
+            readers: HashMap::new(),
         }
     }
 
     fn find(&self, key: &ChunkKey) -> Option<Slot> {
-        self.map.find(key_hash(key), |s| {
-            self.slots[s as usize].key.as_ref() == Some(key)
-        })
+        let b = key.as_bytes();
+        self.map
+            .find(key_hash_bytes(b), |s| self.slots[s as usize].key.holds(b))
     }
 
     /// Total slots.
@@ -209,13 +237,13 @@ impl Index {
     /// before is dropped. Returns false if `slot` is out of range.
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
         let h = key_hash(&key);
-        self.apply_insert_hashed(key, h, slot, crc, generation)
+        self.apply_insert_hashed(key.as_bytes(), h, slot, crc, generation)
     }
 
-    /// [`Index::apply_insert`] with the key's [`key_hash`] already computed.
+    /// [`Index::apply_insert`] of the key bytes `key`, whose [`key_hash_bytes`] is `h`.
     pub fn apply_insert_hashed(
         &mut self,
-        key: ChunkKey,
+        key: &[u8],
         h: u64,
         slot: Slot,
         crc: u32,
@@ -225,15 +253,12 @@ impl Index {
             return false;
         }
         self.clear_slot(slot);
-        if let Some(old) = self
-            .map
-            .find(h, |s| self.slots[s as usize].key.as_ref() == Some(&key))
-        {
+        if let Some(old) = self.map.find(h, |s| self.slots[s as usize].key.holds(key)) {
             self.clear_slot(old);
         }
         self.map.insert(h, slot);
         let e = &mut self.slots[slot as usize];
-        e.key = Some(key);
+        e.key = SlotKey::from_bytes(key);
         e.crc = crc;
         e.generation = generation;
         e.state = SlotState::Valid;
@@ -258,8 +283,8 @@ impl Index {
             self.unlink(slot);
         }
         let e = &mut self.slots[slot as usize];
-        if let Some(k) = e.key.take() {
-            self.map.remove(key_hash(&k), slot);
+        if let Some(k) = std::mem::take(&mut e.key).bytes() {
+            self.map.remove(key_hash_bytes(k), slot);
         }
         e.state = SlotState::Free;
     }
@@ -288,7 +313,7 @@ impl Index {
                 break s;
             }
             let victim = self.lru_victim()?;
-            let k = self.slots[victim as usize].key.clone();
+            let k = self.slots[victim as usize].key.to_chunk_key();
             self.clear_slot(victim);
             if let Some(k) = k {
                 evicted = Some((k, victim));
@@ -297,7 +322,7 @@ impl Index {
         };
         let e = &mut self.slots[slot as usize];
         e.state = SlotState::Writing;
-        e.key = Some(key.clone());
+        e.key = SlotKey::from_key(key);
         e.crc = 0;
         e.generation = 0;
         self.map.insert(key_hash(key), slot);
@@ -311,7 +336,7 @@ impl Index {
                 return None;
             }
             let e = &self.slots[s as usize];
-            if e.readers == 0 && !self.dead_paths[self.path_of(s)] {
+            if !self.readers.contains_key(&s) && !self.dead_paths[self.path_of(s)] {
                 return Some(s);
             }
             s = e.prev;
@@ -338,8 +363,8 @@ impl Index {
         if e.state != SlotState::Writing {
             return;
         }
-        if let Some(k) = e.key.take() {
-            self.map.remove(key_hash(&k), slot);
+        if let Some(k) = std::mem::take(&mut e.key).bytes() {
+            self.map.remove(key_hash_bytes(k), slot);
         }
         e.state = SlotState::Free;
         self.release(slot);
@@ -355,18 +380,28 @@ impl Index {
         }
         self.unlink(s);
         self.push_mru(s);
-        let e = &mut self.slots[s as usize];
-        e.readers += 1;
-        Some((s, e.crc))
+        *self.readers.entry(s).or_insert(0) += 1;
+        Some((s, self.slots[s as usize].crc))
     }
 
     /// Ends a read of `slot`; frees an orphaned slot when its last read ends.
     pub fn unpin(&mut self, slot: Slot) {
-        let e = &mut self.slots[slot as usize];
-        e.readers = e.readers.saturating_sub(1);
-        if e.readers == 0 && e.state == SlotState::Orphan {
-            e.state = SlotState::Free;
-            self.release(slot);
+        let left = match self.readers.get_mut(&slot) {
+            Some(n) => {
+                *n = n.saturating_sub(1);
+                *n
+            }
+            None => 0,
+        };
+        if left == 0 {
+            self.readers.remove(&slot);
+            let Some(e) = self.slots.get_mut(slot as usize) else {
+                return;
+            };
+            if e.state == SlotState::Orphan {
+                e.state = SlotState::Free;
+                self.release(slot);
+            }
         }
     }
 
@@ -377,11 +412,11 @@ impl Index {
         if e.state != SlotState::Valid {
             return None;
         }
-        let readers = e.readers;
+        let readers = self.readers.get(&slot).copied().unwrap_or(0);
         self.valid -= 1;
         self.unlink(slot);
         let e = &mut self.slots[slot as usize];
-        let key = e.key.take();
+        let key = std::mem::take(&mut e.key).to_chunk_key();
         if let Some(k) = &key {
             self.map.remove(key_hash(k), slot);
         }
@@ -416,9 +451,9 @@ impl Index {
         let mut s = self.tail;
         while s != NIL {
             let e = &self.slots[s as usize];
-            if let Some(k) = &e.key {
+            if let Some(key) = e.key.to_chunk_key() {
                 out.push(IndexEntry {
-                    key: k.clone(),
+                    key,
                     slot: s,
                     crc: e.crc,
                     generation: e.generation,

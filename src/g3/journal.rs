@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::format::{le_u32, le_u64};
 use crate::g3::index::{IndexEntry, Slot};
+use crate::g3::record_reader::{check_records, records};
 use crate::g3::slab::sync_dir;
 use crate::key::ChunkKey;
 
@@ -32,8 +33,8 @@ pub const RECORD_HEADER_SIZE: usize = 24;
 /// Longest key a record can hold.
 pub const MAX_KEY_LEN: usize = u16::MAX as usize;
 
-const KIND_INSERT: u8 = 1;
-const KIND_REMOVE: u8 = 2;
+pub(crate) const KIND_INSERT: u8 = 1;
+pub(crate) const KIND_REMOVE: u8 = 2;
 
 /// The header of a journal or checkpoint file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -157,41 +158,12 @@ fn encode(out: &mut Vec<u8>, kind: u8, key: &[u8], slot: Slot, crc: u32, generat
 
 /// Decodes records from `body` (the bytes after the file header), calling `f` for each valid
 /// one. Returns `(valid_bytes, problem)`: decoding stops at the first torn or corrupt record,
-/// described by `problem`.
+/// described by `problem`. (Recovery streams files with
+/// [`crate::g3::record_reader::stream_records`] instead, which applies the same checks.)
 pub fn decode_records(body: &[u8], mut f: impl FnMut(Record)) -> (usize, Option<String>) {
-    let mut off = 0;
-    while off < body.len() {
-        let rest = &body[off..];
-        if rest.len() < RECORD_HEADER_SIZE {
-            return (off, Some(format!("torn record header at offset {off}")));
-        }
-        let key_len = usize::from(u16::from_le_bytes([rest[6], rest[7]]));
-        let len = RECORD_HEADER_SIZE + key_len;
-        if rest.len() < len {
-            return (off, Some(format!("torn record at offset {off}")));
-        }
-        if crc32fast::hash(&rest[4..len]) != le_u32(rest, 0) {
-            return (off, Some(format!("record CRC mismatch at offset {off}")));
-        }
-        let slot = le_u32(rest, 8);
-        match rest[4] {
-            KIND_INSERT => f(Record::Insert {
-                key: ChunkKey::new(&rest[RECORD_HEADER_SIZE..len]),
-                slot,
-                crc: le_u32(rest, 12),
-                generation: le_u64(rest, 16),
-            }),
-            KIND_REMOVE => f(Record::Remove { slot }),
-            k => {
-                return (
-                    off,
-                    Some(format!("unknown record kind {k} at offset {off}")),
-                );
-            }
-        }
-        off += len;
-    }
-    (off, None)
+    let (valid, problem) = check_records(body, 0, true);
+    records(&body[..valid]).for_each(|r| f(r.to_record()));
+    (valid, problem)
 }
 
 /// Appends records to the journal. After a failed write or sync it is poisoned and refuses

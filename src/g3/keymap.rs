@@ -145,17 +145,26 @@ pub fn prefetch<T>(x: &T) {
 /// Asks for transparent huge pages over the page-aligned part of a large vector (a hint: the
 /// result is ignored; small vectors are left alone).
 pub fn advise_huge_pages<T>(v: &[T]) {
+    advise_range(v.as_ptr() as usize, std::mem::size_of_val(v));
+}
+
+/// [`advise_huge_pages`] over a vector's unused capacity, before it is first written (pages
+/// already touched are not backed by huge pages until the kernel collapses them later).
+pub fn advise_huge_pages_spare<T>(v: &mut Vec<T>) {
+    let spare = v.spare_capacity_mut();
+    advise_range(spare.as_ptr() as usize, std::mem::size_of_val(spare));
+}
+
+fn advise_range(start: usize, bytes: usize) {
     const HUGE: usize = 2 << 20;
-    let bytes = std::mem::size_of_val(v);
     if bytes < 2 * HUGE {
         return;
     }
-    let start = v.as_ptr() as usize;
     let aligned = (start + HUGE - 1) & !(HUGE - 1);
     let end = (start + bytes) & !(HUGE - 1);
     if end > aligned {
-        // SAFETY: the range lies inside memory owned by `v`; MADV_HUGEPAGE only changes how
-        // the kernel backs it, never its contents.
+        // SAFETY: callers pass a range inside an allocation they own; MADV_HUGEPAGE only
+        // changes how the kernel backs it, never its contents.
         unsafe {
             libc::madvise(
                 aligned as *mut libc::c_void,

@@ -16,8 +16,10 @@ pub mod index;
 pub mod journal;
 pub mod keymap;
 pub mod metrics;
+pub mod record_reader;
 pub mod recovery;
 pub mod slab;
+pub mod slot_key;
 pub mod tier;
 mod worker;
 

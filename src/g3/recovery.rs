@@ -6,15 +6,18 @@
 //! warning. Entries lost that way become misses, and their slots are reused. Every entry that
 //! survives still carries its data CRC, checked on every load.
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::g3::index::{Index, key_hash};
+use crate::g3::index::{Index, key_hash_bytes};
 use crate::g3::journal::{
     CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
-    JOURNAL_MAGIC, JournalWriter, Record, decode_records, write_checkpoint,
+    JOURNAL_MAGIC, JournalWriter, write_checkpoint,
 };
+use crate::g3::record_reader::{RecordRef, records, stream_records};
 
 /// What recovery found.
 #[derive(Debug)]
@@ -39,11 +42,11 @@ pub struct Recovered {
     pub duration: Duration,
 }
 
-/// Applies decoded records in small batches, prefetching what each insert will touch one
-/// batch ahead so that the cache misses of a batch overlap.
+/// Applies checked records in small batches, prefetching what each insert will touch one
+/// batch ahead so that the cache misses of a batch overlap. Keys are hashed and copied into
+/// the index straight from the read buffer.
 #[derive(Default)]
 struct Replay {
-    batch: Vec<(Record, u64)>,
     records: u64,
     max_gen: u64,
     out_of_range: u64,
@@ -52,26 +55,31 @@ struct Replay {
 const REPLAY_BATCH: usize = 16;
 
 impl Replay {
-    fn push(&mut self, index: &mut Index, r: Record) {
-        let h = match &r {
-            Record::Insert { key, slot, .. } => {
-                let h = key_hash(key);
-                index.prefetch_insert(h, *slot);
-                h
+    /// Applies the records of `chunk` (whole records, already CRC-checked).
+    fn apply(&mut self, index: &mut Index, chunk: &[u8]) {
+        let mut batch = Vec::with_capacity(REPLAY_BATCH);
+        for r in records(chunk) {
+            let h = match r {
+                RecordRef::Insert { key, slot, .. } => {
+                    let h = key_hash_bytes(key);
+                    index.prefetch_insert(h, slot);
+                    h
+                }
+                RecordRef::Remove { .. } => 0,
+            };
+            batch.push((r, h));
+            if batch.len() == REPLAY_BATCH {
+                self.flush(index, &mut batch);
             }
-            Record::Remove { .. } => 0,
-        };
-        self.batch.push((r, h));
-        if self.batch.len() >= REPLAY_BATCH {
-            self.flush(index);
         }
+        self.flush(index, &mut batch);
     }
 
-    fn flush(&mut self, index: &mut Index) {
-        for (r, h) in self.batch.drain(..) {
+    fn flush(&mut self, index: &mut Index, batch: &mut Vec<(RecordRef<'_>, u64)>) {
+        for (r, h) in batch.drain(..) {
             self.records += 1;
             let ok = match r {
-                Record::Insert {
+                RecordRef::Insert {
                     key,
                     slot,
                     crc,
@@ -80,7 +88,7 @@ impl Replay {
                     self.max_gen = self.max_gen.max(generation);
                     index.apply_insert_hashed(key, h, slot, crc, generation)
                 }
-                Record::Remove { slot } => index.apply_remove(slot),
+                RecordRef::Remove { slot } => index.apply_remove(slot),
             };
             if !ok {
                 self.out_of_range += 1;
@@ -89,12 +97,26 @@ impl Replay {
     }
 }
 
-fn read_optional(p: &Path) -> Result<Option<Vec<u8>>> {
-    match std::fs::read(p) {
-        Ok(b) => Ok(Some(b)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io("read", p, e)),
+/// Opens `p` and reads its header bytes (fewer when the file is shorter); `None` when the
+/// file does not exist.
+fn open_optional(p: &Path) -> Result<Option<(File, Vec<u8>)>> {
+    let f = match File::open(p) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("open", p, e)),
+    };
+    let mut header = vec![0u8; FILE_HEADER_SIZE];
+    let mut n = 0;
+    while n < header.len() {
+        match f.read_at(&mut header[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("read", p, e)),
+        }
     }
+    header.truncate(n);
+    Ok(Some((f, header)))
 }
 
 /// Rebuilds the index of the stripe set `set_uuid` from the files in `dir`.
@@ -105,7 +127,7 @@ pub fn recover(
     n_paths: usize,
 ) -> Result<Recovered> {
     let start = Instant::now();
-    let mut index = Index::new(total_slots, n_paths);
+    let mut index = Index::for_recovery(total_slots, n_paths);
     let mut warnings = Vec::new();
     let mut warn = |w: String| {
         log::warn!("{w}");
@@ -117,8 +139,8 @@ pub fn recover(
     let mut ckpt_seq = 0;
     let mut next_generation = 1;
     let mut have_ckpt = false;
-    if let Some(bytes) = read_optional(&ckpt_path)? {
-        match FileHeader::decode(&bytes, CHECKPOINT_MAGIC, &ckpt_path) {
+    if let Some((file, header)) = open_optional(&ckpt_path)? {
+        match FileHeader::decode(&header, CHECKPOINT_MAGIC, &ckpt_path) {
             Err(e) => warn(format!("ignoring G3 checkpoint: {e}")),
             Ok(h) if h.set_uuid != set_uuid => warn(format!(
                 "ignoring G3 checkpoint {}: it belongs to stripe set {}, not {}",
@@ -130,13 +152,11 @@ pub fn recover(
                 have_ckpt = true;
                 ckpt_seq = h.seq;
                 next_generation = h.next_generation;
-                let mut n = 0u64;
-                let (_, problem) = decode_records(&bytes[FILE_HEADER_SIZE..], |r| {
-                    n += 1;
-                    replay.push(&mut index, r)
-                });
-                replay.flush(&mut index);
-                if let Some(p) = problem {
+                let end = stream_records(&file, &ckpt_path, FILE_HEADER_SIZE as u64, |c| {
+                    replay.apply(&mut index, c)
+                })?;
+                let n = replay.records;
+                if let Some(p) = end.problem {
                     warn(format!(
                         "G3 checkpoint {} is damaged ({p}); {n} of {} entries recovered",
                         ckpt_path.display(),
@@ -156,8 +176,8 @@ pub fn recover(
     let jpath = dir.join(JOURNAL_FILE_NAME);
     let mut journal_valid_len = None;
     let mut cut_bytes = 0;
-    if let Some(bytes) = read_optional(&jpath)? {
-        match FileHeader::decode(&bytes, JOURNAL_MAGIC, &jpath) {
+    if let Some((file, header)) = open_optional(&jpath)? {
+        match FileHeader::decode(&header, JOURNAL_MAGIC, &jpath) {
             Err(e) => warn(format!("ignoring G3 journal: {e}")),
             Ok(h) if h.set_uuid != set_uuid => warn(format!(
                 "ignoring G3 journal {}: it belongs to stripe set {}, not {}",
@@ -178,18 +198,19 @@ pub fn recover(
                         h.seq
                     ));
                 }
-                let body = &bytes[FILE_HEADER_SIZE..];
-                let (valid, problem) = decode_records(body, |r| replay.push(&mut index, r));
-                replay.flush(&mut index);
-                if let Some(p) = problem {
-                    cut_bytes = (body.len() - valid) as u64;
+                let end = stream_records(&file, &jpath, FILE_HEADER_SIZE as u64, |c| {
+                    replay.apply(&mut index, c)
+                })?;
+                let valid = end.valid;
+                if let Some(p) = end.problem {
+                    cut_bytes = end.total - valid;
                     warn(format!(
                         "G3 journal {}: {p}; cutting off the last {cut_bytes} bytes",
                         jpath.display()
                     ));
                 }
                 if h.seq == ckpt_seq {
-                    journal_valid_len = Some((FILE_HEADER_SIZE + valid) as u64);
+                    journal_valid_len = Some(FILE_HEADER_SIZE as u64 + valid);
                 }
             }
         }

@@ -134,6 +134,9 @@ pub(crate) struct Worker {
     checkpoint_on_close: bool,
     /// Store jobs whose writes completed, waiting for the next group commit.
     commits: Vec<Active>,
+    /// Jobs whose transfers all completed, finished (load CRC checks, commit queueing) once
+    /// the budget they freed has been refilled with new submissions.
+    completed: Vec<Active>,
 }
 
 impl Worker {
@@ -162,6 +165,7 @@ impl Worker {
             shutdown_ack: None,
             checkpoint_on_close: true,
             commits: Vec::new(),
+            completed: Vec::new(),
         }
     }
 
@@ -178,7 +182,11 @@ impl Worker {
         let mut completions = self.engine.completions().clone();
         let mut cmd_open = true;
         loop {
+            // Submit first, so that the device has work during the CRC checks that follow.
             self.pump();
+            for a in std::mem::take(&mut self.completed) {
+                self.finish(a);
+            }
             // Group commit once the completions that are already there are handled (or
             // when the group is large).
             if !self.commits.is_empty()
@@ -233,6 +241,7 @@ impl Worker {
 
     fn idle(&self) -> bool {
         self.active.is_empty()
+            && self.completed.is_empty()
             && self.ops.is_empty()
             && self.queue.is_empty()
             && self.commits.is_empty()
@@ -310,14 +319,17 @@ impl Worker {
             .metrics
             .bytes_in_flight
             .store(self.in_flight, Ordering::Relaxed);
-        if !batch.is_empty()
-            && let Err(e) = self.engine.submit(&batch)
-        {
-            for op in batch {
-                self.complete(IoCompletion {
-                    tag: op.tag,
-                    result: Err(e.duplicate()),
-                });
+        if !batch.is_empty() {
+            match self.engine.submit(&batch) {
+                Ok(()) => self.checksum_submitted_writes(&batch),
+                Err(e) => {
+                    for op in batch {
+                        self.complete(IoCompletion {
+                            tag: op.tag,
+                            result: Err(e.duplicate()),
+                        });
+                    }
+                }
             }
         }
     }
@@ -405,7 +417,10 @@ impl Worker {
         a.remaining -= 1;
         match c.result {
             Ok(n) if n as u64 == stride => {
-                a.status[i] = KeyStatus::Done;
+                // A key that failed while its transfer was in flight stays failed.
+                if a.status[i] == KeyStatus::Pending {
+                    a.status[i] = KeyStatus::Done;
+                }
                 a.bytes += stride;
                 let ctr = if a.load {
                     &self.sh.metrics.bytes_read
@@ -432,7 +447,7 @@ impl Worker {
         if a.remaining == 0
             && let Some(a) = self.active.remove(&serial)
         {
-            self.finish(a);
+            self.completed.push(a);
         }
     }
 
@@ -443,6 +458,9 @@ impl Worker {
         );
         let e = Error::new(ErrorKind::Closed, "the I/O engine stopped");
         *self.sh.failed.lock() = Some(e.duplicate());
+        for a in std::mem::take(&mut self.completed) {
+            self.finish(a);
+        }
         let serials: Vec<u32> = self.active.keys().copied().collect();
         for s in serials {
             if let Some(mut a) = self.active.remove(&s) {

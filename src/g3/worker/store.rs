@@ -8,6 +8,7 @@ use super::{Active, KeyStatus, Worker};
 use crate::error::{Error, ErrorKind};
 use crate::g3::config::FsyncPolicy;
 use crate::g3::journal::MAX_KEY_LEN;
+use crate::io::{IoDir, IoRequest};
 use crate::key::ChunkKey;
 
 impl Worker {
@@ -114,22 +115,35 @@ impl Worker {
                         a.fail(i, e.duplicate());
                     }
                 }
-                return;
             }
         }
+        // The rows' CRCs are computed once their writes are submitted
+        // (`checksum_submitted_writes`), so that hashing overlaps the device's work.
+    }
+
+    /// CRC-32 of the rows whose writes were just submitted, computed while those writes are
+    /// in flight. The manager pins a store job's rows (nobody writes them) until the job is
+    /// reported, so this is the CRC of the bytes being written; it reaches the journal and
+    /// the index only after the write completed (`flush_commits`).
+    pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
         let region = self.engine.region().clone();
-        for i in 0..a.keys.len() {
-            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
-                // SAFETY: the manager pins a store job's rows (no writer) until the job is
-                // reported; the row index was range-checked above.
-                let crc = match unsafe { region.row(a.rows[i] as usize) } {
-                    Ok(bytes) => crc32fast::hash(bytes),
-                    Err(e) => {
-                        a.fail(i, e);
-                        continue;
-                    }
-                };
-                a.slots[i] = Some((slot, crc));
+        for op in batch.iter().filter(|op| op.dir == IoDir::Write) {
+            let serial = (op.tag >> 32) as u32;
+            let i = (op.tag & 0xffff_ffff) as usize;
+            let Some(a) = self.active.get_mut(&serial) else {
+                continue;
+            };
+            let (Some(&row), Some(Some((slot, _)))) = (a.rows.get(i), a.slots.get(i).copied())
+            else {
+                continue;
+            };
+            // SAFETY: the row is pinned (no writer) until the job is reported, and was
+            // range-checked in `prepare_store`; O_DIRECT only reads it meanwhile.
+            match unsafe { region.row(row as usize) } {
+                Ok(bytes) => a.slots[i] = Some((slot, crc32fast::hash(bytes))),
+                // Unreachable after the range check; the key fails rather than journaling
+                // a CRC that was never computed.
+                Err(e) => a.fail(i, e),
             }
         }
     }
