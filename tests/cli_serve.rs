@@ -143,6 +143,8 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
         err.contains("locked") && err.contains(&child.id().to_string()),
         "{err}"
     );
+    // The holder's pid is said once, not again as a context pair.
+    assert!(!err.contains("(pid: "), "{err}");
 
     // SAFETY: sending SIGTERM to our own child process; no memory is involved.
     let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };

@@ -22,6 +22,7 @@ pub mod output;
 pub mod plot;
 pub mod serve;
 pub mod serve_loop;
+pub mod sigpipe;
 pub mod size;
 pub mod stats;
 pub mod tier_cmd;
@@ -105,6 +106,9 @@ pub fn report(e: &Error) -> ExitCode {
 pub fn main() -> ExitCode {
     logger::init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        sigpipe::restore_default();
+    }
     let result = match cli.command {
         Command::Version => {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));

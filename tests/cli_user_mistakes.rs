@@ -1,0 +1,64 @@
+//! Mistakes a first user makes, each answered by one `kvtier: error:` line naming the flag,
+//! key or path, with exit 2, and never a panic; and output cut short by a closed pipe ends
+//! quietly instead of panicking.
+
+use std::process::{Command, Output, Stdio};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("spawn kvtier")
+}
+
+fn assert_user_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(out.stdout.is_empty(), "{:?}", out.stdout);
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with("kvtier: error: "), "{stderr}");
+    assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+}
+
+#[test]
+fn bench_bytes_zero_is_refused() {
+    assert_user_error(&kvtier(&["bench", "--bytes", "0"]), "--bytes");
+}
+
+#[test]
+fn serve_refuses_a_primary_larger_than_memory_before_allocating_it() {
+    if std::fs::read_to_string("/proc/meminfo").is_err() {
+        eprintln!("skipping: no /proc/meminfo, so kvtier cannot know the memory available");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = dir.path().join("big.json");
+    std::fs::write(&cfg, r#"{"cpu_bytes_to_use": "64TiB"}"#).unwrap();
+    let out = kvtier(&[
+        "serve",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    assert_user_error(&out, "cpu_bytes_to_use");
+}
+
+#[test]
+fn a_closed_stdout_ends_the_command_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    // Nobody reads: every write to stdout fails with EPIPE, like `kvtier ... | head -1` after
+    // head has exited.
+    drop(reader);
+    let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/llama-3.1-8b.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["layout", "show", layout, "--tp", "1"])
+        .stdout(Stdio::from(writer))
+        .stderr(Stdio::piped())
+        .output()
+        .expect("spawn kvtier");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+}
