@@ -28,7 +28,7 @@ fn bench_bytes_zero_is_refused() {
 #[test]
 fn serve_refuses_a_primary_larger_than_memory_before_allocating_it() {
     if std::fs::read_to_string("/proc/meminfo").is_err() {
-        eprintln!("skipping: no /proc/meminfo, so kvtier cannot know the memory available");
+        kvtier::skip_test!("no /proc/meminfo, so kvtier cannot know the memory available");
         return;
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -61,4 +61,29 @@ fn a_closed_stdout_ends_the_command_without_a_panic() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+}
+
+#[test]
+fn fio_compare_refuses_a_plot_in_a_missing_folder_before_running() {
+    if !Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        kvtier::skip_test!("fio is not installed (fio-compare checks for it first)");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        dir.path().to_str().unwrap(),
+        "--size",
+        "4MiB",
+        "--plot",
+        "/nonexistent/kvtier/depth.svg",
+    ]);
+    assert_user_error(&out, "--plot");
+    // Refused up front: no test file was made.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }

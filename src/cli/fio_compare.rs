@@ -316,6 +316,16 @@ impl Plan {
         if args.pairs == 0 {
             return Err(Error::config("--pairs", "must be at least 1"));
         }
+        // Found out before the runs, not after minutes of them.
+        if let Some(svg) = &args.plot {
+            let parent = svg.parent().filter(|p| !p.as_os_str().is_empty());
+            if parent.is_some_and(|p| !p.is_dir()) {
+                return Err(Error::config(
+                    "--plot",
+                    format!("{}: its folder does not exist", svg.display()),
+                ));
+            }
+        }
         let mut depths = if args.plot.is_some() {
             if args.depths.is_empty() {
                 std::iter::successors(Some(1u32), |d| d.checked_mul(2))
