@@ -87,3 +87,18 @@ fn fio_compare_refuses_a_plot_in_a_missing_folder_before_running() {
     // Refused up front: no test file was made.
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }
+
+#[test]
+fn tier_commands_on_a_folder_without_a_tier_say_how_to_make_one() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    for cmd in ["inspect", "verify", "ls"] {
+        let out = kvtier(&["tier", cmd, d]);
+        assert_user_error(&out, "holds no G3 tier");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"),
+            "{cmd}"
+        );
+    }
+    assert_user_error(&kvtier(&["tier", "clear", d, "--yes"]), "holds no G3 tier");
+}
