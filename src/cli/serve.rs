@@ -14,7 +14,7 @@ use crate::cli::http::DEFAULT_METRICS_ADDR;
 use crate::cli::serve_loop::{Service, serve_until_signal};
 use crate::cli::size::format_size;
 use crate::config::KvtierConfig;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::region::PrimaryRegion;
 use crate::tiering::factory::TierFactory;
@@ -53,7 +53,30 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         Some(p) => LayoutDescriptor::load(p)?,
         None => default_layout(),
     };
-    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix)?;
+    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix).map_err(|e| {
+        if e.kind() != ErrorKind::IncompatibleLayout {
+            return e;
+        }
+        // Say which inputs make the namespace and how to format a tier that matches.
+        Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
+                 canonical_layout = {} in {}: format the tier to match (`kvtier tier format \
+                 PATH... --capacity SIZE --layout FILE --tp N --blocks-per-chunk N{}`)",
+                e.message(),
+                layout.model_name,
+                args.tp,
+                cfg.canonical_layout,
+                args.config.display(),
+                if cfg.canonical_layout {
+                    " --canonical"
+                } else {
+                    ""
+                }
+            ),
+        )
+    })?;
     serve_until_signal(&args.metrics_addr, Box::new(ManagerService { manager }))?;
     Ok(ExitCode::SUCCESS)
 }
@@ -134,7 +157,6 @@ impl Service for ManagerService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::ErrorKind;
 
     #[test]
     fn a_region_larger_than_available_memory_is_a_config_error() {

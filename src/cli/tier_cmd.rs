@@ -94,6 +94,11 @@ pub struct FormatArgs {
     /// GPU blocks per chunk.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub blocks_per_chunk: u32,
+    /// Rows hold the canonical layout (`canonical_layout = true` in the config that will use
+    /// the tier; `kvtier bench` tiers are canonical). Default: the direct layout, the config
+    /// default. The two have different namespace digests, so this must match the config.
+    #[arg(long)]
+    pub canonical: bool,
     /// O_DIRECT policy: required (a path without it is an error) or auto.
     #[arg(long, default_value = "required", value_parser = parse_direct_io, value_name = "MODE")]
     pub direct_io: DirectIoMode,
@@ -152,7 +157,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         Some(p) => LayoutDescriptor::load(p)?,
         None => default_layout(),
     };
-    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, true)?;
+    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, a.canonical)?;
     let existing: Vec<PathBuf> = a
         .paths
         .iter()
@@ -180,11 +185,12 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         print_json(&InspectOutput::new(&report, &a.paths))?;
     } else {
         println!(
-            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk)",
+            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk, {} layout)",
             a.paths.len(),
             layout.model_name,
             a.tp,
-            a.blocks_per_chunk
+            a.blocks_per_chunk,
+            if a.canonical { "canonical" } else { "direct" }
         );
         print!("{}", render_inspect(&InspectOutput::new(&report, &a.paths)));
     }
