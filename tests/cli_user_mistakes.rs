@@ -102,3 +102,16 @@ fn tier_commands_on_a_folder_without_a_tier_say_how_to_make_one() {
     }
     assert_user_error(&kvtier(&["tier", "clear", d, "--yes"]), "holds no G3 tier");
 }
+
+#[test]
+fn bench_in_a_folder_it_cannot_write_is_a_user_error() {
+    // /proc refuses new directories even to root, like a read-only mount.
+    if !std::path::Path::new("/proc/self").exists() {
+        kvtier::skip_test!("no /proc here");
+        return;
+    }
+    assert_user_error(
+        &kvtier(&["bench", "--path", "/proc", "--bytes", "2MiB"]),
+        "cannot create a directory in /proc",
+    );
+}
