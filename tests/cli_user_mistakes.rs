@@ -115,3 +115,28 @@ fn bench_in_a_folder_it_cannot_write_is_a_user_error() {
         "cannot create a directory in /proc",
     );
 }
+
+#[test]
+fn two_nvme_tiers_on_one_directory_are_refused_by_config_check_and_serve() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let cfg = dir.path().join("dup.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB", "secondary_tiers": [
+                {{"type": "nvme", "paths": ["{t}"], "capacity_bytes": "16MiB"}},
+                {{"type": "nvme", "paths": ["{t}/."], "capacity_bytes": "16MiB"}}]}}"#,
+            t = tier.display()
+        ),
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    assert_user_error(
+        &kvtier(&["config", "check", cfg]),
+        "secondary_tiers[1].paths[0]",
+    );
+    let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    assert_user_error(&out, "also a path of secondary_tiers[0]");
+}
