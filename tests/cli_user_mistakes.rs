@@ -140,3 +140,20 @@ fn two_nvme_tiers_on_one_directory_are_refused_by_config_check_and_serve() {
     let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
     assert_user_error(&out, "also a path of secondary_tiers[0]");
 }
+
+#[test]
+fn a_typo_in_an_option_is_one_line_with_the_suggestion() {
+    let out = kvtier(&["bench", "--byts", "2MiB"]);
+    assert_user_error(&out, "'--byts'");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("'--bytes'"));
+    assert_user_error(
+        &kvtier(&["layout", "show", "x.toml"]),
+        "required arguments were not provided: --tp",
+    );
+    assert_user_error(&kvtier(&["bench", "--bytes", "lots"]), "\"lots\"");
+    assert_user_error(&kvtier(&["frobnicate"]), "'frobnicate'");
+    // Help still prints in full, on stdout, with success.
+    let help = kvtier(&["bench", "--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--bytes"));
+}
