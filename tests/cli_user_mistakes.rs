@@ -157,3 +157,38 @@ fn a_typo_in_an_option_is_one_line_with_the_suggestion() {
     assert_eq!(help.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&help.stdout).contains("--bytes"));
 }
+
+#[test]
+fn ctrl_c_stops_the_bench_and_removes_its_tier() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--bytes", "512MiB", "--keep", "--path"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    // The handler is installed before the tier's directory is made: wait for the directory.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no bench directory");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: sending SIGINT to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(0) {
+        kvtier::skip_test!("the bench finished before the signal arrived");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the interrupted bench left its tier behind"
+    );
+}

@@ -194,8 +194,20 @@ fn flag_error(flag: &str, e: Error) -> Error {
     }
 }
 
-/// Runs `kvtier bench`.
+/// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
+/// directories (even with `--keep`) and exits 130.
 pub fn run(args: BenchArgs) -> Result<ExitCode> {
+    crate::cli::interrupt::catch();
+    match run_caught(args) {
+        Err(e) if e.kind() == ErrorKind::Cancelled => {
+            eprintln!("kvtier: error: {e}");
+            Ok(ExitCode::from(crate::cli::interrupt::EXIT_INTERRUPTED))
+        }
+        other => other,
+    }
+}
+
+fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
     let tier = BenchTier::open(&TierOptions {

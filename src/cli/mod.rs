@@ -17,6 +17,7 @@ pub mod fio_files;
 pub mod fio_report;
 pub mod g3_workload;
 pub mod http;
+pub mod interrupt;
 pub mod kvtier_workload;
 pub mod output;
 pub mod plot;
