@@ -192,3 +192,44 @@ fn ctrl_c_stops_the_bench_and_removes_its_tier() {
         "the interrupted bench left its tier behind"
     );
 }
+
+#[test]
+fn sigterm_stops_fio_compare_and_removes_its_files() {
+    if !Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        kvtier::skip_test!("fio is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fio-compare", "--size", "256MiB", "--pairs", "3", "--path"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no fio-compare file");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(0) {
+        kvtier::skip_test!("fio-compare finished before the signal arrived");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the interrupted fio-compare left files behind"
+    );
+}

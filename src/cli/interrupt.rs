@@ -29,7 +29,7 @@ pub fn check(what: &str) -> Result<()> {
     if INTERRUPTED.get().is_some_and(|f| f.load(Ordering::Relaxed)) {
         return Err(Error::new(
             ErrorKind::Cancelled,
-            format!("interrupted during {what}; temporary files removed"),
+            format!("interrupted during {what}"),
         ));
     }
     Ok(())
