@@ -193,6 +193,18 @@ impl fmt::Display for SourceText {
 }
 impl std::error::Error for SourceText {}
 
+impl Error {
+    /// Whether the message already says what the context pair `k: v` would add.
+    fn spells_out(&self, k: &str, v: &str) -> bool {
+        match k {
+            "key" | "path" => self.message.contains(v),
+            "errno" => self.message.contains(&format!("os error {v})")),
+            "pid" => self.message.contains(&format!("pid {v}")),
+            _ => false,
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.message)?;
@@ -200,7 +212,7 @@ impl fmt::Display for Error {
         let extra: Vec<_> = self
             .context
             .iter()
-            .filter(|(k, v)| !(matches!(*k, "key" | "path") && self.message.contains(v.as_str())))
+            .filter(|(k, v)| !self.spells_out(k, v))
             .collect();
         if !extra.is_empty() {
             f.write_str(" (")?;
@@ -267,7 +279,10 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::InvalidPath);
         let s = e.to_string();
         assert!(s.starts_with("open /nope/slab: "), "{s}");
-        assert!(s.contains("errno: 2"), "{s}");
+        // The errno is spelled once, by the OS error text, not again as context.
+        assert!(s.contains("(os error 2)"), "{s}");
+        assert!(!s.contains("errno: 2"), "{s}");
+        assert_eq!(e.context_value("errno"), Some("2"));
         assert_eq!(s.matches("/nope/slab").count(), 1, "{s}");
         assert_eq!(e.raw_os_error(), Some(libc::ENOENT));
     }

@@ -143,6 +143,8 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
         err.contains("locked") && err.contains(&child.id().to_string()),
         "{err}"
     );
+    // The holder's pid is said once, not again as a context pair.
+    assert!(!err.contains("(pid: "), "{err}");
 
     // SAFETY: sending SIGTERM to our own child process; no memory is involved.
     let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
@@ -231,4 +233,51 @@ fn user_mistakes_exit_2_with_one_line() {
         ]),
         "namespace",
     );
+}
+
+/// `kvtier tier format PATH --capacity SIZE` and then `kvtier serve` with a config that leaves
+/// `canonical_layout` at its default must agree on the namespace; a `--canonical` tier is
+/// refused by that config with one line saying what to format instead.
+#[test]
+fn a_formatted_tier_is_served_by_the_default_config() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = write_config(dir.path());
+    let cfg = cfg.to_str().unwrap();
+    let tier = dir.path().join("tier");
+    let tier = tier.to_str().unwrap();
+    let fmt = kvtier(&["tier", "format", tier, "--capacity", "16MiB", "--yes"]);
+    assert!(
+        fmt.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fmt.stderr)
+    );
+
+    let (mut child, addr) = start(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    let (head, _) = get(&addr, "/healthz");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
+
+    let fmt = kvtier(&[
+        "tier",
+        "format",
+        tier,
+        "--capacity",
+        "16MiB",
+        "--yes",
+        "--canonical",
+    ]);
+    assert!(
+        fmt.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fmt.stderr)
+    );
+    let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("canonical_layout = false"), "{err}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"));
 }

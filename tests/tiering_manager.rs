@@ -653,3 +653,47 @@ fn finish_waits_for_unsubmitted_promotions() {
         "told after its load job was submitted"
     );
 }
+
+#[test]
+fn shutdown_releases_store_pins_and_reserved_promotion_rows() {
+    let clock = ManualClock::new();
+    let (mut m, logs) = manager_with(
+        4,
+        &clock,
+        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
+    );
+    let w = req("w");
+    m.on_new_request(&w);
+    let held = key(20, 0);
+    gpu_store(&mut m, std::slice::from_ref(&held), &w);
+    m.poll().unwrap();
+    churn(&mut m, 4);
+    assert_eq!(m.primary().lookup(&held), LookupResult::Miss);
+
+    // A promotion reserved but not yet submitted, and a store job in flight.
+    let r = req("r");
+    m.on_new_request(&r);
+    assert_eq!(m.lookup(&held, &r), LookupResult::HitPending);
+    let fresh = key(21, 0);
+    gpu_store(&mut m, std::slice::from_ref(&fresh), &r);
+    assert_eq!(m.primary().ref_count(&held), Some(-1));
+    assert_eq!(m.primary().ref_count(&fresh), Some(1));
+    assert_eq!(m.active_jobs(), 1);
+
+    m.shutdown().expect("clean shutdown");
+    assert_eq!(m.active_jobs(), 0, "every job reported and processed");
+    assert_eq!(m.primary().ref_count(&fresh), Some(0), "store pin released");
+    assert_eq!(
+        m.primary().lookup(&held),
+        LookupResult::Miss,
+        "the unsubmitted promotion's row is freed"
+    );
+    assert_eq!(
+        value(&mut m, "kv_offload_tiering_write_bytes", &["1:memory"]),
+        (6 * STRIDE) as f64,
+        "the job finished at shutdown is counted"
+    );
+    let l = logs[0].lock();
+    assert!(l.outstanding.is_empty(), "{:?}", l.outstanding);
+    assert!(l.violations.is_empty(), "{:?}", l.violations);
+}

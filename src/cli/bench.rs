@@ -95,6 +95,15 @@ impl Plan {
         let params = NamespaceParams::new(&layout, args.tp, args.blocks_per_chunk, true)
             .map_err(|e| flag_error("--tp", e))?;
         let row_stride = params.row_stride;
+        if args.bytes == 0 {
+            return Err(Error::config(
+                "--bytes",
+                format!(
+                    "0 stores nothing; give at least one row ({})",
+                    format_size(row_stride)
+                ),
+            ));
+        }
         let chunks = (args.bytes / row_stride).max(1);
         let n_paths = args.paths.len().max(1) as u64;
         let capacity = match args.capacity {
@@ -168,7 +177,7 @@ fn check_memory(region_bytes: u64, available: Option<u64>) -> Result<()> {
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
-fn mem_available() -> Option<u64> {
+pub(crate) fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -185,8 +194,20 @@ fn flag_error(flag: &str, e: Error) -> Error {
     }
 }
 
-/// Runs `kvtier bench`.
+/// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
+/// directories (even with `--keep`) and exits 130.
 pub fn run(args: BenchArgs) -> Result<ExitCode> {
+    crate::cli::interrupt::catch();
+    match run_caught(args) {
+        Err(e) if e.kind() == ErrorKind::Cancelled => {
+            eprintln!("kvtier: error: {e}");
+            Ok(ExitCode::from(crate::cli::interrupt::EXIT_INTERRUPTED))
+        }
+        other => other,
+    }
+}
+
+fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
     let tier = BenchTier::open(&TierOptions {
@@ -318,6 +339,9 @@ mod tests {
             plan(&["--max-bytes-in-flight", "1MiB"]).unwrap_err().kind(),
             ErrorKind::Config
         );
+        let e = plan(&["--bytes", "0"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("--bytes"), "{e}");
         assert_eq!(
             plan(&["--blocks-per-chunk", "0"]).unwrap_err().kind(),
             ErrorKind::Config

@@ -75,6 +75,7 @@ pub(crate) fn fill(
     let bar = progress_bar(keys.len() as u64, "fill", progress);
     let region = manager.region().clone();
     for (b, range) in batches.iter().enumerate() {
+        crate::cli::interrupt::check("the fill phase")?;
         let req = request("store", b);
         manager.on_new_request(&req);
         let batch = &keys[range.start as usize..range.end as usize];
@@ -113,6 +114,7 @@ impl StallGuard {
     }
 
     fn check(&mut self, progressed: bool, phase: &str) -> Result<()> {
+        crate::cli::interrupt::check(&format!("the {phase} phase"))?;
         if progressed {
             self.last_progress = Instant::now();
             return Ok(());
@@ -308,6 +310,9 @@ pub(crate) fn verify(
     manager.on_new_request(&req);
     let (mut verified, mut mismatched, mut missing) = (0u64, 0u64, 0u64);
     for (index, key) in keys.iter().enumerate() {
+        if index % 64 == 0 {
+            crate::cli::interrupt::check("the verify phase")?;
+        }
         if manager.primary().lookup(key) != LookupResult::Hit {
             missing += 1;
             if missing <= 5 {

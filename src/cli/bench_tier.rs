@@ -76,7 +76,7 @@ impl BenchTier {
             let dir = tempfile::Builder::new()
                 .prefix("kvtier-bench-")
                 .tempdir_in(parent)
-                .map_err(|e| Error::io("create a directory in", parent, e))?;
+                .map_err(|e| cannot_create_in(parent, e))?;
             dirs.push(dir);
         }
         let rows = usize::try_from(opts.primary_rows)
@@ -157,4 +157,25 @@ impl BenchTier {
         }
         Ok(false)
     }
+}
+
+/// A `--path` the bench cannot create its directory in (read-only, not permitted, a pseudo
+/// file system) is the user's to fix (exit 2); anything else is an I/O failure. `tempfile`
+/// wraps the OS error with the path, which hides its errno, so the kind decides.
+fn cannot_create_in(parent: &std::path::Path, e: std::io::Error) -> Error {
+    use std::io::ErrorKind as Io;
+    let users = matches!(
+        e.kind(),
+        Io::PermissionDenied | Io::ReadOnlyFilesystem | Io::NotFound | Io::NotADirectory
+    );
+    let message = format!(
+        "--path: cannot create a directory in {}: {e}",
+        parent.display()
+    );
+    let kind = if users {
+        ErrorKind::InvalidPath
+    } else {
+        ErrorKind::Io
+    };
+    Error::new(kind, message).with_source(e)
 }

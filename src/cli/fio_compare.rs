@@ -105,8 +105,20 @@ pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {
     }
 }
 
-/// Runs `kvtier fio-compare`.
+/// Runs `kvtier fio-compare`. Ctrl-C or SIGTERM stops it between passes, removes its files
+/// (unless `--keep`) and exits 130.
 pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
+    crate::cli::interrupt::catch();
+    match run_caught(args) {
+        Err(e) if e.kind() == ErrorKind::Cancelled => {
+            eprintln!("kvtier: error: {e}");
+            Ok(ExitCode::from(crate::cli::interrupt::EXIT_INTERRUPTED))
+        }
+        other => other,
+    }
+}
+
+fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
     let fio_version = fio::fio_version()?;
     let plan = Plan::from_args(&args)?;
     let cleanup = Cleanup {
@@ -235,6 +247,7 @@ fn measure(
     let mut fi = Vec::with_capacity(plan.pairs);
     for pair in 0..plan.pairs {
         for side in 0..2 {
+            crate::cli::interrupt::check("fio-compare")?;
             let kvtier_turn = (side == 0) == pair.is_multiple_of(2);
             if kvtier_turn {
                 kv.push(workload.run_pass(profile, depth)?.bytes_per_sec());
@@ -315,6 +328,16 @@ impl Plan {
         };
         if args.pairs == 0 {
             return Err(Error::config("--pairs", "must be at least 1"));
+        }
+        // Found out before the runs, not after minutes of them.
+        if let Some(svg) = &args.plot {
+            let parent = svg.parent().filter(|p| !p.as_os_str().is_empty());
+            if parent.is_some_and(|p| !p.is_dir()) {
+                return Err(Error::config(
+                    "--plot",
+                    format!("{}: its folder does not exist", svg.display()),
+                ));
+            }
         }
         let mut depths = if args.plot.is_some() {
             if args.depths.is_empty() {

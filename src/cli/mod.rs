@@ -17,11 +17,13 @@ pub mod fio_files;
 pub mod fio_report;
 pub mod g3_workload;
 pub mod http;
+pub mod interrupt;
 pub mod kvtier_workload;
 pub mod output;
 pub mod plot;
 pub mod serve;
 pub mod serve_loop;
+pub mod sigpipe;
 pub mod size;
 pub mod stats;
 pub mod tier_cmd;
@@ -101,10 +103,46 @@ pub fn report(e: &Error) -> ExitCode {
     }
 }
 
+/// A command-line mistake as one line, `kvtier: error: ...` with clap's hint (exit 2). Help and
+/// version requests print as clap prints them.
+fn parse_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind as Clap;
+    if matches!(
+        e.kind(),
+        Clap::DisplayHelp | Clap::DisplayVersion | Clap::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        e.exit();
+    }
+    eprintln!("kvtier: error: {}", one_line(&e.render().to_string()));
+    ExitCode::from(2)
+}
+
+/// clap's message (its first paragraph) and its tips, on one line.
+fn one_line(rendered: &str) -> String {
+    let mut paragraphs = rendered.split("\n\n");
+    let join = |p: &str| p.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut line = join(paragraphs.next().unwrap_or_default());
+    if let Some(rest) = line.strip_prefix("error: ") {
+        line = rest.to_string();
+    }
+    for tip in paragraphs.filter(|p| p.trim_start().starts_with("tip:")) {
+        line.push_str("; ");
+        line.push_str(&join(tip));
+    }
+    line.push_str(" (see --help)");
+    line
+}
+
 /// Runs the CLI with the process arguments and returns the exit code.
 pub fn main() -> ExitCode {
     logger::init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return parse_error(e),
+    };
+    if !matches!(cli.command, Command::Serve(_)) {
+        sigpipe::restore_default();
+    }
     let result = match cli.command {
         Command::Version => {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
@@ -120,5 +158,26 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => report(&e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn clap_errors_become_one_line_with_their_tip() {
+        let text = "error: unexpected argument '--byts' found\n\n  tip: a similar argument \
+                    exists: '--bytes'\n\nUsage: kvtier bench --bytes <SIZE>\n\nFor more \
+                    information, try '--help'.\n";
+        assert_eq!(
+            super::one_line(text),
+            "unexpected argument '--byts' found; tip: a similar argument exists: '--bytes' \
+             (see --help)"
+        );
+        let text = "error: the following required arguments were not provided:\n  --tp <TP>\n\n\
+                    Usage: kvtier layout show --tp <TP> <FILE>\n";
+        assert_eq!(
+            super::one_line(text),
+            "the following required arguments were not provided: --tp <TP> (see --help)"
+        );
     }
 }

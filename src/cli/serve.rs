@@ -14,7 +14,7 @@ use crate::cli::http::DEFAULT_METRICS_ADDR;
 use crate::cli::serve_loop::{Service, serve_until_signal};
 use crate::cli::size::format_size;
 use crate::config::KvtierConfig;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::region::PrimaryRegion;
 use crate::tiering::factory::TierFactory;
@@ -53,7 +53,30 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         Some(p) => LayoutDescriptor::load(p)?,
         None => default_layout(),
     };
-    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix)?;
+    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix).map_err(|e| {
+        if e.kind() != ErrorKind::IncompatibleLayout {
+            return e;
+        }
+        // Say which inputs make the namespace and how to format a tier that matches.
+        Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
+                 canonical_layout = {} in {}: format the tier to match (`kvtier tier format \
+                 PATH... --capacity SIZE --layout FILE --tp N --blocks-per-chunk N{}`)",
+                e.message(),
+                layout.model_name,
+                args.tp,
+                cfg.canonical_layout,
+                args.config.display(),
+                if cfg.canonical_layout {
+                    " --canonical"
+                } else {
+                    ""
+                }
+            ),
+        )
+    })?;
     serve_until_signal(&args.metrics_addr, Box::new(ManagerService { manager }))?;
     Ok(ExitCode::SUCCESS)
 }
@@ -77,6 +100,7 @@ pub fn build_manager(
         cfg.cpu_bytes_to_use,
     )?;
     let (rows, stride) = geometry.region_dims()?;
+    check_region_memory(geometry.region_bytes, crate::cli::bench::mem_available())?;
     log::info!(
         "primary region: {rows} rows of {} ({})",
         format_size(geometry.row_stride),
@@ -91,6 +115,24 @@ pub fn build_manager(
         ..ManagerOptions::default()
     };
     TieringManager::from_config(cfg, region, &factory, opts)
+}
+
+/// The primary region is pre-faulted when it is created, so a `cpu_bytes_to_use` larger than
+/// the memory available would push the machine into swap or the OOM killer instead of failing:
+/// refuse it up front (a user mistake, exit 2).
+fn check_region_memory(region_bytes: u64, available: Option<u64>) -> Result<()> {
+    match available {
+        Some(avail) if region_bytes > avail => Err(Error::config(
+            "cpu_bytes_to_use",
+            format!(
+                "the primary region needs {} (pre-faulted at start), but only {} of memory is \
+                 available; lower cpu_bytes_to_use",
+                format_size(region_bytes),
+                format_size(avail)
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// The manager as a [`Service`]: a scrape collects finished jobs, then renders.
@@ -109,5 +151,23 @@ impl Service for ManagerService {
     fn shutdown(&mut self) -> Result<()> {
         self.manager.poll()?;
         self.manager.shutdown()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_larger_than_available_memory_is_a_config_error() {
+        let e = check_region_memory(64 << 30, Some(22 << 30)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let s = e.to_string();
+        assert!(
+            s.contains("cpu_bytes_to_use") && s.contains("64 GiB"),
+            "{s}"
+        );
+        assert!(check_region_memory(1 << 30, Some(22 << 30)).is_ok());
+        assert!(check_region_memory(1 << 40, None).is_ok());
     }
 }

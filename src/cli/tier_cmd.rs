@@ -94,6 +94,11 @@ pub struct FormatArgs {
     /// GPU blocks per chunk.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub blocks_per_chunk: u32,
+    /// Rows hold the canonical layout (`canonical_layout = true` in the config that will use
+    /// the tier; `kvtier bench` tiers are canonical). Default: the direct layout, the config
+    /// default. The two have different namespace digests, so this must match the config.
+    #[arg(long)]
+    pub canonical: bool,
     /// O_DIRECT policy: required (a path without it is an error) or auto.
     #[arg(long, default_value = "required", value_parser = parse_direct_io, value_name = "MODE")]
     pub direct_io: DirectIoMode,
@@ -119,11 +124,32 @@ fn parse_direct_io(s: &str) -> std::result::Result<DirectIoMode, String> {
 pub fn run(args: TierArgs) -> Result<ExitCode> {
     match args.command {
         TierCommand::Format(a) => format(a),
-        TierCommand::Inspect(a) => inspect(a),
-        TierCommand::Verify(a) => verify(a),
-        TierCommand::Ls(a) => ls(a),
-        TierCommand::Clear(a) => clear(a),
+        TierCommand::Inspect(a) => holds_a_tier(&a.paths).and_then(|()| inspect(a)),
+        TierCommand::Verify(a) => holds_a_tier(&a.paths).and_then(|()| verify(a)),
+        TierCommand::Ls(a) => holds_a_tier(&a.paths).and_then(|()| ls(a)),
+        TierCommand::Clear(a) => holds_a_tier(&a.paths).and_then(|()| clear(a)),
     }
+}
+
+/// A directory without a slab is not a tier: say so, and how to make one, rather than a bare
+/// "open .../kvtier-g3.slab: No such file or directory". Missing paths and files are left to
+/// the G3 checks, which name them.
+fn holds_a_tier(paths: &[PathBuf]) -> Result<()> {
+    for d in paths.iter().filter(|d| d.is_dir()) {
+        if !d.join(SLAB_FILE_NAME).exists() {
+            return Err(Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "{} holds no G3 tier (no {SLAB_FILE_NAME}); make one with `kvtier tier \
+                     format {} --capacity SIZE`",
+                    d.display(),
+                    d.display()
+                ),
+            )
+            .with("path", d.display().to_string()));
+        }
+    }
+    Ok(())
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
@@ -131,7 +157,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         Some(p) => LayoutDescriptor::load(p)?,
         None => default_layout(),
     };
-    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, true)?;
+    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, a.canonical)?;
     let existing: Vec<PathBuf> = a
         .paths
         .iter()
@@ -141,8 +167,9 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     if !existing.is_empty() && !a.yes {
         let list: Vec<String> = existing.iter().map(|p| p.display().to_string()).collect();
         confirm(&format!(
-            "{} already hold(s) a tier; formatting discards every stored chunk",
-            list.join(", ")
+            "{} already {} a tier; formatting discards every stored chunk",
+            list.join(", "),
+            if list.len() == 1 { "holds" } else { "hold" }
         ))?;
     }
     let report = admin::format(
@@ -158,11 +185,12 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         print_json(&InspectOutput::new(&report, &a.paths))?;
     } else {
         println!(
-            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk)",
+            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk, {} layout)",
             a.paths.len(),
             layout.model_name,
             a.tp,
-            a.blocks_per_chunk
+            a.blocks_per_chunk,
+            if a.canonical { "canonical" } else { "direct" }
         );
         print!("{}", render_inspect(&InspectOutput::new(&report, &a.paths)));
     }

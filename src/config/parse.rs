@@ -123,6 +123,33 @@ pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
     Ok(ResolvedConfig { config, notes })
 }
 
+/// Two `nvme` tiers on one directory would fight over its slab (the second would find it
+/// locked by its own process): refuse that here, naming both tiers. Directories that exist
+/// are compared by their canonical path, so `/a/x` and `/a/./x/` match.
+fn check_nvme_paths_distinct(tiers: &[TierConfig], tiers_path: &str) -> Result<()> {
+    let mut seen: Vec<(std::path::PathBuf, usize)> = Vec::new();
+    for t in tiers.iter().filter(|t| t.tier_type == "nvme") {
+        let Some(Value::Array(paths)) = t.params.get("paths") else {
+            continue;
+        };
+        for (k, p) in paths.iter().enumerate() {
+            let Some(p) = p.as_str() else { continue };
+            let key = std::fs::canonicalize(p).unwrap_or_else(|_| std::path::PathBuf::from(p));
+            if let Some((_, j)) = seen.iter().find(|(q, j)| *q == key && *j != t.index) {
+                return Err(Error::config(
+                    format!("{tiers_path}[{}].paths[{k}]", t.index),
+                    format!(
+                        "{p} is also a path of {tiers_path}[{j}]; each nvme tier needs its own \
+                         directories"
+                    ),
+                ));
+            }
+            seen.push((key, t.index));
+        }
+    }
+    Ok(())
+}
+
 fn engine_id(path: &str, v: &Value) -> Result<String> {
     let s = fields::string(path, v)?;
     if s.is_empty() || s.contains('/') || s.contains('\0') {
@@ -246,6 +273,7 @@ fn resolve_extra(
     for (i, v) in tier_values.iter().enumerate() {
         secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref(), notes)?);
     }
+    check_nvme_paths_distinct(&secondary_tiers, &tiers_path)?;
 
     if let Some(top) = &top_bp
         && top.is_empty()

@@ -519,14 +519,31 @@ impl TieringManager {
         self.promotions_held = false;
     }
 
-    /// Shuts the tiers down in config order. If any fails, its error (the last one) is
-    /// returned and the primary region is deliberately kept mapped for the life of the
-    /// process, because a failed tier may still do I/O into it.
+    /// Drains every tier and processes the results (so every pin taken for a store is released
+    /// and every reserved promotion row freed or published, and the metrics count every job),
+    /// frees the rows of promotions never submitted, then shuts the tiers down in config
+    /// order. If any fails, its error (the last one) is returned and the primary region is
+    /// deliberately kept mapped for the life of the process, because a failed tier may still
+    /// do I/O into it.
     pub fn shutdown(&mut self) -> Result<()> {
         if self.shut_down {
             return Ok(());
         }
         self.shut_down = true;
+        for t in &mut self.tiers {
+            t.tier.drain_jobs();
+        }
+        self.process_finished_jobs();
+        for (_, p) in std::mem::take(&mut self.pending_promotions) {
+            self.primary.complete_write(&p.keys, false);
+            self.note_evicted(&p.keys);
+        }
+        if !self.jobs.is_empty() {
+            log::error!(
+                "{} job(s) still unreported after drain_jobs at shutdown; their rows stay pinned",
+                self.jobs.len()
+            );
+        }
         let mut last = None;
         for t in &mut self.tiers {
             if let Err(e) = t.tier.shutdown() {

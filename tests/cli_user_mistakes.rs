@@ -1,0 +1,235 @@
+//! Mistakes a first user makes, each answered by one `kvtier: error:` line naming the flag,
+//! key or path, with exit 2, and never a panic; and output cut short by a closed pipe ends
+//! quietly instead of panicking.
+
+use std::process::{Command, Output, Stdio};
+
+fn kvtier(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(args)
+        .output()
+        .expect("spawn kvtier")
+}
+
+fn assert_user_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(out.stdout.is_empty(), "{:?}", out.stdout);
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert!(stderr.starts_with("kvtier: error: "), "{stderr}");
+    assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+}
+
+#[test]
+fn bench_bytes_zero_is_refused() {
+    assert_user_error(&kvtier(&["bench", "--bytes", "0"]), "--bytes");
+}
+
+#[test]
+fn serve_refuses_a_primary_larger_than_memory_before_allocating_it() {
+    if std::fs::read_to_string("/proc/meminfo").is_err() {
+        kvtier::skip_test!("no /proc/meminfo, so kvtier cannot know the memory available");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = dir.path().join("big.json");
+    std::fs::write(&cfg, r#"{"cpu_bytes_to_use": "64TiB"}"#).unwrap();
+    let out = kvtier(&[
+        "serve",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    assert_user_error(&out, "cpu_bytes_to_use");
+}
+
+#[test]
+fn a_closed_stdout_ends_the_command_without_a_panic() {
+    use std::os::unix::process::ExitStatusExt;
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    // Nobody reads: every write to stdout fails with EPIPE, like `kvtier ... | head -1` after
+    // head has exited.
+    drop(reader);
+    let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/llama-3.1-8b.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["layout", "show", layout, "--tp", "1"])
+        .stdout(Stdio::from(writer))
+        .stderr(Stdio::piped())
+        .output()
+        .expect("spawn kvtier");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{stderr}");
+}
+
+#[test]
+fn fio_compare_refuses_a_plot_in_a_missing_folder_before_running() {
+    if !Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        kvtier::skip_test!("fio is not installed (fio-compare checks for it first)");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let out = kvtier(&[
+        "fio-compare",
+        "--path",
+        dir.path().to_str().unwrap(),
+        "--size",
+        "4MiB",
+        "--plot",
+        "/nonexistent/kvtier/depth.svg",
+    ]);
+    assert_user_error(&out, "--plot");
+    // Refused up front: no test file was made.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn tier_commands_on_a_folder_without_a_tier_say_how_to_make_one() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    for cmd in ["inspect", "verify", "ls"] {
+        let out = kvtier(&["tier", cmd, d]);
+        assert_user_error(&out, "holds no G3 tier");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"),
+            "{cmd}"
+        );
+    }
+    assert_user_error(&kvtier(&["tier", "clear", d, "--yes"]), "holds no G3 tier");
+}
+
+#[test]
+fn bench_in_a_folder_it_cannot_write_is_a_user_error() {
+    // /proc refuses new directories even to root, like a read-only mount.
+    if !std::path::Path::new("/proc/self").exists() {
+        kvtier::skip_test!("no /proc here");
+        return;
+    }
+    assert_user_error(
+        &kvtier(&["bench", "--path", "/proc", "--bytes", "2MiB"]),
+        "cannot create a directory in /proc",
+    );
+}
+
+#[test]
+fn two_nvme_tiers_on_one_directory_are_refused_by_config_check_and_serve() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let cfg = dir.path().join("dup.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB", "secondary_tiers": [
+                {{"type": "nvme", "paths": ["{t}"], "capacity_bytes": "16MiB"}},
+                {{"type": "nvme", "paths": ["{t}/."], "capacity_bytes": "16MiB"}}]}}"#,
+            t = tier.display()
+        ),
+    )
+    .unwrap();
+    let cfg = cfg.to_str().unwrap();
+    assert_user_error(
+        &kvtier(&["config", "check", cfg]),
+        "secondary_tiers[1].paths[0]",
+    );
+    let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    assert_user_error(&out, "also a path of secondary_tiers[0]");
+}
+
+#[test]
+fn a_typo_in_an_option_is_one_line_with_the_suggestion() {
+    let out = kvtier(&["bench", "--byts", "2MiB"]);
+    assert_user_error(&out, "'--byts'");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("'--bytes'"));
+    assert_user_error(
+        &kvtier(&["layout", "show", "x.toml"]),
+        "required arguments were not provided: --tp",
+    );
+    assert_user_error(&kvtier(&["bench", "--bytes", "lots"]), "\"lots\"");
+    assert_user_error(&kvtier(&["frobnicate"]), "'frobnicate'");
+    // Help still prints in full, on stdout, with success.
+    let help = kvtier(&["bench", "--help"]);
+    assert_eq!(help.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--bytes"));
+}
+
+#[test]
+fn ctrl_c_stops_the_bench_and_removes_its_tier() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["bench", "--bytes", "512MiB", "--keep", "--path"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    // The handler is installed before the tier's directory is made: wait for the directory.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no bench directory");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: sending SIGINT to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(0) {
+        kvtier::skip_test!("the bench finished before the signal arrived");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the interrupted bench left its tier behind"
+    );
+}
+
+#[test]
+fn sigterm_stops_fio_compare_and_removes_its_files() {
+    if !Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        kvtier::skip_test!("fio is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["fio-compare", "--size", "256MiB", "--pairs", "3", "--path"])
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
+        assert!(std::time::Instant::now() < deadline, "no fio-compare file");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.code() == Some(0) {
+        kvtier::skip_test!("fio-compare finished before the signal arrived");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the interrupted fio-compare left files behind"
+    );
+}
