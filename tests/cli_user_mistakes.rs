@@ -233,3 +233,18 @@ fn sigterm_stops_fio_compare_and_removes_its_files() {
         "the interrupted fio-compare left files behind"
     );
 }
+
+#[test]
+fn tier_format_in_a_folder_that_takes_no_files_is_a_user_error() {
+    // /proc is a pseudo filesystem: no slab can live there (fsync of it even fails EINVAL).
+    if !std::path::Path::new("/proc/self").exists() {
+        kvtier::skip_test!("no /proc here");
+        return;
+    }
+    let out = kvtier(&["tier", "format", "/proc", "--capacity", "1MiB", "--yes"]);
+    assert_user_error(&out, "not a writable local filesystem");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/proc"),
+        "{out:?}"
+    );
+}

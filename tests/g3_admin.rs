@@ -104,3 +104,39 @@ fn inspect_of_nothing_names_the_missing_slab() {
     assert_eq!(e.kind(), ErrorKind::InvalidPath);
     assert!(e.to_string().contains(SLAB_FILE_NAME), "{e}");
 }
+
+#[test]
+fn admin_commands_on_a_folder_without_a_tier_say_how_to_make_one() {
+    let d = tmpdir();
+    let paths = vec![d.path().to_path_buf()];
+    let errs = [
+        admin::inspect(&paths).unwrap_err(),
+        admin::verify(&paths).unwrap_err(),
+        admin::list_keys(&paths).unwrap_err(),
+        admin::clear(&paths).unwrap_err(),
+    ];
+    for e in errs {
+        assert_eq!(e.kind(), ErrorKind::InvalidPath, "{e}");
+        let msg = e.to_string();
+        assert!(msg.contains("holds no G3 tier"), "{msg}");
+        assert!(msg.contains(&d.path().display().to_string()), "{msg}");
+        assert!(msg.contains("kvtier tier format"), "{msg}");
+    }
+    // Nothing was created by the refusals.
+    assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn format_refuses_a_directory_that_takes_no_files() {
+    if !std::path::Path::new("/proc/self").exists() {
+        kvtier::skip_test!("no /proc here");
+        return;
+    }
+    let e = admin::format(&[std::path::PathBuf::from("/proc")], &fmt_opts(8)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidPath, "{e}");
+    assert!(e.to_string().contains("/proc"), "{e}");
+    assert!(
+        e.to_string().contains("not a writable local filesystem"),
+        "{e}"
+    );
+}

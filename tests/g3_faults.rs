@@ -137,6 +137,19 @@ fn eio_mid_load_gives_per_key_results() {
     assert_eq!(metric(&t, "g3_io_errors"), 1.0);
     // Reads do not poison a path.
     assert_eq!(metric(&t, "g3_path_healthy"), 1.0);
+    // A failed load forgets the key even for a plain EIO (docs/g3.md: re-offering HIT on a
+    // failing device would livelock); the forgetting is journaled and survives a reopen.
+    t.shutdown().unwrap();
+    drop(t);
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    // The transient error cost a recompute, never wrong bytes: stored again, it loads.
+    fill_row(&r, 1, 1);
+    assert!(run(&mut t, job(3, &[1], &[1], false)).success);
+    clear_row(&r, 5);
+    assert!(run(&mut t, job(4, &[1], &[5], true)).success);
+    assert!(row_is(&r, 5, 1));
 }
 
 #[test]

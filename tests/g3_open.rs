@@ -207,6 +207,7 @@ fn slab_locked_by_another_process_names_its_pid() {
         "{e}"
     );
     assert!(e.to_string().contains(&slab.display().to_string()), "{e}");
+    assert!(e.to_string().contains("locked by another process"), "{e}");
     // Once the holder is gone the slab opens again.
     open(config(&[d.path()], 4), &r).shutdown().unwrap();
 }
@@ -222,6 +223,12 @@ fn a_second_tier_on_the_same_slab_is_locked_out() {
         e.context_value("pid"),
         Some(std::process::id().to_string().as_str())
     );
+    // The holder is this process: say so, not "another process".
+    assert!(
+        e.to_string().contains("already open in this process"),
+        "{e}"
+    );
+    assert!(!e.to_string().contains("another process"), "{e}");
     drop(t);
 }
 
@@ -255,6 +262,19 @@ fn superblock_of_another_geometry_is_refused_with_both_values() {
         e.context_value("expected"),
         Some(hex::encode([7u8; 32]).as_str())
     );
+    // The message shows both digests (short) and what the namespace is made of.
+    let msg = e.to_string();
+    assert!(msg.contains(&hex::encode([7u8; 6])), "{msg}");
+    let stored = e.context_value("found").unwrap();
+    assert!(msg.contains(&stored[..12]), "{msg}");
+    for what in [
+        "model layout",
+        "TP size",
+        "blocks per chunk",
+        "canonical layout",
+    ] {
+        assert!(msg.contains(what), "{msg}");
+    }
     // Another capacity.
     let e = open_err(config(&[d.path()], 9), &r);
     assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
@@ -295,4 +315,20 @@ fn corrupt_superblock_is_refused() {
     let e = open_err(config(&[d.path()], 4), &r);
     assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
     assert!(e.to_string().contains("CRC"), "{e}");
+}
+
+#[test]
+fn a_pseudo_filesystem_is_refused_as_a_bad_path() {
+    if !Path::new("/proc/self").exists() {
+        kvtier::skip_test!("no /proc here");
+        return;
+    }
+    let r = region(1);
+    let e = open_err(config(&[Path::new("/proc")], 4), &r);
+    assert_eq!(e.kind(), ErrorKind::InvalidPath, "{e}");
+    assert!(e.to_string().contains("/proc"), "{e}");
+    assert!(
+        e.to_string().contains("not a writable local filesystem"),
+        "{e}"
+    );
 }

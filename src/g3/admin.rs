@@ -134,6 +134,9 @@ fn open_existing(paths: &[PathBuf], lock: bool) -> Result<OpenSet> {
     let mut files = Vec::with_capacity(dirs.len());
     for (i, d) in dirs.iter().enumerate() {
         let p = d.join(SLAB_FILE_NAME);
+        if !p.exists() {
+            return Err(no_tier_in(&paths[i]));
+        }
         let f = if lock {
             open_locked(&p, false)?
         } else {
@@ -170,9 +173,25 @@ fn open_existing(paths: &[PathBuf], lock: bool) -> Result<OpenSet> {
     Ok(OpenSet { files })
 }
 
+/// A folder without a slab is not a tier: say so, and how to make one, rather than a bare
+/// "open .../kvtier-g3.slab: No such file or directory".
+fn no_tier_in(dir: &Path) -> Error {
+    Error::new(
+        ErrorKind::InvalidPath,
+        format!(
+            "{} holds no G3 tier (no {SLAB_FILE_NAME}); create one with `kvtier tier format {} \
+             --capacity SIZE`",
+            dir.display(),
+            dir.display()
+        ),
+    )
+    .with("path", dir.display().to_string())
+}
+
 /// Discards whatever `paths` hold and creates a fresh, empty stripe set.
 pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
-    let dirs = check_dirs(paths)?;
+    // Refuse a directory that takes no files before anything is removed or created.
+    let dirs = slab::check_writable_dirs(paths)?;
     slab::remove_set(&dirs)?;
     remove_index_files(&dirs[0])?;
     let spec = SlabSpec {

@@ -1,6 +1,8 @@
 //! The slab superblock: the first 4096 bytes of every slab file, byte for byte as in
 //! `docs/format.md`. All integers are little-endian.
 
+use std::path::Path;
+
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -193,6 +195,28 @@ pub fn random_uuid() -> Result<[u8; 16]> {
         filled += n as usize;
     }
     Ok(b)
+}
+
+/// The namespace digest of the slab differs from the tier's: show both (short hex) and what
+/// the digest is made of, so the user can tell which setting changed.
+pub fn namespace_mismatch(p: &Path, expected: &[u8; 32], found: &[u8; 32]) -> Error {
+    let short = |d: &[u8; 32]| hex::encode(&d[..6]);
+    Error::new(
+        ErrorKind::IncompatibleLayout,
+        format!(
+            "{}: namespace digest differs: the tier expects {}…, the slab holds {}…. The \
+             namespace is derived from the model layout, TP size, blocks per chunk, canonical \
+             layout and row stride: one of these settings differs from the ones the slab was \
+             formatted with (restore it, or reformat explicitly with `kvtier tier format` to \
+             discard the stored chunks)",
+            p.display(),
+            short(expected),
+            short(found)
+        ),
+    )
+    .with("path", p.display().to_string())
+    .with("expected", hex::encode(expected))
+    .with("found", hex::encode(found))
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //!
 //! * [`config`]: the tier's config keys ([`G3TierConfig`]).
 //! * [`format`]: the slab superblock, striping, the geometry namespace.
+//! * [`dirs`]: checking that the tier's directories take files, syncing them.
 //! * [`slab`]: creating, locking, preallocating and opening slab files.
 //! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
 //! * [`tier`]: [`G3Tier`], the [`crate::tiering::secondary::SecondaryTier`] implementation,
@@ -11,6 +12,7 @@
 pub mod admin;
 pub mod aligned;
 pub mod config;
+pub mod dirs;
 pub mod format;
 pub mod index;
 pub mod journal;

@@ -17,8 +17,11 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::aligned::AlignedBuf;
 use crate::g3::config::DirectIoMode;
+pub use crate::g3::dirs::sync_dir;
+use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
-    SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, random_uuid, slab_file_len, slots_per_file,
+    SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
+    slab_file_len, slots_per_file,
 };
 
 /// Name of the slab file created in each path.
@@ -137,10 +140,18 @@ pub fn check_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// [`check_dirs`], then checks that every directory takes new files
+/// ([`check_writable_dir`]): for the commands that create or change a stripe set.
+pub fn check_writable_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let dirs = check_dirs(paths)?;
+    dirs.iter().try_for_each(|d| check_writable_dir(d))?;
+    Ok(dirs)
+}
+
 /// Opens the stripe set in `dirs` (creating it when no slab file exists yet) and checks it
 /// against `spec`.
 pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
-    let dirs = check_dirs(dirs)?;
+    let dirs = check_writable_dirs(dirs)?;
     let slab_paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
     let present: Vec<bool> = slab_paths.iter().map(|p| p.exists()).collect();
     if present.iter().all(|&x| !x) {
@@ -236,11 +247,7 @@ fn check_superblock(
         );
     }
     if sb.namespace != spec.namespace {
-        return incompatible(
-            "namespace digest",
-            hex::encode(spec.namespace),
-            hex::encode(sb.namespace),
-        );
+        return Err(namespace_mismatch(p, &spec.namespace, &sb.namespace));
     }
     if sb.path_count as usize != n || sb.path_index as usize != idx {
         return incompatible(
@@ -341,18 +348,19 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     }
     let f = o.open(p).map_err(|e| {
         let dir = p.parent().unwrap_or(Path::new("."));
-        match e.raw_os_error() {
-            Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => Error::new(
+        match unwritable_reason(&e) {
+            Some(reason) => Error::new(
                 ErrorKind::InvalidPath,
                 format!(
-                    "cannot create {} ({} is not writable): {e}",
+                    "cannot {} {} ({} is not writable: {reason}): {e}",
+                    if create { "create" } else { "open" },
                     p.display(),
                     dir.display()
                 ),
             )
             .with("path", p.display().to_string())
             .with_source(e),
-            _ => Error::io(if create { "create" } else { "open" }, p, e),
+            None => Error::io(if create { "create" } else { "open" }, p, e),
         }
     })?;
     // SAFETY: flock on a descriptor we own; no memory is involved.
@@ -360,18 +368,23 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     if rc != 0 {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            let holder =
-                lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
-            return Err(Error::new(
-                ErrorKind::Locked,
+            let pid = lock_holder_of(&f);
+            let holder = pid.map_or_else(|| "unknown".to_string(), |p| p.to_string());
+            let msg = if pid == Some(std::process::id()) {
+                format!(
+                    "{} is already open in this process (pid {holder}): a G3 tier may be                      opened only once; check for two tier entries naming the same path",
+                    p.display()
+                )
+            } else {
                 format!(
                     "{} is locked by another process (pid {holder})",
                     p.display()
-                ),
-            )
-            .with("path", p.display().to_string())
-            .with("pid", holder)
-            .with_source(err));
+                )
+            };
+            return Err(Error::new(ErrorKind::Locked, msg)
+                .with("path", p.display().to_string())
+                .with("pid", holder)
+                .with_source(err));
         }
         return Err(Error::io("flock", p, err));
     }
@@ -557,18 +570,12 @@ pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
     Superblock::decode(&b[..got], &p.display().to_string())
 }
 
-/// fsyncs a directory (after creating, renaming or removing entries in it).
-pub fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io("fsync directory", dir, e))
-}
-
 /// Removes the slab files of `dirs` after taking their locks (so a live tier is never
 /// reformatted under its feet). Missing files are ignored.
 pub fn remove_set(dirs: &[PathBuf]) -> Result<()> {
     let dirs = check_dirs(dirs)?;
     let mut held = Vec::new();
+    // Only the directories that held a slab are synced: nothing removed, nothing to sync.
     for d in &dirs {
         let p = d.join(SLAB_FILE_NAME);
         if p.exists() {
