@@ -124,32 +124,11 @@ fn parse_direct_io(s: &str) -> std::result::Result<DirectIoMode, String> {
 pub fn run(args: TierArgs) -> Result<ExitCode> {
     match args.command {
         TierCommand::Format(a) => format(a),
-        TierCommand::Inspect(a) => holds_a_tier(&a.paths).and_then(|()| inspect(a)),
-        TierCommand::Verify(a) => holds_a_tier(&a.paths).and_then(|()| verify(a)),
-        TierCommand::Ls(a) => holds_a_tier(&a.paths).and_then(|()| ls(a)),
-        TierCommand::Clear(a) => holds_a_tier(&a.paths).and_then(|()| clear(a)),
+        TierCommand::Inspect(a) => inspect(a),
+        TierCommand::Verify(a) => verify(a),
+        TierCommand::Ls(a) => ls(a),
+        TierCommand::Clear(a) => clear(a),
     }
-}
-
-/// A directory without a slab is not a tier: say so, and how to make one, rather than a bare
-/// "open .../kvtier-g3.slab: No such file or directory". Missing paths and files are left to
-/// the G3 checks, which name them.
-fn holds_a_tier(paths: &[PathBuf]) -> Result<()> {
-    for d in paths.iter().filter(|d| d.is_dir()) {
-        if !d.join(SLAB_FILE_NAME).exists() {
-            return Err(Error::new(
-                ErrorKind::InvalidPath,
-                format!(
-                    "{} holds no G3 tier (no {SLAB_FILE_NAME}); make one with `kvtier tier \
-                     format {} --capacity SIZE`",
-                    d.display(),
-                    d.display()
-                ),
-            )
-            .with("path", d.display().to_string()));
-        }
-    }
-    Ok(())
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
