@@ -148,6 +148,14 @@ impl IndexTable {
         }
     }
 
+    /// Prefetches the first bucket a search for `hash` reads (a hint only).
+    #[inline]
+    pub(crate) fn prefetch(&self, hash: u64) {
+        if let Some(b) = self.buckets.get(self.home(hash)) {
+            super::mem_hints::prefetch(b);
+        }
+    }
+
     /// The id whose entry has `hash` and satisfies `eq`, if any.
     #[inline]
     pub(crate) fn find(&self, hash: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
