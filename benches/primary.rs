@@ -1,5 +1,7 @@
 //! Primary tier benchmark: 1M resident chunks (36-byte keys), LRU and ARC.
 //!
+//! * `query_key_fetch_only`: only reads the bytes of the query keys `lookup_hit` walks
+//!   through (a baseline: about 1 ns, so the lookups below measure the lookup).
 //! * `lookup_hit` / `lookup_miss`: `lookup` of random resident / absent keys (fresh key
 //!   copies, so no pointer-equality shortcut).
 //! * `lookup_many_hit_x64`: `lookup_many` of 64 random resident keys per call (throughput
