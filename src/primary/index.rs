@@ -32,8 +32,15 @@ fn fold_mul(a: u64, b: u64) -> u64 {
     (r as u64) ^ ((r >> 64) as u64)
 }
 
+/// `b` (at most 8 bytes) as a little-endian number; the usual lengths without a copy call.
 #[inline]
 fn read_u64(b: &[u8]) -> u64 {
+    if let Ok(w) = <[u8; 8]>::try_from(b) {
+        return u64::from_le_bytes(w);
+    }
+    if let Ok(w) = <[u8; 4]>::try_from(b) {
+        return u64::from(u32::from_le_bytes(w));
+    }
     let mut w = [0u8; 8];
     w[..b.len()].copy_from_slice(b);
     u64::from_le_bytes(w)
@@ -138,6 +145,14 @@ impl IndexTable {
             0
         } else {
             i + 1
+        }
+    }
+
+    /// Prefetches the first bucket a search for `hash` reads (a hint only).
+    #[inline]
+    pub(crate) fn prefetch(&self, hash: u64) {
+        if let Some(b) = self.buckets.get(self.home(hash)) {
+            super::mem_hints::prefetch(b);
         }
     }
 

@@ -49,7 +49,15 @@ impl PrimaryTier {
         // now, so that it overlaps with the lookups of the keys.
         let may_evict = self.slots.free() < keys.len();
         let hashes = self.hash_batch_with(keys, keys.len() > 1 || may_evict);
-        if may_evict && let Some(victim) = self.policy.prefetch_next_victim() {
+        for &hash in &hashes {
+            self.policy.prefetch_admit(hash);
+        }
+        let likely_victim = if may_evict {
+            self.policy.prefetch_next_victim()
+        } else {
+            None
+        };
+        if let Some(victim) = likely_victim {
             self.slots.prefetch_slot(victim);
         }
         for (i, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
@@ -80,6 +88,14 @@ impl PrimaryTier {
             if !dup {
                 new.push((i, hash));
             }
+        }
+        if let Some(victim) = likely_victim
+            && self.policy.keeps_history()
+        {
+            // Its entry has had the lookups above to arrive: now its fingerprint is cheap,
+            // and the ghost bookkeeping that evicting it touches can start loading.
+            self.policy.prefetch_admit(self.slots.hash_of(victim));
+            self.policy.prefetch_next_victim_history();
         }
         protected.sort_unstable();
         protected.dedup();

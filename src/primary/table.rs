@@ -133,7 +133,10 @@ impl SlotTable {
         if e.tag != tag {
             return false;
         }
-        if key.len() <= INLINE_KEY_LEN {
+        if let Ok(full) = <&[u8; INLINE_KEY_LEN]>::try_from(key) {
+            // The common length, compared as a fixed-size array: inline, no call.
+            e.len as usize == INLINE_KEY_LEN && e.key == *full
+        } else if key.len() <= INLINE_KEY_LEN {
             e.len as usize == key.len() && e.key[..key.len()] == *key
         } else {
             e.len == LONG

@@ -267,7 +267,20 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
+    fn keeps_history(&self) -> bool {
+        true
+    }
+
+    fn prefetch_next_victim_history(&self) {
+        self.ghosts.prefetch_oldest_index();
+    }
+
+    fn prefetch_admit(&self, fingerprint: u64) {
+        self.ghosts.prefetch_index(fingerprint);
+    }
+
     fn prefetch_next_victim(&self) -> Option<u32> {
+        self.ghosts.prefetch_oldest();
         let (first, second) = if self.t1_len > self.p {
             (&self.t1, &self.t2)
         } else {

@@ -8,7 +8,7 @@
 
 use super::list::{Link, List, NIL, new_links};
 use crate::primary::index::IndexTable;
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::mem_hints::{huge_slice, prefetch};
 
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +80,43 @@ impl GhostLists {
     fn find(&self, fp: u64) -> Option<u32> {
         let fps = &self.fps;
         self.index.find(fp, |id| fps[id as usize] == fp)
+    }
+
+    /// Prefetches the ghost-index bucket a [`GhostLists::take`] or [`GhostLists::push`] of
+    /// `fp` reads first (a hint only).
+    #[inline]
+    pub(crate) fn prefetch_index(&self, fp: u64) {
+        self.index.prefetch(fp);
+    }
+
+    /// When every ghost node is in use, prefetches the node the next
+    /// [`GhostLists::push`] drops to make room (a hint only).
+    #[inline]
+    pub(crate) fn prefetch_oldest(&self) {
+        if self.free_head != NIL {
+            return;
+        }
+        if let Some(id) = self.b2.back().or_else(|| self.b1.back()) {
+            prefetch(&self.fps[id as usize]);
+            prefetch(&self.links[id as usize]);
+            prefetch(&self.which[id as usize]);
+        }
+    }
+
+    /// Second step after [`GhostLists::prefetch_oldest`] (once its loads have had time to
+    /// arrive): prefetches the ghost-index bucket of that oldest ghost and its list
+    /// neighbour, which dropping it updates (a hint only).
+    #[inline]
+    pub(crate) fn prefetch_oldest_index(&self) {
+        if self.free_head != NIL {
+            return;
+        }
+        if let Some(id) = self.b2.back().or_else(|| self.b1.back()) {
+            self.index.prefetch(self.fps[id as usize]);
+            if let Some(prev) = self.links.get(self.links[id as usize].prev as usize) {
+                prefetch(prev);
+            }
+        }
     }
 
     /// Removes the ghost of `fp`, saying which list held it.

@@ -120,12 +120,26 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     /// Prefetches `slot`'s bookkeeping before a batch of operations on it (a hint only).
     fn prefetch(&self, _slot: u32) {}
 
+    /// Prefetches what [`EvictionPolicy::admit`] of `fingerprint` will read first (ARC: its
+    /// ghost-index bucket), so that it overlaps other work (a hint only).
+    fn prefetch_admit(&self, _fingerprint: u64) {}
+
     /// Prefetches the bookkeeping of the entry most likely to be evicted next and returns
     /// its slot, so that a store can overlap that memory latency with its own lookups. A
     /// hint only: it changes nothing, and the actual victim may differ.
     fn prefetch_next_victim(&self) -> Option<u32> {
         None
     }
+
+    /// Whether evictions are remembered (ARC's ghosts), so that prefetching a victim's
+    /// fingerprint-keyed history is worth computing its fingerprint.
+    fn keeps_history(&self) -> bool {
+        false
+    }
+
+    /// Second step of [`EvictionPolicy::prefetch_next_victim`], called a little later so
+    /// that loads depending on the first step's find their data (a hint only).
+    fn prefetch_next_victim_history(&self) {}
 
     /// Forgets history that outlives entries (ARC ghosts and target); resident entries stay.
     fn reset_history(&mut self) {}
