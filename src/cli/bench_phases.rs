@@ -138,6 +138,85 @@ struct Outstanding {
     started: Instant,
 }
 
+/// What distinguishes one timed phase: how a batch is submitted, how the manager is stepped
+/// after a round of submissions, and when a batch counts as finished.
+trait PhaseSteps {
+    /// Hands batch `batch` (its `keys`) to the manager.
+    fn submit(&mut self, m: &mut TieringManager, batch: usize, keys: &[ChunkKey]) -> Result<()>;
+    /// Steps the manager after a round; `submitted` says whether any batch went out.
+    fn step(&mut self, m: &mut TieringManager, submitted: bool) -> Result<()>;
+    /// Whether every key of a batch is done.
+    fn batch_done(&self, m: &TieringManager, keys: &[ChunkKey]) -> bool;
+    /// Whether to wait [`POLL_INTERVAL`] when a round finished nothing.
+    fn may_wait(&self, submitted: bool) -> bool;
+}
+
+/// Stores: `complete_store` cascades each batch to the tier as one store job.
+struct StoreSteps;
+
+impl PhaseSteps for StoreSteps {
+    fn submit(&mut self, m: &mut TieringManager, batch: usize, keys: &[ChunkKey]) -> Result<()> {
+        let req = request("store", batch);
+        m.complete_store(keys, &req, true);
+        m.on_request_finished(&req);
+        Ok(())
+    }
+
+    fn step(&mut self, m: &mut TieringManager, _submitted: bool) -> Result<()> {
+        m.poll()
+    }
+
+    fn batch_done(&self, m: &TieringManager, keys: &[ChunkKey]) -> bool {
+        // A cascade pins its rows until the tier reports: a batch is done when no row of it
+        // is pinned any more.
+        keys.iter()
+            .all(|k| m.primary().ref_count(k).is_none_or(|r| r == 0))
+    }
+
+    fn may_wait(&self, _submitted: bool) -> bool {
+        true
+    }
+}
+
+/// Loads: lookups start promotions; one load job per (tier, request) goes out at the end of
+/// the step.
+struct LoadSteps;
+
+impl PhaseSteps for LoadSteps {
+    fn submit(&mut self, m: &mut TieringManager, batch: usize, keys: &[ChunkKey]) -> Result<()> {
+        let req = request("load", batch);
+        m.on_new_request(&req);
+        for key in keys {
+            // The first secondary HIT starts a promotion (HitPending); RETRY only while
+            // the index recovers, which a fresh tier never does.
+            if m.lookup(key, &req) == LookupResult::Retry {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    "the G3 tier answered RETRY on a freshly formatted tier",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, m: &mut TieringManager, submitted: bool) -> Result<()> {
+        if submitted {
+            m.on_schedule_end(&ScheduleEndContext::default())
+        } else {
+            m.poll()
+        }
+    }
+
+    fn batch_done(&self, m: &TieringManager, keys: &[ChunkKey]) -> bool {
+        keys.iter()
+            .all(|k| m.primary().lookup(k) != LookupResult::HitPending)
+    }
+
+    fn may_wait(&self, submitted: bool) -> bool {
+        !submitted
+    }
+}
+
 pub(crate) fn store_phase(
     manager: &mut TieringManager,
     plan: &Plan,
@@ -145,54 +224,15 @@ pub(crate) fn store_phase(
     batches: &[std::ops::Range<u64>],
     progress: bool,
 ) -> Result<PhaseReport> {
-    let bar = progress_bar(keys.len() as u64, "store", progress);
-    let slice = |b: usize| &keys[batches[b].start as usize..batches[b].end as usize];
-    let cpu0 = process_cpu_seconds();
-    let start = Instant::now();
-    let mut latencies = Vec::with_capacity(batches.len());
-    let mut outstanding: VecDeque<Outstanding> = VecDeque::new();
-    let mut next = 0;
-    let mut stall = StallGuard::new();
-    while next < batches.len() || !outstanding.is_empty() {
-        while next < batches.len() && outstanding.len() < plan.window_jobs {
-            let req = request("store", next);
-            manager.complete_store(slice(next), &req, true);
-            manager.on_request_finished(&req);
-            outstanding.push_back(Outstanding {
-                batch: next,
-                started: Instant::now(),
-            });
-            next += 1;
-        }
-        manager.poll()?;
-        // A cascade pins its rows until the tier reports: a batch is done when no row of it
-        // is pinned any more.
-        let before = outstanding.len();
-        outstanding.retain(|o| {
-            let done = slice(o.batch)
-                .iter()
-                .all(|k| manager.primary().ref_count(k).is_none_or(|r| r == 0));
-            if done {
-                latencies.push(o.started.elapsed());
-                bar.inc(slice(o.batch).len() as u64);
-            }
-            !done
-        });
-        if outstanding.len() == before && !outstanding.is_empty() {
-            stall.check(false, "store")?;
-            std::thread::sleep(POLL_INTERVAL);
-        } else {
-            stall.check(true, "store")?;
-        }
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    bar.finish_and_clear();
-    Ok(phase_report(
+    drive_phase(
+        manager,
         plan,
-        latencies,
-        seconds,
-        process_cpu_seconds() - cpu0,
-    ))
+        keys,
+        batches,
+        progress,
+        "store",
+        &mut StoreSteps,
+    )
 }
 
 pub(crate) fn load_phase(
@@ -202,7 +242,33 @@ pub(crate) fn load_phase(
     batches: &[std::ops::Range<u64>],
     progress: bool,
 ) -> Result<PhaseReport> {
-    let bar = progress_bar(keys.len() as u64, "load", progress);
+    let report = drive_phase(
+        manager,
+        plan,
+        keys,
+        batches,
+        progress,
+        "load",
+        &mut LoadSteps,
+    )?;
+    for b in 0..batches.len() {
+        manager.on_request_finished(&request("load", b));
+    }
+    Ok(report)
+}
+
+/// Keeps up to `plan.window_jobs` batches outstanding, steps the manager, retires finished
+/// batches (recording submission-to-poll latency) and times the whole phase.
+fn drive_phase(
+    manager: &mut TieringManager,
+    plan: &Plan,
+    keys: &[ChunkKey],
+    batches: &[std::ops::Range<u64>],
+    progress: bool,
+    phase: &str,
+    steps: &mut impl PhaseSteps,
+) -> Result<PhaseReport> {
+    let bar = progress_bar(keys.len() as u64, phase, progress);
     let slice = |b: usize| &keys[batches[b].start as usize..batches[b].end as usize];
     let cpu0 = process_cpu_seconds();
     let start = Instant::now();
@@ -213,19 +279,7 @@ pub(crate) fn load_phase(
     while next < batches.len() || !outstanding.is_empty() {
         let mut submitted = false;
         while next < batches.len() && outstanding.len() < plan.window_jobs {
-            let req = request("load", next);
-            manager.on_new_request(&req);
-            for key in slice(next) {
-                // The first secondary HIT starts a promotion (HitPending); RETRY only while
-                // the index recovers, which a fresh tier never does.
-                let answer = manager.lookup(key, &req);
-                if answer == LookupResult::Retry {
-                    return Err(Error::new(
-                        ErrorKind::Internal,
-                        "the G3 tier answered RETRY on a freshly formatted tier",
-                    ));
-                }
-            }
+            steps.submit(manager, next, slice(next))?;
             outstanding.push_back(Outstanding {
                 batch: next,
                 started: Instant::now(),
@@ -233,32 +287,22 @@ pub(crate) fn load_phase(
             next += 1;
             submitted = true;
         }
-        if submitted {
-            // One load job per (tier, request) goes out at the end of the step.
-            manager.on_schedule_end(&ScheduleEndContext::default())?;
-        } else {
-            manager.poll()?;
-        }
+        steps.step(manager, submitted)?;
         let before = outstanding.len();
         outstanding.retain(|o| {
-            let done = slice(o.batch)
-                .iter()
-                .all(|k| manager.primary().lookup(k) != LookupResult::HitPending);
+            let done = steps.batch_done(manager, slice(o.batch));
             if done {
                 latencies.push(o.started.elapsed());
                 bar.inc(slice(o.batch).len() as u64);
             }
             !done
         });
-        if outstanding.len() == before && !outstanding.is_empty() && !submitted {
-            stall.check(false, "load")?;
+        if outstanding.len() == before && !outstanding.is_empty() && steps.may_wait(submitted) {
+            stall.check(false, phase)?;
             std::thread::sleep(POLL_INTERVAL);
         } else {
-            stall.check(true, "load")?;
+            stall.check(true, phase)?;
         }
-    }
-    for b in 0..batches.len() {
-        manager.on_request_finished(&request("load", b));
     }
     let seconds = start.elapsed().as_secs_f64();
     bar.finish_and_clear();

@@ -261,48 +261,10 @@ fn size_value(v: &Value, key_path: &str) -> Result<u64> {
     }
 }
 
-/// Parses a byte count: a plain integer or a number with a unit (`B`, `KiB`/`K`/`KB`, `MiB`,
-/// `GiB`, `TiB`, binary multiples; `kB`/`MB`/`GB`/`TB` decimal only when spelled exactly so is
-/// ambiguous, so every unit here is binary except the explicit SI forms `kB`, `MB`, `GB`, `TB`).
+/// Parses a byte count with the crate's one size parser ([`crate::config::size::parse_size`]):
+/// an integer or a number with a unit (`64GiB`, `1.5 KiB`, `2MB`).
 pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '_'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let num = num.replace('_', "");
-    if num.is_empty() {
-        return Err(format!("cannot read a size from {s:?} (e.g. \"64GiB\")"));
-    }
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "K" | "KiB" | "k" => 1 << 10,
-        "M" | "MiB" => 1 << 20,
-        "G" | "GiB" => 1 << 30,
-        "T" | "TiB" => 1 << 40,
-        "kB" | "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        other => {
-            return Err(format!(
-                "unknown size unit {other:?} in {s:?} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
-            ));
-        }
-    };
-    if let Ok(n) = num.parse::<u64>() {
-        return n
-            .checked_mul(mult)
-            .ok_or_else(|| format!("size {s:?} overflows 64 bits"));
-    }
-    let f: f64 = num
-        .parse()
-        .map_err(|_| format!("cannot read a size from {s:?}"))?;
-    let bytes = f * mult as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 || bytes.fract() != 0.0 {
-        return Err(format!("size {s:?} is not a whole number of bytes"));
-    }
-    Ok(bytes as u64)
+    crate::config::size::parse_size(s).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
