@@ -17,6 +17,7 @@ pub mod config;
 pub mod error;
 pub mod g3;
 pub mod geometry;
+pub mod hash;
 pub mod io;
 pub mod key;
 pub mod metrics;

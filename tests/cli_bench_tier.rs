@@ -60,6 +60,8 @@ fn bench_json_schema_and_every_chunk_verified() {
         "64MiB",
         "--max-bytes-in-flight",
         "16MiB",
+        "--idle-linger-ms",
+        "0",
         "--path",
         parent.path().to_str().unwrap(),
         "--json",

@@ -63,6 +63,10 @@ pub struct BenchArgs {
     /// I/O engine: auto, uring or psync.
     #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
     pub io_engine: IoEngineKind,
+    /// How long the tier's worker lingers (naps instead of blocking) after its last work, as
+    /// the nvme key `idle_linger_ms`; 0 turns lingering off.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub idle_linger_ms: u64,
     /// Keep the tier afterwards (its path is printed) for `kvtier tier inspect/verify`.
     #[arg(long)]
     pub keep: bool,
@@ -217,6 +221,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         primary_rows: plan.chunks,
         max_bytes_in_flight: args.max_bytes_in_flight,
         io_engine: args.io_engine,
+        idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
         namespace,
         keep: args.keep,
     })?;

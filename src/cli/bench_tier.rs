@@ -29,6 +29,8 @@ pub struct TierOptions {
     pub max_bytes_in_flight: u64,
     /// G3 `io_engine`.
     pub io_engine: IoEngineKind,
+    /// G3 `idle_linger_ms`.
+    pub idle_linger: std::time::Duration,
     /// Namespace digest for the slab superblocks.
     pub namespace: [u8; 32],
     /// Keep the directories when done.
@@ -90,6 +92,7 @@ impl BenchTier {
         );
         cfg.max_bytes_in_flight = opts.max_bytes_in_flight;
         cfg.io_engine = opts.io_engine;
+        cfg.idle.linger = opts.idle_linger;
         // Stores are reported once their data and index records are durable (the default).
         cfg.fsync = FsyncPolicy::Always;
         let tier = G3Tier::open(

@@ -8,12 +8,14 @@ use serde_json::Value;
 
 use crate::config::model::TierConfig;
 use crate::error::{Error, Result};
-use crate::io::IoEngineKind;
+use crate::io::{IdlePolicy, IoEngineKind};
 
 /// Default cap on bytes moving between the primary and the slabs at once.
 pub const DEFAULT_MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
 /// Default number of jobs that may wait in the tier's queue before new ones fail fast.
 pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
+/// Largest `max_queued_jobs` (the job channels preallocate one slot per queued job).
+pub const MAX_QUEUED_JOBS_LIMIT: usize = 65_536;
 /// Default journal size that triggers a checkpoint.
 pub const DEFAULT_CHECKPOINT_JOURNAL_BYTES: u64 = 64 << 20;
 
@@ -82,6 +84,8 @@ pub struct G3TierConfig {
     pub checkpoint_interval: Option<Duration>,
     /// Jobs that may wait in the queue; beyond this a submission fails at once.
     pub max_queued_jobs: usize,
+    /// How the worker waits once it has no work (`idle_poll_us`, `idle_linger_ms`).
+    pub idle: IdlePolicy,
 }
 
 impl G3TierConfig {
@@ -97,6 +101,7 @@ impl G3TierConfig {
             checkpoint_journal_bytes: DEFAULT_CHECKPOINT_JOURNAL_BYTES,
             checkpoint_interval: Some(Duration::from_secs(60)),
             max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
+            idle: IdlePolicy::default(),
         }
     }
 
@@ -200,17 +205,35 @@ impl G3TierConfig {
         if let Some(v) = tc.params.get("max_queued_jobs") {
             cfg.max_queued_jobs = v
                 .as_u64()
-                .filter(|n| *n > 0)
+                .filter(|n| (1..=MAX_QUEUED_JOBS_LIMIT as u64).contains(n))
                 .and_then(|n| usize::try_from(n).ok())
                 .ok_or_else(|| {
                     Error::config(
                         kp("max_queued_jobs"),
-                        format!("expected a positive integer, found {v}"),
+                        format!(
+                            "expected a whole number from 1 to {MAX_QUEUED_JOBS_LIMIT}, found {v}"
+                        ),
                     )
                 })?;
         }
+        if let Some(v) = tc.params.get("idle_poll_us") {
+            cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &kp("idle_poll_us"))?);
+        }
+        if let Some(v) = tc.params.get("idle_linger_ms") {
+            cfg.idle.linger = Duration::from_millis(idle_value(v, &kp("idle_linger_ms"))?);
+        }
         Ok(cfg)
     }
+}
+
+/// An `idle_*` value: a whole number from 0 to 1,000,000.
+fn idle_value(v: &Value, key_path: &str) -> Result<u64> {
+    v.as_u64().filter(|n| *n <= 1_000_000).ok_or_else(|| {
+        Error::config(
+            key_path,
+            format!("expected a whole number from 0 to 1000000, found {v}"),
+        )
+    })
 }
 
 /// Every key a `type = "nvme"` tier accepts in its params (`module_path` is accepted and
@@ -225,6 +248,8 @@ pub const KNOWN_KEYS: &[&str] = &[
     "checkpoint_journal_bytes",
     "checkpoint_interval_s",
     "max_queued_jobs",
+    "idle_poll_us",
+    "idle_linger_ms",
     "module_path",
 ];
 
@@ -312,6 +337,13 @@ mod tests {
         assert_eq!(c.checkpoint_journal_bytes, 1 << 20);
         assert_eq!(c.checkpoint_interval, None);
         assert_eq!(c.max_queued_jobs, 7);
+        assert_eq!(c.idle, IdlePolicy::default());
+        let off = G3TierConfig::from_tier(&tier(json!({
+            "paths": "/x", "capacity_bytes": 8192, "idle_poll_us": 20, "idle_linger_ms": 0
+        })))
+        .unwrap();
+        assert_eq!(off.idle.poll_interval, Duration::from_micros(20));
+        assert!(!off.idle.lingers());
         let d =
             G3TierConfig::from_tier(&tier(json!({"paths": "/x", "capacity_bytes": 8192}))).unwrap();
         assert_eq!(d.direct_io, DirectIoMode::Required);
@@ -360,6 +392,22 @@ mod tests {
             (
                 json!({"paths": ["/a"], "capacity_bytes": 1, "max_bytes_in_flight": 0}),
                 "secondary_tiers[2].max_bytes_in_flight",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "max_queued_jobs": 65537}),
+                "secondary_tiers[2].max_queued_jobs",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "idle_poll_us": -1}),
+                "secondary_tiers[2].idle_poll_us",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "idle_linger_ms": "50ms"}),
+                "secondary_tiers[2].idle_linger_ms",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "idle_linger_ms": 1_000_001}),
+                "secondary_tiers[2].idle_linger_ms",
             ),
         ];
         for (params, key) in cases {

@@ -54,6 +54,8 @@ pub struct G3Metrics {
     pub lookup_retries_busy: AtomicU64,
     /// Checkpoints written.
     pub checkpoints: AtomicU64,
+    /// Naps the idle worker took while lingering (see `crate::io::IdlePolicy`).
+    pub idle_naps: AtomicU64,
     /// Recovery duration in microseconds (set once).
     pub recovery_micros: AtomicU64,
     /// Index records applied by recovery.
@@ -221,6 +223,12 @@ impl G3Metrics {
             ),
             m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
         ];
+        out.push(m(
+            "g3_idle_naps",
+            "Naps the idle worker took while lingering for new jobs",
+            Counter,
+            get(&self.idle_naps),
+        ));
         out.push(m(
             "g3_lookup_retries_busy",
             "Lookups answered RETRY because the index was busy",

@@ -372,7 +372,8 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
             let holder = pid.map_or_else(|| "unknown".to_string(), |p| p.to_string());
             let msg = if pid == Some(std::process::id()) {
                 format!(
-                    "{} is already open in this process (pid {holder}): a G3 tier may be                      opened only once; check for two tier entries naming the same path",
+                    "{} is already open in this process (pid {holder}): a G3 tier may be \
+                     opened only once; check for two tier entries naming the same path",
                     p.display()
                 )
             } else {

@@ -13,7 +13,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::config::G3TierConfig;
+use crate::g3::config::{G3TierConfig, MAX_QUEUED_JOBS_LIMIT};
 use crate::g3::format::slots_per_file;
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::{self, SlabSpec};
@@ -25,6 +25,9 @@ use crate::tiering::job::{
     JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
 use crate::tiering::secondary::{SecondaryTier, TierMetric};
+
+/// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands.
+const CONTROL_SLACK: usize = 16;
 
 /// Longest a lookup waits for the index lock before answering RETRY.
 const LOOKUP_LOCK_WAIT: std::time::Duration = std::time::Duration::from_micros(100);
@@ -59,6 +62,7 @@ pub type EngineFactory = Box<
 pub struct G3Tier {
     shared: Arc<Shared>,
     cmd_tx: Option<Sender<Cmd>>,
+    store_tx: Option<Sender<TransferJob>>,
     results_rx: Receiver<JobResult>,
     events_rx: Receiver<OffloadingEvent>,
     local_results: Vec<JobResult>,
@@ -107,6 +111,15 @@ impl G3Tier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
+        if !(1..=MAX_QUEUED_JOBS_LIMIT).contains(&cfg.max_queued_jobs) {
+            return Err(Error::config(
+                "max_queued_jobs",
+                format!(
+                    "expected a whole number from 1 to {MAX_QUEUED_JOBS_LIMIT}, found {}",
+                    cfg.max_queued_jobs
+                ),
+            ));
+        }
         let row_stride = region.row_stride() as u64;
         let n = cfg.paths.len().max(1);
         let total = slots_per_file(cfg.capacity_bytes, n, row_stride) * n as u64;
@@ -163,7 +176,14 @@ impl G3Tier {
                 .collect(),
             failed: Mutex::new(None),
         });
-        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        // Bounded channels keep their slots in one preallocated ring: an unbounded channel
+        // allocates a block every 31 messages on the sending (scheduler) thread and frees it on
+        // the worker, and on the development VM that allocation made one submission in 31
+        // take 20-40 us. At most `max_queued_jobs` jobs are ever queued (checked before each
+        // send), so a job never finds its channel full; the slack is for drain and shutdown.
+        let capacity = cfg.max_queued_jobs + CONTROL_SLACK;
+        let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(capacity);
+        let (store_tx, store_rx) = crossbeam_channel::bounded(capacity);
         let (results_tx, results_rx) = crossbeam_channel::unbounded();
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
         let worker = Worker::new(WorkerInit {
@@ -174,24 +194,25 @@ impl G3Tier {
             tier_id: tier_id.clone(),
             locality,
             cmd_rx,
+            store_rx,
             results_tx,
             events_tx,
         });
         let engine = handle.engine;
-        let thread = std::thread::Builder::new()
-            .name(format!("kvtier-g3-{tier_id}"))
-            .spawn(move || worker.run())
-            .map_err(|e| {
-                engine.shutdown();
-                Error::new(
-                    ErrorKind::Io,
-                    format!("cannot start the G3 worker thread: {e}"),
-                )
-                .with_source(e)
-            })?;
+        let thread =
+            crate::io::spawn_io_thread(format!("kvtier-g3-{tier_id}"), move || worker.run())
+                .map_err(|e| {
+                    engine.shutdown();
+                    Error::new(
+                        ErrorKind::Io,
+                        format!("cannot start the G3 worker thread: {e}"),
+                    )
+                    .with_source(e)
+                })?;
         Ok(G3Tier {
             shared,
             cmd_tx: Some(cmd_tx),
+            store_tx: Some(store_tx),
             results_rx,
             events_rx,
             local_results: Vec::new(),
@@ -268,20 +289,28 @@ impl G3Tier {
             self.local_results.push(JobResult::failed(job_id, e));
             return;
         }
-        let Some(tx) = &self.cmd_tx else {
+        let (Some(cmd_tx), Some(store_tx)) = (&self.cmd_tx, &self.store_tx) else {
             let e = Error::new(ErrorKind::Closed, "the G3 tier is shut down");
             self.local_results.push(JobResult::failed(job_id, e));
             return;
         };
         m.queued_jobs.fetch_add(1, Ordering::Relaxed);
-        let cmd = if load {
-            Cmd::Load(job)
+        let sent = if load {
+            cmd_tx.try_send(Cmd::Load(job)).map_err(|e| e.is_full())
         } else {
-            Cmd::Store(job)
+            store_tx.try_send(job).map_err(|e| e.is_full())
         };
-        if tx.send(cmd).is_err() {
+        if let Err(full) = sent {
             m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            let e = Error::new(ErrorKind::Closed, "the G3 worker thread has stopped");
+            let e = if full {
+                m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
+                Error::new(
+                    ErrorKind::NoSpace,
+                    format!("G3 job channel is full; job {job_id} refused"),
+                )
+            } else {
+                Error::new(ErrorKind::Closed, "the G3 worker thread has stopped")
+            };
             self.local_results.push(JobResult::failed(job_id, e));
         }
     }
@@ -296,9 +325,11 @@ impl G3Tier {
         let Some(tx) = self.cmd_tx.take() else {
             return Ok(());
         };
+        let store_tx = self.store_tx.take();
         let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
         let sent = tx.send(Cmd::Shutdown(ack_tx, checkpoint)).is_ok();
         drop(tx);
+        drop(store_tx);
         let result = if sent {
             ack_rx.recv().unwrap_or_else(|_| {
                 Err(Error::new(

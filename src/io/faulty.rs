@@ -154,9 +154,7 @@ impl FaultyEngine {
             latency: plan.latency,
             flips_done: flips_done.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name("kvtier-faulty".to_string())
-            .spawn(move || fwd.run())
+        let thread = super::spawn_io_thread("kvtier-faulty".to_string(), move || fwd.run())
             .map_err(|e| {
                 Error::new(
                     ErrorKind::Io,

@@ -12,15 +12,19 @@ use std::sync::Arc;
 
 pub mod faulty;
 mod files;
+mod idle;
 mod open;
 pub mod probe;
 pub mod psync;
+mod thread;
 pub mod uring;
 
 pub use faulty::{FaultPlan, FaultyEngine};
 pub use files::DIRECT_IO_ALIGNMENT;
+pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};
+pub use thread::{batch_policy_failures, current_policy, spawn_io_thread};
 
 use crossbeam_channel::Receiver;
 

@@ -49,16 +49,16 @@ impl PsyncEngine {
             let tx = done_tx.clone();
             let files = files.clone();
             let region = region.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("kvtier-psync-{i}"))
-                .spawn(move || worker(&rx, &tx, &files, &region))
-                .map_err(|e| {
-                    Error::new(
-                        ErrorKind::Io,
-                        format!("cannot start psync worker thread: {e}"),
-                    )
-                    .with_source(e)
-                })?;
+            let handle = super::spawn_io_thread(format!("kvtier-psync-{i}"), move || {
+                worker(&rx, &tx, &files, &region)
+            })
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("cannot start psync worker thread: {e}"),
+                )
+                .with_source(e)
+            })?;
             workers.push(handle);
         }
         Ok(PsyncEngine {

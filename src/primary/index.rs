@@ -9,78 +9,9 @@
 //! probing and removal uses backward-shift deletion, so there are no tombstones and probe
 //! lengths never degrade. The capacity is fixed at construction: nothing allocates afterwards.
 
-use std::hash::BuildHasher;
-
 use super::mem_hints::huge_slice;
 
-/// A seeded 64-bit hash of a byte string (folded multiply, 16 bytes per step).
-///
-/// Fast (a few ns for a 36-byte key) and well mixed; the per-instance random seed keeps an
-/// outsider from choosing keys that collide. Not cryptographic.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct KeyHasher {
-    seed: u64,
-}
-
-const K1: u64 = 0x243F_6A88_85A3_08D3;
-const K2: u64 = 0x1319_8A2E_0370_7344;
-const K3: u64 = 0xA409_3822_299F_31D0;
-
-#[inline]
-fn fold_mul(a: u64, b: u64) -> u64 {
-    let r = u128::from(a) * u128::from(b);
-    (r as u64) ^ ((r >> 64) as u64)
-}
-
-/// `b` (at most 8 bytes) as a little-endian number; the usual lengths without a copy call.
-#[inline]
-fn read_u64(b: &[u8]) -> u64 {
-    if let Ok(w) = <[u8; 8]>::try_from(b) {
-        return u64::from_le_bytes(w);
-    }
-    if let Ok(w) = <[u8; 4]>::try_from(b) {
-        return u64::from(u32::from_le_bytes(w));
-    }
-    let mut w = [0u8; 8];
-    w[..b.len()].copy_from_slice(b);
-    u64::from_le_bytes(w)
-}
-
-impl KeyHasher {
-    /// A hasher with a fresh random seed.
-    pub(crate) fn random() -> Self {
-        let seed = std::collections::hash_map::RandomState::new().hash_one(0x6b76_7469_6572_u64);
-        KeyHasher { seed }
-    }
-
-    /// A hasher with a fixed seed (tests).
-    #[cfg(test)]
-    pub(crate) fn with_seed(seed: u64) -> Self {
-        KeyHasher { seed }
-    }
-
-    /// The 64-bit hash of `bytes`.
-    #[inline]
-    pub(crate) fn hash(&self, bytes: &[u8]) -> u64 {
-        let mut h = self.seed ^ (bytes.len() as u64).wrapping_mul(K1);
-        let mut pairs = bytes.chunks_exact(16);
-        for p in &mut pairs {
-            let a = read_u64(&p[..8]);
-            let b = read_u64(&p[8..]);
-            h = fold_mul(a ^ h ^ K2, b ^ K3).rotate_left(23) ^ h.wrapping_mul(K1);
-        }
-        let rest = pairs.remainder();
-        if !rest.is_empty() {
-            let (a, b) = if rest.len() > 8 {
-                (read_u64(&rest[..8]), read_u64(&rest[8..]))
-            } else {
-                (read_u64(rest), 0)
-            };
-            h = fold_mul(a ^ h ^ K2, b ^ K3).rotate_left(23) ^ h.wrapping_mul(K1);
-        }
-        fold_mul(h ^ K3, K1 ^ self.seed.rotate_left(32))
-    }
-}
+pub(crate) use crate::hash::KeyHasher;
 
 /// Open-addressing index: `hash -> id`, ids in `0..max_ids`.
 #[derive(Debug)]
@@ -244,21 +175,6 @@ impl IndexTable {
 mod tests {
     use super::*;
     use std::collections::HashMap;
-
-    #[test]
-    fn hash_depends_on_every_byte_and_length() {
-        let h = KeyHasher::with_seed(7);
-        let base = [0u8; 36];
-        let h0 = h.hash(&base);
-        for i in 0..36 {
-            let mut k = base;
-            k[i] = 1;
-            assert_ne!(h.hash(&k), h0, "byte {i} ignored");
-        }
-        assert_ne!(h.hash(&base[..35]), h0);
-        assert_ne!(h.hash(&[]), h.hash(&[0]));
-        assert_ne!(KeyHasher::with_seed(8).hash(&base), h0);
-    }
 
     #[test]
     fn insert_find_remove_against_hashmap() {

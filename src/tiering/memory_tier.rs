@@ -13,6 +13,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::io::IdlePolicy;
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
@@ -66,6 +67,10 @@ pub struct FaultPlan {
     pub misreport: Option<Misreport>,
 }
 
+/// Jobs the threaded executor's queue holds; a job submitted beyond that fails at once
+/// (`NoSpace`). The queue is a preallocated ring, so that a submission never allocates.
+pub const MAX_QUEUED_JOBS: usize = 4096;
+
 /// Options of a [`MemoryTier`].
 #[derive(Debug, Clone)]
 pub struct MemoryTierOptions {
@@ -84,6 +89,8 @@ pub struct MemoryTierOptions {
     pub retry_first_lookup: bool,
     /// What the tier asks for in `on_new_request` (`RequestLevel` models a P/D tier).
     pub policy: OffloadPolicy,
+    /// How the threaded executor waits for jobs (see [`crate::io::IdlePolicy`]).
+    pub idle: IdlePolicy,
 }
 
 impl MemoryTierOptions {
@@ -99,6 +106,7 @@ impl MemoryTierOptions {
             faults: FaultPlan::default(),
             retry_first_lookup: false,
             policy: OffloadPolicy::ChunkLevel,
+            idle: IdlePolicy::default(),
         }
     }
 }
@@ -320,25 +328,24 @@ impl MemoryTier {
         };
         let engine = match opts.mode {
             ExecMode::Threaded { latency } => {
-                let (jtx, jrx) = crossbeam_channel::unbounded::<TransferJob>();
+                let (jtx, jrx) = crossbeam_channel::bounded::<TransferJob>(MAX_QUEUED_JOBS);
                 let (rtx, rrx) = crossbeam_channel::unbounded();
                 let mut exec = exec;
-                let thread = std::thread::Builder::new()
-                    .name("kvtier-memory-tier".into())
-                    .spawn(move || {
-                        for job in jrx.iter() {
-                            if !latency.is_zero() {
-                                std::thread::sleep(latency);
-                            }
-                            if rtx.send(exec.run(&job)).is_err() {
-                                break;
-                            }
+                let idle = opts.idle;
+                let thread = crate::io::spawn_io_thread("kvtier-memory-tier".into(), move || {
+                    let mut last_work = Instant::now();
+                    while let Ok(job) = idle.recv(&jrx, &mut last_work) {
+                        if !latency.is_zero() {
+                            std::thread::sleep(latency);
                         }
-                    })
-                    .map_err(|e| {
-                        Error::new(ErrorKind::Io, "cannot spawn the memory tier thread")
-                            .with_source(e)
-                    })?;
+                        if rtx.send(exec.run(&job)).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|e| {
+                    Error::new(ErrorKind::Io, "cannot spawn the memory tier thread").with_source(e)
+                })?;
                 Engine::Threaded {
                     jobs: Some(jtx),
                     results: rrx,
@@ -398,8 +405,15 @@ impl MemoryTier {
         match &mut self.engine {
             Engine::Threaded { jobs, .. } => {
                 let id = job.job_id;
-                if let Some(Err(_)) = jobs.as_ref().map(|tx| tx.send(job)) {
-                    let e = Error::new(ErrorKind::Closed, "memory tier thread is gone");
+                if let Some(Err(e)) = jobs.as_ref().map(|tx| tx.try_send(job)) {
+                    let e = if e.is_full() {
+                        Error::new(
+                            ErrorKind::NoSpace,
+                            format!("memory tier queue is full ({MAX_QUEUED_JOBS} jobs)"),
+                        )
+                    } else {
+                        Error::new(ErrorKind::Closed, "memory tier thread is gone")
+                    };
                     self.stash.push(JobResult::failed(id, e));
                 }
             }

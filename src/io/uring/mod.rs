@@ -224,9 +224,7 @@ impl UringEngine {
             ready: VecDeque::new(),
             poll_armed: false,
         };
-        let spawned = std::thread::Builder::new()
-            .name("kvtier-uring".to_string())
-            .spawn(move || worker.run());
+        let spawned = crate::io::spawn_io_thread("kvtier-uring".to_string(), move || worker.run());
         let thread = match spawned {
             Ok(t) => t,
             Err(e) => {

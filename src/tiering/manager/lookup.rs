@@ -17,14 +17,20 @@ impl TieringManager {
             self.polled_this_step = true;
             self.process_finished_jobs();
         }
-        let t0 = self.clock.now();
+        // Lookup metrics are kept only until the request is first scheduled; the clock is
+        // read only for those lookups.
+        let tracked = self
+            .requests
+            .get(&req.req_id)
+            .is_some_and(|st| st.tracking.is_some());
+        let mut t0 = tracked.then(|| self.clock.now());
         match self.primary.lookup(key) {
             LookupResult::Hit => {
                 self.record_lookup(0, key, req, true, t0);
                 return LookupResult::Hit;
             }
             LookupResult::HitPending => return LookupResult::HitPending,
-            _ => self.record_lookup(0, key, req, false, t0),
+            _ => t0 = self.record_lookup(0, key, req, false, t0),
         }
         if self.promotions_held {
             return LookupResult::Miss;
@@ -35,15 +41,15 @@ impl TieringManager {
             if !req.load_tier_filter.allows(tier.medium(), tier.locality()) {
                 continue;
             }
-            let t0 = self.clock.now();
             match tier.lookup(key, req) {
                 LookupResult::Hit => {
                     self.record_lookup(i + 1, key, req, true, t0);
                     return self.initiate_promotion(i, key, req);
                 }
-                LookupResult::Miss => self.record_lookup(i + 1, key, req, false, t0),
+                LookupResult::Miss => t0 = self.record_lookup(i + 1, key, req, false, t0),
                 LookupResult::Retry => {
                     self.note_retry(i + 1, key, req);
+                    t0 = t0.map(|_| self.clock.now());
                     retry = true;
                 }
                 LookupResult::HitPending => {
@@ -66,28 +72,30 @@ impl TieringManager {
         }
     }
 
+    /// Records a resolved lookup of tier `idx` that began at `t0` (`None`: the request is
+    /// not tracked). Returns the time it ended, where the next tier's lookup begins.
     fn record_lookup(
         &mut self,
         idx: usize,
         key: &ChunkKey,
         req: &RequestContext,
         hit: bool,
-        t0: std::time::Instant,
-    ) {
-        let Some(track) = self
+        t0: Option<std::time::Instant>,
+    ) -> Option<std::time::Instant> {
+        let t0 = t0?;
+        let now = self.clock.now();
+        let track = self
             .requests
             .get_mut(&req.req_id)
-            .and_then(|st| st.tracking.as_mut())
-        else {
-            return;
-        };
-        let id = (idx, key.clone());
-        if track.resolved.contains(&id) {
-            return;
+            .and_then(|st| st.tracking.as_mut())?;
+        if !track.resolved.insert((idx, key.clone())) {
+            return Some(now);
         }
-        let now = self.clock.now();
-        let first_retry = track.first_retry.remove(&id);
-        track.resolved.insert(id);
+        let first_retry = if track.first_retry.is_empty() {
+            None
+        } else {
+            track.first_retry.remove(&(idx, key.clone()))
+        };
         let s = self.metrics.lookup[idx];
         let r = &mut self.metrics.registry;
         r.inc(s.queries, 1.0);
@@ -104,6 +112,7 @@ impl TieringManager {
                 now.saturating_duration_since(first).as_secs_f64(),
             );
         }
+        Some(now)
     }
 
     fn note_retry(&mut self, idx: usize, key: &ChunkKey, req: &RequestContext) {

@@ -14,12 +14,13 @@ mod cascade;
 mod jobs;
 mod lookup;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::KvtierConfig;
 use crate::error::{Error, ErrorKind, Result};
+use crate::hash::{FastMap, FastSet};
 use crate::key::ChunkKey;
 use crate::metrics::Registry;
 use crate::primary::PrimaryTier;
@@ -117,8 +118,8 @@ struct RequestState {
 
 #[derive(Debug, Default)]
 struct LookupTracking {
-    resolved: HashSet<(usize, ChunkKey)>,
-    first_retry: HashMap<(usize, ChunkKey), Instant>,
+    resolved: FastSet<(usize, ChunkKey)>,
+    first_retry: FastMap<(usize, ChunkKey), Instant>,
 }
 
 /// The tiering manager (vLLM `TieringOffloadingManager`).
@@ -129,10 +130,10 @@ pub struct TieringManager {
     tiers: Vec<TierSlot>,
     clock: Arc<dyn Clock>,
     next_job_id: JobId,
-    jobs: HashMap<JobId, ActiveJob>,
+    jobs: FastMap<JobId, ActiveJob>,
     pending_promotions: BTreeMap<(usize, Arc<str>), PendingPromotion>,
-    load_sources: HashMap<ChunkKey, usize>,
-    requests: HashMap<Arc<str>, RequestState>,
+    load_sources: FastMap<ChunkKey, usize>,
+    requests: FastMap<Arc<str>, RequestState>,
     parked_cascades: BTreeMap<Arc<str>, Vec<ChunkKey>>,
     promotions_held: bool,
     polled_this_step: bool,
@@ -275,10 +276,10 @@ impl TieringManager {
             tiers,
             clock: opts.clock,
             next_job_id: 0,
-            jobs: HashMap::new(),
+            jobs: FastMap::default(),
             pending_promotions: BTreeMap::new(),
-            load_sources: HashMap::new(),
-            requests: HashMap::new(),
+            load_sources: FastMap::default(),
+            requests: FastMap::default(),
             parked_cascades: BTreeMap::new(),
             promotions_held: false,
             polled_this_step: false,
