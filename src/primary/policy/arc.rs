@@ -81,6 +81,11 @@ impl ArcPolicy {
         self.state[slot as usize] = st & !ASIDE;
     }
 
+    /// Whether inserting a new key into T1 now would trim B1 (drop its least recent ghost).
+    fn would_trim_b1(&self) -> bool {
+        self.t1_len + self.ghosts.len(Ghost::B1) >= self.cap()
+    }
+
     fn trim_b1(&mut self) {
         while self.t1_len + self.ghosts.len(Ghost::B1) > self.cap() {
             if !self.ghosts.pop_lru(Ghost::B1) {
@@ -272,7 +277,7 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn prefetch_next_victim_history(&self) {
-        self.ghosts.prefetch_oldest_index();
+        self.ghosts.prefetch_oldest_index(self.would_trim_b1());
     }
 
     fn prefetch_admit(&self, fingerprint: u64) {
@@ -280,7 +285,7 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn prefetch_next_victim(&self) -> Option<u32> {
-        self.ghosts.prefetch_oldest();
+        self.ghosts.prefetch_oldest(self.would_trim_b1());
         let (first, second) = if self.t1_len > self.p {
             (&self.t1, &self.t2)
         } else {

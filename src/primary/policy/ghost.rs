@@ -89,14 +89,24 @@ impl GhostLists {
         self.index.prefetch(fp);
     }
 
-    /// When every ghost node is in use, prefetches the node the next
-    /// [`GhostLists::push`] drops to make room (a hint only).
+    /// The ghosts the next store drops: the one a [`GhostLists::push`] drops to make room
+    /// when every ghost node is in use, and the least recent B1 ghost when `trim_b1` (the
+    /// policy will trim B1 after inserting).
     #[inline]
-    pub(crate) fn prefetch_oldest(&self) {
-        if self.free_head != NIL {
-            return;
-        }
-        if let Some(id) = self.b2.back().or_else(|| self.b1.back()) {
+    fn next_dropped(&self, trim_b1: bool) -> [Option<u32>; 2] {
+        let full = if self.free_head == NIL {
+            self.b2.back().or_else(|| self.b1.back())
+        } else {
+            None
+        };
+        [full, if trim_b1 { self.b1.back() } else { None }]
+    }
+
+    /// Prefetches the nodes of the ghosts the next store drops (see
+    /// [`GhostLists::next_dropped`]; a hint only).
+    #[inline]
+    pub(crate) fn prefetch_oldest(&self, trim_b1: bool) {
+        for id in self.next_dropped(trim_b1).into_iter().flatten() {
             prefetch(&self.fps[id as usize]);
             prefetch(&self.links[id as usize]);
             prefetch(&self.which[id as usize]);
@@ -104,14 +114,11 @@ impl GhostLists {
     }
 
     /// Second step after [`GhostLists::prefetch_oldest`] (once its loads have had time to
-    /// arrive): prefetches the ghost-index bucket of that oldest ghost and its list
-    /// neighbour, which dropping it updates (a hint only).
+    /// arrive): prefetches the ghost-index buckets of those ghosts and their list
+    /// neighbours, which dropping them updates (a hint only).
     #[inline]
-    pub(crate) fn prefetch_oldest_index(&self) {
-        if self.free_head != NIL {
-            return;
-        }
-        if let Some(id) = self.b2.back().or_else(|| self.b1.back()) {
+    pub(crate) fn prefetch_oldest_index(&self, trim_b1: bool) {
+        for id in self.next_dropped(trim_b1).into_iter().flatten() {
             self.index.prefetch(self.fps[id as usize]);
             if let Some(prev) = self.links.get(self.links[id as usize].prev as usize) {
                 prefetch(prev);
@@ -191,7 +198,8 @@ impl GhostLists {
                 self.which[id as usize] = IN_B2;
             }
         }
-        self.index.insert(fp, id);
+        let fps = &self.fps;
+        self.index.insert(fp, id, |other| fps[other as usize]);
     }
 
     /// Forgets every ghost.
@@ -246,7 +254,9 @@ impl GhostLists {
                 self.capacity()
             ));
         }
-        Ok(())
+        self.index
+            .check_layout(|id| self.fps[id as usize])
+            .map_err(|e| format!("arc ghost {e}"))
     }
 }
 
