@@ -5,6 +5,13 @@
 //! plus their index bucket and keep no key bytes alive. Two keys with the same fingerprint
 //! would share a ghost; with 64-bit fingerprints and at most `capacity` ghosts this is
 //! vanishingly rare, and it could only steer the adaptive target, never what is stored.
+//!
+//! A pushed ghost joins its list at once (lengths, order and drops are exact at every step),
+//! but its fingerprint enters the ghost index only when the index is next searched (or after
+//! [`PENDING_MAX`] pushes): pushing happens during an eviction, right after the victim's
+//! fingerprint has been computed, and inserting it then would wait for a random index bucket.
+//! The push prefetches that bucket instead, and the deferred insertion finds it in cache. A
+//! search always sees every ghost, because it first inserts the pending ones.
 
 use super::list::{Link, List, NIL, new_links};
 use crate::primary::index::IndexTable;
@@ -22,6 +29,11 @@ pub(crate) enum Ghost {
 const FREE: u8 = 0;
 const IN_B1: u8 = 1;
 const IN_B2: u8 = 2;
+/// Flag on `which`: in its list, fingerprint not yet in the index.
+const PENDING: u8 = 4;
+
+/// Most ghosts whose index insertion waits (a store evicting more inserts the earlier ones).
+pub(crate) const PENDING_MAX: usize = 64;
 
 #[derive(Debug)]
 pub(crate) struct GhostLists {
@@ -33,6 +45,8 @@ pub(crate) struct GhostLists {
     /// Unused ghost nodes, chained through `links[..].next`.
     free_head: u32,
     index: IndexTable,
+    /// Ghosts in their lists whose fingerprints are not in `index` yet, oldest first.
+    pending: Vec<u32>,
 }
 
 impl GhostLists {
@@ -46,6 +60,7 @@ impl GhostLists {
             b2: List::default(),
             free_head: NIL,
             index: IndexTable::with_capacity(capacity),
+            pending: Vec::with_capacity(PENDING_MAX),
         };
         g.rebuild_free_chain();
         g
@@ -77,9 +92,28 @@ impl GhostLists {
         self.b1.len() + self.b2.len()
     }
 
-    fn find(&self, fp: u64) -> Option<u32> {
+    /// The indexed ghost of `fp` (pending ghosts are not searched).
+    fn find_indexed(&self, fp: u64) -> Option<u32> {
         let fps = &self.fps;
         self.index.find(fp, |id| fps[id as usize] == fp)
+    }
+
+    /// Inserts the pending ghosts into the index, oldest first; an indexed ghost with the
+    /// same fingerprint is dropped (the newer replaces it).
+    fn flush_pending(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let id = self.pending[i];
+            i += 1;
+            let fp = self.fps[id as usize];
+            if let Some(old) = self.find_indexed(fp) {
+                self.remove_id(old);
+            }
+            self.which[id as usize] &= !PENDING;
+            let fps = &self.fps;
+            self.index.insert(fp, id, |other| fps[other as usize]);
+        }
+        self.pending.clear();
     }
 
     /// Prefetches the ghost-index bucket a [`GhostLists::take`] or [`GhostLists::push`] of
@@ -128,22 +162,30 @@ impl GhostLists {
 
     /// Removes the ghost of `fp`, saying which list held it.
     pub(crate) fn take(&mut self, fp: u64) -> Option<Ghost> {
-        let id = self.find(fp)?;
+        self.flush_pending();
+        let id = self.find_indexed(fp)?;
         let g = self.remove_id(id);
         Some(g)
     }
 
     fn remove_id(&mut self, id: u32) -> Ghost {
-        let g = if self.which[id as usize] == IN_B1 {
+        let which = self.which[id as usize];
+        let g = if which & IN_B1 != 0 {
             self.b1.unlink(&mut self.links, id);
             Ghost::B1
         } else {
             self.b2.unlink(&mut self.links, id);
             Ghost::B2
         };
-        let fps = &self.fps;
-        self.index
-            .remove(fps[id as usize], id, |other| fps[other as usize]);
+        if which & PENDING != 0 {
+            if let Some(k) = self.pending.iter().position(|&p| p == id) {
+                self.pending.remove(k);
+            }
+        } else {
+            let fps = &self.fps;
+            self.index
+                .remove(fps[id as usize], id, |other| fps[other as usize]);
+        }
         self.which[id as usize] = FREE;
         self.links[id as usize] = Link {
             prev: NIL,
@@ -170,13 +212,14 @@ impl GhostLists {
 
     /// Adds `fp` as the most recent ghost of `g`. When every ghost node is in use the least
     /// recent ghost of B2 (or of B1 if B2 is empty) makes room, so the total never exceeds
-    /// the capacity. An existing ghost with the same fingerprint is replaced.
+    /// the capacity. An existing ghost with the same fingerprint is replaced when the new one
+    /// enters the index (before the next search).
     pub(crate) fn push(&mut self, g: Ghost, fp: u64) {
         if self.capacity() == 0 {
             return;
         }
-        if let Some(id) = self.find(fp) {
-            self.remove_id(id);
+        if self.pending.len() >= PENDING_MAX {
+            self.flush_pending();
         }
         if self.free_head == NIL && !self.pop_lru(Ghost::B2) {
             self.pop_lru(Ghost::B1);
@@ -191,15 +234,15 @@ impl GhostLists {
         match g {
             Ghost::B1 => {
                 self.b1.push_front(&mut self.links, id);
-                self.which[id as usize] = IN_B1;
+                self.which[id as usize] = IN_B1 | PENDING;
             }
             Ghost::B2 => {
                 self.b2.push_front(&mut self.links, id);
-                self.which[id as usize] = IN_B2;
+                self.which[id as usize] = IN_B2 | PENDING;
             }
         }
-        let fps = &self.fps;
-        self.index.insert(fp, id, |other| fps[other as usize]);
+        self.pending.push(id);
+        self.index.prefetch(fp);
     }
 
     /// Forgets every ghost.
@@ -208,6 +251,7 @@ impl GhostLists {
         self.b2.clear();
         self.which.fill(FREE);
         self.index.clear();
+        self.pending.clear();
         self.rebuild_free_chain();
     }
 
@@ -216,24 +260,38 @@ impl GhostLists {
             + std::mem::size_of_val(&*self.links)
             + std::mem::size_of_val(&*self.which)
             + self.index.heap_bytes()
+            + self.pending.capacity() * std::mem::size_of::<u32>()
     }
 
     pub(crate) fn check_consistency(&self) -> Result<(), String> {
         let mut n = 0;
+        let mut pending = 0;
         for (list, tag) in [(&self.b1, IN_B1), (&self.b2, IN_B2)] {
             for id in list.iter(&self.links) {
                 n += 1;
-                if self.which[id as usize] != tag {
+                let which = self.which[id as usize];
+                if which & !PENDING != tag {
                     return Err(format!("arc ghost {id} in the wrong list"));
                 }
-                if self.find(self.fps[id as usize]) != Some(id) {
+                if which & PENDING != 0 {
+                    pending += 1;
+                    if !self.pending.contains(&id) {
+                        return Err(format!("arc ghost {id} marked pending but not queued"));
+                    }
+                } else if self.find_indexed(self.fps[id as usize]) != Some(id) {
                     return Err(format!("arc ghost {id} missing from the ghost index"));
                 }
             }
         }
-        if n != self.total() || self.index.len() != n {
+        if pending != self.pending.len() {
             return Err(format!(
-                "arc ghosts: {n} linked, lengths {} + {}, index {}",
+                "arc ghosts: {pending} marked pending, {} queued",
+                self.pending.len()
+            ));
+        }
+        if n != self.total() || self.index.len() + pending != n {
+            return Err(format!(
+                "arc ghosts: {n} linked, lengths {} + {}, index {} + {pending} pending",
                 self.b1.len(),
                 self.b2.len(),
                 self.index.len()
@@ -283,5 +341,56 @@ mod tests {
         g.clear();
         assert_eq!(g.total(), 0);
         g.check_consistency().unwrap();
+    }
+
+    #[test]
+    fn deferred_index_insertion_matches_a_list_model() {
+        use std::collections::VecDeque;
+        // Capacities below and above PENDING_MAX, so pending ghosts get dropped by pushes
+        // and pops before they reach the index, and long runs of pushes force a flush.
+        for cap in [1usize, 5, 70, 200] {
+            let mut g = GhostLists::new(cap);
+            let mut model: [VecDeque<u64>; 2] = [VecDeque::new(), VecDeque::new()];
+            let mut state = cap as u64 + 99;
+            let mut next_fp = 1u64;
+            for _ in 0..3000 {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let r = state >> 33;
+                let list = (r & 1) as usize;
+                let which = [Ghost::B1, Ghost::B2][list];
+                match (r >> 1) % 8 {
+                    0..=4 => {
+                        // Unique fingerprints spread over the index (multiplied out).
+                        let fp = next_fp.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        next_fp += 1;
+                        g.push(which, fp);
+                        if model[0].len() + model[1].len() == cap && model[1].pop_back().is_none() {
+                            model[0].pop_back();
+                        }
+                        model[list].push_front(fp);
+                    }
+                    5 | 6 => {
+                        // Take a ghost that may or may not still be there.
+                        let back = (r >> 4) % next_fp;
+                        let fp = (next_fp - back).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        let expect = (0..2).find_map(|l| {
+                            let k = model[l].iter().position(|&x| x == fp)?;
+                            model[l].remove(k);
+                            Some([Ghost::B1, Ghost::B2][l])
+                        });
+                        assert_eq!(g.take(fp), expect, "cap {cap} fp {fp:#x}");
+                    }
+                    _ => {
+                        assert_eq!(g.pop_lru(which), model[list].pop_back().is_some());
+                    }
+                }
+                assert_eq!(g.len(Ghost::B1), model[0].len());
+                assert_eq!(g.len(Ghost::B2), model[1].len());
+                g.check_consistency()
+                    .unwrap_or_else(|e| panic!("cap {cap}: {e}"));
+            }
+        }
     }
 }
