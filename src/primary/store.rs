@@ -89,12 +89,10 @@ impl PrimaryTier {
                 new.push((i, hash));
             }
         }
-        if let Some(victim) = likely_victim
-            && self.policy.keeps_history()
-        {
-            // Its entry has had the lookups above to arrive: now its fingerprint is cheap,
-            // and the ghost bookkeeping that evicting it touches can start loading.
-            self.policy.prefetch_admit(self.slots.hash_of(victim));
+        if likely_victim.is_some() && self.policy.keeps_history() {
+            // The history nodes prefetched above have had the lookups to arrive: the
+            // bookkeeping that depends on them (ARC: the ghost index buckets of the ghosts
+            // this store drops) can start loading.
             self.policy.prefetch_next_victim_history();
         }
         protected.sort_unstable();
