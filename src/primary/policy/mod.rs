@@ -131,8 +131,8 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
         None
     }
 
-    /// Whether evictions are remembered (ARC's ghosts), so that prefetching a victim's
-    /// fingerprint-keyed history is worth computing its fingerprint.
+    /// Whether evictions are remembered (ARC's ghosts), so that a store calls
+    /// [`EvictionPolicy::prefetch_next_victim_history`].
     fn keeps_history(&self) -> bool {
         false
     }
