@@ -182,6 +182,49 @@ fn failed_write_poisons_the_path() {
 }
 
 #[test]
+fn failed_fdatasync_fails_the_store_and_poisons_the_path() {
+    let d = tmpdir();
+    let r = region(8);
+    // fsync = always (the default): each group commit syncs the slab before journaling.
+    let mut t = open_faulty(
+        config(&[d.path()], 8),
+        &r,
+        FaultPlan::new().fail_syncs_after(1),
+    );
+    for i in 0..3u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0], &[0], false)).success);
+    // The second commit's fdatasync fails: the written bytes are not known to be durable, so
+    // the store is not reported as success and the key is never journaled or served.
+    let res = run(&mut t, job(2, &[1], &[1], false));
+    assert!(
+        !res.success,
+        "a store whose fdatasync failed reported success"
+    );
+    let err = res.error.as_ref().unwrap();
+    assert_eq!(err.kind(), ErrorKind::Io, "{err}");
+    assert!(err.to_string().contains("fdatasync"), "{err}");
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    assert_eq!(metric(&t, "g3_path_healthy"), 0.0);
+    // The path takes no more writes; what was durable before stays readable.
+    let res = run(&mut t, job(3, &[2], &[2], false));
+    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Poisoned);
+    clear_row(&r, 5);
+    assert!(run(&mut t, job(4, &[0], &[5], true)).success);
+    assert!(row_is(&r, 5, 0));
+    t.close_without_checkpoint().unwrap();
+    // After a restart only the key whose sync succeeded is there.
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+    clear_row(&r, 6);
+    assert!(run(&mut t, job(5, &[0], &[6], true)).success);
+    assert!(row_is(&r, 6, 0));
+}
+
+#[test]
 fn short_write_is_never_success() {
     let d = tmpdir();
     let r = region(4);

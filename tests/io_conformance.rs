@@ -265,6 +265,19 @@ fn shutdown_completes_in_flight_and_refuses_more(engine: Engine) {
     }
 }
 
+/// `sync_data` of a written file succeeds; an unknown file index is a contract error.
+fn sync_data_of_known_and_unknown_files(engine: Engine) {
+    let Some(fx) = Fixture::new(engine, 2, 8192, 0, 8) else {
+        return;
+    };
+    fill_row(&fx.region, 0, 7);
+    fx.engine.submit(&[write_req(0, 0, 8192, 1)]).unwrap();
+    assert!(collect(&*fx.engine, 1)[&1].is_ok());
+    fx.engine.sync_data(0).unwrap();
+    let e = fx.engine.sync_data(9).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Contract, "{e}");
+}
+
 macro_rules! conformance {
     ($module:ident, $engine:expr) => {
         mod $module {
@@ -297,6 +310,10 @@ macro_rules! conformance {
             #[test]
             fn shutdown_completes_in_flight_and_refuses_more() {
                 super::shutdown_completes_in_flight_and_refuses_more($engine);
+            }
+            #[test]
+            fn sync_data_of_known_and_unknown_files() {
+                super::sync_data_of_known_and_unknown_files($engine);
             }
         }
     };

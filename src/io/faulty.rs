@@ -46,6 +46,8 @@ pub struct FaultPlan {
     pub latency: Duration,
     /// Once this many writes have been accepted, every later write fails with EIO.
     pub fail_writes_after: Option<u64>,
+    /// Once this many `sync_data` calls have succeeded, every later one fails with EIO.
+    pub fail_syncs_after: Option<u64>,
 }
 
 impl FaultPlan {
@@ -87,6 +89,12 @@ impl FaultPlan {
         self.fail_writes_after = Some(n);
         self
     }
+
+    /// The first `n` `sync_data` calls go through; every later one fails with EIO.
+    pub fn fail_syncs_after(mut self, n: u64) -> Self {
+        self.fail_syncs_after = Some(n);
+        self
+    }
 }
 
 /// Counts of what was injected so far.
@@ -98,6 +106,8 @@ pub struct FaultCounts {
     pub short: u64,
     /// Bits flipped.
     pub flips: u64,
+    /// `sync_data` calls failed.
+    pub sync_failures: u64,
 }
 
 /// What to do when an operation's inner completion arrives.
@@ -117,6 +127,7 @@ struct Pending {
 struct State {
     next_op: u64,
     writes: u64,
+    syncs: u64,
     /// Keyed by operation number, which is the tag the inner engine sees.
     pending: HashMap<u64, Pending>,
     counts: FaultCounts,
@@ -321,6 +332,23 @@ impl IoEngine for FaultyEngine {
 
     fn region(&self) -> &Arc<PrimaryRegion> {
         self.inner.region()
+    }
+
+    fn sync_data(&self, file: usize) -> Result<()> {
+        {
+            let mut st = self.state.lock();
+            st.syncs += 1;
+            if self.plan.fail_syncs_after.is_some_and(|n| st.syncs > n) {
+                st.counts.sync_failures += 1;
+                return Err(Error::new(
+                    ErrorKind::Io,
+                    format!("fdatasync of file #{file} failed (injected EIO)"),
+                )
+                .with("errno", libc::EIO.to_string())
+                .with("injected", "true"));
+            }
+        }
+        self.inner.sync_data(file)
     }
 
     fn shutdown(&self) {

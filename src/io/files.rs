@@ -59,6 +59,21 @@ impl FileTable {
         self.files[i].as_raw_fd()
     }
 
+    /// `fdatasync` of file `i`; an unknown index is a contract error.
+    pub(crate) fn sync_data(&self, i: usize) -> Result<(), Error> {
+        let Some(f) = self.files.get(i) else {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "sync of file #{i}: the engine has {} files",
+                    self.files.len()
+                ),
+            ));
+        };
+        f.sync_data()
+            .map_err(|e| Error::io("fdatasync", std::path::Path::new(self.label(i)), e))
+    }
+
     /// The printable name of file `i`.
     pub(crate) fn label(&self, i: usize) -> &str {
         self.labels

@@ -98,4 +98,8 @@ pub trait IoEngine: Send + Sync {
     /// Waits for every submitted request to complete, then stops the engine's threads and
     /// releases registrations. Idempotent.
     fn shutdown(&self);
+
+    /// `fdatasync` of file `file`: every write that completed before the call is durable
+    /// when it returns `Ok`. Blocks the caller (the G3 worker's group commit).
+    fn sync_data(&self, file: usize) -> Result<()>;
 }

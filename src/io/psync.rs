@@ -181,6 +181,10 @@ impl IoEngine for PsyncEngine {
         &self.region
     }
 
+    fn sync_data(&self, file: usize) -> Result<()> {
+        self.files.sync_data(file)
+    }
+
     fn shutdown(&self) {
         // Dropping the sender lets the workers drain the queue and exit.
         drop(self.requests.write().take());

@@ -70,10 +70,8 @@ impl Worker {
         if self.journal.is_none() || self.sh.failed.lock().is_some() {
             return Ok(());
         }
-        for f in &self.set.files {
-            f.meta
-                .sync_data()
-                .map_err(|e| Error::io("fdatasync", &f.path, e))?;
+        for f in 0..self.set.files.len() {
+            self.engine.sync_data(f)?;
         }
         let entries = match self.sh.index.lock().as_ref() {
             Some(ix) => ix.entries_lru_first(),

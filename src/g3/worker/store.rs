@@ -185,8 +185,7 @@ impl Worker {
                 })
                 .collect();
             for f in touched {
-                if let Err(err) = self.set.files[f].meta.sync_data() {
-                    let e = Error::io("fdatasync", &self.set.files[f].path, err);
+                if let Err(e) = self.engine.sync_data(f) {
                     self.poison_path(f, &e);
                     for a in jobs.iter_mut() {
                         for i in 0..a.keys.len() {

@@ -310,6 +310,10 @@ impl IoEngine for UringEngine {
         &self.region
     }
 
+    fn sync_data(&self, file: usize) -> Result<()> {
+        self.files.sync_data(file)
+    }
+
     fn shutdown(&self) {
         drop(self.requests.write().take());
         // The ring thread may be blocked waiting for I/O; it exits once everything completed.
