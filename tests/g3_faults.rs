@@ -225,6 +225,33 @@ fn failed_fdatasync_fails_the_store_and_poisons_the_path() {
 }
 
 #[test]
+fn failed_final_checkpoint_is_counted_and_the_journal_recovers_everything() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], 8);
+    // No per-job fdatasync: the shutdown checkpoint's slab sync is the first one, and it fails.
+    cfg.fsync = kvtier::g3::FsyncPolicy::Never;
+    let mut t = open_faulty(cfg, &r, FaultPlan::new().fail_syncs_after(0));
+    for i in 0..3u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1, 2], &[0, 1, 2], false)).success);
+    // The region is safe to unmap (the engine stopped), so shutdown succeeds; the failure is
+    // counted instead.
+    t.shutdown().unwrap();
+    assert_eq!(metric(&t, "g3_checkpoint_failures"), 1.0);
+    assert_eq!(metric(&t, "g3_checkpoints"), 0.0);
+    drop(t);
+    let mut t = open(config(&[d.path()], 8), &r);
+    for i in 0..3u64 {
+        assert_eq!(lookup(&mut t, i), LookupResult::Hit, "key {i}");
+        clear_row(&r, 5);
+        assert!(run(&mut t, job(10 + i, &[i], &[5], true)).success);
+        assert!(row_is(&r, 5, i));
+    }
+}
+
+#[test]
 fn short_write_is_never_success() {
     let d = tmpdir();
     let r = region(4);

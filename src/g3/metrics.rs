@@ -54,6 +54,8 @@ pub struct G3Metrics {
     pub lookup_retries_busy: AtomicU64,
     /// Checkpoints written.
     pub checkpoints: AtomicU64,
+    /// Checkpoints that failed (the journal kept every committed entry).
+    pub checkpoint_failures: AtomicU64,
     /// Naps the idle worker took while lingering (see `crate::io::IdlePolicy`).
     pub idle_naps: AtomicU64,
     /// Recovery duration in microseconds (set once).
@@ -223,6 +225,12 @@ impl G3Metrics {
             ),
             m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
         ];
+        out.push(m(
+            "g3_checkpoint_failures",
+            "Checkpoints that failed (the journal still holds every committed entry)",
+            Counter,
+            get(&self.checkpoint_failures),
+        ));
         out.push(m(
             "g3_idle_naps",
             "Naps the idle worker took while lingering for new jobs",
