@@ -174,5 +174,6 @@ fn worker_and_engine_threads_run_under_sched_batch() {
     for (name, policy) in workers.iter().chain(&engines) {
         assert_eq!(*policy, libc::SCHED_BATCH, "thread {name}");
     }
+    assert_eq!(metric(&t, "g3_io_threads_without_batch_policy"), 0.0);
     t.shutdown().unwrap();
 }

@@ -226,6 +226,12 @@ impl G3Metrics {
             m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
         ];
         out.push(m(
+            "g3_io_threads_without_batch_policy",
+            "kvtier I/O threads in this process that could not switch to SCHED_BATCH",
+            Gauge,
+            crate::io::batch_policy_failures() as f64,
+        ));
+        out.push(m(
             "g3_checkpoint_failures",
             "Checkpoints that failed (the journal still holds every committed entry)",
             Counter,
