@@ -59,23 +59,11 @@ impl KeyHasher {
     /// The 64-bit hash of `bytes`.
     #[inline]
     pub(crate) fn hash(&self, bytes: &[u8]) -> u64 {
-        let mut h = self.seed ^ (bytes.len() as u64).wrapping_mul(K1);
-        let mut pairs = bytes.chunks_exact(16);
-        for p in &mut pairs {
-            let a = read_u64(&p[..8]);
-            let b = read_u64(&p[8..]);
-            h = fold_mul(a ^ h ^ K2, b ^ K3).rotate_left(23) ^ h.wrapping_mul(K1);
-        }
-        let rest = pairs.remainder();
-        if !rest.is_empty() {
-            let (a, b) = if rest.len() > 8 {
-                (read_u64(&rest[..8]), read_u64(&rest[8..]))
-            } else {
-                (read_u64(rest), 0)
-            };
-            h = fold_mul(a ^ h ^ K2, b ^ K3).rotate_left(23) ^ h.wrapping_mul(K1);
-        }
-        fold_mul(h ^ K3, K1 ^ self.seed.rotate_left(32))
+        let mut h = FastHasher {
+            h: self.seed ^ (bytes.len() as u64).wrapping_mul(K1),
+        };
+        h.write(bytes);
+        fold_mul(h.h ^ K3, K1 ^ self.seed.rotate_left(32))
     }
 }
 
@@ -121,11 +109,13 @@ impl Hasher for FastHasher {
         for p in &mut pairs {
             self.mix(read_u64(&p[..8]), read_u64(&p[8..]));
         }
+        // A slice's length is hashed separately (`Hash` for slices writes it first; the
+        // key hash seeds with it), so a short tail is just zero-padded.
         let rest = pairs.remainder();
         if rest.len() > 8 {
             self.mix(read_u64(&rest[..8]), read_u64(&rest[8..]));
         } else if !rest.is_empty() {
-            self.mix(read_u64(rest), rest.len() as u64);
+            self.mix(read_u64(rest), 0);
         }
     }
 

@@ -21,16 +21,7 @@ use kvtier::tiering::memory_tier::FaultPlan;
 use tiering_common::*;
 
 fn local(policy: PolicyKind, failure_threshold: Option<u32>) -> DetectorParams {
-    DetectorParams {
-        high_water_s: 0.010,
-        low_water_s: 0.002,
-        alpha: DEFAULT_ALPHA,
-        warmup_completions: DEFAULT_WARMUP_COMPLETIONS,
-        decay_half_life_s: DEFAULT_DECAY_HALF_LIFE_S,
-        cooldown_s: DEFAULT_COOLDOWN_S,
-        failure_threshold,
-        policy,
-    }
+    DetectorParams::preset(false, policy, failure_threshold)
 }
 
 /// Per-job latency that makes a one-row (4 KiB) store cost `s_per_mib`.

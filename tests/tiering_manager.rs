@@ -135,11 +135,7 @@ fn cascade_pins_one_per_tier_and_promotion_round_trips() {
 #[test]
 fn promotions_are_batched_per_tier_and_request() {
     let clock = ManualClock::new();
-    let (mut m, logs) = manager_with(
-        16,
-        &clock,
-        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
-    );
+    let (mut m, logs) = instant_manager(16, &clock);
     let w = req("writer");
     let keys: Vec<_> = (0..4).map(|c| key(2, c)).collect();
     gpu_store(&mut m, &keys, &w);
@@ -222,11 +218,7 @@ fn tier_filter_skips_tiers_and_retry_resolves_later() {
 #[test]
 fn allocation_failure_is_counted_and_misses() {
     let clock = ManualClock::new();
-    let (mut m, _logs) = manager_with(
-        2,
-        &clock,
-        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
-    );
+    let (mut m, _logs) = instant_manager(2, &clock);
     let w = req("w");
     let k = key(4, 0);
     gpu_store(&mut m, std::slice::from_ref(&k), &w);
@@ -629,11 +621,7 @@ fn manager_is_send() {
 #[test]
 fn finish_waits_for_unsubmitted_promotions() {
     let clock = ManualClock::new();
-    let (mut m, _logs) = manager_with(
-        4,
-        &clock,
-        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
-    );
+    let (mut m, _logs) = instant_manager(4, &clock);
     let w = req("w");
     let k = key(12, 0);
     gpu_store(&mut m, std::slice::from_ref(&k), &w);
@@ -657,11 +645,7 @@ fn finish_waits_for_unsubmitted_promotions() {
 #[test]
 fn shutdown_releases_store_pins_and_reserved_promotion_rows() {
     let clock = ManualClock::new();
-    let (mut m, logs) = manager_with(
-        4,
-        &clock,
-        vec![inline_opts("1:memory", &clock, 0, 0, FaultPlan::default())],
-    );
+    let (mut m, logs) = instant_manager(4, &clock);
     let w = req("w");
     m.on_new_request(&w);
     let held = key(20, 0);

@@ -68,6 +68,26 @@ pub struct DetectorParams {
 }
 
 impl DetectorParams {
+    /// The LOCAL (`network = false`) or NETWORK preset with vLLM's defaults for everything
+    /// else.
+    pub fn preset(network: bool, policy: PolicyKind, failure_threshold: Option<u32>) -> Self {
+        let (high_water_s, low_water_s) = if network {
+            NETWORK_WATER_MARKS
+        } else {
+            LOCAL_WATER_MARKS
+        };
+        DetectorParams {
+            high_water_s,
+            low_water_s,
+            alpha: DEFAULT_ALPHA,
+            warmup_completions: DEFAULT_WARMUP_COMPLETIONS,
+            decay_half_life_s: DEFAULT_DECAY_HALF_LIFE_S,
+            cooldown_s: DEFAULT_COOLDOWN_S,
+            failure_threshold,
+            policy,
+        }
+    }
+
     /// Resolves a merged config for a tier: missing water marks come from the tier-aware preset
     /// (NETWORK for `REMOTE` locality or type `obj`, else LOCAL), `failure_threshold` defaults
     /// to 3 only for `fs` / `obj` (vLLM's rule; kvtier's config layer sets it for its own
@@ -102,21 +122,16 @@ impl DetectorParams {
             }
         };
         let network = locality == Some(Locality::Remote) || tier_type == "obj";
-        let (high, low) = if network {
-            NETWORK_WATER_MARKS
-        } else {
-            LOCAL_WATER_MARKS
-        };
         let default_failure = matches!(tier_type, "fs" | "obj").then_some(3);
+        let d = DetectorParams::preset(network, policy, cfg.failure_threshold.or(default_failure));
         let p = DetectorParams {
-            high_water_s: cfg.high_water_s.unwrap_or(high),
-            low_water_s: cfg.low_water_s.unwrap_or(low),
-            alpha: cfg.alpha.unwrap_or(DEFAULT_ALPHA),
-            warmup_completions: cfg.warmup_completions.unwrap_or(DEFAULT_WARMUP_COMPLETIONS),
-            decay_half_life_s: cfg.decay_half_life_s.unwrap_or(DEFAULT_DECAY_HALF_LIFE_S),
-            cooldown_s: cfg.cooldown_s.unwrap_or(DEFAULT_COOLDOWN_S),
-            failure_threshold: cfg.failure_threshold.or(default_failure),
-            policy,
+            high_water_s: cfg.high_water_s.unwrap_or(d.high_water_s),
+            low_water_s: cfg.low_water_s.unwrap_or(d.low_water_s),
+            alpha: cfg.alpha.unwrap_or(d.alpha),
+            warmup_completions: cfg.warmup_completions.unwrap_or(d.warmup_completions),
+            decay_half_life_s: cfg.decay_half_life_s.unwrap_or(d.decay_half_life_s),
+            cooldown_s: cfg.cooldown_s.unwrap_or(d.cooldown_s),
+            ..d
         };
         let alpha_ok = p.alpha > 0.0 && p.alpha <= 1.0;
         if !alpha_ok {

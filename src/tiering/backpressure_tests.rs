@@ -2,16 +2,7 @@ use super::*;
 use crate::tiering::clock::ManualClock;
 
 fn params(policy: PolicyKind, failure_threshold: Option<u32>) -> DetectorParams {
-    DetectorParams {
-        high_water_s: 0.010,
-        low_water_s: 0.002,
-        alpha: DEFAULT_ALPHA,
-        warmup_completions: DEFAULT_WARMUP_COMPLETIONS,
-        decay_half_life_s: DEFAULT_DECAY_HALF_LIFE_S,
-        cooldown_s: DEFAULT_COOLDOWN_S,
-        failure_threshold,
-        policy,
-    }
+    DetectorParams::preset(false, policy, failure_threshold)
 }
 
 fn detector(policy: PolicyKind, ft: Option<u32>) -> (EmaDetector, ManualClock) {

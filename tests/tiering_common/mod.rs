@@ -269,6 +269,16 @@ pub fn manager_with(
     manager_with_bp(rows, clock, tiers.into_iter().map(|t| (t, None)).collect())
 }
 
+/// A manager over `rows` primary rows with one inline memory tier (`1:memory`) whose jobs
+/// finish at once and without faults.
+pub fn instant_manager(
+    rows: usize,
+    clock: &ManualClock,
+) -> (TieringManager, Vec<Arc<Mutex<AuditLog>>>) {
+    let tier = inline_opts("1:memory", clock, 0, 0, FaultPlan::default());
+    manager_with(rows, clock, vec![tier])
+}
+
 /// Like [`manager_with`], each tier with optional back-pressure parameters.
 pub fn manager_with_bp(
     rows: usize,

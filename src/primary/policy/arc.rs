@@ -16,9 +16,9 @@
 //! place, set aside when eviction meets them).
 
 use super::ghost::{Ghost, GhostLists};
-use crate::primary::mem_hints::{huge_slice, prefetch};
+use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, new_links};
+use super::list::{Link, List, new_links, prefetch_node};
 use super::{Admission, ArcStats, EvictionPolicy, PolicyStats};
 
 const IN_T1: u8 = 1;
@@ -264,12 +264,7 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn prefetch(&self, slot: u32) {
-        if let (Some(link), Some(state)) =
-            (self.links.get(slot as usize), self.state.get(slot as usize))
-        {
-            prefetch(link);
-            prefetch(state);
-        }
+        prefetch_node(&self.links, &self.state, slot);
     }
 
     fn keeps_history(&self) -> bool {
@@ -292,8 +287,7 @@ impl EvictionPolicy for ArcPolicy {
             (&self.t2, &self.t1)
         };
         let s = first.back().or_else(|| second.back())?;
-        prefetch(&self.links[s as usize]);
-        prefetch(&self.state[s as usize]);
+        prefetch_node(&self.links, &self.state, s);
         Some(s)
     }
 

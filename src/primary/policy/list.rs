@@ -27,6 +27,14 @@ pub(crate) fn new_links(n: usize) -> Box<[Link]> {
     crate::primary::mem_hints::huge_slice(n, || Link::UNLINKED)
 }
 
+/// Starts loading node `slot`'s links and its per-slot policy state (out-of-range: nothing).
+pub(crate) fn prefetch_node(links: &[Link], state: &[u8], slot: u32) {
+    if let (Some(link), Some(st)) = (links.get(slot as usize), state.get(slot as usize)) {
+        crate::primary::mem_hints::prefetch(link);
+        crate::primary::mem_hints::prefetch(st);
+    }
+}
+
 /// The ends and length of one list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct List {

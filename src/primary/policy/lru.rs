@@ -1,9 +1,9 @@
 //! Least-recently-used eviction over an intrusive list (see the module docs of `policy` for
 //! how non-evictable entries are handled).
 
-use crate::primary::mem_hints::{huge_slice, prefetch};
+use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, new_links};
+use super::list::{Link, List, new_links, prefetch_node};
 use super::{Admission, EvictionPolicy, PolicyStats};
 
 const IN_MAIN: u8 = 1;
@@ -105,18 +105,12 @@ impl EvictionPolicy for LruPolicy {
     }
 
     fn prefetch(&self, slot: u32) {
-        if let (Some(link), Some(state)) =
-            (self.links.get(slot as usize), self.state.get(slot as usize))
-        {
-            prefetch(link);
-            prefetch(state);
-        }
+        prefetch_node(&self.links, &self.state, slot);
     }
 
     fn prefetch_next_victim(&self) -> Option<u32> {
         let s = self.main.back()?;
-        prefetch(&self.links[s as usize]);
-        prefetch(&self.state[s as usize]);
+        prefetch_node(&self.links, &self.state, s);
         Some(s)
     }
 

@@ -17,20 +17,14 @@ impl TieringManager {
             self.polled_this_step = true;
             self.process_finished_jobs();
         }
-        // Lookup metrics are kept only until the request is first scheduled; the clock is
-        // read only for those lookups.
-        let tracked = self
-            .requests
-            .get(&req.req_id)
-            .is_some_and(|st| st.tracking.is_some());
-        let mut t0 = tracked.then(|| self.clock.now());
+        let t0 = self.clock.now();
         match self.primary.lookup(key) {
             LookupResult::Hit => {
                 self.record_lookup(0, key, req, true, t0);
                 return LookupResult::Hit;
             }
             LookupResult::HitPending => return LookupResult::HitPending,
-            _ => t0 = self.record_lookup(0, key, req, false, t0),
+            _ => self.record_lookup(0, key, req, false, t0),
         }
         if self.promotions_held {
             return LookupResult::Miss;
@@ -41,15 +35,15 @@ impl TieringManager {
             if !req.load_tier_filter.allows(tier.medium(), tier.locality()) {
                 continue;
             }
+            let t0 = self.clock.now();
             match tier.lookup(key, req) {
                 LookupResult::Hit => {
                     self.record_lookup(i + 1, key, req, true, t0);
                     return self.initiate_promotion(i, key, req);
                 }
-                LookupResult::Miss => t0 = self.record_lookup(i + 1, key, req, false, t0),
+                LookupResult::Miss => self.record_lookup(i + 1, key, req, false, t0),
                 LookupResult::Retry => {
                     self.note_retry(i + 1, key, req);
-                    t0 = t0.map(|_| self.clock.now());
                     retry = true;
                 }
                 LookupResult::HitPending => {
@@ -72,25 +66,26 @@ impl TieringManager {
         }
     }
 
-    /// Records a resolved lookup of tier `idx` that began at `t0` (`None`: the request is
-    /// not tracked). Returns the time it ended, where the next tier's lookup begins.
     fn record_lookup(
         &mut self,
         idx: usize,
         key: &ChunkKey,
         req: &RequestContext,
         hit: bool,
-        t0: Option<std::time::Instant>,
-    ) -> Option<std::time::Instant> {
-        let t0 = t0?;
-        let now = self.clock.now();
-        let track = self
+        t0: std::time::Instant,
+    ) {
+        let Some(track) = self
             .requests
             .get_mut(&req.req_id)
-            .and_then(|st| st.tracking.as_mut())?;
+            .and_then(|st| st.tracking.as_mut())
+        else {
+            return;
+        };
+        // One hash for the common case: a key already resolved is not inserted again.
         if !track.resolved.insert((idx, key.clone())) {
-            return Some(now);
+            return;
         }
+        let now = self.clock.now();
         let first_retry = if track.first_retry.is_empty() {
             None
         } else {
@@ -112,7 +107,6 @@ impl TieringManager {
                 now.saturating_duration_since(first).as_secs_f64(),
             );
         }
-        Some(now)
     }
 
     fn note_retry(&mut self, idx: usize, key: &ChunkKey, req: &RequestContext) {
