@@ -372,3 +372,45 @@ fn interval_checkpoint_fires_while_idle() {
         "the journal restarts empty after a checkpoint"
     );
 }
+
+/// A child process started by another thread holds a copy of every descriptor of this one
+/// until its exec; a tier closed a moment ago must still reopen (it used to fail as "locked").
+#[test]
+fn reopens_at_once_while_another_thread_starts_processes() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let d = tmpdir();
+    let r = region(2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let spawning = stop.clone();
+    let spawner = std::thread::spawn(move || {
+        let mut started = 0u32;
+        while !spawning.load(Ordering::Relaxed) {
+            if std::process::Command::new("true").status().is_ok() {
+                started += 1;
+            }
+        }
+        started
+    });
+    let mut failures = Vec::new();
+    for _ in 0..100 {
+        match G3Tier::open(
+            config(&[d.path()], 8),
+            r.clone(),
+            kvtier::g3::geometry_namespace(STRIDE),
+            "t".into(),
+            None,
+        ) {
+            Ok(mut t) => t.shutdown().unwrap(),
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(spawner.join().unwrap() > 0, "no process was started");
+    assert!(
+        failures.is_empty(),
+        "{} reopens failed: {:?}",
+        failures.len(),
+        failures.first()
+    );
+}
