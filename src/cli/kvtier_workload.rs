@@ -11,10 +11,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cli::fio::Profile;
-use crate::cli::fio_files::open_direct;
+use crate::cli::fio_files::{buffer_region, open_direct};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
-use crate::region::PrimaryRegion;
 
 /// What the workload runs on.
 #[derive(Debug, Clone)]
@@ -69,10 +68,8 @@ struct Stream {
 impl KvtierWorkload {
     /// Opens the files with O_DIRECT and starts the engine.
     pub fn open(shape: &WorkloadShape) -> Result<Self> {
-        let row = usize::try_from(shape.row_size)
-            .map_err(|_| Error::config("--row-size", "too large"))?;
-        let rows = 2 * shape.max_depth.max(1) as usize;
-        let region = Arc::new(PrimaryRegion::create(rows, row)?);
+        let region = buffer_region(shape.row_size, shape.max_depth)?;
+        let (rows, row) = (region.num_rows(), region.row_stride());
         let files = shape
             .files
             .iter()

@@ -13,6 +13,7 @@ use crate::canonical::{
     LayerMapping, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks, prepare_canonical,
     verify_tiling,
 };
+use crate::cli::output::print_json;
 use crate::error::{Error, ErrorKind, Result};
 
 /// `kvtier layout ...`
@@ -149,9 +150,7 @@ fn show(args: &ShowArgs) -> Result<ExitCode> {
     let desc = LayoutDescriptor::load(&args.file)?;
     let report = show_json(&desc, args)?;
     if args.json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("serialising report: {e}")))?;
-        println!("{text}");
+        print_json(&report)?;
     } else {
         print_text(&report);
     }
