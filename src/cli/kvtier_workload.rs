@@ -14,6 +14,7 @@ use crate::cli::fio::Profile;
 use crate::cli::fio_files::{buffer_region, open_direct};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
+use crate::tiering::rng::XorShift64;
 
 /// What the workload runs on.
 #[derive(Debug, Clone)]
@@ -235,15 +236,11 @@ impl KvtierWorkload {
     }
 }
 
-/// Fisher-Yates with xorshift64*: deterministic per seed, no dependency.
+/// Fisher-Yates with the crate's xorshift64*: deterministic per seed.
 pub fn shuffle(v: &mut [u64], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = XorShift64::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     for i in (1..v.len()).rev() {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let j = (r % (i as u64 + 1)) as usize;
+        let j = rng.below(i as u64 + 1) as usize;
         v.swap(i, j);
     }
 }
