@@ -264,16 +264,12 @@ pub fn check_file(path: &Path) -> Result<Vec<u32>> {
         ));
     }
     for &tp in &tps {
-        for canonical in [false, true] {
-            let shared = static_portability_claim(&desc, tp, tp, canonical);
-            for rank in 0..tp {
-                let cfg = ParallelConfig::tp(tp, rank);
-                if canonical {
-                    prepare_canonical(&desc, &cfg, 1, shared)?;
-                }
-            }
-            let all = derive_all_ranks(&desc, tp)?;
-            verify_tiling(&all)?;
+        // The direct per-rank mappings must tile each row; then every rank's canonical plan
+        // must prepare.
+        verify_tiling(&derive_all_ranks(&desc, tp)?)?;
+        let shared = static_portability_claim(&desc, tp, tp, true);
+        for rank in 0..tp {
+            prepare_canonical(&desc, &ParallelConfig::tp(tp, rank), 1, shared)?;
         }
     }
     Ok(tps)
