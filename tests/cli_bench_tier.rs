@@ -2,40 +2,20 @@
 //! kept tier inspected, listed and verified, a flipped byte in a slab found by `tier verify`,
 //! and the user-error exits.
 
+mod cli_common;
+
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Output, Stdio};
 
 use serde_json::Value;
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .expect("spawn kvtier")
-}
+use cli_common::{assert_exit_2_one_line, command, json, kvtier, stderr};
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn json(o: &Output) -> Value {
-    assert!(o.status.success(), "exit {:?}: {}", o.status, stderr(o));
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
-}
-
-/// A user mistake: exit 2 and exactly one line on stderr.
-fn assert_user_error(o: &Output, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(2), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(err.contains(needle), "expected {needle:?} in {err}");
-}
-
-fn run_bench_kept(parent: &Path) -> (Value, PathBuf) {
-    let out = kvtier(&[
+/// A 64 MiB bench (32 rows of 2 MiB, 16 MiB in flight) on a tier made in `parent`, as JSON.
+fn small_bench(parent: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
         "bench",
         "--bytes",
         "64MiB",
@@ -43,10 +23,14 @@ fn run_bench_kept(parent: &Path) -> (Value, PathBuf) {
         "16MiB",
         "--path",
         parent.to_str().unwrap(),
-        "--keep",
         "--json",
-    ]);
-    let v = json(&out);
+    ];
+    args.extend_from_slice(extra);
+    kvtier(&args)
+}
+
+fn run_bench_kept(parent: &Path) -> (Value, PathBuf) {
+    let v = json(&small_bench(parent, &["--keep"]));
     let dir = PathBuf::from(v["tier"]["paths"][0].as_str().unwrap());
     (v, dir)
 }
@@ -54,19 +38,7 @@ fn run_bench_kept(parent: &Path) -> (Value, PathBuf) {
 #[test]
 fn bench_json_schema_and_every_chunk_verified() {
     let parent = tempfile::tempdir_in("/tmp").unwrap();
-    let out = kvtier(&[
-        "bench",
-        "--bytes",
-        "64MiB",
-        "--max-bytes-in-flight",
-        "16MiB",
-        "--idle-linger-ms",
-        "0",
-        "--path",
-        parent.path().to_str().unwrap(),
-        "--json",
-    ]);
-    let v = json(&out);
+    let v = json(&small_bench(parent.path(), &["--idle-linger-ms", "0"]));
     assert_eq!(v["ok"], true);
     assert_eq!(v["chunks"], 32);
     assert_eq!(v["chunks_verified"], 32);
@@ -110,20 +82,19 @@ fn bench_json_schema_and_every_chunk_verified() {
 #[test]
 fn a_wrong_byte_fails_the_bench_with_exit_1() {
     let parent = tempfile::tempdir_in("/tmp").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args([
-            "bench",
-            "--bytes",
-            "16MiB",
-            "--max-bytes-in-flight",
-            "8MiB",
-            "--path",
-            parent.path().to_str().unwrap(),
-            "--json",
-        ])
-        .env("KVTIER_BENCH_CORRUPT_CHUNK", "5")
-        .output()
-        .unwrap();
+    let out = command(&[
+        "bench",
+        "--bytes",
+        "16MiB",
+        "--max-bytes-in-flight",
+        "8MiB",
+        "--path",
+        parent.path().to_str().unwrap(),
+        "--json",
+    ])
+    .env("KVTIER_BENCH_CORRUPT_CHUNK", "5")
+    .output()
+    .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["ok"], false);
@@ -238,26 +209,24 @@ fn tier_format_then_inspect_and_refusals() {
     assert_eq!(f["files"][1]["superblock"]["path_index"], 1);
 
     // Reformatting without --yes on a non-interactive stdin is refused; nothing changes.
-    let again = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["tier", "format", a, b, "--capacity", "16MiB"])
-        .stdin(std::process::Stdio::null())
+    let again = command(&["tier", "format", a, b, "--capacity", "16MiB"])
+        .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert_user_error(&again, "--yes");
-    let clear = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["tier", "clear", a, b])
-        .stdin(std::process::Stdio::null())
+    assert_exit_2_one_line(&again, "--yes");
+    let clear = command(&["tier", "clear", a, b])
+        .stdin(Stdio::null())
         .output()
         .unwrap();
-    assert_user_error(&clear, "--yes");
+    assert_exit_2_one_line(&clear, "--yes");
 
     // Paths in the wrong order are another stripe position: a layout mismatch.
-    assert_user_error(&kvtier(&["tier", "inspect", b, a]), "position");
-    assert_user_error(
+    assert_exit_2_one_line(&kvtier(&["tier", "inspect", b, a]), "position");
+    assert_exit_2_one_line(
         &kvtier(&["tier", "verify", "/nonexistent/kvtier"]),
         "/nonexistent/kvtier",
     );
-    assert_user_error(
+    assert_exit_2_one_line(
         &kvtier(&["tier", "ls", dir.path().to_str().unwrap()]),
         "kvtier-g3.slab",
     );
@@ -269,16 +238,16 @@ fn tier_format_then_inspect_and_refusals() {
 
 #[test]
 fn bench_user_mistakes_exit_2_with_one_line() {
-    assert_user_error(
+    assert_exit_2_one_line(
         &kvtier(&["bench", "--path", "/nonexistent/kvtier"]),
         "/nonexistent/kvtier",
     );
-    assert_user_error(
+    assert_exit_2_one_line(
         &kvtier(&["bench", "--bytes", "64MiB", "--capacity", "8MiB"]),
         "--capacity",
     );
-    assert_user_error(&kvtier(&["bench", "--tp", "3"]), "TP size 3");
-    assert_user_error(
+    assert_exit_2_one_line(&kvtier(&["bench", "--tp", "3"]), "TP size 3");
+    assert_exit_2_one_line(
         &kvtier(&["bench", "--layout", "/nonexistent/model.toml"]),
         "/nonexistent/model.toml",
     );

@@ -1,17 +1,14 @@
 //! `kvtier config check`: exit 0 with the resolved JSON for a valid file, exit 2 with one
 //! line on stderr for an invalid or unreadable one.
 
+mod cli_common;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .expect("spawn kvtier")
-}
+use cli_common::{assert_user_error, json, kvtier};
 
 fn check(path: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["config", "check", path.to_str().unwrap()];
@@ -23,20 +20,6 @@ fn write(dir: &Path, name: &str, text: &str) -> std::path::PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).unwrap();
     p
-}
-
-/// Exit 2, nothing on stdout, exactly one `kvtier: error:` line on stderr containing `needle`.
-fn assert_user_error(out: &Output, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
-    assert!(
-        out.stdout.is_empty(),
-        "stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
-    assert!(stderr.starts_with("kvtier: error: "), "{stderr}");
-    assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
 }
 
 const VALID: &str = r#"{
@@ -54,13 +37,7 @@ const VALID: &str = r#"{
 fn valid_json_prints_resolved_config_with_merged_backpressure() {
     let dir = tempfile::tempdir().unwrap();
     let out = check(&write(dir.path(), "c.json", VALID), &[]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("stdout is JSON");
+    let v = json(&out);
     assert_eq!(v["valid"], true);
     assert_eq!(v["format"], "json");
     assert_eq!(v["config"]["cpu_bytes_to_use"], 100u64 << 20);
@@ -87,13 +64,7 @@ fn geometry_is_printed_when_layout_inputs_are_given() {
     let dir = tempfile::tempdir().unwrap();
     let p = write(dir.path(), "c.json", VALID);
     let out = check(&p, &["--bytes-per-block", "512", "--copies", "2"]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json(&out);
     let g = &v["geometry"];
     // vllm-contract.md §4.1 worked example.
     assert_eq!(g["row_stride"], 4096);
@@ -116,13 +87,7 @@ fn toml_is_accepted_and_block_size_needs_gpu_block_size() {
          paths = [\"/mnt/a\"]\ncapacity_bytes = \"4GiB\"\n",
     );
     let out = check(&p, &[]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json(&out);
     assert_eq!(v["format"], "toml");
     assert_eq!(v["config"]["chunk"]["block_size_tokens"], 64);
     assert_eq!(
@@ -131,9 +96,10 @@ fn toml_is_accepted_and_block_size_needs_gpu_block_size() {
     );
 
     assert_user_error(&check(&p, &["--bytes-per-block", "2MiB"]), "GPU block size");
-    let out = check(&p, &["--bytes-per-block", "2MiB", "--gpu-block-size", "16"]);
-    assert_eq!(out.status.code(), Some(0));
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json(&check(
+        &p,
+        &["--bytes-per-block", "2MiB", "--gpu-block-size", "16"],
+    ));
     assert_eq!(v["geometry"]["blocks_per_chunk"], 4);
     assert_eq!(v["geometry"]["row_stride"], 8u64 << 20);
 }
@@ -202,13 +168,7 @@ fn documented_examples_are_valid_and_equivalent() {
             &root.join("docs/examples").join(name),
             &["--bytes-per-block", "2MiB"],
         );
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let v = json(&out);
         assert_eq!(v["geometry"]["num_chunks"], 8192);
         configs.push(v["config"].clone());
     }
@@ -237,13 +197,7 @@ fn nvme_tier_keys_are_validated_by_the_g3_parser() {
     let good = r#"{"cpu_bytes_to_use": "1GiB", "secondary_tiers": [
         {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "8GiB"}, {"type": "custom", "x": 1}]}"#;
     let out = check(&write(dir.path(), "good.json", good), &[]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = json(&out);
     assert_eq!(v["tier_params"][0]["validated"], true);
     assert_eq!(v["tier_params"][1]["validated"], false);
 

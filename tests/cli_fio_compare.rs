@@ -1,31 +1,34 @@
 //! `kvtier fio-compare` end to end: JSON schema, plot, cleanup, and the error exits.
 
+mod cli_common;
+
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .expect("spawn kvtier")
-}
+use cli_common::{assert_success, command, fio_installed, kvtier, stderr};
 
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn fio_installed() -> bool {
-    Command::new("fio")
-        .arg("--version")
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false)
+/// fio-compare on `dir` with 4 MiB per side in 1 MiB rows, depth 1, one pair.
+fn small_compare(dir: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "fio-compare",
+        "--path",
+        dir,
+        "--size",
+        "4MiB",
+        "--row-size",
+        "1MiB",
+        "--iodepth",
+        "1",
+        "--pairs",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    kvtier(&args)
 }
 
 #[test]
 fn missing_fio_says_how_to_install_and_fails() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["fio-compare", "--size", "4MiB"])
+    let out = command(&["fio-compare", "--size", "4MiB"])
         .env("KVTIER_FIO_BIN", "/nonexistent/fio")
         .output()
         .unwrap();
@@ -84,7 +87,7 @@ fn compares_store_and_load_as_json_and_plots() {
         svg.to_str().unwrap(),
         "--json",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    assert_success(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let arr = v.as_array().expect("an array, one object per profile");
     let names: Vec<&str> = arr.iter().map(|o| o["profile"].as_str().unwrap()).collect();
@@ -132,25 +135,11 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let d = dir.path().to_str().unwrap();
-    let out = kvtier(&[
-        "fio-compare",
-        "--path",
+    let out = small_compare(
         d,
-        "--size",
-        "4MiB",
-        "--row-size",
-        "1MiB",
-        "--iodepth",
-        "1",
-        "--pairs",
-        "1",
-        "--profile",
-        "mixed",
-        "--kvtier-side",
-        "engine",
-        "--keep",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+        &["--profile", "mixed", "--kvtier-side", "engine", "--keep"],
+    );
+    assert_success(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("file state: preallocated"), "{text}");
     assert!(
@@ -161,24 +150,8 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
     assert!(dir.path().join("kvtier-fio-compare.kvtier.dat").exists());
 
     // The G3 side keeps its tier directory with --keep; mixed needs the engine side.
-    let out = kvtier(&[
-        "fio-compare",
-        "--path",
-        d,
-        "--size",
-        "4MiB",
-        "--row-size",
-        "1MiB",
-        "--iodepth",
-        "1",
-        "--pairs",
-        "1",
-        "--profile",
-        "store",
-        "--keep",
-        "--json",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
+    let out = small_compare(d, &["--profile", "store", "--keep", "--json"]);
+    assert_success(&out);
     assert!(
         dir.path()
             .join("kvtier-fio-compare.g3/kvtier-g3.slab")

@@ -2,18 +2,15 @@
 //! /healthz, holds the tier's lock while running, and SIGTERM drains, checkpoints and exits 0.
 //! Also the user-error exits: unreadable config, bad address, layout mismatch.
 
+mod cli_common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .expect("spawn kvtier")
-}
+use cli_common::{assert_exit_2_one_line, assert_success, command, kvtier, send_signal};
 
 fn write_config(dir: &Path) -> std::path::PathBuf {
     let tier = dir.join("tier");
@@ -44,8 +41,7 @@ fn get(addr: &str, path: &str) -> (String, String) {
 
 /// Starts `kvtier serve` and reads the bound address from its first stdout line.
 fn start(args: &[&str]) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .arg("serve")
+    let mut child = command(&["serve"])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -146,9 +142,7 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
     // The holder's pid is said once, not again as a context pair.
     assert!(!err.contains("(pid: "), "{err}");
 
-    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0);
+    send_signal(&child, libc::SIGTERM);
     let status = wait_with_timeout(&mut child, Duration::from_secs(60));
     let mut err = String::new();
     child
@@ -177,13 +171,7 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
 
 #[test]
 fn user_mistakes_exit_2_with_one_line() {
-    let one_line = |o: &Output, needle: &str| {
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert_eq!(o.status.code(), Some(2), "{err}");
-        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-        assert!(err.contains(needle), "expected {needle:?} in {err}");
-    };
-    one_line(
+    assert_exit_2_one_line(
         &kvtier(&["serve", "--config", "/nonexistent/kvtier.json"]),
         "/nonexistent/kvtier.json",
     );
@@ -194,14 +182,14 @@ fn user_mistakes_exit_2_with_one_line() {
         r#"{"cpu_bytes_to_use": "8MiB", "secondary_tierz": []}"#,
     )
     .unwrap();
-    one_line(
+    assert_exit_2_one_line(
         &kvtier(&["serve", "--config", bad.to_str().unwrap()]),
         "secondary_tierz",
     );
 
     let cfg = write_config(dir.path());
     let cfg = cfg.to_str().unwrap();
-    one_line(
+    assert_exit_2_one_line(
         &kvtier(&["serve", "--config", cfg, "--metrics-addr", "not an address"]),
         "--metrics-addr",
     );
@@ -216,12 +204,8 @@ fn user_mistakes_exit_2_with_one_line() {
         "16MiB",
         "--yes",
     ]);
-    assert!(
-        fmt.status.success(),
-        "{}",
-        String::from_utf8_lossy(&fmt.stderr)
-    );
-    one_line(
+    assert_success(&fmt);
+    assert_exit_2_one_line(
         &kvtier(&[
             "serve",
             "--config",
@@ -246,18 +230,12 @@ fn a_formatted_tier_is_served_by_the_default_config() {
     let tier = dir.path().join("tier");
     let tier = tier.to_str().unwrap();
     let fmt = kvtier(&["tier", "format", tier, "--capacity", "16MiB", "--yes"]);
-    assert!(
-        fmt.status.success(),
-        "{}",
-        String::from_utf8_lossy(&fmt.stderr)
-    );
+    assert_success(&fmt);
 
     let (mut child, addr) = start(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
     let (head, _) = get(&addr, "/healthz");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0);
+    send_signal(&child, libc::SIGTERM);
     assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
 
     let fmt = kvtier(&[
@@ -269,15 +247,8 @@ fn a_formatted_tier_is_served_by_the_default_config() {
         "--yes",
         "--canonical",
     ]);
-    assert!(
-        fmt.status.success(),
-        "{}",
-        String::from_utf8_lossy(&fmt.stderr)
-    );
+    assert_success(&fmt);
     let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(err.contains("canonical_layout = false"), "{err}");
+    assert_exit_2_one_line(&out, "canonical_layout = false");
     assert!(String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"));
 }

@@ -2,22 +2,42 @@
 //! key or path, with exit 2, and never a panic; and output cut short by a closed pipe ends
 //! quietly instead of panicking.
 
-use std::process::{Command, Output, Stdio};
+mod cli_common;
 
-fn kvtier(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(args)
-        .output()
-        .expect("spawn kvtier")
-}
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
 
-fn assert_user_error(out: &Output, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
-    assert!(out.stdout.is_empty(), "{:?}", out.stdout);
-    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
-    assert!(stderr.starts_with("kvtier: error: "), "{stderr}");
-    assert!(stderr.contains(needle), "{needle:?} not in {stderr}");
+use cli_common::{assert_user_error, command, fio_installed, kvtier, send_signal};
+
+/// Starts `kvtier ARGS --path DIR`, sends `signal` once the command has made something in `dir`
+/// (`what`, if it never does), and returns its output; `None`, skipped with a note, when the
+/// command finished before the signal arrived.
+fn interrupt_once_started(
+    args: &[&str],
+    dir: &Path,
+    signal: libc::c_int,
+    what: &str,
+) -> Option<Output> {
+    let child = command(args)
+        .arg("--path")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_dir(dir).unwrap().count() == 0 {
+        assert!(Instant::now() < deadline, "no {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    send_signal(&child, signal);
+    let out = child.wait_with_output().unwrap();
+    if out.status.code() == Some(0) {
+        kvtier::skip_test!("{} finished before the signal arrived", args[0]);
+        return None;
+    }
+    Some(out)
 }
 
 #[test]
@@ -52,8 +72,7 @@ fn a_closed_stdout_ends_the_command_without_a_panic() {
     // head has exited.
     drop(reader);
     let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/llama-3.1-8b.toml");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["layout", "show", layout, "--tp", "1"])
+    let out = command(&["layout", "show", layout, "--tp", "1"])
         .stdout(Stdio::from(writer))
         .stderr(Stdio::piped())
         .output()
@@ -65,11 +84,7 @@ fn a_closed_stdout_ends_the_command_without_a_panic() {
 
 #[test]
 fn fio_compare_refuses_a_plot_in_a_missing_folder_before_running() {
-    if !Command::new("fio")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
+    if !fio_installed() {
         kvtier::skip_test!("fio is not installed (fio-compare checks for it first)");
         return;
     }
@@ -161,28 +176,16 @@ fn a_typo_in_an_option_is_one_line_with_the_suggestion() {
 #[test]
 fn ctrl_c_stops_the_bench_and_removes_its_tier() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["bench", "--bytes", "512MiB", "--keep", "--path"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvtier");
     // The handler is installed before the tier's directory is made: wait for the directory.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
-        assert!(std::time::Instant::now() < deadline, "no bench directory");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    // SAFETY: sending SIGINT to our own child process; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    assert_eq!(rc, 0);
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if out.status.code() == Some(0) {
-        kvtier::skip_test!("the bench finished before the signal arrived");
+    let Some(out) = interrupt_once_started(
+        &["bench", "--bytes", "512MiB", "--keep"],
+        dir.path(),
+        libc::SIGINT,
+        "bench directory",
+    ) else {
         return;
-    }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
@@ -195,36 +198,20 @@ fn ctrl_c_stops_the_bench_and_removes_its_tier() {
 
 #[test]
 fn sigterm_stops_fio_compare_and_removes_its_files() {
-    if !Command::new("fio")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-    {
+    if !fio_installed() {
         kvtier::skip_test!("fio is not installed");
         return;
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvtier"))
-        .args(["fio-compare", "--size", "256MiB", "--pairs", "3", "--path"])
-        .arg(dir.path())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn kvtier");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while std::fs::read_dir(dir.path()).unwrap().count() == 0 {
-        assert!(std::time::Instant::now() < deadline, "no fio-compare file");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    // SAFETY: sending SIGTERM to our own child process; no memory is involved.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0);
-    let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    if out.status.code() == Some(0) {
-        kvtier::skip_test!("fio-compare finished before the signal arrived");
+    let Some(out) = interrupt_once_started(
+        &["fio-compare", "--size", "256MiB", "--pairs", "3"],
+        dir.path(),
+        libc::SIGTERM,
+        "fio-compare file",
+    ) else {
         return;
-    }
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("interrupted"), "{stderr}");
     assert_eq!(

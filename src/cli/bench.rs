@@ -14,14 +14,14 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, default_layout, namespace_digest};
+use crate::canonical::{LayoutDescriptor, NamespaceParams, namespace_digest};
+use crate::cli::args::{load_layout, parse_engine};
 use crate::cli::bench_data::chunk_key;
 use crate::cli::bench_phases::{
     corrupt_chunk_for_test, corrupt_loaded_chunk, fill, load_phase, store_phase, verify,
 };
 use crate::cli::bench_report::{BenchReport, LayoutReport, TierReport, render};
 use crate::cli::bench_tier::{BenchTier, TierOptions};
-use crate::cli::fio_compare::parse_engine;
 use crate::cli::output::print_json;
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
@@ -89,10 +89,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     fn from_args(args: &BenchArgs) -> Result<Self> {
-        let layout = match &args.layout {
-            Some(p) => LayoutDescriptor::load(p)?,
-            None => default_layout(),
-        };
+        let layout = load_layout(args.layout.as_deref())?;
         if args.blocks_per_chunk == 0 {
             return Err(Error::config("--blocks-per-chunk", "must be at least 1"));
         }
@@ -201,20 +198,13 @@ fn flag_error(flag: &str, e: Error) -> Error {
 /// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
 /// directories (even with `--keep`) and exits 130.
 pub fn run(args: BenchArgs) -> Result<ExitCode> {
-    crate::cli::interrupt::catch();
-    match run_caught(args) {
-        Err(e) if e.kind() == ErrorKind::Cancelled => {
-            eprintln!("kvtier: error: {e}");
-            Ok(ExitCode::from(crate::cli::interrupt::EXIT_INTERRUPTED))
-        }
-        other => other,
-    }
+    crate::cli::interrupt::run_interruptible(|| run_caught(args))
 }
 
 fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
-    let tier = BenchTier::open(&TierOptions {
+    let mut tier = BenchTier::open(&TierOptions {
         parent_dirs: args.paths.clone(),
         capacity: plan.capacity,
         row_stride: plan.row_stride,
@@ -229,7 +219,6 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
     let batches = plan.batches();
     let progress = !args.json;
-    let mut tier = tier;
 
     fill(&mut tier.manager, &keys, &batches, seed, progress)?;
     let store = store_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
@@ -299,18 +288,10 @@ fn run_seed() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Debug, Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        args: BenchArgs,
-    }
+    use crate::cli::args::parse_for_test;
 
     fn plan(argv: &[&str]) -> Result<Plan> {
-        let mut full = vec!["x"];
-        full.extend_from_slice(argv);
-        Plan::from_args(&Wrapper::try_parse_from(full).unwrap().args)
+        Plan::from_args(&parse_for_test(argv))
     }
 
     #[test]

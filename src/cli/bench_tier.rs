@@ -61,20 +61,9 @@ pub struct BenchTier {
 impl BenchTier {
     /// Makes the directories, opens the G3 tier there and builds the manager.
     pub fn open(opts: &TierOptions) -> Result<Self> {
-        let parents = if opts.parent_dirs.is_empty() {
-            vec![std::env::temp_dir()]
-        } else {
-            opts.parent_dirs.clone()
-        };
+        let parents = crate::cli::args::path_dirs(&opts.parent_dirs)?;
         let mut dirs = Vec::with_capacity(parents.len());
-        for (i, parent) in parents.iter().enumerate() {
-            crate::cli::fio_compare::check_dir(parent)?;
-            if parents[..i].contains(parent) {
-                return Err(Error::config(
-                    "--path",
-                    format!("{} is given twice", parent.display()),
-                ));
-            }
+        for parent in &parents {
             let dir = tempfile::Builder::new()
                 .prefix("kvtier-bench-")
                 .tempdir_in(parent)

@@ -11,9 +11,10 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
-use crate::config::size::{format_size_human, parse_size};
+use crate::cli::output::print_json;
+use crate::cli::size::{format_size, parse_size};
 use crate::config::{self, Format, KvtierConfig, TierConfig};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::Result;
 use crate::geometry::ChunkGeometry;
 
 /// `kvtier config ...`.
@@ -39,7 +40,7 @@ pub struct CheckArgs {
     pub file: PathBuf,
     /// One worker's KV bytes per GPU block (bytes or a size such as `2MiB`); with it the chunk
     /// geometry is derived and printed.
-    #[arg(long, value_parser = parse_byte_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub bytes_per_block: Option<u64>,
     /// Copies of each block in a row: 1 for a replicated layout or TP1, else the local world
     /// size.
@@ -48,10 +49,6 @@ pub struct CheckArgs {
     /// Tokens per GPU block; needed for the geometry when the config sets `block_size`.
     #[arg(long, requires = "bytes_per_block")]
     pub gpu_block_size: Option<u32>,
-}
-
-fn parse_byte_arg(s: &str) -> std::result::Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
 }
 
 #[derive(Serialize)]
@@ -123,15 +120,12 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
         file: args.file.display().to_string(),
         format: format.as_str(),
         valid: true,
-        cpu_bytes_to_use_human: format_size_human(cfg.cpu_bytes_to_use),
+        cpu_bytes_to_use_human: format_size(cfg.cpu_bytes_to_use),
         config: cfg,
         geometry,
         tier_params,
         notes: &resolved.notes,
     };
-    let json = serde_json::to_string_pretty(&report).map_err(|e| {
-        Error::new(ErrorKind::Internal, format!("cannot print the report: {e}")).with_source(e)
-    })?;
-    println!("{json}");
+    print_json(&report)?;
     Ok(ExitCode::SUCCESS)
 }

@@ -11,12 +11,13 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::cli::args::{parse_engine, path_dirs};
 use crate::cli::fio::{self, FioRun, Profile};
 use crate::cli::fio_files;
-use crate::cli::fio_report::{DepthPoint, ProfileComparison, display_paths, render_report};
+use crate::cli::fio_report::{DepthPoint, ProfileComparison, render_report};
 use crate::cli::g3_workload::{G3Shape, G3Workload};
 use crate::cli::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
-use crate::cli::output::{print_json, progress_bar};
+use crate::cli::output::{display_paths, print_json, progress_bar};
 use crate::cli::plot::{Panel, render_svg};
 use crate::cli::size::{format_size, parse_size};
 use crate::cli::stats::median;
@@ -93,29 +94,10 @@ pub struct FioCompareArgs {
     pub json: bool,
 }
 
-/// Parses an `--io-engine` value.
-pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {
-    match s.to_ascii_lowercase().as_str() {
-        "auto" => Ok(IoEngineKind::Auto),
-        "uring" | "io_uring" => Ok(IoEngineKind::Uring),
-        "psync" => Ok(IoEngineKind::Psync),
-        _ => Err(format!(
-            "unknown I/O engine {s:?} (use auto, uring or psync)"
-        )),
-    }
-}
-
 /// Runs `kvtier fio-compare`. Ctrl-C or SIGTERM stops it between passes, removes its files
 /// (unless `--keep`) and exits 130.
 pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
-    crate::cli::interrupt::catch();
-    match run_caught(args) {
-        Err(e) if e.kind() == ErrorKind::Cancelled => {
-            eprintln!("kvtier: error: {e}");
-            Ok(ExitCode::from(crate::cli::interrupt::EXIT_INTERRUPTED))
-        }
-        other => other,
-    }
+    crate::cli::interrupt::run_interruptible(|| run_caught(args))
 }
 
 fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
@@ -126,27 +108,23 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         dirs: plan.g3_dirs.clone(),
         keep: args.keep,
     };
+    // fio's files, and kvtier's on the engine side (the G3 side prepares its own slabs).
+    fio_files::prepare(&cleanup.files, plan.per_file, plan.row_size)?;
     let mut workload = match args.kvtier_side {
-        KvtierSide::Engine => {
-            fio_files::prepare(&plan.all_files(), plan.per_file, plan.row_size)?;
-            Side::Engine(KvtierWorkload::open(&WorkloadShape {
-                files: plan.kvtier_files.clone(),
-                file_size: plan.per_file,
-                row_size: plan.row_size,
-                max_depth: plan.max_depth(),
-                engine: args.io_engine,
-            })?)
-        }
-        KvtierSide::G3 => {
-            fio_files::prepare(&plan.fio_files, plan.per_file, plan.row_size)?;
-            Side::G3(Box::new(G3Workload::open(&G3Shape {
-                dirs: plan.g3_dirs.clone(),
-                bytes_per_path: plan.per_file,
-                row_size: plan.row_size,
-                max_depth: plan.max_depth(),
-                engine: args.io_engine,
-            })?))
-        }
+        KvtierSide::Engine => Side::Engine(KvtierWorkload::open(&WorkloadShape {
+            files: plan.kvtier_files.clone(),
+            file_size: plan.per_file,
+            row_size: plan.row_size,
+            max_depth: plan.max_depth(),
+            engine: args.io_engine,
+        })?),
+        KvtierSide::G3 => Side::G3(Box::new(G3Workload::open(&G3Shape {
+            dirs: plan.g3_dirs.clone(),
+            bytes_per_path: plan.per_file,
+            row_size: plan.row_size,
+            max_depth: plan.max_depth(),
+            engine: args.io_engine,
+        })?)),
     };
     let scratch = tempfile::Builder::new()
         .prefix("kvtier-fio-")
@@ -288,20 +266,7 @@ pub(crate) struct Plan {
 
 impl Plan {
     fn from_args(args: &FioCompareArgs) -> Result<Self> {
-        let paths = if args.paths.is_empty() {
-            vec![std::env::temp_dir()]
-        } else {
-            args.paths.clone()
-        };
-        for (i, p) in paths.iter().enumerate() {
-            check_dir(p)?;
-            if paths[..i].contains(p) {
-                return Err(Error::config(
-                    "--path",
-                    format!("{} is given twice", p.display()),
-                ));
-            }
-        }
+        let paths = path_dirs(&args.paths)?;
         if args.row_size == 0 || !args.row_size.is_multiple_of(4096) {
             return Err(Error::config(
                 "--row-size",
@@ -369,29 +334,21 @@ impl Plan {
                  being loaded): add --kvtier-side engine",
             ));
         }
-        let fio_files = paths
-            .iter()
-            .map(|p| p.join("kvtier-fio-compare.fio.dat"))
-            .collect();
-        let (kvtier_files, g3_dirs) = match args.kvtier_side {
+        let in_each = |name: &str| -> Vec<PathBuf> { paths.iter().map(|p| p.join(name)).collect() };
+        let fio_files = in_each("kvtier-fio-compare.fio.dat");
+        let (kvtier_files, g3_dirs, file_state, side_name) = match args.kvtier_side {
             KvtierSide::Engine => (
-                paths
-                    .iter()
-                    .map(|p| p.join("kvtier-fio-compare.kvtier.dat"))
-                    .collect(),
+                in_each("kvtier-fio-compare.kvtier.dat"),
                 Vec::new(),
+                FILE_STATE,
+                "engine",
             ),
             KvtierSide::G3 => (
                 Vec::new(),
-                paths
-                    .iter()
-                    .map(|p| p.join("kvtier-fio-compare.g3"))
-                    .collect(),
+                in_each("kvtier-fio-compare.g3"),
+                FILE_STATE_G3,
+                "g3",
             ),
-        };
-        let (file_state, side_name) = match args.kvtier_side {
-            KvtierSide::Engine => (FILE_STATE, "engine"),
-            KvtierSide::G3 => (FILE_STATE_G3, "g3"),
         };
         Ok(Plan {
             paths,
@@ -420,18 +377,6 @@ impl Plan {
             .chain(&self.kvtier_files)
             .cloned()
             .collect()
-    }
-}
-
-/// A path the user named must be an existing directory.
-pub fn check_dir(p: &Path) -> Result<()> {
-    match std::fs::metadata(p) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(Error::new(
-            ErrorKind::InvalidPath,
-            format!("{} is not a directory", p.display()),
-        )),
-        Err(e) => Err(Error::io("open directory", p, e)),
     }
 }
 
@@ -496,18 +441,10 @@ impl Side {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Debug, Parser)]
-    struct Wrapper {
-        #[command(flatten)]
-        args: FioCompareArgs,
-    }
+    use crate::cli::args::parse_for_test;
 
     fn plan(argv: &[&str]) -> Result<Plan> {
-        let mut full = vec!["x"];
-        full.extend_from_slice(argv);
-        Plan::from_args(&Wrapper::try_parse_from(full).unwrap().args)
+        Plan::from_args(&parse_for_test(argv))
     }
 
     #[test]
@@ -579,12 +516,5 @@ mod tests {
         let e = plan(&["--path", a, "--path", a]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
         assert!(e.to_string().contains("given twice"), "{e}");
-    }
-
-    #[test]
-    fn engine_names() {
-        assert_eq!(parse_engine("io_uring"), Ok(IoEngineKind::Uring));
-        assert_eq!(parse_engine("PSYNC"), Ok(IoEngineKind::Psync));
-        assert!(parse_engine("spdk").is_err());
     }
 }

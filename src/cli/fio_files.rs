@@ -6,6 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::region::PrimaryRegion;
@@ -28,6 +29,14 @@ pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
     }
     debug_assert!(len.is_multiple_of(row_size));
     Ok(())
+}
+
+/// The buffer rows of kvtier's side: two rows of `row_size` bytes per request in flight at
+/// `max_depth` (a mixed pass runs a writer and a reader, each at the full depth).
+pub fn buffer_region(row_size: u64, max_depth: u32) -> Result<Arc<PrimaryRegion>> {
+    let row = usize::try_from(row_size).map_err(|_| Error::config("--row-size", "too large"))?;
+    let rows = 2 * max_depth.max(1) as usize;
+    Ok(Arc::new(PrimaryRegion::create(rows, row)?))
 }
 
 /// How the buffer rows are backed, in the words the report uses: an O_DIRECT transfer is one

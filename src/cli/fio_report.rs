@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use crate::cli::fio_compare::Plan;
-use crate::cli::output::Table;
+use crate::cli::output::{Table, display_paths};
 use crate::cli::size::{format_gbps, format_size};
 
 /// One measured point: medians of alternating runs.
@@ -61,14 +61,6 @@ pub struct ProfileComparison {
     /// The depth sweep (with `--plot`), ascending depth.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub sweep: Vec<DepthPoint>,
-}
-
-pub(crate) fn display_paths(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 pub(crate) fn render_report(

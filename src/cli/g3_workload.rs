@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cli::fio::Profile;
+use crate::cli::fio_files::buffer_region;
 use crate::cli::kvtier_workload::{PassStats, shuffle};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{FsyncPolicy, G3Tier, G3TierConfig};
@@ -65,10 +66,7 @@ impl G3Workload {
             }
             std::fs::create_dir_all(d).map_err(|e| Error::io("create", d, e))?;
         }
-        let row = usize::try_from(shape.row_size)
-            .map_err(|_| Error::config("--row-size", "too large"))?;
-        let rows = 2 * shape.max_depth.max(1) as usize;
-        let region = Arc::new(PrimaryRegion::create(rows, row)?);
+        let region = buffer_region(shape.row_size, shape.max_depth)?;
         let slots = shape.bytes_per_path / shape.row_size * shape.dirs.len() as u64;
         let mut w = G3Workload {
             shape: shape.clone(),

@@ -2,6 +2,7 @@
 //! check, so the command stops with an error and its temporary files are removed on the way
 //! out (a killed `kvtier bench` would leave gigabytes of slab behind in the temp dir).
 
+use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -33,4 +34,17 @@ pub fn check(what: &str) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Runs a long command with [`catch`] in force: an interrupt ([`check`] returned `Cancelled`)
+/// prints one error line and exits [`EXIT_INTERRUPTED`]; every other result passes through.
+pub fn run_interruptible(command: impl FnOnce() -> Result<ExitCode>) -> Result<ExitCode> {
+    catch();
+    match command() {
+        Err(e) if e.kind() == ErrorKind::Cancelled => {
+            eprintln!("kvtier: error: {e}");
+            Ok(ExitCode::from(EXIT_INTERRUPTED))
+        }
+        other => other,
+    }
 }

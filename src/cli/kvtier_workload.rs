@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::cli::fio::Profile;
-use crate::cli::fio_files::open_direct;
+use crate::cli::fio_files::{buffer_region, open_direct};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
-use crate::region::PrimaryRegion;
+use crate::tiering::rng::XorShift64;
 
 /// What the workload runs on.
 #[derive(Debug, Clone)]
@@ -69,10 +69,8 @@ struct Stream {
 impl KvtierWorkload {
     /// Opens the files with O_DIRECT and starts the engine.
     pub fn open(shape: &WorkloadShape) -> Result<Self> {
-        let row = usize::try_from(shape.row_size)
-            .map_err(|_| Error::config("--row-size", "too large"))?;
-        let rows = 2 * shape.max_depth.max(1) as usize;
-        let region = Arc::new(PrimaryRegion::create(rows, row)?);
+        let region = buffer_region(shape.row_size, shape.max_depth)?;
+        let (rows, row) = (region.num_rows(), region.row_stride());
         let files = shape
             .files
             .iter()
@@ -238,15 +236,11 @@ impl KvtierWorkload {
     }
 }
 
-/// Fisher-Yates with xorshift64*: deterministic per seed, no dependency.
+/// Fisher-Yates with the crate's xorshift64*: deterministic per seed.
 pub fn shuffle(v: &mut [u64], seed: u64) {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = XorShift64::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
     for i in (1..v.len()).rev() {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let r = x.wrapping_mul(0x2545_F491_4F6C_DD1D);
-        let j = (r % (i as u64 + 1)) as usize;
+        let j = rng.below(i as u64 + 1) as usize;
         v.swap(i, j);
     }
 }

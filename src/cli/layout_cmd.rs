@@ -13,6 +13,7 @@ use crate::canonical::{
     LayerMapping, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks, prepare_canonical,
     verify_tiling,
 };
+use crate::cli::output::print_json;
 use crate::error::{Error, ErrorKind, Result};
 
 /// `kvtier layout ...`
@@ -149,9 +150,7 @@ fn show(args: &ShowArgs) -> Result<ExitCode> {
     let desc = LayoutDescriptor::load(&args.file)?;
     let report = show_json(&desc, args)?;
     if args.json {
-        let text = serde_json::to_string_pretty(&report)
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("serialising report: {e}")))?;
-        println!("{text}");
+        print_json(&report)?;
     } else {
         print_text(&report);
     }
@@ -265,16 +264,12 @@ pub fn check_file(path: &Path) -> Result<Vec<u32>> {
         ));
     }
     for &tp in &tps {
-        for canonical in [false, true] {
-            let shared = static_portability_claim(&desc, tp, tp, canonical);
-            for rank in 0..tp {
-                let cfg = ParallelConfig::tp(tp, rank);
-                if canonical {
-                    prepare_canonical(&desc, &cfg, 1, shared)?;
-                }
-            }
-            let all = derive_all_ranks(&desc, tp)?;
-            verify_tiling(&all)?;
+        // The direct per-rank mappings must tile each row; then every rank's canonical plan
+        // must prepare.
+        verify_tiling(&derive_all_ranks(&desc, tp)?)?;
+        let shared = static_portability_claim(&desc, tp, tp, true);
+        for rank in 0..tp {
+            prepare_canonical(&desc, &ParallelConfig::tp(tp, rank), 1, shared)?;
         }
     }
     Ok(tps)

@@ -5,6 +5,7 @@
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
+pub mod args;
 pub mod bench;
 pub mod bench_data;
 pub mod bench_phases;
@@ -19,6 +20,8 @@ pub mod g3_workload;
 pub mod http;
 pub mod interrupt;
 pub mod kvtier_workload;
+pub mod layout_cmd;
+pub mod logger;
 pub mod output;
 pub mod plot;
 pub mod serve;
@@ -33,9 +36,6 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::error::{Error, ErrorKind};
-
-pub mod layout_cmd;
-pub mod logger;
 
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]

@@ -2,6 +2,7 @@
 //! bars that only appear when stderr is a terminal.
 
 use std::io::IsTerminal;
+use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -82,6 +83,15 @@ pub fn print_json<T: Serialize + ?Sized>(value: &T) -> Result<()> {
     })?;
     println!("{text}");
     Ok(())
+}
+
+/// Paths for people: `a, b, c`.
+pub fn display_paths(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// A progress bar of `len` steps on stderr when stderr is a terminal and `enabled`; otherwise a

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, default_layout, namespace_digest};
+use crate::canonical::{LayoutDescriptor, NamespaceParams, namespace_digest};
+use crate::cli::args::load_layout;
 use crate::cli::http::DEFAULT_METRICS_ADDR;
 use crate::cli::serve_loop::{Service, serve_until_signal};
 use crate::cli::size::format_size;
@@ -49,10 +50,7 @@ pub struct ServeArgs {
 /// Runs `kvtier serve`.
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let cfg = crate::config::load(&args.config)?;
-    let layout = match &args.layout {
-        Some(p) => LayoutDescriptor::load(p)?,
-        None => default_layout(),
-    };
+    let layout = load_layout(args.layout.as_deref())?;
     let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix).map_err(|e| {
         if e.kind() != ErrorKind::IncompatibleLayout {
             return e;

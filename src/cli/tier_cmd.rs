@@ -7,8 +7,9 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, default_layout, namespace_digest};
-use crate::cli::output::{Table, print_json};
+use crate::canonical::{NamespaceParams, namespace_digest};
+use crate::cli::args::load_layout;
+use crate::cli::output::{Table, display_paths, print_json};
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::DirectIoMode;
@@ -132,10 +133,7 @@ pub fn run(args: TierArgs) -> Result<ExitCode> {
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
-    let layout = match &a.layout {
-        Some(p) => LayoutDescriptor::load(p)?,
-        None => default_layout(),
-    };
+    let layout = load_layout(a.layout.as_deref())?;
     let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, a.canonical)?;
     let existing: Vec<PathBuf> = a
         .paths
@@ -160,9 +158,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             direct_io: a.direct_io,
         },
     )?;
-    if a.json {
-        print_json(&InspectOutput::new(&report, &a.paths))?;
-    } else {
+    if !a.json {
         println!(
             "formatted {} path(s) for {} (TP {}, {} block(s) per chunk, {} layout)",
             a.paths.len(),
@@ -171,9 +167,8 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             a.blocks_per_chunk,
             if a.canonical { "canonical" } else { "direct" }
         );
-        print!("{}", render_inspect(&InspectOutput::new(&report, &a.paths)));
     }
-    Ok(ExitCode::SUCCESS)
+    print_inspect(&InspectOutput::new(&report, &a.paths), a.json)
 }
 
 /// `inspect --json` (and `format --json`): the admin report plus the checkpoint size.
@@ -204,11 +199,15 @@ impl<'a> InspectOutput<'a> {
 
 fn inspect(a: PathsArgs) -> Result<ExitCode> {
     let report = admin::inspect(&a.paths)?;
-    let out = InspectOutput::new(&report, &a.paths);
-    if a.json {
-        print_json(&out)?;
+    print_inspect(&InspectOutput::new(&report, &a.paths), a.json)
+}
+
+/// What `inspect` prints (and `format` after its first line).
+fn print_inspect(out: &InspectOutput<'_>, json: bool) -> Result<ExitCode> {
+    if json {
+        print_json(out)?;
     } else {
-        print!("{}", render_inspect(&out));
+        print!("{}", render_inspect(out));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -326,20 +325,12 @@ fn clear(a: ClearArgs) -> Result<ExitCode> {
         confirm(&format!(
             "clearing forgets all {} stored chunk(s) in {}",
             report.entries,
-            display(&a.paths)
+            display_paths(&a.paths)
         ))?;
     }
     admin::clear(&a.paths)?;
-    println!("cleared {}", display(&a.paths));
+    println!("cleared {}", display_paths(&a.paths));
     Ok(ExitCode::SUCCESS)
-}
-
-fn display(paths: &[PathBuf]) -> String {
-    paths
-        .iter()
-        .map(|p| p.display().to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Asks on the terminal; refuses (a user error) when stdin is not a terminal.
