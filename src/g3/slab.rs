@@ -203,15 +203,7 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
             .with("expected", want.to_string())
             .with("found", len.to_string()));
         }
-        let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-        files.push(SlabFile {
-            path: p.clone(),
-            meta,
-            data,
-            direct,
-            fs_type,
-            superblock,
-        });
+        files.push(slab_file(p, meta, superblock, spec.direct_io)?);
     }
     Ok(SlabSet {
         files,
@@ -306,15 +298,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
                 .map_err(|e| Error::io("write superblock of", p, e))?;
             meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
             sync_dir(p.parent().unwrap_or(Path::new(".")))?;
-            let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-            files.push(SlabFile {
-                path: p.clone(),
-                meta,
-                data,
-                direct,
-                fs_type,
-                superblock,
-            });
+            files.push(slab_file(p, meta, superblock, spec.direct_io)?);
         }
         Ok(())
     })();
@@ -411,6 +395,20 @@ pub fn lock_holder_of(f: &File) -> Option<u32> {
         } else {
             None
         }
+    })
+}
+
+/// The [`SlabFile`] for slab `p`, whose locked descriptor `meta` holds `superblock`: opens its
+/// data descriptor with [`open_data`].
+fn slab_file(p: &Path, meta: File, superblock: Superblock, mode: DirectIoMode) -> Result<SlabFile> {
+    let (data, direct, fs_type) = open_data(p, mode)?;
+    Ok(SlabFile {
+        path: p.to_path_buf(),
+        meta,
+        data,
+        direct,
+        fs_type,
+        superblock,
     })
 }
 
