@@ -527,16 +527,9 @@ pub fn available_bytes(dir: &Path) -> Option<u64> {
 
 /// The filesystem type of `p` as `name (0xmagic)`.
 pub fn fs_type_of(p: &Path) -> String {
-    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+    let Ok(magic) = crate::io::probe::statfs_magic(p) else {
         return "unknown".into();
     };
-    // SAFETY: statfs is plain old data; zeroed is a valid initial value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return "unknown".into();
-    }
-    let magic = st.f_type as u64 & 0xffff_ffff;
     let name = crate::io::probe::fs_type_name(magic);
     format!("{name} (0x{magic:x})")
 }
