@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::g3::index::{Index, key_hash_bytes};
+use crate::g3::index::Index;
 use crate::g3::journal::{
     CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
     JOURNAL_MAGIC, JournalWriter, write_checkpoint,
@@ -61,7 +61,7 @@ impl Replay {
         for r in records(chunk) {
             let h = match r {
                 RecordRef::Insert { key, slot, .. } => {
-                    let h = key_hash_bytes(key);
+                    let h = index.key_hash(key);
                     index.prefetch_insert(h, slot);
                     h
                 }
