@@ -156,6 +156,8 @@ pub(crate) struct Worker {
     active: HashMap<u32, Active>,
     next_serial: u32,
     ops: VecDeque<IoRequest>,
+    /// The requests `pump` submits in one call (kept to reuse its allocation).
+    batch: Vec<IoRequest>,
     in_flight: u64,
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
@@ -191,6 +193,7 @@ impl Worker {
             active: HashMap::new(),
             next_serial: 0,
             ops: VecDeque::new(),
+            batch: Vec::new(),
             in_flight: 0,
             drain_waiters: Vec::new(),
             shutdown_ack: None,
@@ -400,7 +403,7 @@ impl Worker {
     /// turn comes.
     fn pump(&mut self) {
         let cap = self.cfg.max_bytes_in_flight;
-        let mut batch = Vec::new();
+        let mut batch = std::mem::take(&mut self.batch);
         loop {
             if let Some(op) = self.ops.front() {
                 let len = op.len as u64;
@@ -429,7 +432,7 @@ impl Worker {
             match self.engine.submit(&batch) {
                 Ok(()) => self.checksum_submitted_writes(&batch),
                 Err(e) => {
-                    for op in batch {
+                    for op in &batch {
                         self.complete(IoCompletion {
                             tag: op.tag,
                             result: Err(e.duplicate()),
@@ -438,6 +441,8 @@ impl Worker {
                 }
             }
         }
+        batch.clear();
+        self.batch = batch;
     }
 
     fn start(&mut self, job: TransferJob, load: bool) {
