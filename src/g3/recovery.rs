@@ -7,11 +7,11 @@
 //! survives still carries its data CRC, checked on every load.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::g3::format::read_at_most;
 use crate::g3::index::Index;
 use crate::g3::journal::{
     CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
@@ -106,15 +106,7 @@ fn open_optional(p: &Path) -> Result<Option<(File, Vec<u8>)>> {
         Err(e) => return Err(Error::io("open", p, e)),
     };
     let mut header = vec![0u8; FILE_HEADER_SIZE];
-    let mut n = 0;
-    while n < header.len() {
-        match f.read_at(&mut header[n..], n as u64) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io("read", p, e)),
-        }
-    }
+    let n = read_at_most(&f, &mut header, 0).map_err(|e| Error::io("read", p, e))?;
     header.truncate(n);
     Ok(Some((f, header)))
 }

@@ -21,7 +21,7 @@ pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
     SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
-    slab_file_len, slots_per_file,
+    read_at_most, slab_file_len, slots_per_file,
 };
 
 /// Name of the slab file created in each path.
@@ -550,15 +550,7 @@ fn dio_alignment(slab: &Path) -> Option<(u32, u32)> {
 /// Reads and decodes the superblock of an open slab.
 pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
     let mut b = vec![0u8; SUPERBLOCK_SIZE];
-    let mut got = 0;
-    while got < b.len() {
-        match f.read_at(&mut b[got..], got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == IoErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io("read superblock of", p, e)),
-        }
-    }
+    let got = read_at_most(f, &mut b, 0).map_err(|e| Error::io("read superblock of", p, e))?;
     Superblock::decode(&b[..got], &p.display().to_string())
 }
 
