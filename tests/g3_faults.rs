@@ -330,38 +330,10 @@ fn garbage_after_the_journal_is_ignored() {
     assert!(row_is(&r, 1, 7));
 }
 
-/// A filesystem mounted for one test; unmounted on drop.
-struct Mount(std::path::PathBuf);
-
-impl Mount {
-    fn tmpfs(dir: &Path, size: &str) -> Option<Mount> {
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir)
-            .output()
-            .ok()?;
-        if out.status.success() {
-            Some(Mount(dir.to_path_buf()))
-        } else {
-            eprintln!(
-                "skipping: cannot mount tmpfs ({})",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            None
-        }
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
 #[test]
 fn journal_write_failure_refuses_stores_and_keeps_loads() {
     let d = tmpdir();
-    let Some(_m) = Mount::tmpfs(d.path(), "256k") else {
+    let Some(_m) = Mount::new("tmpfs", "size=256k", d.path()) else {
         return;
     };
     let r = region(4);

@@ -7,7 +7,7 @@
 
 mod g3_common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,34 +28,6 @@ fn open_ns_err(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, ns: [u8; 32]) -> Error
     match G3Tier::open(cfg, r.clone(), ns, "t".into(), None) {
         Ok(_) => panic!("open succeeded"),
         Err(e) => e,
-    }
-}
-
-/// A filesystem mounted for one test; unmounted on drop.
-struct Mount(PathBuf);
-
-impl Mount {
-    fn new(fstype: &str, opts: &str, dir: &Path) -> Option<Mount> {
-        let out = Command::new("mount")
-            .args(["-t", fstype, "-o", opts, fstype])
-            .arg(dir)
-            .output()
-            .ok()?;
-        if out.status.success() {
-            Some(Mount(dir.to_path_buf()))
-        } else {
-            eprintln!(
-                "skipping: cannot mount {fstype} ({})",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            None
-        }
-    }
-}
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
     }
 }
 

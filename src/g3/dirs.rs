@@ -76,23 +76,19 @@ pub fn check_writable_dir(dir: &Path) -> Result<()> {
         )
         .with("path", dir.display().to_string())
     })?;
-    // SAFETY: statfs is plain old data; zeroed is a valid initial value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 {
-        let magic = st.f_type as u64 & 0xffff_ffff;
-        if let Some((_, name)) = PSEUDO_FILESYSTEMS.iter().find(|(m, _)| *m == magic) {
-            return Err(Error::new(
-                ErrorKind::InvalidPath,
-                format!(
-                    "G3 path {} is not a writable local filesystem (it is on the kernel's \
+    if let Ok(magic) = crate::io::probe::statfs_magic(dir)
+        && let Some((_, name)) = PSEUDO_FILESYSTEMS.iter().find(|(m, _)| *m == magic)
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidPath,
+            format!(
+                "G3 path {} is not a writable local filesystem (it is on the kernel's \
                      {name} pseudo filesystem; choose a directory on a local disk)",
-                    dir.display()
-                ),
-            )
-            .with("path", dir.display().to_string())
-            .with("filesystem", *name));
-        }
+                dir.display()
+            ),
+        )
+        .with("path", dir.display().to_string())
+        .with("filesystem", *name));
     }
     // SAFETY: `c` is NUL-terminated; access only reads it.
     if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {

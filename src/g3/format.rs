@@ -1,6 +1,8 @@
 //! The slab superblock: the first 4096 bytes of every slab file, byte for byte as in
 //! `docs/format.md`. All integers are little-endian.
 
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use sha2::{Digest, Sha256};
@@ -127,6 +129,21 @@ impl Superblock {
             created_unix_s: le_u64(b, 96),
         })
     }
+}
+
+/// Reads `buf.len()` bytes of `f` from byte `offset`, fewer when the file ends first
+/// (interrupted reads are retried); returns how many were read.
+pub(crate) fn read_at_most(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 /// Reads a little-endian u32 at `off` (caller guarantees bounds).

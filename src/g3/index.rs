@@ -2,10 +2,10 @@
 //! slots. It never touches the disk; the journal records what changes it.
 
 use std::collections::HashMap;
-use std::hash::Hasher;
 
 use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
 use crate::g3::slot_key::SlotKey;
+use crate::hash::KeyHasher;
 use crate::key::ChunkKey;
 
 /// A slot number within the stripe set.
@@ -13,45 +13,6 @@ pub type Slot = u32;
 const NIL: u32 = u32::MAX;
 /// How far eviction walks from the LRU end past pinned or unusable slots before giving up.
 const EVICTION_SCAN_LIMIT: usize = 256;
-
-/// A fast non-cryptographic hasher for chunk keys (already hashes of token blocks).
-#[derive(Default, Clone, Copy)]
-pub struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        // Final avalanche (splitmix64): the multiply-rotate rounds leave the low bits, which
-        // pick the bucket, depending on few input bits.
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        const K: u64 = 0x517c_c1b7_2722_0a95;
-        let mut chunks = bytes.chunks_exact(8);
-        for c in &mut chunks {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(c);
-            self.0 = (self.0.rotate_left(5) ^ u64::from_le_bytes(w)).wrapping_mul(K);
-        }
-        for &b in chunks.remainder() {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(K);
-        }
-    }
-}
-
-/// The index's hash of a key.
-pub fn key_hash(key: &ChunkKey) -> u64 {
-    key_hash_bytes(key.as_bytes())
-}
-
-/// The index's hash of a key's bytes.
-pub fn key_hash_bytes(key: &[u8]) -> u64 {
-    let mut h = KeyHasher::default();
-    h.write(key);
-    h.finish()
-}
 
 /// What a slot currently holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +67,8 @@ pub struct Reservation {
 /// Key -> slot map, slot table, free list and LRU.
 #[derive(Debug)]
 pub struct Index {
+    /// Hashes keys for `map` (randomly seeded per index; hashes never leave memory).
+    hasher: KeyHasher,
     map: KeyTable,
     slots: Vec<SlotEntry>,
     free: Vec<Slot>,
@@ -151,6 +114,7 @@ impl Index {
         advise_huge_pages_spare(&mut slots);
         slots.resize(total_slots as usize, blank);
         Index {
+            hasher: KeyHasher::random(),
             map: KeyTable::with_capacity(total_slots as usize),
             slots,
             free: Vec::new(),
@@ -166,7 +130,7 @@ impl Index {
     fn find(&self, key: &ChunkKey) -> Option<Slot> {
         let b = key.as_bytes();
         self.map
-            .find(key_hash_bytes(b), |s| self.slots[s as usize].key.holds(b))
+            .find(self.hasher.hash(b), |s| self.slots[s as usize].key.holds(b))
     }
 
     /// Total slots.
@@ -224,6 +188,12 @@ impl Index {
 
     // ---- recovery ----
 
+    /// This index's hash of the key bytes `key` (what [`Index::prefetch_insert`] and
+    /// [`Index::apply_insert_hashed`] take).
+    pub fn key_hash(&self, key: &[u8]) -> u64 {
+        self.hasher.hash(key)
+    }
+
     /// Hints the CPU to load what replaying an insert of a key with hash `hash` into `slot`
     /// will touch.
     pub fn prefetch_insert(&self, hash: u64, slot: Slot) {
@@ -236,11 +206,11 @@ impl Index {
     /// Replays an insert: `slot` now holds `key`. Idempotent; whatever `slot` or `key` held
     /// before is dropped. Returns false if `slot` is out of range.
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
-        let h = key_hash(&key);
+        let h = self.key_hash(key.as_bytes());
         self.apply_insert_hashed(key.as_bytes(), h, slot, crc, generation)
     }
 
-    /// [`Index::apply_insert`] of the key bytes `key`, whose [`key_hash_bytes`] is `h`.
+    /// [`Index::apply_insert`] of the key bytes `key`, whose [`Index::key_hash`] is `h`.
     pub fn apply_insert_hashed(
         &mut self,
         key: &[u8],
@@ -284,7 +254,7 @@ impl Index {
         }
         let e = &mut self.slots[slot as usize];
         if let Some(k) = std::mem::take(&mut e.key).bytes() {
-            self.map.remove(key_hash_bytes(k), slot);
+            self.map.remove(self.hasher.hash(k), slot);
         }
         e.state = SlotState::Free;
     }
@@ -325,7 +295,7 @@ impl Index {
         e.key = SlotKey::from_key(key);
         e.crc = 0;
         e.generation = 0;
-        self.map.insert(key_hash(key), slot);
+        self.map.insert(self.hasher.hash(key.as_bytes()), slot);
         Some(Reservation { slot, evicted })
     }
 
@@ -364,7 +334,7 @@ impl Index {
             return;
         }
         if let Some(k) = std::mem::take(&mut e.key).bytes() {
-            self.map.remove(key_hash_bytes(k), slot);
+            self.map.remove(self.hasher.hash(k), slot);
         }
         e.state = SlotState::Free;
         self.release(slot);
@@ -418,7 +388,7 @@ impl Index {
         let e = &mut self.slots[slot as usize];
         let key = std::mem::take(&mut e.key).to_chunk_key();
         if let Some(k) = &key {
-            self.map.remove(key_hash(k), slot);
+            self.map.remove(self.hasher.hash(k.as_bytes()), slot);
         }
         if readers > 0 {
             e.state = SlotState::Orphan;

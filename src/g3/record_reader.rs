@@ -8,11 +8,10 @@
 //! fails its CRC or has an unknown kind.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use crate::error::{Error, Result};
-use crate::g3::format::{le_u32, le_u64};
+use crate::g3::format::{le_u32, le_u64, read_at_most};
 use crate::g3::index::Slot;
 use crate::g3::journal::{KIND_INSERT, KIND_REMOVE, MAX_KEY_LEN, RECORD_HEADER_SIZE, Record};
 use crate::key::ChunkKey;
@@ -159,13 +158,12 @@ pub fn stream_records(
     let mut base = 0u64;
     let mut at_end = false;
     loop {
-        while !at_end && filled < buf.len() {
-            match file.read_at(&mut buf[filled..], start + base + filled as u64) {
-                Ok(0) => at_end = true,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(Error::io("read", path, e)),
-            }
+        if !at_end && filled < buf.len() {
+            let want = buf.len() - filled;
+            let n = read_at_most(file, &mut buf[filled..], start + base + filled as u64)
+                .map_err(|e| Error::io("read", path, e))?;
+            filled += n;
+            at_end = n < want;
         }
         // A full buffer always holds at least one whole record, so every round progresses.
         let (valid, problem) = check_records(&buf[..filled], base, at_end);

@@ -7,12 +7,12 @@
 //! survives still carries its data CRC, checked on every load.
 
 use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::g3::index::{Index, key_hash_bytes};
+use crate::g3::format::read_at_most;
+use crate::g3::index::Index;
 use crate::g3::journal::{
     CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
     JOURNAL_MAGIC, JournalWriter, write_checkpoint,
@@ -61,7 +61,7 @@ impl Replay {
         for r in records(chunk) {
             let h = match r {
                 RecordRef::Insert { key, slot, .. } => {
-                    let h = key_hash_bytes(key);
+                    let h = index.key_hash(key);
                     index.prefetch_insert(h, slot);
                     h
                 }
@@ -106,15 +106,7 @@ fn open_optional(p: &Path) -> Result<Option<(File, Vec<u8>)>> {
         Err(e) => return Err(Error::io("open", p, e)),
     };
     let mut header = vec![0u8; FILE_HEADER_SIZE];
-    let mut n = 0;
-    while n < header.len() {
-        match f.read_at(&mut header[n..], n as u64) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io("read", p, e)),
-        }
-    }
+    let n = read_at_most(&f, &mut header, 0).map_err(|e| Error::io("read", p, e))?;
     header.truncate(n);
     Ok(Some((f, header)))
 }

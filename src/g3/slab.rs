@@ -21,7 +21,7 @@ pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
     SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
-    slab_file_len, slots_per_file,
+    read_at_most, slab_file_len, slots_per_file,
 };
 
 /// Name of the slab file created in each path.
@@ -203,15 +203,7 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
             .with("expected", want.to_string())
             .with("found", len.to_string()));
         }
-        let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-        files.push(SlabFile {
-            path: p.clone(),
-            meta,
-            data,
-            direct,
-            fs_type,
-            superblock,
-        });
+        files.push(slab_file(p, meta, superblock, spec.direct_io)?);
     }
     Ok(SlabSet {
         files,
@@ -306,15 +298,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
                 .map_err(|e| Error::io("write superblock of", p, e))?;
             meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
             sync_dir(p.parent().unwrap_or(Path::new(".")))?;
-            let (data, direct, fs_type) = open_data(p, spec.direct_io)?;
-            files.push(SlabFile {
-                path: p.clone(),
-                meta,
-                data,
-                direct,
-                fs_type,
-                superblock,
-            });
+            files.push(slab_file(p, meta, superblock, spec.direct_io)?);
         }
         Ok(())
     })();
@@ -434,6 +418,20 @@ pub fn lock_holder_of(f: &File) -> Option<u32> {
     })
 }
 
+/// The [`SlabFile`] for slab `p`, whose locked descriptor `meta` holds `superblock`: opens its
+/// data descriptor with [`open_data`].
+fn slab_file(p: &Path, meta: File, superblock: Superblock, mode: DirectIoMode) -> Result<SlabFile> {
+    let (data, direct, fs_type) = open_data(p, mode)?;
+    Ok(SlabFile {
+        path: p.to_path_buf(),
+        meta,
+        data,
+        direct,
+        fs_type,
+        superblock,
+    })
+}
+
 /// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read and write of
 /// the superblock page; on failure an error (`required`) or a buffered descriptor with one warning
 /// (`auto`).
@@ -549,16 +547,9 @@ pub fn available_bytes(dir: &Path) -> Option<u64> {
 
 /// The filesystem type of `p` as `name (0xmagic)`.
 pub fn fs_type_of(p: &Path) -> String {
-    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+    let Ok(magic) = crate::io::probe::statfs_magic(p) else {
         return "unknown".into();
     };
-    // SAFETY: statfs is plain old data; zeroed is a valid initial value.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return "unknown".into();
-    }
-    let magic = st.f_type as u64 & 0xffff_ffff;
     let name = crate::io::probe::fs_type_name(magic);
     format!("{name} (0x{magic:x})")
 }
@@ -579,15 +570,7 @@ fn dio_alignment(slab: &Path) -> Option<(u32, u32)> {
 /// Reads and decodes the superblock of an open slab.
 pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
     let mut b = vec![0u8; SUPERBLOCK_SIZE];
-    let mut got = 0;
-    while got < b.len() {
-        match f.read_at(&mut b[got..], got as u64) {
-            Ok(0) => break,
-            Ok(n) => got += n,
-            Err(e) if e.kind() == IoErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io("read superblock of", p, e)),
-        }
-    }
+    let got = read_at_most(f, &mut b, 0).map_err(|e| Error::io("read superblock of", p, e))?;
     Superblock::decode(&b[..got], &p.display().to_string())
 }
 

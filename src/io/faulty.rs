@@ -207,11 +207,11 @@ impl FaultyEngine {
     /// Decides the fault for operation `op`; `Err` completes it at once without the inner
     /// engine, `Ok` forwards the (possibly shortened) request.
     fn plan_op(&self, st: &mut State, op: u64, req: &IoRequest) -> Result<(IoRequest, OnComplete)> {
-        let label = format!("file #{}", req.file);
+        // The label is only built for an injected error, not for every operation.
         let eio = |done| {
             os_error(
                 req,
-                &label,
+                &format!("file #{}", req.file),
                 done,
                 std::io::Error::from_raw_os_error(libc::EIO),
             )

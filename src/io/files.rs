@@ -215,7 +215,7 @@ pub(crate) fn os_error(req: &IoRequest, label: &str, done: usize, err: io::Error
 
 /// The error for a transfer that stopped after `done` of `req.len` bytes (end of file, or an
 /// O_DIRECT remainder that cannot be resubmitted).
-pub(crate) fn short_error(req: &IoRequest, label: &str, done: usize, why: &str) -> Error {
+fn short_error(req: &IoRequest, label: &str, done: usize, why: &str) -> Error {
     request_error(
         ErrorKind::ShortIo,
         format!(
@@ -231,22 +231,32 @@ pub(crate) fn short_error(req: &IoRequest, label: &str, done: usize, why: &str) 
     .with("found", done.to_string())
 }
 
-/// What to do after a partial transfer of `done` bytes out of `req.len`: `None` to continue
-/// with the remainder, or the error that ends the request. A remainder that would break
-/// O_DIRECT alignment is not resubmitted (the kernel would refuse it with EINVAL).
-pub(crate) fn check_partial(
+/// Accounts for one step of a transfer that moved `moved` more bytes after `done`: the bytes
+/// moved so far (`req.len` once complete, else continue with the remainder), or the error that
+/// ends the request: a step that moved nothing (end of file, for a read), or a partial O_DIRECT
+/// transfer whose remainder would be misaligned (the kernel would refuse it with EINVAL).
+pub(crate) fn advance(
     req: &IoRequest,
     label: &str,
     done: usize,
+    moved: usize,
     o_direct: bool,
-) -> Option<Error> {
-    if o_direct && !done.is_multiple_of(DIRECT_IO_ALIGNMENT) {
-        return Some(short_error(
+) -> Result<usize, Error> {
+    if moved == 0 {
+        let why = match req.dir {
+            IoDir::Read => "end of file",
+            IoDir::Write => "the write made no progress",
+        };
+        return Err(short_error(req, label, done, why));
+    }
+    let done = done + moved;
+    if done < req.len && o_direct && !done.is_multiple_of(DIRECT_IO_ALIGNMENT) {
+        return Err(short_error(
             req,
             label,
             done,
             "O_DIRECT transfer ended inside a 4096-byte block, probably at end of file",
         ));
     }
-    None
+    Ok(done)
 }

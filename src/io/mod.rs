@@ -16,6 +16,7 @@ mod idle;
 mod open;
 pub mod probe;
 pub mod psync;
+mod queue;
 mod thread;
 pub mod uring;
 

@@ -104,15 +104,17 @@ fn c_path(path: &Path) -> Result<CString> {
     })
 }
 
-fn statfs_magic(dir: &Path) -> Result<u64> {
-    let c = c_path(dir)?;
+/// The `statfs` `f_type` magic of the filesystem holding `path` (a 32-bit value; the C field
+/// is a signed word, so it is masked to 32 bits).
+pub(crate) fn statfs_magic(path: &Path) -> Result<u64> {
+    let c = c_path(path)?;
     // SAFETY: an all-zero statfs is a valid value of this plain C struct.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(Error::io("statfs", dir, std::io::Error::last_os_error()));
+        return Err(Error::io("statfs", path, std::io::Error::last_os_error()));
     }
-    Ok(st.f_type as u64)
+    Ok(st.f_type as u64 & 0xffff_ffff)
 }
 
 /// `(mem_align, offset_align)` from statx, when the kernel reports nonzero DIO alignment.

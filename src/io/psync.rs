@@ -9,10 +9,11 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::files::{FileTable, check_partial, os_error, short_error};
+use crate::io::files::{FileTable, advance, os_error};
+use crate::io::queue::RequestQueue;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::region::PrimaryRegion;
 
@@ -23,10 +24,7 @@ pub const DEFAULT_PSYNC_THREADS: usize = 4;
 pub struct PsyncEngine {
     region: Arc<PrimaryRegion>,
     files: Arc<FileTable>,
-    /// `None` once shut down; submitters hold the read lock while sending.
-    requests: RwLock<Option<Sender<IoRequest>>>,
-    done_tx: Sender<IoCompletion>,
-    done_rx: Receiver<IoCompletion>,
+    queue: RequestQueue,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -41,12 +39,11 @@ impl PsyncEngine {
         o_direct: bool,
     ) -> Result<Self> {
         let files = Arc::new(FileTable::new(files, o_direct));
-        let (req_tx, req_rx) = crossbeam_channel::unbounded::<IoRequest>();
-        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let (queue, req_rx) = RequestQueue::new("psync", "psync workers exited unexpectedly");
         let mut workers = Vec::new();
         for i in 0..threads.max(1) {
             let rx = req_rx.clone();
-            let tx = done_tx.clone();
+            let tx = queue.completion_sender();
             let files = files.clone();
             let region = region.clone();
             let handle = super::spawn_io_thread(format!("kvtier-psync-{i}"), move || {
@@ -64,9 +61,7 @@ impl PsyncEngine {
         Ok(PsyncEngine {
             region,
             files,
-            requests: RwLock::new(Some(req_tx)),
-            done_tx,
-            done_rx,
+            queue,
             workers: Mutex::new(workers),
         })
     }
@@ -128,19 +123,7 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
             }
             return Err(os_error(req, label, done, err));
         }
-        if rc == 0 {
-            let why = match req.dir {
-                IoDir::Read => "end of file",
-                IoDir::Write => "the write made no progress",
-            };
-            return Err(short_error(req, label, done, why));
-        }
-        done += rc as usize;
-        if done < req.len
-            && let Some(e) = check_partial(req, label, done, files.o_direct())
-        {
-            return Err(e);
-        }
+        done = advance(req, label, done, rc as usize, files.o_direct())?;
     }
     Ok(req.len)
 }
@@ -151,30 +134,12 @@ impl IoEngine for PsyncEngine {
     }
 
     fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
-        let guard = self.requests.read();
-        let Some(tx) = guard.as_ref() else {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                "the psync engine is shut down",
-            ));
-        };
-        for req in reqs {
-            if let Err(e) = self.files.validate(req, &self.region) {
-                let _ = self.done_tx.send(IoCompletion {
-                    tag: req.tag,
-                    result: Err(e),
-                });
-                continue;
-            }
-            tx.send(*req).map_err(|_| {
-                Error::new(ErrorKind::Internal, "psync workers exited unexpectedly")
-            })?;
-        }
+        self.queue.submit(reqs, &self.files, &self.region)?;
         Ok(())
     }
 
     fn completions(&self) -> &Receiver<IoCompletion> {
-        &self.done_rx
+        self.queue.completions()
     }
 
     fn region(&self) -> &Arc<PrimaryRegion> {
@@ -186,8 +151,8 @@ impl IoEngine for PsyncEngine {
     }
 
     fn shutdown(&self) {
-        // Dropping the sender lets the workers drain the queue and exit.
-        drop(self.requests.write().take());
+        // Closing the queue lets the workers drain it and exit.
+        self.queue.close();
         let workers = std::mem::take(&mut *self.workers.lock());
         for w in workers {
             if w.join().is_err() {

@@ -133,3 +133,33 @@ pub fn tmpdir() -> tempfile::TempDir {
 pub fn lookup(t: &mut G3Tier, i: u64) -> kvtier::tiering::job::LookupResult {
     t.lookup(&key(i), &req())
 }
+
+/// A filesystem mounted for one test; unmounted on drop.
+pub struct Mount(PathBuf);
+
+impl Mount {
+    /// Mounts a `fstype` filesystem with options `opts` on `dir`, or prints why not and
+    /// returns `None` (the caller skips).
+    pub fn new(fstype: &str, opts: &str, dir: &Path) -> Option<Mount> {
+        let out = std::process::Command::new("mount")
+            .args(["-t", fstype, "-o", opts, fstype])
+            .arg(dir)
+            .output()
+            .ok()?;
+        if out.status.success() {
+            Some(Mount(dir.to_path_buf()))
+        } else {
+            eprintln!(
+                "skipping: cannot mount {fstype} ({})",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            None
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}

@@ -31,7 +31,7 @@ impl Worker {
     }
 
     pub(super) fn finish_load(&mut self, mut a: Active) {
-        let region = self.engine.region().clone();
+        let region = self.engine.region();
         let mut dropped = Vec::new();
         let mut loaded = Vec::new();
         // CRCs first, without the index lock (lookups must not wait on hashing).

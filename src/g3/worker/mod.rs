@@ -49,6 +49,16 @@ const QUIET_IN_FLIGHT_ROWS: u64 = 2;
 /// Most store jobs committed together (one fdatasync per slab, one journal append).
 const MAX_COMMIT_GROUP: usize = 64;
 
+/// The engine tag of the transfer of key `i` of active job `serial`.
+fn op_tag(serial: u32, i: usize) -> u64 {
+    (u64::from(serial) << 32) | i as u64
+}
+
+/// The active job serial and key index an engine tag names (see [`op_tag`]).
+fn split_tag(tag: u64) -> (u32, usize) {
+    ((tag >> 32) as u32, (tag & 0xffff_ffff) as usize)
+}
+
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
     /// Slabs -> primary.
@@ -146,6 +156,8 @@ pub(crate) struct Worker {
     active: HashMap<u32, Active>,
     next_serial: u32,
     ops: VecDeque<IoRequest>,
+    /// The requests `pump` submits in one call (kept to reuse its allocation).
+    batch: Vec<IoRequest>,
     in_flight: u64,
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
@@ -181,6 +193,7 @@ impl Worker {
             active: HashMap::new(),
             next_serial: 0,
             ops: VecDeque::new(),
+            batch: Vec::new(),
             in_flight: 0,
             drain_waiters: Vec::new(),
             shutdown_ack: None,
@@ -390,7 +403,7 @@ impl Worker {
     /// turn comes.
     fn pump(&mut self) {
         let cap = self.cfg.max_bytes_in_flight;
-        let mut batch = Vec::new();
+        let mut batch = std::mem::take(&mut self.batch);
         loop {
             if let Some(op) = self.ops.front() {
                 let len = op.len as u64;
@@ -419,7 +432,7 @@ impl Worker {
             match self.engine.submit(&batch) {
                 Ok(()) => self.checksum_submitted_writes(&batch),
                 Err(e) => {
-                    for op in batch {
+                    for op in &batch {
                         self.complete(IoCompletion {
                             tag: op.tag,
                             result: Err(e.duplicate()),
@@ -428,6 +441,8 @@ impl Worker {
                 }
             }
         }
+        batch.clear();
+        self.batch = batch;
     }
 
     fn start(&mut self, job: TransferJob, load: bool) {
@@ -483,7 +498,7 @@ impl Worker {
                 file_offset,
                 region_offset: a.rows[i] as usize * stride as usize,
                 len: stride as usize,
-                tag: (u64::from(serial) << 32) | i as u64,
+                tag: op_tag(serial, i),
             });
         }
         if a.remaining == 0 {
@@ -498,8 +513,7 @@ impl Worker {
     }
 
     fn complete(&mut self, c: IoCompletion) {
-        let serial = (c.tag >> 32) as u32;
-        let i = (c.tag & 0xffff_ffff) as usize;
+        let (serial, i) = split_tag(c.tag);
         let stride = self.set.row_stride();
         self.in_flight = self.in_flight.saturating_sub(stride);
         self.sh

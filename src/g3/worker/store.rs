@@ -126,10 +126,9 @@ impl Worker {
     /// reported, so this is the CRC of the bytes being written; it reaches the journal and
     /// the index only after the write completed (`flush_commits`).
     pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
-        let region = self.engine.region().clone();
+        let region = self.engine.region();
         for op in batch.iter().filter(|op| op.dir == IoDir::Write) {
-            let serial = (op.tag >> 32) as u32;
-            let i = (op.tag & 0xffff_ffff) as usize;
+            let (serial, i) = super::split_tag(op.tag);
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };

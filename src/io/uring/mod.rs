@@ -20,16 +20,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use io_uring::IoUring;
 
 mod ring;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use ring::RingThread;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::files::FileTable;
+use crate::io::queue::RequestQueue;
 use crate::io::{IoCompletion, IoEngine, IoRequest};
 use crate::region::PrimaryRegion;
 
@@ -49,9 +50,7 @@ const WAKE_TAG: u64 = u64::MAX;
 pub struct UringEngine {
     region: Arc<PrimaryRegion>,
     files: Arc<FileTable>,
-    requests: RwLock<Option<Sender<IoRequest>>>,
-    done_tx: Sender<IoCompletion>,
-    done_rx: Receiver<IoCompletion>,
+    queue: RequestQueue,
     wake: Arc<Wake>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Registered piece size; `None` when the region is not registered.
@@ -206,8 +205,7 @@ impl UringEngine {
             // Logged by the caller, which knows whether it falls back further (to psync).
             Err(reason) => (None, Some(reason)),
         };
-        let (req_tx, req_rx) = crossbeam_channel::unbounded();
-        let (done_tx, done_rx) = crossbeam_channel::unbounded();
+        let (queue, req_rx) = RequestQueue::new("uring", "the ring thread exited unexpectedly");
         let mut worker = RingThread {
             ring,
             files: files.clone(),
@@ -215,7 +213,7 @@ impl UringEngine {
             piece,
             fixed_files,
             rx: req_rx,
-            done: done_tx.clone(),
+            done: queue.completion_sender(),
             wake: wake.clone(),
             depth: depth as usize,
             ops: Vec::new(),
@@ -223,6 +221,7 @@ impl UringEngine {
             in_flight: 0,
             ready: VecDeque::new(),
             poll_armed: false,
+            reaped: Vec::new(),
         };
         let spawned = crate::io::spawn_io_thread("kvtier-uring".to_string(), move || worker.run());
         let thread = match spawned {
@@ -240,9 +239,7 @@ impl UringEngine {
         Ok(UringEngine {
             region,
             files,
-            requests: RwLock::new(Some(req_tx)),
-            done_tx,
-            done_rx,
+            queue,
             wake,
             thread: Mutex::new(Some(thread)),
             piece,
@@ -272,27 +269,7 @@ impl IoEngine for UringEngine {
     }
 
     fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
-        let guard = self.requests.read();
-        let Some(tx) = guard.as_ref() else {
-            return Err(Error::new(
-                ErrorKind::Closed,
-                "the uring engine is shut down",
-            ));
-        };
-        let mut sent = false;
-        for req in reqs {
-            if let Err(e) = self.files.validate(req, &self.region) {
-                let _ = self.done_tx.send(IoCompletion {
-                    tag: req.tag,
-                    result: Err(e),
-                });
-                continue;
-            }
-            tx.send(*req).map_err(|_| {
-                Error::new(ErrorKind::Internal, "the ring thread exited unexpectedly")
-            })?;
-            sent = true;
-        }
+        let sent = self.queue.submit(reqs, &self.files, &self.region)?;
         // Pairs with the fence in `RingThread::wait`: either the ring thread sees the new
         // requests before it blocks, or we see it waiting and wake it.
         fence(Ordering::SeqCst);
@@ -303,7 +280,7 @@ impl IoEngine for UringEngine {
     }
 
     fn completions(&self) -> &Receiver<IoCompletion> {
-        &self.done_rx
+        self.queue.completions()
     }
 
     fn region(&self) -> &Arc<PrimaryRegion> {
@@ -315,7 +292,7 @@ impl IoEngine for UringEngine {
     }
 
     fn shutdown(&self) {
-        drop(self.requests.write().take());
+        self.queue.close();
         // The ring thread may be blocked waiting for I/O; it exits once everything completed.
         self.wake.ring();
         if let Some(t) = self.thread.lock().take()

@@ -11,7 +11,7 @@ use io_uring::{IoUring, opcode, types};
 
 use super::{MAX_SQE_LEN, WAKE_TAG, Wake};
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::files::{FileTable, check_partial, os_error, short_error};
+use crate::io::files::{FileTable, advance, os_error};
 use crate::io::{IoCompletion, IoDir, IoRequest};
 use crate::region::PrimaryRegion;
 
@@ -42,6 +42,8 @@ pub(super) struct RingThread {
     /// Ops waiting for room in the ring (new, or a remainder to resubmit).
     pub(super) ready: VecDeque<usize>,
     pub(super) poll_armed: bool,
+    /// `(user_data, result)` of the CQEs being reaped (kept to reuse its allocation).
+    pub(super) reaped: Vec<(u64, i32)>,
 }
 
 macro_rules! rw_entry {
@@ -233,12 +235,9 @@ impl RingThread {
     }
 
     fn reap(&mut self) {
-        let cqes: Vec<(u64, i32)> = self
-            .ring
-            .completion()
-            .map(|c| (c.user_data(), c.result()))
-            .collect();
-        for (ud, res) in cqes {
+        let mut cqes = std::mem::take(&mut self.reaped);
+        cqes.extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        for &(ud, res) in &cqes {
             if ud == WAKE_TAG {
                 self.poll_armed = false;
                 self.wake.drain();
@@ -248,6 +247,8 @@ impl RingThread {
             self.in_flight -= 1;
             self.on_cqe(slot, res);
         }
+        cqes.clear();
+        self.reaped = cqes;
     }
 
     fn on_cqe(&mut self, slot: usize, res: i32) {
@@ -256,7 +257,7 @@ impl RingThread {
             return;
         };
         let req = op.req;
-        let label = self.files.label(req.file).to_string();
+        let label = self.files.label(req.file);
         if res < 0 {
             let errno = -res;
             if errno == libc::EINTR || errno == libc::EAGAIN {
@@ -265,31 +266,21 @@ impl RingThread {
             }
             let err = os_error(
                 &req,
-                &label,
+                label,
                 op.done,
                 std::io::Error::from_raw_os_error(errno),
             );
             self.complete(slot, Err(err));
             return;
         }
-        if res == 0 {
-            let why = match req.dir {
-                IoDir::Read => "end of file",
-                IoDir::Write => "the write made no progress",
-            };
-            let err = short_error(&req, &label, op.done, why);
-            self.complete(slot, Err(err));
-            return;
-        }
-        op.done += res as usize;
-        let done = op.done;
-        if done >= req.len {
-            self.complete(slot, Ok(req.len));
-        } else if let Some(err) = check_partial(&req, &label, done, self.files.o_direct()) {
-            self.complete(slot, Err(err));
-        } else {
-            // Resubmit the remainder ahead of newer work.
-            self.ready.push_front(slot);
+        match advance(&req, label, op.done, res as usize, self.files.o_direct()) {
+            Ok(done) if done < req.len => {
+                op.done = done;
+                // Resubmit the remainder ahead of newer work.
+                self.ready.push_front(slot);
+            }
+            Ok(_) => self.complete(slot, Ok(req.len)),
+            Err(err) => self.complete(slot, Err(err)),
         }
     }
 
