@@ -21,12 +21,12 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvtier::contract::job::TransferJob;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::journal::{JournalWriter, write_checkpoint};
 use kvtier::g3::{FsyncPolicy, G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::TransferJob;
-use kvtier::tiering::secondary::SecondaryTier;
 
 const KEYS_PER_JOB: usize = 8;
 

@@ -29,9 +29,9 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvtier::ChunkKey;
 use kvtier::config::model::EvictionPolicyKind;
+use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{LookupResult, RequestContext};
 
 const RESIDENT: usize = 1 << 20;
 const QUERIES: usize = 1 << 16;

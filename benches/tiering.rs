@@ -23,14 +23,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvtier::config::EvictionPolicyKind;
+use kvtier::contract::job::{LookupResult, RequestContext, TransferJob};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{FsyncPolicy, G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::io::IdlePolicy;
 use kvtier::key::ChunkKey;
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{LookupResult, RequestContext, TransferJob};
 use kvtier::tiering::memory_tier::{MemoryTier, MemoryTierOptions, XorShift64};
-use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TierSpec, TieringManager};
 
 fn env(name: &str, default: usize) -> usize {

@@ -5,6 +5,7 @@
 //! * [`io`]: I/O engines (io_uring, psync, fault injection) and path probes.
 //! * [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
 //! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
+//! * [`contract`]: the tier contract: job vocabulary and the `SecondaryTier` trait.
 //! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! * [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
 //! * [`config`]: configuration model, merge and validation.
@@ -14,6 +15,7 @@
 pub mod canonical;
 pub mod cli;
 pub mod config;
+pub mod contract;
 pub mod error;
 pub mod g3;
 pub mod geometry;

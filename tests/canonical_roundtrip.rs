@@ -14,8 +14,8 @@ use kvtier::canonical::gather::direct_row_range;
 use kvtier::canonical::{
     KvLayout, KvSplit, LayoutDescriptor, ParallelConfig, PreparedCanonical, prepare_canonical,
 };
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::secondary::SecondaryTier;
 
 const TPS: [u32; 4] = [1, 2, 4, 8];
 const SENTINEL: u8 = 0xEE;

@@ -9,7 +9,7 @@ use kvtier::config::{
     self, ChunkSizing, EvictionPolicyKind, Format, KvtierConfig, TierConfig,
     backpressure::LOCAL_PRESET,
 };
-use kvtier::tiering::job::Locality;
+use kvtier::contract::job::Locality;
 use serde_json::json;
 
 // ---- defaults and simple keys -------------------------------------------------------------

@@ -5,12 +5,12 @@ mod g3_common;
 use std::os::unix::fs::FileExt;
 
 use g3_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::ErrorKind;
 use kvtier::g3::admin::{self, FormatOptions};
 use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{DirectIoMode, geometry_namespace};
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 
 fn fmt_opts(slots: u64) -> FormatOptions {
     FormatOptions {

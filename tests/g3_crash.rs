@@ -11,8 +11,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use g3_common::*;
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 
 const CHILD_ENV: &str = "KVTIER_G3_STORM_DIR";
 const SLOTS: u64 = 256;

@@ -9,14 +9,14 @@ use std::path::Path;
 use std::time::Duration;
 
 use g3_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::ErrorKind;
 use kvtier::g3::journal::JOURNAL_FILE_NAME;
 use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::io::{FaultPlan, FaultyEngine, open_engine};
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 use std::sync::Arc;
 
 fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
@@ -45,7 +45,7 @@ fn store_four(t: &mut G3Tier, r: &PrimaryRegion) {
     t.take_events();
 }
 
-fn keys_of(res: &kvtier::tiering::job::JobResult) -> Vec<kvtier::key::ChunkKey> {
+fn keys_of(res: &kvtier::contract::job::JobResult) -> Vec<kvtier::key::ChunkKey> {
     let mut k = res.successful_keys.clone().unwrap_or_default();
     k.sort();
     k

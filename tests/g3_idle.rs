@@ -7,11 +7,11 @@ mod g3_common;
 use std::time::Duration;
 
 use g3_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::G3Tier;
 use kvtier::io::IdlePolicy;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 
 fn lingering(poll_ms: u64, linger_ms: u64) -> IdlePolicy {
     IdlePolicy {

@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use g3_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::{Error, ErrorKind};
 use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{DirectIoMode, G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 
 fn open_err(cfg: G3TierConfig, r: &Arc<PrimaryRegion>) -> Error {
     open_ns_err(cfg, r, geometry_namespace(r.row_stride()))

@@ -8,11 +8,11 @@ use std::os::unix::fs::FileExt;
 use std::time::Duration;
 
 use g3_common::*;
+use kvtier::contract::job::{LookupResult, Medium};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::ErrorKind;
 use kvtier::g3::G3Tier;
 use kvtier::io::{FaultPlan, FaultyEngine, open_engine};
-use kvtier::tiering::job::{LookupResult, Medium};
-use kvtier::tiering::secondary::SecondaryTier;
 
 #[test]
 fn store_then_load_round_trips_bytes() {

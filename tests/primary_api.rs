@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use kvtier::config::model::EvictionPolicyKind;
+use kvtier::contract::job::{LookupResult, Medium, RequestContext};
 use kvtier::primary::{PrimaryTier, PrimaryUsage};
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{LookupResult, Medium, RequestContext};
 use kvtier::{ChunkKey, ErrorKind};
 
 fn key(i: u32) -> ChunkKey {

@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use kvtier::ChunkKey;
 use kvtier::config::model::EvictionPolicyKind;
+use kvtier::contract::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 use kvtier::primary::{PrimaryTier, PrimaryUsage};
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 use proptest::prelude::*;
 use proptest::sample::Index;
 

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use kvtier::ChunkKey;
 use kvtier::config::model::EvictionPolicyKind;
+use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{LookupResult, RequestContext};
 
 fn key(i: u32) -> ChunkKey {
     let mut b = [0xc3u8; 36];

@@ -7,6 +7,7 @@ mod tiering_common;
 use std::time::Duration;
 
 use kvtier::config::from_json_str;
+use kvtier::contract::job::LookupResult;
 use kvtier::tiering::ManagerOptions;
 use kvtier::tiering::ScheduleEndContext;
 use kvtier::tiering::TieringManager;
@@ -16,7 +17,6 @@ use kvtier::tiering::backpressure::{
 };
 use kvtier::tiering::clock::ManualClock;
 use kvtier::tiering::factory::TierFactory;
-use kvtier::tiering::job::LookupResult;
 use kvtier::tiering::memory_tier::FaultPlan;
 use tiering_common::*;
 

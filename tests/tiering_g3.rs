@@ -10,14 +10,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier::config::EvictionPolicyKind;
+use kvtier::contract::job::Locality;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{FsyncPolicy, G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::io::IoEngineKind;
 use kvtier::io::faulty::{FaultPlan as IoFaultPlan, FaultyEngine};
 use kvtier::io::open_engine;
 use kvtier::primary::PrimaryTier;
 use kvtier::tiering::clock::ManualClock;
-use kvtier::tiering::job::Locality;
-use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, TierSpec, TieringManager};
 use tiering_common::*;
 use tiering_sim_driver::Sim;

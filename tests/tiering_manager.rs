@@ -7,13 +7,13 @@ mod tiering_common;
 use std::sync::Arc;
 
 use kvtier::config::{ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
+use kvtier::contract::job::{LookupResult, Medium, OffloadPolicy, TierFilter, TierMatcher};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::{Error, ErrorKind};
 use kvtier::key::ChunkKey;
 use kvtier::tiering::clock::ManualClock;
 use kvtier::tiering::factory::TierFactory;
-use kvtier::tiering::job::{LookupResult, Medium, OffloadPolicy, TierFilter, TierMatcher};
 use kvtier::tiering::memory_tier::{FaultPlan, Misreport};
-use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TieringManager};
 use tiering_common::*;
 
@@ -25,7 +25,7 @@ fn end_step(m: &mut TieringManager) {
 fn load_and_verify(
     m: &mut TieringManager,
     keys: &[ChunkKey],
-    r: &kvtier::tiering::job::RequestContext,
+    r: &kvtier::contract::job::RequestContext,
 ) {
     let rows = m.prepare_load(keys, r).expect("pinned");
     for (k, c) in keys.iter().zip(rows) {
@@ -436,15 +436,15 @@ impl SecondaryTier for FailingShutdown {
     fn medium(&self) -> Option<Medium> {
         None
     }
-    fn locality(&self) -> Option<kvtier::tiering::job::Locality> {
+    fn locality(&self) -> Option<kvtier::contract::job::Locality> {
         None
     }
-    fn lookup(&mut self, _: &ChunkKey, _: &kvtier::tiering::job::RequestContext) -> LookupResult {
+    fn lookup(&mut self, _: &ChunkKey, _: &kvtier::contract::job::RequestContext) -> LookupResult {
         LookupResult::Miss
     }
-    fn submit_store(&mut self, _: kvtier::tiering::job::TransferJob) {}
-    fn submit_load(&mut self, _: kvtier::tiering::job::TransferJob) {}
-    fn get_finished_jobs(&mut self) -> Vec<kvtier::tiering::job::JobResult> {
+    fn submit_store(&mut self, _: kvtier::contract::job::TransferJob) {}
+    fn submit_load(&mut self, _: kvtier::contract::job::TransferJob) {}
+    fn get_finished_jobs(&mut self) -> Vec<kvtier::contract::job::JobResult> {
         Vec::new()
     }
     fn has_pending_work(&self) -> bool {

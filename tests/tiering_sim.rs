@@ -5,8 +5,8 @@
 mod tiering_common;
 mod tiering_sim_driver;
 
+use kvtier::contract::job::OffloadPolicy;
 use kvtier::tiering::clock::ManualClock;
-use kvtier::tiering::job::OffloadPolicy;
 use kvtier::tiering::memory_tier::FaultPlan;
 use tiering_common::*;
 use tiering_sim_driver::Sim;

@@ -13,9 +13,9 @@ use crate::cli::bench_data::{fill_row, first_mismatch, process_cpu_seconds};
 use crate::cli::bench_report::PhaseReport;
 use crate::cli::output::progress_bar;
 use crate::cli::stats::percentile_sorted;
+use crate::contract::job::{LookupResult, RequestContext};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
-use crate::tiering::job::{LookupResult, RequestContext};
 use crate::tiering::manager::{ScheduleEndContext, TieringManager};
 
 /// How often the driver polls the manager while it waits for jobs.

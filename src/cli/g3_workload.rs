@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use crate::cli::fio::Profile;
 use crate::cli::fio_files::buffer_region;
 use crate::cli::kvtier_workload::{PassStats, shuffle};
+use crate::contract::job::TransferJob;
+use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{FsyncPolicy, G3Tier, G3TierConfig};
 use crate::io::IoEngineKind;
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
-use crate::tiering::job::TransferJob;
-use crate::tiering::secondary::SecondaryTier;
 
 /// How long the driver sleeps when no job has finished (it polls like a scheduler loop).
 const POLL_INTERVAL: Duration = Duration::from_micros(100);

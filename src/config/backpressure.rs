@@ -19,8 +19,8 @@ use serde_json::{Map, Value};
 
 use super::fields::{self, join};
 use super::model::BackpressureConfig;
+use crate::contract::job::Locality;
 use crate::error::{Error, Result};
-use crate::tiering::job::Locality;
 
 /// The detector class kvtier implements (and the default when `backpressure_cls` is missing).
 pub const DETECTOR_CLS: &str = "EMABackpressureDetector";

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::tiering::job::Locality;
+use crate::contract::job::Locality;
 
 /// How big a chunk is, in GPU blocks or in tokens (mutually exclusive in the config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -6,8 +6,8 @@ use super::backpressure::{self, Overlay};
 use super::fields::{self, index, join};
 use super::model::{ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
 use super::size::parse_size;
+use crate::contract::job::Locality;
 use crate::error::{Error, Result};
-use crate::tiering::job::Locality;
 
 /// Keys of `kv_connector_extra_config` that kvtier reads.
 pub const KVTIER_KEYS: [&str; 9] = [

@@ -1,12 +1,12 @@
 //! The G3 tier's own metrics: atomics updated by the worker, sampled by
-//! [`crate::tiering::secondary::SecondaryTier::metrics`]. Labels come from small fixed sets
+//! [`crate::contract::secondary::SecondaryTier::metrics`]. Labels come from small fixed sets
 //! (path position, engine name, mode), never from keys or paths.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::tiering::secondary::{TierMetric, TierMetricKind};
+use crate::contract::secondary::{TierMetric, TierMetricKind};
 
 /// Per-path facts fixed at open, plus its health.
 #[derive(Debug)]

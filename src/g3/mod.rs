@@ -5,7 +5,7 @@
 //! * [`dirs`]: checking that the tier's directories take files, syncing them.
 //! * [`slab`]: creating, locking, preallocating and opening slab files.
 //! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
-//! * [`tier`]: [`G3Tier`], the [`crate::tiering::secondary::SecondaryTier`] implementation,
+//! * [`tier`]: [`G3Tier`], the [`crate::contract::secondary::SecondaryTier`] implementation,
 //!   driven by the worker thread in `worker`.
 //! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
 

@@ -12,6 +12,10 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
+use crate::contract::job::{
+    JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
+};
+use crate::contract::secondary::{SecondaryTier, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::{G3TierConfig, MAX_QUEUED_JOBS_LIMIT};
 use crate::g3::format::slots_per_file;
@@ -21,10 +25,6 @@ use crate::g3::worker::{Cmd, Shared, Worker, WorkerInit};
 use crate::io::{EngineHandle, EngineOptions, IoEngineKind, open_engine};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
-use crate::tiering::job::{
-    JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
-};
-use crate::tiering::secondary::{SecondaryTier, TierMetric};
 
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands.
 const CONTROL_SLACK: usize = 16;

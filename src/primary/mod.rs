@@ -28,10 +28,10 @@ mod table;
 use std::sync::Arc;
 
 use crate::config::model::EvictionPolicyKind;
+use crate::contract::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
-use crate::tiering::job::{LookupResult, Medium, OffloadingEvent, RequestContext};
 
 use index::KeyHasher;
 use policy::{EvictionPolicy, PolicyStats, build_policy};

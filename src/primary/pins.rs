@@ -5,9 +5,9 @@
 //! [`ErrorKind::Contract`](crate::error::ErrorKind::Contract) naming the first bad key
 //! without changing anything.
 
+use crate::contract::job::RequestContext;
 use crate::error::Result;
 use crate::key::ChunkKey;
-use crate::tiering::job::RequestContext;
 
 use super::requests::Access;
 use super::table::{Found, IN_FLIGHT};

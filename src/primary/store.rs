@@ -3,8 +3,8 @@
 
 use std::collections::HashSet;
 
+use crate::contract::job::RequestContext;
 use crate::key::ChunkKey;
-use crate::tiering::job::RequestContext;
 
 use super::PrimaryTier;
 use super::policy::Admission;

@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::BackpressureConfig;
+use crate::contract::job::Locality;
 use crate::error::{Error, Result};
 use crate::tiering::clock::Clock;
-use crate::tiering::job::Locality;
 
 /// One MiB: the EMA is in seconds per MiB.
 pub const MIB: f64 = (1u64 << 20) as f64;

@@ -10,12 +10,12 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::TierConfig;
+use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, Result};
 use crate::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
 use crate::tiering::memory_tier::{ExecMode, MemoryTier, MemoryTierOptions};
-use crate::tiering::secondary::SecondaryTier;
 
 /// What a constructor gets besides its own config entry.
 #[derive(Debug, Clone)]

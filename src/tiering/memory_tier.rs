@@ -12,16 +12,16 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
+use crate::contract::job::{
+    JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
+    TransferJob,
+};
+use crate::contract::secondary::{SecondaryTier, TierMetric, TierMetricKind};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IdlePolicy;
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
-use crate::tiering::job::{
-    JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
-    TransferJob,
-};
-use crate::tiering::secondary::{SecondaryTier, TierMetric, TierMetricKind};
 
 pub use crate::tiering::rng::XorShift64;
 

@@ -1,5 +1,6 @@
-//! The tiering layer: job vocabulary, the secondary-tier contract, and the manager that ties
-//! the primary and secondary tiers together with vLLM 0.33.0's semantics.
+//! The tiering layer: the manager that ties the primary and secondary tiers together with
+//! vLLM 0.33.0's semantics. The vocabulary it speaks with the tiers (jobs, lookups, events, the
+//! `SecondaryTier` trait) is [`crate::contract`].
 //!
 //! * [`manager`]: [`TieringManager`] (lookup, promotion, cascade, lifecycle, reset, shutdown).
 //! * [`backpressure`]: the EMA store-latency detector and its drop policies.
@@ -11,11 +12,9 @@
 pub mod backpressure;
 pub mod clock;
 pub mod factory;
-pub mod job;
 pub mod manager;
 pub mod memory_tier;
 pub mod rng;
-pub mod secondary;
 pub mod telemetry;
 
 pub use manager::{LoadSource, ManagerOptions, ScheduleEndContext, TierSpec, TieringManager};

@@ -4,9 +4,9 @@
 
 use std::collections::HashMap;
 
+use crate::contract::secondary::{TierMetric, TierMetricKind};
 use crate::error::Result;
 use crate::metrics::{FamilyId, MetricKind, Registry, SeriesId};
-use crate::tiering::secondary::{TierMetric, TierMetricKind};
 
 /// Family names without the namespace prefix.
 pub mod names {

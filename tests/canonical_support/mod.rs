@@ -209,8 +209,8 @@ pub fn g3_key(id: u64) -> kvtier::key::ChunkKey {
 
 /// Stores (`load == false`) or loads one key to / from `row` and waits for the result.
 pub fn g3_transfer(t: &mut kvtier::g3::G3Tier, key: u64, row: u32, load: bool) {
-    use kvtier::tiering::secondary::SecondaryTier;
-    let job = kvtier::tiering::job::TransferJob {
+    use kvtier::contract::secondary::SecondaryTier;
+    let job = kvtier::contract::job::TransferJob {
         job_id: key,
         keys: vec![g3_key(key)],
         chunk_ids: vec![row],

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvtier::contract::job::{JobResult, RequestContext, TransferJob};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::job::{JobResult, RequestContext, TransferJob};
-use kvtier::tiering::secondary::SecondaryTier;
 
 pub const STRIDE: usize = 8192;
 
@@ -130,7 +130,7 @@ pub fn tmpdir() -> tempfile::TempDir {
     tempfile::tempdir_in("/tmp").unwrap()
 }
 
-pub fn lookup(t: &mut G3Tier, i: u64) -> kvtier::tiering::job::LookupResult {
+pub fn lookup(t: &mut G3Tier, i: u64) -> kvtier::contract::job::LookupResult {
     t.lookup(&key(i), &req())
 }
 

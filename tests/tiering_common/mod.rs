@@ -9,19 +9,19 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use kvtier::config::EvictionPolicyKind;
+use kvtier::contract::job::{
+    JobId, JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent,
+    RequestContext, TransferJob,
+};
+use kvtier::contract::secondary::{SecondaryTier, TierMetric};
 use kvtier::key::ChunkKey;
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
 use kvtier::tiering::backpressure::DetectorParams;
 use kvtier::tiering::clock::{Clock, ManualClock};
-use kvtier::tiering::job::{
-    JobId, JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent,
-    RequestContext, TransferJob,
-};
 use kvtier::tiering::memory_tier::{
     ExecMode, FaultPlan, MemoryTier, MemoryTierOptions, XorShift64,
 };
-use kvtier::tiering::secondary::{SecondaryTier, TierMetric};
 use kvtier::tiering::{ManagerOptions, TierSpec, TieringManager};
 
 /// Bytes per row in the tests.

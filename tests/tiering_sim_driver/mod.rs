@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::key::ChunkKey;
 use kvtier::tiering::clock::ManualClock;
-use kvtier::tiering::job::{LookupResult, RequestContext};
 use kvtier::tiering::memory_tier::XorShift64;
 use kvtier::tiering::{ScheduleEndContext, TieringManager};
 

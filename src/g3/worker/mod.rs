@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, after, never};
 use parking_lot::Mutex;
 
+use crate::contract::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
 use crate::g3::format::slot_location;
@@ -36,7 +37,6 @@ use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::key::ChunkKey;
-use crate::tiering::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
 
 mod durability;
 mod load;

@@ -5,11 +5,11 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{ActiveJob, TieringManager};
+use crate::contract::job::{LookupResult, OffloadPolicy, RequestContext, TransferJob};
 use crate::error::Result;
 use crate::key::ChunkKey;
 use crate::primary::PrepareStoreOutput;
 use crate::tiering::backpressure::StoreDecision;
-use crate::tiering::job::{LookupResult, OffloadPolicy, RequestContext, TransferJob};
 
 impl TieringManager {
     /// Reserves primary rows for a GPU -> primary store (after processing finished jobs).

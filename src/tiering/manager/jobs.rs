@@ -5,9 +5,9 @@
 use std::collections::HashSet;
 
 use super::{ActiveJob, TieringManager};
+use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind};
 use crate::key::ChunkKey;
-use crate::tiering::job::JobResult;
 
 impl TieringManager {
     /// Collects and processes every finished job of every tier.

@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use super::{ActiveJob, PendingPromotion, TieringManager};
+use crate::contract::job::{LookupResult, RequestContext, TransferJob};
 use crate::error::{Error, ErrorKind};
 use crate::key::ChunkKey;
-use crate::tiering::job::{LookupResult, RequestContext, TransferJob};
 
 impl TieringManager {
     /// Looks a chunk up: primary `Hit`/`HitPending` wins; while promotions are held after a

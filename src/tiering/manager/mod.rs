@@ -19,6 +19,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::KvtierConfig;
+use crate::contract::job::{JobId, Medium, OffloadPolicy, OffloadingEvent, RequestContext};
+use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::hash::{FastMap, FastSet};
 use crate::key::ChunkKey;
@@ -28,8 +30,6 @@ use crate::region::PrimaryRegion;
 use crate::tiering::backpressure::{DetectorParams, EmaDetector};
 use crate::tiering::clock::{Clock, SystemClock};
 use crate::tiering::factory::{TierBuildContext, TierFactory};
-use crate::tiering::job::{JobId, Medium, OffloadPolicy, OffloadingEvent, RequestContext};
-use crate::tiering::secondary::SecondaryTier;
 use crate::tiering::telemetry::TieringMetrics;
 
 /// What the scheduler tells the manager at the end of a step (vLLM `ScheduleEndContext`).

@@ -3,12 +3,12 @@
 //! [`SecondaryTier::drain_jobs`] and [`SecondaryTier::shutdown`] must return in microseconds:
 //! validate, enqueue to the tier's own I/O threads, return.
 
-use crate::error::Result;
-use crate::key::ChunkKey;
-use crate::tiering::job::{
+use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
     TransferJob,
 };
+use crate::error::Result;
+use crate::key::ChunkKey;
 
 /// Whether a tier metric is a counter or a gauge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

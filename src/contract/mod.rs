@@ -1,0 +1,13 @@
+//! The tier contract: the vocabulary the manager and every tier speak, after vLLM 0.33.0's
+//! `kv_offload/base.py` and `tiering/base.py` (contract doc section 3).
+//!
+//! It sits below everything that uses it (`config`, `primary`, `g3`, `tiering`), so a tier is
+//! written against this module alone and never imports the manager.
+//!
+//! * [`job`]: transfer jobs and their results, lookup answers, media, localities, request
+//!   contexts and offloading events.
+//! * [`secondary`]: the [`SecondaryTier`](secondary::SecondaryTier) trait every secondary tier
+//!   implements, and the tier-owned metric samples it reports.
+
+pub mod job;
+pub mod secondary;
