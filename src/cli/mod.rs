@@ -146,6 +146,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Version => {
             println!("kvtier {}", env!("CARGO_PKG_VERSION"));
+            println!("{}", crate::g3::gds::version_lines());
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run(args),

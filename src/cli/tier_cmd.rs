@@ -181,6 +181,8 @@ pub struct InspectOutput<'a> {
     pub checkpoint_bytes: u64,
     /// Slots holding a chunk.
     pub used_slots: u64,
+    /// What GPUDirect Storage would do for these slabs on this machine.
+    pub gds: crate::g3::gds::GdsStatus,
 }
 
 impl<'a> InspectOutput<'a> {
@@ -193,6 +195,7 @@ impl<'a> InspectOutput<'a> {
             report,
             checkpoint_bytes,
             used_slots: report.total_slots.saturating_sub(report.free_slots as u64),
+            gds: crate::g3::gds::probe_status(paths),
         }
     }
 }
@@ -235,6 +238,7 @@ fn render_inspect(o: &InspectOutput<'_>) -> String {
         "slots:      {} total, {} used ({} entries), {} free\n",
         r.total_slots, o.used_slots, r.entries, r.free_slots
     ));
+    s.push_str(&format!("gds:        {}\n", o.gds));
     s.push_str(&format!(
         "index:      checkpoint #{} ({}), journal {}, {} records read in {:.3} s\n\n",
         r.checkpoint_seq,

@@ -40,6 +40,31 @@ impl DirectIoMode {
     }
 }
 
+/// Whether chunks may move between GPU memory and the slots by GPUDirect Storage (`gds`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GdsMode {
+    /// Never: GPU chunks go through the primary row (the CPU path). The default.
+    #[default]
+    Off,
+    /// When GDS can start here; otherwise the CPU path, with the reason logged once and
+    /// exported (`g3_gds_info`).
+    Auto,
+    /// GDS or a start-up error naming what is missing.
+    Required,
+}
+
+impl GdsMode {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GdsMode::Off => "off",
+            GdsMode::Auto => "auto",
+            GdsMode::Required => "required",
+        }
+    }
+}
+
 /// When metadata and data are forced to stable storage (`fsync`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -86,6 +111,8 @@ pub struct G3TierConfig {
     pub max_queued_jobs: usize,
     /// How the worker waits once it has no work (`idle_poll_us`, `idle_linger_ms`).
     pub idle: IdlePolicy,
+    /// GPUDirect Storage (`gds`).
+    pub gds: GdsMode,
 }
 
 impl G3TierConfig {
@@ -102,6 +129,7 @@ impl G3TierConfig {
             checkpoint_interval: Some(Duration::from_secs(60)),
             max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
             idle: IdlePolicy::default(),
+            gds: GdsMode::Off,
         }
     }
 
@@ -216,6 +244,14 @@ impl G3TierConfig {
                     )
                 })?;
         }
+        if let Some(v) = tc.params.get("gds") {
+            cfg.gds = match str_value(v, &kp("gds"))? {
+                "off" => GdsMode::Off,
+                "auto" => GdsMode::Auto,
+                "required" => GdsMode::Required,
+                other => return Err(bad_choice(&kp("gds"), other, &["off", "auto", "required"])),
+            };
+        }
         if let Some(v) = tc.params.get("idle_poll_us") {
             cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &kp("idle_poll_us"))?);
         }
@@ -250,6 +286,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "max_queued_jobs",
     "idle_poll_us",
     "idle_linger_ms",
+    "gds",
     "module_path",
 ];
 
@@ -338,10 +375,13 @@ mod tests {
         assert_eq!(c.checkpoint_interval, None);
         assert_eq!(c.max_queued_jobs, 7);
         assert_eq!(c.idle, IdlePolicy::default());
+        assert_eq!(c.gds, GdsMode::Off);
         let off = G3TierConfig::from_tier(&tier(json!({
-            "paths": "/x", "capacity_bytes": 8192, "idle_poll_us": 20, "idle_linger_ms": 0
+            "paths": "/x", "capacity_bytes": 8192, "idle_poll_us": 20, "idle_linger_ms": 0,
+            "gds": "required"
         })))
         .unwrap();
+        assert_eq!(off.gds, GdsMode::Required);
         assert_eq!(off.idle.poll_interval, Duration::from_micros(20));
         assert!(!off.idle.lingers());
         let d =
@@ -408,6 +448,14 @@ mod tests {
             (
                 json!({"paths": ["/a"], "capacity_bytes": 1, "idle_linger_ms": 1_000_001}),
                 "secondary_tiers[2].idle_linger_ms",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "gds": "on"}),
+                "secondary_tiers[2].gds",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "gds": true}),
+                "secondary_tiers[2].gds",
             ),
         ];
         for (params, key) in cases {

@@ -76,6 +76,8 @@ pub struct G3Metrics {
     pub engine: Mutex<String>,
     /// Why the engine fell back (e.g. io_uring unavailable), if it did.
     pub engine_fallback: Mutex<Option<String>>,
+    /// The GPUDirect Storage state and its reason (`gds` key).
+    pub gds: Mutex<crate::g3::gds::GdsStatus>,
 }
 
 fn get(a: &AtomicU64) -> f64 {
@@ -261,6 +263,16 @@ impl G3Metrics {
             u8::from(self.engine_fallback.lock().is_some()).to_string(),
         ));
         out.push(engine);
+        let gds = self.gds.lock().clone();
+        let mut info = m(
+            "g3_gds_info",
+            "GPUDirect Storage: mode off, cpu_fallback, ready, p2p or compat, and why (value 1)",
+            Gauge,
+            1.0,
+        );
+        info.labels.push(("mode", gds.state.as_str().to_string()));
+        info.labels.push(("reason", gds.reason));
+        out.push(info);
         for (i, p) in paths.iter().enumerate() {
             let mut d = m(
                 "g3_direct_io",

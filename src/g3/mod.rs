@@ -7,6 +7,7 @@
 //! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
 //! * [`tier`]: [`G3Tier`], the [`crate::contract::secondary::SecondaryTier`] implementation,
 //!   driven by the worker thread in `worker`.
+//! * [`gds`]: whether GPUDirect Storage can run for the tier (`gds` key), and why not.
 //! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
 
 pub mod admin;
@@ -14,6 +15,7 @@ pub mod aligned;
 pub mod config;
 pub mod dirs;
 pub mod format;
+pub mod gds;
 pub mod index;
 pub mod journal;
 pub mod keymap;
@@ -25,6 +27,6 @@ pub mod slot_key;
 pub mod tier;
 mod worker;
 
-pub use config::{DirectIoMode, FsyncPolicy, G3TierConfig};
+pub use config::{DirectIoMode, FsyncPolicy, G3TierConfig, GdsMode};
 pub use format::geometry_namespace;
 pub use tier::{EngineFactory, G3Info, G3Tier};

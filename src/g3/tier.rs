@@ -51,6 +51,8 @@ pub struct G3Info {
     pub created: bool,
     /// The I/O engine's name.
     pub engine: String,
+    /// GPUDirect Storage at open (`gds` key).
+    pub gds: crate::g3::gds::GdsStatus,
 }
 
 /// Builds the I/O engine for the slab files (tests wrap the real engine in a fault injector).
@@ -120,6 +122,7 @@ impl G3Tier {
                 ),
             ));
         }
+        let gds = crate::g3::gds::status_at_open(cfg.gds, &cfg.paths)?;
         let row_stride = region.row_stride() as u64;
         let n = cfg.paths.len().max(1);
         let total = slots_per_file(cfg.capacity_bytes, n, row_stride) * n as u64;
@@ -158,10 +161,12 @@ impl G3Tier {
             set_uuid: hex::encode(set.set_uuid()),
             created: set.created,
             engine: handle.info.name.clone(),
+            gds: gds.clone(),
         };
         let metrics = G3Metrics::default();
         *metrics.engine.lock() = handle.info.name.clone();
         *metrics.engine_fallback.lock() = handle.info.fallback_reason.clone();
+        *metrics.gds.lock() = gds;
         let shared = Arc::new(Shared {
             index: Mutex::new(None),
             metrics,
@@ -227,6 +232,11 @@ impl G3Tier {
     /// Facts about the open tier.
     pub fn info(&self) -> &G3Info {
         &self.info
+    }
+
+    /// The GPUDirect Storage state now (a GPU data path that starts cuFile updates it).
+    pub fn gds_status(&self) -> crate::g3::gds::GdsStatus {
+        self.shared.metrics.gds.lock().clone()
     }
 
     /// True once the index has been recovered (lookups then answer HIT or MISS).
