@@ -1,5 +1,7 @@
-//! Chunk geometry: from one worker's KV bytes per GPU block, the number of copies, the blocks
-//! per chunk and the primary pool size, derive the row stride and the number of rows.
+//! Chunk geometry: the one place that turns sizes into rows. From one worker's KV bytes per
+//! GPU block, the number of copies, the blocks per chunk and the primary pool size it derives
+//! the row stride and the number of rows; it also converts a byte budget into rows and a slab
+//! capacity into slots. Everything else asks it.
 //!
 //! vLLM 0.33.0 `CPUOffloadingSpec.__init__` (contract §4.1):
 //! ```text
@@ -10,14 +12,36 @@
 //! ```
 //! `copies` is 1 for a replicated layout (one copy shared by all workers), else the local
 //! world size (each worker owns one page of every row).
+//!
+//! | Conversion | Function |
+//! | --- | --- |
+//! | bytes of one chunk | [`ChunkGeometry::raw_bytes_per_chunk`] |
+//! | row stride (= G3 slot size) | [`ChunkGeometry::row_stride_for`], checked by [`ChunkGeometry::check_row_stride`] |
+//! | rows in a byte budget (pool, bench bytes) | [`ChunkGeometry::rows_in`] |
+//! | rows in flight for `max_bytes_in_flight` | [`ChunkGeometry::rows_in_flight`] |
+//! | slots per slab file, slots of a slab set | [`ChunkGeometry::slots_per_file`], [`ChunkGeometry::total_slots`] |
+//!
+//! ```
+//! use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+//!
+//! // 512 B per worker-block x 2 workers x 3 blocks per chunk = 3072 B, padded to one page.
+//! let g = ChunkGeometry::derive(512, 2, 3, 1 << 20).unwrap();
+//! assert_eq!(g.row_stride, ROW_ALIGNMENT as u64);
+//! assert_eq!(g.num_chunks, 256);
+//! assert_eq!(ChunkGeometry::rows_in_flight(10_000, g.row_stride), 2);
+//! ```
 
 use serde::Serialize;
 
-use crate::config::{ChunkSizing, KvtierConfig};
 use crate::error::{Error, ErrorKind, Result};
 
-/// Row alignment: the page size; every row is page-aligned in address and length.
-pub const ROW_ALIGNMENT: u64 = crate::region::ROW_ALIGNMENT as u64;
+/// Row alignment: the page size, and the alignment O_DIRECT needs. Every row of the primary
+/// region is aligned to it in address and length, every G3 slot (one row) in file offset and
+/// length, and every O_DIRECT transfer and buffer with it. The one definition in kvtier.
+pub const ROW_ALIGNMENT: usize = 4096;
+
+/// [`ROW_ALIGNMENT`] for byte counts.
+const ROW_ALIGNMENT_BYTES: u64 = ROW_ALIGNMENT as u64;
 
 /// The derived layout of the primary region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -69,20 +93,13 @@ impl ChunkGeometry {
                 );
             }
         }
-        let overflow = || {
-            geometry_error(format!(
-                "chunk geometry: {worker_kv_bytes_per_block} bytes per block x {copies} copies x \
-                 {blocks_per_chunk} blocks per chunk overflows 64 bits"
-            ))
-        };
-        let raw_bytes_per_chunk = worker_kv_bytes_per_block
-            .checked_mul(u64::from(copies))
-            .and_then(|b| b.checked_mul(u64::from(blocks_per_chunk)))
-            .ok_or_else(overflow)?;
-        let row_stride = raw_bytes_per_chunk
-            .checked_next_multiple_of(ROW_ALIGNMENT)
-            .ok_or_else(overflow)?;
-        let num_chunks = cpu_bytes_to_use / row_stride;
+        let raw_bytes_per_chunk = Self::raw_bytes_per_chunk(
+            worker_kv_bytes_per_block,
+            u64::from(copies),
+            blocks_per_chunk,
+        )?;
+        let row_stride = Self::row_stride_for(raw_bytes_per_chunk)?;
+        let num_chunks = Self::rows_in(cpu_bytes_to_use, row_stride);
         if num_chunks == 0 {
             return Err(geometry_error(format!(
                 "chunk geometry: cpu_bytes_to_use ({cpu_bytes_to_use} bytes) holds no chunk of \
@@ -105,30 +122,82 @@ impl ChunkGeometry {
         })
     }
 
-    /// Checks that a region handed over by its owner (vLLM's shared offload region, adopted by
-    /// pointer) has this geometry: `row_stride` a multiple of [`ROW_ALIGNMENT`]
-    /// ([`ErrorKind::Misaligned`] otherwise) and equal to the derived stride and row count
-    /// ([`ErrorKind::IncompatibleLayout`] otherwise).
-    pub fn verify_adopted(&self, row_stride: u64, num_rows: u64) -> Result<()> {
-        if row_stride == 0 || !row_stride.is_multiple_of(ROW_ALIGNMENT) {
-            return Err(Error::new(
-                ErrorKind::Misaligned,
-                format!("adopted region: row stride {row_stride} is not a positive multiple of {ROW_ALIGNMENT}"),
-            )
-            .with("found", row_stride.to_string()));
+    /// KV bytes of one chunk, all copies: `bytes_per_block * copies * blocks_per_chunk`
+    /// ([`ErrorKind::Config`] if it overflows 64 bits).
+    pub fn raw_bytes_per_chunk(
+        bytes_per_block: u64,
+        copies: u64,
+        blocks_per_chunk: u32,
+    ) -> Result<u64> {
+        bytes_per_block
+            .checked_mul(copies)
+            .and_then(|b| b.checked_mul(u64::from(blocks_per_chunk)))
+            .ok_or_else(|| {
+                geometry_error(format!(
+                    "chunk geometry: {bytes_per_block} bytes per block x {copies} copies x \
+                     {blocks_per_chunk} blocks per chunk overflows 64 bits"
+                ))
+            })
+    }
+
+    /// The row stride of a chunk of `raw_bytes_per_chunk` bytes: rounded up to
+    /// [`ROW_ALIGNMENT`]. A G3 slot is exactly one row, so this is the slot size too.
+    /// [`ErrorKind::Config`] if the rounding overflows 64 bits.
+    pub fn row_stride_for(raw_bytes_per_chunk: u64) -> Result<u64> {
+        raw_bytes_per_chunk
+            .checked_next_multiple_of(ROW_ALIGNMENT_BYTES)
+            .ok_or_else(|| {
+                geometry_error(format!(
+                    "chunk geometry: a chunk of {raw_bytes_per_chunk} bytes rounded up to \
+                     {ROW_ALIGNMENT} overflows 64 bits"
+                ))
+            })
+    }
+
+    /// Whether `bytes` is a positive multiple of [`ROW_ALIGNMENT`] (a valid row stride, or an
+    /// O_DIRECT-aligned length).
+    pub fn is_row_aligned(bytes: u64) -> bool {
+        bytes != 0 && bytes.is_multiple_of(ROW_ALIGNMENT_BYTES)
+    }
+
+    /// Checks a row stride given from outside (an adopted region, a caller's dimensions):
+    /// a positive multiple of [`ROW_ALIGNMENT`], else [`ErrorKind::Misaligned`].
+    pub fn check_row_stride(row_stride: u64) -> Result<()> {
+        if Self::is_row_aligned(row_stride) {
+            return Ok(());
         }
-        if row_stride != self.row_stride || num_rows != self.num_chunks {
-            return Err(Error::new(
-                ErrorKind::IncompatibleLayout,
-                "adopted region does not match the configured chunk geometry",
-            )
-            .with(
-                "expected",
-                format!("{} rows of {} bytes", self.num_chunks, self.row_stride),
-            )
-            .with("found", format!("{num_rows} rows of {row_stride} bytes")));
+        Err(Error::new(
+            ErrorKind::Misaligned,
+            format!("row_stride {row_stride} is not a positive multiple of {ROW_ALIGNMENT}"),
+        )
+        .with("expected", format!("multiple of {ROW_ALIGNMENT}"))
+        .with("found", row_stride.to_string()))
+    }
+
+    /// Whole rows of `row_stride` bytes in a byte budget (rounded down; 0 for a zero stride).
+    pub fn rows_in(bytes: u64, row_stride: u64) -> u64 {
+        bytes.checked_div(row_stride).unwrap_or(0)
+    }
+
+    /// Rows a tier may have in flight under `max_bytes_in_flight`: the whole rows in the
+    /// budget, and at least one (a budget under one row moves one row at a time).
+    pub fn rows_in_flight(max_bytes_in_flight: u64, row_stride: u64) -> u64 {
+        Self::rows_in(max_bytes_in_flight, row_stride).max(1)
+    }
+
+    /// Slots per slab file for a total capacity split evenly over `n_paths` files, rounded
+    /// down to whole slots of `row_stride` bytes (0 without paths or stride).
+    pub fn slots_per_file(capacity_bytes: u64, n_paths: usize, row_stride: u64) -> u64 {
+        if n_paths == 0 {
+            return 0;
         }
-        Ok(())
+        Self::rows_in(capacity_bytes / n_paths as u64, row_stride)
+    }
+
+    /// Slots of a whole slab set: [`ChunkGeometry::slots_per_file`] times the number of files
+    /// (saturating: a sum that large is refused by whoever asks).
+    pub fn total_slots(capacity_bytes: u64, n_paths: usize, row_stride: u64) -> u64 {
+        Self::slots_per_file(capacity_bytes, n_paths, row_stride).saturating_mul(n_paths as u64)
     }
 
     /// `(num_rows, row_stride)` as `usize` for [`crate::region::PrimaryRegion::create`].
@@ -144,52 +213,6 @@ impl ChunkGeometry {
             to_usize(self.num_chunks, "num_chunks")?,
             to_usize(self.row_stride, "row_stride")?,
         ))
-    }
-}
-
-impl ChunkSizing {
-    /// GPU blocks per chunk. `block_size` (tokens) must be a positive multiple of
-    /// `gpu_block_size_tokens`, which is needed only in that case.
-    pub fn blocks_per_chunk(self, gpu_block_size_tokens: Option<u32>) -> Result<u32> {
-        match self {
-            ChunkSizing::BlocksPerChunk(n) => Ok(n),
-            ChunkSizing::BlockSizeTokens(tokens) => {
-                let Some(gpu) = gpu_block_size_tokens.filter(|g| *g > 0) else {
-                    return Err(geometry_error(format!(
-                        "block_size ({tokens} tokens) needs the GPU block size (tokens per GPU \
-                         block) to give blocks per chunk"
-                    )));
-                };
-                if tokens == 0 || !tokens.is_multiple_of(gpu) {
-                    return Err(Error::config(
-                        "block_size",
-                        "must be a positive multiple of the GPU block size",
-                    )
-                    .with("found", tokens.to_string())
-                    .with("gpu_block_size", gpu.to_string()));
-                }
-                Ok(tokens / gpu)
-            }
-        }
-    }
-}
-
-impl KvtierConfig {
-    /// The chunk geometry of this configuration for one worker's KV bytes per GPU block and
-    /// the number of copies; `gpu_block_size_tokens` is needed only when `block_size` is set.
-    pub fn geometry(
-        &self,
-        worker_kv_bytes_per_block: u64,
-        copies: u32,
-        gpu_block_size_tokens: Option<u32>,
-    ) -> Result<ChunkGeometry> {
-        let blocks_per_chunk = self.chunk.blocks_per_chunk(gpu_block_size_tokens)?;
-        ChunkGeometry::derive(
-            worker_kv_bytes_per_block,
-            copies,
-            blocks_per_chunk,
-            self.cpu_bytes_to_use,
-        )
     }
 }
 
@@ -237,7 +260,7 @@ mod tests {
         assert_eq!(g.page_size_per_worker, 3000);
         assert_eq!(g.num_chunks, 1_000_000 / 12_288);
         assert!(g.region_bytes <= 1_000_000);
-        assert_eq!(g.row_stride % ROW_ALIGNMENT, 0);
+        assert!(ChunkGeometry::is_row_aligned(g.row_stride));
     }
 
     #[test]
@@ -271,52 +294,38 @@ mod tests {
     }
 
     #[test]
-    fn adopted_region_must_match() {
-        let g = ChunkGeometry::derive(512, 2, 2, 100 << 20).unwrap();
-        g.verify_adopted(4096, 25_600).unwrap();
-        let e = g.verify_adopted(2048, 25_600).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Misaligned);
-        let e = g.verify_adopted(8192, 12_800).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
-        assert_eq!(e.context_value("found"), Some("12800 rows of 8192 bytes"));
-        let e = g.verify_adopted(4096, 25_599).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
+    fn row_stride_rounds_up_to_the_alignment_and_checks_given_strides() {
+        assert_eq!(ChunkGeometry::row_stride_for(1).unwrap(), 4096);
+        assert_eq!(ChunkGeometry::row_stride_for(4096).unwrap(), 4096);
+        assert_eq!(ChunkGeometry::row_stride_for(4097).unwrap(), 8192);
+        assert!(ChunkGeometry::row_stride_for(u64::MAX).is_err());
+        ChunkGeometry::check_row_stride(8192).unwrap();
+        for bad in [0, 2048, 4097] {
+            let e = ChunkGeometry::check_row_stride(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Misaligned);
+            assert_eq!(e.context_value("found"), Some(bad.to_string().as_str()));
+        }
     }
 
     #[test]
-    fn config_geometry_uses_its_sizing_and_pool() {
-        let mut c = KvtierConfig::new(100 << 20);
-        c.chunk = ChunkSizing::BlockSizeTokens(32);
-        let g = c.geometry(512, 2, Some(16)).unwrap();
-        assert_eq!((g.blocks_per_chunk, g.num_chunks), (2, 25_600));
-        assert!(c.geometry(512, 2, None).is_err());
+    fn byte_budgets_become_whole_rows() {
+        assert_eq!(ChunkGeometry::rows_in(10 * 4096 + 4095, 4096), 10);
+        assert_eq!(ChunkGeometry::rows_in(4095, 4096), 0);
+        assert_eq!(ChunkGeometry::rows_in(4096, 0), 0);
+        // In flight: at least one row, even under a budget smaller than a row.
+        assert_eq!(ChunkGeometry::rows_in_flight(64 << 20, 2 << 20), 32);
+        assert_eq!(ChunkGeometry::rows_in_flight(1 << 20, 2 << 20), 1);
     }
 
     #[test]
-    fn block_size_resolves_against_gpu_block_size() {
+    fn capacity_splits_into_whole_slots_per_file() {
+        assert_eq!(ChunkGeometry::slots_per_file(100 * 8192 + 5, 3, 8192), 33);
+        assert_eq!(ChunkGeometry::total_slots(100 * 8192 + 5, 3, 8192), 99);
+        assert_eq!(ChunkGeometry::slots_per_file(1 << 20, 0, 8192), 0);
+        assert_eq!(ChunkGeometry::slots_per_file(1 << 20, 2, 0), 0);
         assert_eq!(
-            ChunkSizing::BlocksPerChunk(4)
-                .blocks_per_chunk(None)
-                .unwrap(),
-            4
-        );
-        assert_eq!(
-            ChunkSizing::BlockSizeTokens(64)
-                .blocks_per_chunk(Some(16))
-                .unwrap(),
-            4
-        );
-        let e = ChunkSizing::BlockSizeTokens(40)
-            .blocks_per_chunk(Some(16))
-            .unwrap_err();
-        assert!(
-            e.to_string().contains("multiple of the GPU block size"),
-            "{e}"
-        );
-        assert!(
-            ChunkSizing::BlockSizeTokens(64)
-                .blocks_per_chunk(None)
-                .is_err()
+            ChunkGeometry::total_slots(u64::MAX, 1, 4096),
+            u64::MAX / 4096
         );
     }
 }

@@ -19,11 +19,9 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
 mod huge_pages;
-
-/// Alignment of the region base and of every row (the x86-64 page size).
-pub const ROW_ALIGNMENT: usize = 4096;
 
 /// Where the region's memory comes from.
 #[derive(Debug)]
@@ -65,14 +63,7 @@ unsafe impl Send for PrimaryRegion {}
 unsafe impl Sync for PrimaryRegion {}
 
 fn check_geometry(row_stride: usize, num_rows: usize) -> Result<usize> {
-    if row_stride == 0 || !row_stride.is_multiple_of(ROW_ALIGNMENT) {
-        return Err(Error::new(
-            ErrorKind::Misaligned,
-            format!("row_stride {row_stride} is not a positive multiple of {ROW_ALIGNMENT}"),
-        )
-        .with("expected", format!("multiple of {ROW_ALIGNMENT}"))
-        .with("found", row_stride.to_string()));
-    }
+    ChunkGeometry::check_row_stride(row_stride as u64)?;
     if num_rows == 0 {
         return Err(Error::new(
             ErrorKind::Config,

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
 
 /// The attention kind of a model's KV-caching layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -547,27 +548,35 @@ impl LayoutDescriptor {
     }
 
     /// The row stride vLLM sizes for this model (§4.1 of the contract):
-    /// `round_up(worker_kv_bytes_per_block * copies * blocks_per_chunk, 4096)` where `copies` is
-    /// 1 with a replicated layout and `tp` otherwise.
+    /// `round_up(worker_kv_bytes_per_block * copies * blocks_per_chunk, ROW_ALIGNMENT)` where
+    /// `copies` is 1 with a replicated layout and `tp` otherwise; [`ChunkGeometry`] computes it.
     pub fn vllm_row_stride(&self, tp: u32, blocks_per_chunk: u32, replicated: bool) -> Result<u64> {
         if blocks_per_chunk == 0 {
             return Err(Error::config("blocks_per_chunk", "must be > 0, found 0"));
         }
         let copies = if replicated { 1 } else { u64::from(tp) };
-        let raw = self.worker_kv_bytes_per_block(tp)? * copies * u64::from(blocks_per_chunk);
-        Ok(round_up_4k(raw))
+        let raw = ChunkGeometry::raw_bytes_per_chunk(
+            self.worker_kv_bytes_per_block(tp)?,
+            copies,
+            blocks_per_chunk,
+        )?;
+        ChunkGeometry::row_stride_for(raw)
     }
 
     /// The smallest row stride holding one canonical chunk:
-    /// `round_up(canonical_bytes_per_block * blocks_per_chunk, 4096)`. Equal for every TP size,
-    /// so rows of this stride can be shared across topologies.
+    /// `round_up(canonical_bytes_per_block * blocks_per_chunk, ROW_ALIGNMENT)` (computed by
+    /// [`ChunkGeometry`]). Equal for every TP size, so rows of this stride can be shared across
+    /// topologies.
     pub fn canonical_row_stride(&self, blocks_per_chunk: u32) -> Result<u64> {
         if blocks_per_chunk == 0 {
             return Err(Error::config("blocks_per_chunk", "must be > 0, found 0"));
         }
-        Ok(round_up_4k(
-            self.canonical_bytes_per_block() * u64::from(blocks_per_chunk),
-        ))
+        let raw = ChunkGeometry::raw_bytes_per_chunk(
+            self.canonical_bytes_per_block(),
+            1,
+            blocks_per_chunk,
+        )?;
+        ChunkGeometry::row_stride_for(raw)
     }
 
     /// Whether vLLM would choose its replicated layout (one copy instead of one per worker):
@@ -575,9 +584,4 @@ impl LayoutDescriptor {
     pub fn vllm_replicated_layout(&self, tp: u32) -> bool {
         self.is_mla() && tp > 1
     }
-}
-
-/// Rounds up to the 4096-byte row alignment.
-pub fn round_up_4k(n: u64) -> u64 {
-    n.div_ceil(4096) * 4096
 }

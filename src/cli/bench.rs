@@ -25,6 +25,7 @@ use crate::cli::bench_tier::{BenchTier, TierOptions};
 use crate::cli::output::print_json;
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
 use crate::io::IoEngineKind;
 use crate::key::ChunkKey;
 
@@ -105,11 +106,11 @@ impl Plan {
                 ),
             ));
         }
-        let chunks = (args.bytes / row_stride).max(1);
+        let chunks = ChunkGeometry::rows_in(args.bytes, row_stride).max(1);
         let n_paths = args.paths.len().max(1) as u64;
         let capacity = match args.capacity {
             Some(c) => {
-                let slots = c / n_paths / row_stride * n_paths;
+                let slots = ChunkGeometry::total_slots(c, n_paths as usize, row_stride);
                 if slots < chunks {
                     return Err(Error::config(
                         "--capacity",
@@ -125,7 +126,10 @@ impl Plan {
             }
             None => chunks.div_ceil(n_paths) * n_paths * row_stride,
         };
-        if args.max_bytes_in_flight < row_stride {
+        // The bench sizes its jobs from the rows in flight, so it wants at least one whole
+        // row in the budget (the tier itself would move one row at a time).
+        let rows_in_flight = ChunkGeometry::rows_in(args.max_bytes_in_flight, row_stride);
+        if rows_in_flight == 0 {
             return Err(Error::config(
                 "--max-bytes-in-flight",
                 format!(
@@ -136,7 +140,7 @@ impl Plan {
             ));
         }
         check_memory(chunks * row_stride, mem_available())?;
-        let rows_in_flight = (args.max_bytes_in_flight / row_stride) as usize;
+        let rows_in_flight = rows_in_flight as usize;
         // A job is a batch of chunks (one request's chunks in one step); keep about twice the
         // tier's byte budget outstanding so the device never idles between polls.
         let chunks_per_job = (rows_in_flight / 4).clamp(1, 16);

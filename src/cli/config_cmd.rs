@@ -15,6 +15,7 @@ use crate::cli::output::print_json;
 use crate::cli::size::{format_size, parse_size};
 use crate::config::{self, Format, KvtierConfig, TierConfig};
 use crate::error::Result;
+use crate::g3::G3TierConfig;
 use crate::geometry::ChunkGeometry;
 
 /// `kvtier config ...`.
@@ -73,11 +74,12 @@ struct TierParamsCheck {
     by: &'static str,
 }
 
-/// Validates a tier's type-specific keys with the tier's own parser, where kvtier has one.
-fn check_tier_params(tier: &TierConfig) -> Result<TierParamsCheck> {
+/// Validates a tier's type-specific keys with the tier's own parser and rules, where kvtier
+/// has them; with the chunk geometry known, the rules that depend on the row stride too.
+fn check_tier_params(tier: &TierConfig, row_stride: Option<u64>) -> Result<TierParamsCheck> {
     let (validated, by) = match tier.tier_type.as_str() {
         "nvme" => {
-            crate::g3::config::G3TierConfig::from_tier(tier)?;
+            G3TierConfig::from_tier(tier)?.validate(&tier.key_path(), row_stride)?;
             (true, "the nvme (G3) tier parser")
         }
         _ => (
@@ -113,7 +115,7 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
     let tier_params = cfg
         .secondary_tiers
         .iter()
-        .map(check_tier_params)
+        .map(|t| check_tier_params(t, geometry.map(|g| g.row_stride)))
         .collect::<Result<Vec<_>>>()
         .map_err(|e| config::error_in_file(&args.file, e))?;
     let report = CheckReport {

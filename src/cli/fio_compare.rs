@@ -22,6 +22,7 @@ use crate::cli::plot::{Panel, render_svg};
 use crate::cli::size::{format_size, parse_size};
 use crate::cli::stats::median;
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 use crate::io::IoEngineKind;
 
 /// How the files are prepared, in the words the report uses (engine side).
@@ -267,14 +268,18 @@ pub(crate) struct Plan {
 impl Plan {
     fn from_args(args: &FioCompareArgs) -> Result<Self> {
         let paths = path_dirs(&args.paths)?;
-        if args.row_size == 0 || !args.row_size.is_multiple_of(4096) {
+        if !ChunkGeometry::is_row_aligned(args.row_size) {
             return Err(Error::config(
                 "--row-size",
-                format!("{} is not a positive multiple of 4096", args.row_size),
+                format!(
+                    "{} is not a positive multiple of {ROW_ALIGNMENT}",
+                    args.row_size
+                ),
             ));
         }
         let n = paths.len() as u64;
-        let per_file = args.size / n / args.row_size * args.row_size;
+        let per_file =
+            ChunkGeometry::slots_per_file(args.size, paths.len(), args.row_size) * args.row_size;
         if per_file == 0 {
             return Err(Error::config(
                 "--size",
@@ -288,8 +293,11 @@ impl Plan {
         let depth = match args.iodepth {
             Some(0) => return Err(Error::config("--iodepth", "must be at least 1")),
             Some(d) => d,
-            None => u32::try_from((args.max_bytes_in_flight / args.row_size).max(1))
-                .map_err(|_| Error::config("--max-bytes-in-flight", "too large"))?,
+            None => u32::try_from(ChunkGeometry::rows_in_flight(
+                args.max_bytes_in_flight,
+                args.row_size,
+            ))
+            .map_err(|_| Error::config("--max-bytes-in-flight", "too large"))?,
         };
         if args.pairs == 0 {
             return Err(Error::config("--pairs", "must be at least 1"));

@@ -9,14 +9,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::geometry::ROW_ALIGNMENT;
 use crate::region::PrimaryRegion;
 
-/// Bytes per write while filling (a multiple of 4096).
+/// Bytes per write while filling (a multiple of [`ROW_ALIGNMENT`]).
 const FILL_CHUNK: usize = 8 << 20;
 
 /// Prepares every file: `len` bytes (a multiple of `row_size`), preallocated and written.
 pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
-    let chunk = FILL_CHUNK.min(len as usize).max(4096) / 4096 * 4096;
+    let chunk = FILL_CHUNK.min(len as usize).max(ROW_ALIGNMENT) / ROW_ALIGNMENT * ROW_ALIGNMENT;
     let buffer = PrimaryRegion::create(1, chunk)?;
     // SAFETY: `buffer` is a private region owned by this function; nothing else reads or writes
     // it while this view lives.

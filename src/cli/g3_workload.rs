@@ -20,6 +20,7 @@ use crate::contract::job::TransferJob;
 use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{FsyncPolicy, G3Tier, G3TierConfig};
+use crate::geometry::ChunkGeometry;
 use crate::io::IoEngineKind;
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
@@ -67,7 +68,8 @@ impl G3Workload {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create", d, e))?;
         }
         let region = buffer_region(shape.row_size, shape.max_depth)?;
-        let slots = shape.bytes_per_path / shape.row_size * shape.dirs.len() as u64;
+        let slots =
+            ChunkGeometry::rows_in(shape.bytes_per_path, shape.row_size) * shape.dirs.len() as u64;
         let mut w = G3Workload {
             shape: shape.clone(),
             region,

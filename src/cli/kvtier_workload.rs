@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::cli::fio::Profile;
 use crate::cli::fio_files::{buffer_region, open_direct};
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
 use crate::tiering::rng::XorShift64;
 
@@ -87,7 +88,7 @@ impl KvtierWorkload {
             engine: handle.engine,
             info: handle.info,
             n_files,
-            slots: shape.file_size / shape.row_size * n_files,
+            slots: ChunkGeometry::rows_in(shape.file_size, shape.row_size) * n_files,
             row,
             max_depth: shape.max_depth,
             passes: 0,

@@ -326,7 +326,9 @@ pub(crate) fn resolve_for_tier(
     );
     merged.fill("cooldown_s", FieldValue::Real(DEFAULT_COOLDOWN_S), dflt);
 
-    // Both marks were filled above; the fallbacks only restate the preset.
+    // Both marks were filled above; the fallbacks only restate the preset. A conflict is
+    // explained here with the origin of each mark (the merge knows them); every other rule is
+    // BackpressureConfig::validate's, run when the whole configuration is validated.
     let high = merged.real("high_water_s").unwrap_or(preset.high_water_s);
     let low = merged.real("low_water_s").unwrap_or(preset.low_water_s);
     if low > high {
@@ -343,14 +345,6 @@ pub(crate) fn resolve_for_tier(
             format!("{high} from {}", merged.origin("high_water_s")),
         ));
     }
-    if tier_type == "p2p" {
-        return Err(Error::config(
-            join(tier_path, "backpressure"),
-            "the p2p tier refuses back-pressure (store latency is not a usable signal for P2P); \
-             remove backpressure from this tier and from the top level",
-        ));
-    }
-
     let config = BackpressureConfig {
         backpressure_cls: merged.text("backpressure_cls"),
         policy_cls: merged.text("policy_cls"),

@@ -4,6 +4,9 @@
 //! * [`model`]: the resolved (validated) types every other module consumes.
 //! * [`size`]: human byte sizes (`"64GiB"`).
 //! * [`backpressure`]: the field-by-field back-pressure merge, presets and defaults.
+//! * `validate`: one `validate` per resolved type ([`KvtierConfig::validate`],
+//!   [`TierConfig::validate`], [`BackpressureConfig::validate`]), the value rules every way
+//!   in runs (the parser runs them after it has checked the shape of the tree).
 //! * parsing walks the `serde_json::Value` tree so that every error names the full key path
 //!   (`secondary_tiers[1].backpresure`), the value found and what is allowed. TOML is read into
 //!   the same tree first.
@@ -15,6 +18,7 @@ mod fields;
 pub mod model;
 mod parse;
 pub mod size;
+mod validate;
 
 use std::path::Path;
 

@@ -4,6 +4,8 @@
 use serde::Serialize;
 
 use crate::contract::job::Locality;
+use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
 
 /// How big a chunk is, in GPU blocks or in tokens (mutually exclusive in the config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -127,5 +129,96 @@ impl KvtierConfig {
             engine_id: None,
             secondary_tiers: Vec::new(),
         }
+    }
+}
+
+impl ChunkSizing {
+    /// GPU blocks per chunk. `block_size` (tokens) must be a positive multiple of
+    /// `gpu_block_size_tokens`, which is needed only in that case.
+    pub fn blocks_per_chunk(self, gpu_block_size_tokens: Option<u32>) -> Result<u32> {
+        match self {
+            ChunkSizing::BlocksPerChunk(n) => Ok(n),
+            ChunkSizing::BlockSizeTokens(tokens) => {
+                let Some(gpu) = gpu_block_size_tokens.filter(|g| *g > 0) else {
+                    return Err(Error::new(
+                        ErrorKind::Config,
+                        format!(
+                            "block_size ({tokens} tokens) needs the GPU block size (tokens per GPU \
+                         block) to give blocks per chunk"
+                        ),
+                    ));
+                };
+                if tokens == 0 || !tokens.is_multiple_of(gpu) {
+                    return Err(Error::config(
+                        "block_size",
+                        "must be a positive multiple of the GPU block size",
+                    )
+                    .with("found", tokens.to_string())
+                    .with("gpu_block_size", gpu.to_string()));
+                }
+                Ok(tokens / gpu)
+            }
+        }
+    }
+}
+
+impl KvtierConfig {
+    /// The chunk geometry of this configuration for one worker's KV bytes per GPU block and
+    /// the number of copies; `gpu_block_size_tokens` is needed only when `block_size` is set.
+    pub fn geometry(
+        &self,
+        worker_kv_bytes_per_block: u64,
+        copies: u32,
+        gpu_block_size_tokens: Option<u32>,
+    ) -> Result<ChunkGeometry> {
+        let blocks_per_chunk = self.chunk.blocks_per_chunk(gpu_block_size_tokens)?;
+        ChunkGeometry::derive(
+            worker_kv_bytes_per_block,
+            copies,
+            blocks_per_chunk,
+            self.cpu_bytes_to_use,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_geometry_uses_its_sizing_and_pool() {
+        let mut c = KvtierConfig::new(100 << 20);
+        c.chunk = ChunkSizing::BlockSizeTokens(32);
+        let g = c.geometry(512, 2, Some(16)).unwrap();
+        assert_eq!((g.blocks_per_chunk, g.num_chunks), (2, 25_600));
+        assert!(c.geometry(512, 2, None).is_err());
+    }
+
+    #[test]
+    fn block_size_resolves_against_gpu_block_size() {
+        assert_eq!(
+            ChunkSizing::BlocksPerChunk(4)
+                .blocks_per_chunk(None)
+                .unwrap(),
+            4
+        );
+        assert_eq!(
+            ChunkSizing::BlockSizeTokens(64)
+                .blocks_per_chunk(Some(16))
+                .unwrap(),
+            4
+        );
+        let e = ChunkSizing::BlockSizeTokens(40)
+            .blocks_per_chunk(Some(16))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("multiple of the GPU block size"),
+            "{e}"
+        );
+        assert!(
+            ChunkSizing::BlockSizeTokens(64)
+                .blocks_per_chunk(None)
+                .is_err()
+        );
     }
 }

@@ -6,6 +6,7 @@ use super::backpressure::{self, Overlay};
 use super::fields::{self, index, join};
 use super::model::{ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
 use super::size::parse_size;
+use super::validate::{check_engine_id, store_threshold_error};
 use crate::contract::job::Locality;
 use crate::error::{Error, Result};
 
@@ -123,42 +124,9 @@ pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
     Ok(ResolvedConfig { config, notes })
 }
 
-/// Two `nvme` tiers on one directory would fight over its slab (the second would find it
-/// locked by its own process): refuse that here, naming both tiers. Directories that exist
-/// are compared by their canonical path, so `/a/x` and `/a/./x/` match.
-fn check_nvme_paths_distinct(tiers: &[TierConfig], tiers_path: &str) -> Result<()> {
-    let mut seen: Vec<(std::path::PathBuf, usize)> = Vec::new();
-    for t in tiers.iter().filter(|t| t.tier_type == "nvme") {
-        let Some(Value::Array(paths)) = t.params.get("paths") else {
-            continue;
-        };
-        for (k, p) in paths.iter().enumerate() {
-            let Some(p) = p.as_str() else { continue };
-            let key = std::fs::canonicalize(p).unwrap_or_else(|_| std::path::PathBuf::from(p));
-            if let Some((_, j)) = seen.iter().find(|(q, j)| *q == key && *j != t.index) {
-                return Err(Error::config(
-                    format!("{tiers_path}[{}].paths[{k}]", t.index),
-                    format!(
-                        "{p} is also a path of {tiers_path}[{j}]; each nvme tier needs its own \
-                         directories"
-                    ),
-                ));
-            }
-            seen.push((key, t.index));
-        }
-    }
-    Ok(())
-}
-
 fn engine_id(path: &str, v: &Value) -> Result<String> {
     let s = fields::string(path, v)?;
-    if s.is_empty() || s.contains('/') || s.contains('\0') {
-        return Err(fields::range_error(
-            path,
-            "a non-empty string without '/' or NUL (it names /dev/shm/vllm_offload_<engine_id>.mmap)",
-            format!("{s:?}"),
-        ));
-    }
+    check_engine_id(path, s)?;
     Ok(s.to_string())
 }
 
@@ -202,13 +170,13 @@ fn resolve_extra(
         (Some(v), None) => ChunkSizing::BlockSizeTokens(fields::integer_u32(
             &path("block_size"),
             v,
-            1,
+            0,
             "a positive integer number of tokens (a multiple of the GPU block size)",
         )?),
         (None, Some(v)) => ChunkSizing::BlocksPerChunk(fields::integer_u32(
             &path("blocks_per_chunk"),
             v,
-            1,
+            0,
             "a positive integer (GPU blocks per chunk)",
         )?),
         (None, None) => ChunkSizing::BlocksPerChunk(1),
@@ -222,15 +190,8 @@ fn resolve_extra(
         Some(v) => {
             let p = path("store_threshold");
             let n = fields::integer(&p, v, "0 or 1")?;
-            if n >= 2 {
-                return Err(Error::config(
-                    p,
-                    "values >= 2 are not supported with tiering (vLLM's TieringOffloadingSpec \
-                     rejects them); use 0 or 1, or remove the key",
-                )
-                .with("found", n.to_string()));
-            }
-            n as u32
+            // The range is KvtierConfig::validate's; a value beyond u32 breaks the same rule.
+            u32::try_from(n).map_err(|_| store_threshold_error(&p, n))?
         }
     };
     let canonical_layout = match obj.get("canonical_layout") {
@@ -273,7 +234,6 @@ fn resolve_extra(
     for (i, v) in tier_values.iter().enumerate() {
         secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref(), notes)?);
     }
-    check_nvme_paths_distinct(&secondary_tiers, &tiers_path)?;
 
     if let Some(top) = &top_bp
         && top.is_empty()
@@ -309,7 +269,7 @@ fn resolve_extra(
         ));
     }
 
-    Ok(KvtierConfig {
+    let config = KvtierConfig {
         cpu_bytes_to_use,
         chunk,
         eviction_policy,
@@ -317,10 +277,13 @@ fn resolve_extra(
         canonical_layout,
         engine_id,
         secondary_tiers,
-    })
+    };
+    config.validate_at(prefix)?;
+    Ok(config)
 }
 
-/// A byte count: an integer or a human size string; must be > 0.
+/// A byte count: an integer or a human size string (its range is
+/// [`KvtierConfig::validate`]'s).
 fn byte_count(path: &str, v: &Value) -> Result<u64> {
     let n = match v {
         Value::String(s) => parse_size(s).map_err(|e| {
@@ -331,9 +294,6 @@ fn byte_count(path: &str, v: &Value) -> Result<u64> {
         })?,
         _ => fields::integer(path, v, CPU_BYTES_EXPECTED)?,
     };
-    if n == 0 {
-        return Err(fields::range_error(path, "> 0 bytes", 0));
-    }
     Ok(n)
 }
 
@@ -397,17 +357,7 @@ fn resolve_tier(
                 "the tier type, e.g. \"nvme\", or an out-of-tree class name",
             ));
         }
-        Some(t) => {
-            let t = fields::string(&join(&tier_path, "type"), t)?;
-            if t.trim().is_empty() {
-                return Err(fields::range_error(
-                    &join(&tier_path, "type"),
-                    "a non-empty tier type",
-                    "\"\"",
-                ));
-            }
-            t.to_string()
-        }
+        Some(t) => fields::string(&join(&tier_path, "type"), t)?.to_string(),
     };
     if let Some(m) = entry.get("module_path") {
         fields::string(&join(&tier_path, "module_path"), m)?;

@@ -5,9 +5,7 @@ use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::ptr::NonNull;
 
 use crate::error::{Error, ErrorKind, Result};
-
-/// Alignment of every [`AlignedBuf`].
-pub const BUF_ALIGN: usize = 4096;
+use crate::geometry::ROW_ALIGNMENT as BUF_ALIGN;
 
 /// A zero-initialised, 4096-aligned byte buffer.
 pub struct AlignedBuf {

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::config::model::TierConfig;
 use crate::error::{Error, Result};
+use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};
 
 /// Default cap on bytes moving between the primary and the slabs at once.
@@ -159,7 +160,7 @@ impl G3TierConfig {
                 .iter()
                 .enumerate()
                 .map(|(i, v)| match v {
-                    Value::String(s) if !s.is_empty() => Ok(PathBuf::from(s)),
+                    Value::String(s) => Ok(PathBuf::from(s)),
                     other => Err(Error::config(
                         format!("{prefix}.paths[{i}]"),
                         format!("expected a directory path string, found {other}"),
@@ -173,19 +174,13 @@ impl G3TierConfig {
                 ));
             }
         };
-        if paths.is_empty() {
-            return Err(Error::config(kp("paths"), "needs at least one directory"));
-        }
         let capacity_bytes = match tc.params.get("capacity_bytes") {
-            None => return Err(Error::config(kp("capacity_bytes"), "required")),
-            Some(v) => size_value(v, &kp("capacity_bytes"))?,
+            None => None,
+            Some(v) => Some(size_value(v, &kp("capacity_bytes"))?),
         };
-        let mut cfg = G3TierConfig::new(paths, capacity_bytes);
+        let mut cfg = G3TierConfig::new(paths, capacity_bytes.unwrap_or(0));
         if let Some(v) = tc.params.get("max_bytes_in_flight") {
             cfg.max_bytes_in_flight = size_value(v, &kp("max_bytes_in_flight"))?;
-            if cfg.max_bytes_in_flight == 0 {
-                return Err(Error::config(kp("max_bytes_in_flight"), "must be > 0"));
-            }
         }
         if let Some(v) = tc.params.get("io_engine") {
             cfg.io_engine = match str_value(v, &kp("io_engine"))? {
@@ -233,16 +228,8 @@ impl G3TierConfig {
         if let Some(v) = tc.params.get("max_queued_jobs") {
             cfg.max_queued_jobs = v
                 .as_u64()
-                .filter(|n| (1..=MAX_QUEUED_JOBS_LIMIT as u64).contains(n))
                 .and_then(|n| usize::try_from(n).ok())
-                .ok_or_else(|| {
-                    Error::config(
-                        kp("max_queued_jobs"),
-                        format!(
-                            "expected a whole number from 1 to {MAX_QUEUED_JOBS_LIMIT}, found {v}"
-                        ),
-                    )
-                })?;
+                .ok_or_else(|| queued_jobs_error(&kp("max_queued_jobs"), v))?;
         }
         if let Some(v) = tc.params.get("gds") {
             cfg.gds = match str_value(v, &kp("gds"))? {
@@ -258,18 +245,102 @@ impl G3TierConfig {
         if let Some(v) = tc.params.get("idle_linger_ms") {
             cfg.idle.linger = Duration::from_millis(idle_value(v, &kp("idle_linger_ms"))?);
         }
+        cfg.validate(&prefix, None)?;
+        if capacity_bytes.is_none() {
+            return Err(Error::config(kp("capacity_bytes"), "required"));
+        }
         Ok(cfg)
+    }
+
+    /// The one rule set of a G3 tier's configuration, run by every way in: the config parser
+    /// ([`G3TierConfig::from_tier`], so `kvtier config check` and `kvtier serve`), the tier
+    /// factory and [`crate::g3::G3Tier::open`] (so `kvtier bench` and programmatic callers).
+    ///
+    /// Errors name `<key_prefix>.<key>` (`secondary_tiers[2].max_queued_jobs`; the bare key
+    /// for an empty prefix). With the primary's `row_stride` known, the capacity is checked
+    /// too: at least one slot per path and fewer than 2^32 - 1 slots in all.
+    pub fn validate(&self, key_prefix: &str, row_stride: Option<u64>) -> Result<()> {
+        let kp = |k: &str| {
+            if key_prefix.is_empty() {
+                k.to_string()
+            } else {
+                format!("{key_prefix}.{k}")
+            }
+        };
+        if self.paths.is_empty() {
+            return Err(Error::config(kp("paths"), "needs at least one directory"));
+        }
+        if let Some(i) = self.paths.iter().position(|p| p.as_os_str().is_empty()) {
+            return Err(Error::config(
+                format!("{}[{i}]", kp("paths")),
+                "expected a directory path string, found \"\"",
+            ));
+        }
+        if self.max_bytes_in_flight == 0 {
+            return Err(Error::config(kp("max_bytes_in_flight"), "must be > 0"));
+        }
+        if !(1..=MAX_QUEUED_JOBS_LIMIT).contains(&self.max_queued_jobs) {
+            return Err(queued_jobs_error(
+                &kp("max_queued_jobs"),
+                self.max_queued_jobs,
+            ));
+        }
+        if self.idle.poll_interval.as_micros() > IDLE_VALUE_LIMIT.into() {
+            return Err(idle_error(
+                &kp("idle_poll_us"),
+                self.idle.poll_interval.as_micros(),
+            ));
+        }
+        if self.idle.linger.as_millis() > IDLE_VALUE_LIMIT.into() {
+            return Err(idle_error(
+                &kp("idle_linger_ms"),
+                self.idle.linger.as_millis(),
+            ));
+        }
+        let Some(row_stride) = row_stride else {
+            return Ok(());
+        };
+        let n = self.paths.len();
+        if ChunkGeometry::slots_per_file(self.capacity_bytes, n, row_stride) == 0 {
+            return Err(Error::config(
+                kp("capacity_bytes"),
+                format!(
+                    "{} holds no slot of {row_stride} bytes on each of {n} path(s)",
+                    self.capacity_bytes
+                ),
+            ));
+        }
+        let total = ChunkGeometry::total_slots(self.capacity_bytes, n, row_stride);
+        if total >= u64::from(u32::MAX) {
+            return Err(Error::config(
+                kp("capacity_bytes"),
+                format!("{total} slots of {row_stride} bytes exceed the 2^32 - 1 slot limit"),
+            ));
+        }
+        Ok(())
     }
 }
 
-/// An `idle_*` value: a whole number from 0 to 1,000,000.
+/// Largest `idle_poll_us` / `idle_linger_ms`.
+const IDLE_VALUE_LIMIT: u32 = 1_000_000;
+
+fn queued_jobs_error(key_path: &str, found: impl std::fmt::Display) -> Error {
+    Error::config(
+        key_path,
+        format!("expected a whole number from 1 to {MAX_QUEUED_JOBS_LIMIT}, found {found}"),
+    )
+}
+
+fn idle_error(key_path: &str, found: impl std::fmt::Display) -> Error {
+    Error::config(
+        key_path,
+        format!("expected a whole number from 0 to {IDLE_VALUE_LIMIT}, found {found}"),
+    )
+}
+
+/// An `idle_*` value: a whole number (its range is checked by [`G3TierConfig::validate`]).
 fn idle_value(v: &Value, key_path: &str) -> Result<u64> {
-    v.as_u64().filter(|n| *n <= 1_000_000).ok_or_else(|| {
-        Error::config(
-            key_path,
-            format!("expected a whole number from 0 to 1000000, found {v}"),
-        )
-    })
+    v.as_u64().ok_or_else(|| idle_error(key_path, v))
 }
 
 /// Every key a `type = "nvme"` tier accepts in its params (`module_path` is accepted and

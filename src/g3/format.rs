@@ -170,15 +170,6 @@ pub fn slot_location(slot: u64, n_paths: usize, row_stride: u64) -> (usize, u64)
     )
 }
 
-/// Slots per file for a total capacity split evenly over `n_paths` files, rounded down to
-/// whole slots.
-pub fn slots_per_file(capacity_bytes: u64, n_paths: usize, row_stride: u64) -> u64 {
-    if n_paths == 0 || row_stride == 0 {
-        return 0;
-    }
-    (capacity_bytes / n_paths as u64) / row_stride
-}
-
 /// Size of a slab file holding `slots` slots.
 pub fn slab_file_len(slots: u64, row_stride: u64) -> u64 {
     SUPERBLOCK_SIZE as u64 + slots * row_stride
@@ -304,7 +295,6 @@ mod tests {
         assert_eq!(slot_location(0, 2, 8192), (0, 4096));
         assert_eq!(slot_location(1, 2, 8192), (1, 4096));
         assert_eq!(slot_location(5, 2, 8192), (1, 4096 + 2 * 8192));
-        assert_eq!(slots_per_file(100 * 8192 + 5, 3, 8192), 33);
         assert_eq!(slab_file_len(3, 8192), 4096 + 3 * 8192);
         assert_ne!(geometry_namespace(4096), geometry_namespace(8192));
         assert_ne!(random_uuid().unwrap(), random_uuid().unwrap());

@@ -21,8 +21,9 @@ pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
     SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
-    read_at_most, slab_file_len, slots_per_file,
+    read_at_most, slab_file_len,
 };
+use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
 /// Name of the slab file created in each path.
 pub const SLAB_FILE_NAME: &str = "kvtier-g3.slab";
@@ -248,8 +249,9 @@ fn check_superblock(
             format!("member {} of {}", sb.path_index, sb.path_count),
         );
     }
-    let slots = slots_per_file(spec.capacity_bytes, n, spec.row_stride);
-    if sb.slots_in_file != slots || sb.total_slots != slots * n as u64 {
+    let slots = ChunkGeometry::slots_per_file(spec.capacity_bytes, n, spec.row_stride);
+    let total = ChunkGeometry::total_slots(spec.capacity_bytes, n, spec.row_stride);
+    if sb.slots_in_file != slots || sb.total_slots != total {
         return incompatible(
             "capacity (slots per file)",
             slots.to_string(),
@@ -261,7 +263,7 @@ fn check_superblock(
 
 fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     let n = slab_paths.len();
-    let slots = slots_per_file(spec.capacity_bytes, n, spec.row_stride);
+    let slots = ChunkGeometry::slots_per_file(spec.capacity_bytes, n, spec.row_stride);
     if slots == 0 {
         return Err(Error::new(
             ErrorKind::Config,
@@ -271,6 +273,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
             ),
         ));
     }
+    let total_slots = ChunkGeometry::total_slots(spec.capacity_bytes, n, spec.row_stride);
     let set_uuid = random_uuid()?;
     let created_unix_s = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -286,7 +289,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
                 version: SLAB_FORMAT_VERSION,
                 row_stride: spec.row_stride,
                 slots_in_file: slots,
-                total_slots: slots * n as u64,
+                total_slots,
                 path_index: i as u32,
                 path_count: n as u32,
                 namespace: spec.namespace,
@@ -450,12 +453,14 @@ fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
         f.write_all_at(buf.as_slice(), 0)?;
         Ok(f)
     });
-    // statx(STATX_DIOALIGN), where the kernel reports it, must allow 4096-byte alignment.
+    // statx(STATX_DIOALIGN), where the kernel reports it, must allow kvtier's row alignment.
     let probe = probe.and_then(|f| match dio_alignment(p) {
-        Some((mem, off)) if mem > 4096 || off > 4096 => Err(std::io::Error::other(format!(
-            "the filesystem requires O_DIRECT alignment of {mem} bytes (memory) and {off} \
-             bytes (offset), kvtier uses 4096"
-        ))),
+        Some((mem, off)) if mem as usize > ROW_ALIGNMENT || off as usize > ROW_ALIGNMENT => {
+            Err(std::io::Error::other(format!(
+                "the filesystem requires O_DIRECT alignment of {mem} bytes (memory) and {off} \
+                 bytes (offset), kvtier uses {ROW_ALIGNMENT}"
+            )))
+        }
         _ => Ok(f),
     });
     match probe {

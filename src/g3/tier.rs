@@ -17,11 +17,11 @@ use crate::contract::job::{
 };
 use crate::contract::secondary::{SecondaryTier, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::config::{G3TierConfig, MAX_QUEUED_JOBS_LIMIT};
-use crate::g3::format::slots_per_file;
+use crate::g3::config::G3TierConfig;
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::{self, SlabSpec};
 use crate::g3::worker::{Cmd, Shared, Worker, WorkerInit};
+use crate::geometry::ChunkGeometry;
 use crate::io::{EngineHandle, EngineOptions, IoEngineKind, open_engine};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
@@ -113,25 +113,9 @@ impl G3Tier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
-        if !(1..=MAX_QUEUED_JOBS_LIMIT).contains(&cfg.max_queued_jobs) {
-            return Err(Error::config(
-                "max_queued_jobs",
-                format!(
-                    "expected a whole number from 1 to {MAX_QUEUED_JOBS_LIMIT}, found {}",
-                    cfg.max_queued_jobs
-                ),
-            ));
-        }
-        let gds = crate::g3::gds::status_at_open(cfg.gds, &cfg.paths)?;
         let row_stride = region.row_stride() as u64;
-        let n = cfg.paths.len().max(1);
-        let total = slots_per_file(cfg.capacity_bytes, n, row_stride) * n as u64;
-        if total >= u64::from(u32::MAX) {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!("{total} slots of {row_stride} bytes exceed the 2^32 - 1 slot limit"),
-            ));
-        }
+        cfg.validate("", Some(row_stride))?;
+        let gds = crate::g3::gds::status_at_open(cfg.gds, &cfg.paths)?;
         let spec = SlabSpec {
             row_stride,
             capacity_bytes: cfg.capacity_bytes,
@@ -145,7 +129,8 @@ impl G3Tier {
             .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
             .collect::<Result<Vec<_>>>()?;
         let all_direct = set.files.iter().all(|f| f.direct);
-        let per_flight = (cfg.max_bytes_in_flight / row_stride).clamp(1, 4096) as u32;
+        let per_flight =
+            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight, row_stride).min(4096) as u32;
         let opts = EngineOptions {
             queue_depth: per_flight.max(crate::io::uring::DEFAULT_QUEUE_DEPTH.min(per_flight * 2)),
             o_direct: all_direct,

@@ -6,11 +6,9 @@ use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 
 use crate::error::{Error, ErrorKind};
+use crate::geometry::ROW_ALIGNMENT;
 use crate::io::{IoDir, IoRequest};
 use crate::region::PrimaryRegion;
-
-/// O_DIRECT alignment kvtier enforces for offsets, lengths and buffer addresses.
-pub const DIRECT_IO_ALIGNMENT: usize = 4096;
 
 /// The files an engine transfers to and from, with a printable name for each.
 #[derive(Debug)]
@@ -134,7 +132,8 @@ impl FileTable {
             ));
         }
         if self.o_direct {
-            let a = DIRECT_IO_ALIGNMENT;
+            // O_DIRECT: offsets, lengths and buffer addresses aligned to the row alignment.
+            let a = ROW_ALIGNMENT;
             let addr = region.base_ptr() as usize + req.region_offset;
             let bad = [
                 ("file offset", !req.file_offset.is_multiple_of(a as u64)),
@@ -250,12 +249,12 @@ pub(crate) fn advance(
         return Err(short_error(req, label, done, why));
     }
     let done = done + moved;
-    if done < req.len && o_direct && !done.is_multiple_of(DIRECT_IO_ALIGNMENT) {
+    if done < req.len && o_direct && !done.is_multiple_of(ROW_ALIGNMENT) {
         return Err(short_error(
             req,
             label,
             done,
-            "O_DIRECT transfer ended inside a 4096-byte block, probably at end of file",
+            "O_DIRECT transfer ended inside an aligned block, probably at end of file",
         ));
     }
     Ok(done)

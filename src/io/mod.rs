@@ -21,7 +21,6 @@ mod thread;
 pub mod uring;
 
 pub use faulty::{FaultPlan, FaultyEngine};
-pub use files::DIRECT_IO_ALIGNMENT;
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};

@@ -15,13 +15,14 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ROW_ALIGNMENT;
 use crate::region::PrimaryRegion;
 
 /// `STATX_DIOALIGN` (Linux 6.1): ask statx for direct-I/O alignment.
 const STATX_DIOALIGN: u32 = 0x2000;
 
-/// Size of the probe's test write.
-const PROBE_BYTES: usize = 4096;
+/// Size of the probe's test write: one aligned block.
+const PROBE_BYTES: usize = ROW_ALIGNMENT;
 
 /// What [`probe_direct_io`] found out about a directory.
 #[derive(Debug, Clone, PartialEq, Eq)]

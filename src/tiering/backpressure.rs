@@ -11,19 +11,17 @@ use std::time::{Duration, Instant};
 
 use crate::config::BackpressureConfig;
 use crate::contract::job::Locality;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tiering::clock::Clock;
 
 /// One MiB: the EMA is in seconds per MiB.
 pub const MIB: f64 = (1u64 << 20) as f64;
-/// Default EMA smoothing factor.
-pub const DEFAULT_ALPHA: f64 = 0.15;
-/// Default number of completions averaged before the EMA starts.
-pub const DEFAULT_WARMUP_COMPLETIONS: u32 = 10;
-/// Default idle-decay half-life, seconds.
-pub const DEFAULT_DECAY_HALF_LIFE_S: f64 = 2.0;
-/// Default cooldown after pressure clears, seconds.
-pub const DEFAULT_COOLDOWN_S: f64 = 1.0;
+/// vLLM's defaults, defined once in the configuration layer.
+pub use crate::config::backpressure::{
+    DEFAULT_ALPHA, DEFAULT_COOLDOWN_S, DEFAULT_DECAY_HALF_LIFE_S, DEFAULT_WARMUP_COMPLETIONS,
+    DETECTOR_CLS as DETECTOR_CLASS,
+};
+use crate::config::backpressure::{LOCAL_PRESET, NETWORK_PRESET};
 /// Consecutive completions below low water after which the gate is bypassed.
 pub const HEALTHY_THRESHOLD: u32 = 10;
 /// A failure trip lifts the EMA to this multiple of high water.
@@ -31,11 +29,10 @@ pub const FAILURE_EMA_FACTOR: f64 = 4.0;
 /// [`ThrottledDropPolicy`]'s ramp: drop fraction 0 at high water, 1 at `(1 + ramp) x` high.
 pub const DEFAULT_RAMP_FACTOR: f64 = 2.0;
 /// LOCAL preset: (high water, low water) in s/MiB.
-pub const LOCAL_WATER_MARKS: (f64, f64) = (0.010, 0.002);
+pub const LOCAL_WATER_MARKS: (f64, f64) = (LOCAL_PRESET.high_water_s, LOCAL_PRESET.low_water_s);
 /// NETWORK preset: (high water, low water) in s/MiB.
-pub const NETWORK_WATER_MARKS: (f64, f64) = (0.050, 0.010);
-/// The only detector class kvtier implements.
-pub const DETECTOR_CLASS: &str = "EMABackpressureDetector";
+pub const NETWORK_WATER_MARKS: (f64, f64) =
+    (NETWORK_PRESET.high_water_s, NETWORK_PRESET.low_water_s);
 
 /// Which policy decides under pressure (`policy_cls`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,31 +95,12 @@ impl DetectorParams {
         locality: Option<Locality>,
         key_path: &str,
     ) -> Result<Self> {
-        let key = |k: &str| format!("{key_path}.backpressure.{k}");
-        if let Some(cls) = &cfg.backpressure_cls
-            && cls != DETECTOR_CLASS
-        {
-            return Err(Error::config(
-                key("backpressure_cls"),
-                format!("unknown detector class {cls:?} (kvtier implements {DETECTOR_CLASS})"),
-            )
-            .with("expected", DETECTOR_CLASS)
-            .with("found", cls.clone()));
-        }
-        let policy = match cfg.policy_cls.as_deref() {
-            None | Some("ThrottledDropPolicy") => PolicyKind::Throttled,
-            Some("DropStorePolicy") => PolicyKind::DropAll,
-            Some(other) => {
-                return Err(Error::config(
-                    key("policy_cls"),
-                    format!("unknown back-pressure policy {other:?}"),
-                )
-                .with("expected", "ThrottledDropPolicy or DropStorePolicy")
-                .with("found", other.to_string()));
-            }
-        };
         let network = locality == Some(Locality::Remote) || tier_type == "obj";
         let default_failure = matches!(tier_type, "fs" | "obj").then_some(3);
+        let policy = match cfg.policy_cls.as_deref() {
+            Some("DropStorePolicy") => PolicyKind::DropAll,
+            _ => PolicyKind::Throttled,
+        };
         let d = DetectorParams::preset(network, policy, cfg.failure_threshold.or(default_failure));
         let p = DetectorParams {
             high_water_s: cfg.high_water_s.unwrap_or(d.high_water_s),
@@ -133,29 +111,19 @@ impl DetectorParams {
             cooldown_s: cfg.cooldown_s.unwrap_or(d.cooldown_s),
             ..d
         };
-        let alpha_ok = p.alpha > 0.0 && p.alpha <= 1.0;
-        if !alpha_ok {
-            return Err(Error::config(key("alpha"), "must satisfy 0 < alpha <= 1")
-                .with("found", p.alpha.to_string()));
+        // The rules are the configuration's own, applied to the values after the defaults.
+        BackpressureConfig {
+            backpressure_cls: cfg.backpressure_cls.clone(),
+            policy_cls: cfg.policy_cls.clone(),
+            high_water_s: Some(p.high_water_s),
+            low_water_s: Some(p.low_water_s),
+            alpha: Some(p.alpha),
+            warmup_completions: Some(p.warmup_completions),
+            decay_half_life_s: Some(p.decay_half_life_s),
+            cooldown_s: Some(p.cooldown_s),
+            failure_threshold: p.failure_threshold,
         }
-        let marks_ok = p.low_water_s >= 0.0 && p.low_water_s <= p.high_water_s;
-        if !marks_ok {
-            return Err(
-                Error::config(key("low_water_s"), "must be >= 0 and <= high_water_s")
-                    .with("expected", format!("<= {}", p.high_water_s))
-                    .with("found", p.low_water_s.to_string()),
-            );
-        }
-        if p.failure_threshold == Some(0) {
-            return Err(Error::config(key("failure_threshold"), "must be >= 1").with("found", "0"));
-        }
-        let times_ok = p.decay_half_life_s > 0.0 && p.cooldown_s >= 0.0;
-        if !times_ok {
-            return Err(Error::config(
-                key("decay_half_life_s"),
-                "decay_half_life_s must be > 0 and cooldown_s >= 0",
-            ));
-        }
+        .validate(key_path)?;
         Ok(p)
     }
 }

@@ -145,6 +145,7 @@ fn param_u64(cfg: &TierConfig, key: &str) -> Result<Option<u64>> {
 /// Builds an `nvme` tier ([`G3Tier`]) from its params (see `docs/g3.md`).
 pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
     let g3 = G3TierConfig::from_tier(cfg)?;
+    g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
     let tier = G3Tier::open(
         g3,
         ctx.region.clone(),

@@ -29,6 +29,7 @@ use parking_lot::Mutex;
 use ring::RingThread;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::geometry::ChunkGeometry;
 use crate::io::files::FileTable;
 use crate::io::queue::RequestQueue;
 use crate::io::{IoCompletion, IoEngine, IoRequest};
@@ -87,7 +88,7 @@ impl Wake {
 /// How the region is split into registered buffers: pieces of at most `max_piece` bytes, each a
 /// whole number of rows; `None` when one row is already larger.
 fn piece_bytes(region: &PrimaryRegion, max_piece: usize) -> Option<usize> {
-    let rows = max_piece / region.row_stride();
+    let rows = ChunkGeometry::rows_in(max_piece as u64, region.row_stride() as u64) as usize;
     (rows > 0).then(|| rows * region.row_stride())
 }
 

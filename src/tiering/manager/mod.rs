@@ -180,13 +180,9 @@ impl TieringManager {
         factory: &TierFactory,
         opts: ManagerOptions,
     ) -> Result<Self> {
-        if cfg.store_threshold >= 2 {
-            return Err(Error::config(
-                "store_threshold",
-                "store_threshold >= 2 is not supported with secondary tiers",
-            )
-            .with("found", cfg.store_threshold.to_string()));
-        }
+        // The configuration's own rules (a parsed one passed them already; a programmatic
+        // one is checked here, before anything starts).
+        cfg.validate()?;
         // Validate the prefix before anything is started.
         Registry::new(opts.metrics_prefix.clone())?;
         let primary = PrimaryTier::new(region.clone(), cfg.eviction_policy, opts.enable_events);
