@@ -1,16 +1,23 @@
 //! kvtier: a storage engine for LLM KV cache outside GPU memory.
 //!
-//! * [`region`]: the primary memory region (rows of `row_stride` bytes).
-//! * [`primary`]: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
-//! * [`io`]: I/O engines (io_uring, psync, fault injection) and path probes.
-//! * [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
-//! * [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
-//! * [`contract`]: the tier contract: job vocabulary and the `SecondaryTier` trait.
-//! * [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
-//! * [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
-//! * [`config`]: configuration model, merge and validation.
-//! * [`geometry`]: chunk geometry (row stride, rows) derived from the KV layout and pool size.
-//! * [`cli`]: the `kvtier` command line.
+//! # Layers
+//! The modules form layers; each imports only from its own layer or the ones below it, and
+//! no two modules of one folder import each other (`tests/architecture.rs` checks both on
+//! every test run and prints the import graph with `-- --nocapture`). From the bottom:
+//!
+//! 1. [`error`], [`key`], [`hash`]: the vocabulary every layer speaks.
+//! 2. [`geometry`]: the one place that turns sizes into rows (row stride, row alignment,
+//!    rows for a byte budget, slots per file).
+//! 3. [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
+//! 4. [`region`]: the primary memory region (rows of `row_stride` bytes).
+//! 5. [`io`]: I/O engines (io_uring, psync, fault injection) and path probes.
+//! 6. [`contract`]: the tier contract: job vocabulary and the `SecondaryTier` trait.
+//! 7. [`config`]: configuration model, parsing and one `validate` per type.
+//! 8. [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
+//! 9. [`primary`]: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
+//! 10. [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
+//! 11. [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
+//! 12. [`cli`]: the `kvtier` command line.
 
 pub mod canonical;
 pub mod cli;

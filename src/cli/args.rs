@@ -1,11 +1,72 @@
-//! Flag values shared by several commands: the `--io-engine` names, `--path` directories and
-//! `--layout` files.
+//! What several commands share, defined once: the argument groups for the model layout
+//! (`--layout`, `--tp`), the row (`--blocks-per-chunk`), the directories (`--path`) and the
+//! byte budget in flight (`--max-bytes-in-flight`), and the flag value parsers
+//! (`--io-engine` names, directories, layout files).
 
 use std::path::{Path, PathBuf};
 
 use crate::canonical::{LayoutDescriptor, default_layout};
+use crate::cli::size::parse_size;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
+
+/// `--layout FILE --tp N`: the model whose rows a command sizes, and the tensor-parallel size.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// Model layout descriptor (TOML) that sizes the rows. Default: Llama-3.1-8B, bf16,
+    /// 16-token blocks.
+    #[arg(long, value_name = "FILE")]
+    pub layout: Option<PathBuf>,
+    /// Tensor-parallel size the rows are sized for.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tp: u32,
+}
+
+impl ModelArgs {
+    /// The `--layout` descriptor, or the default layout without one.
+    pub fn load(&self) -> Result<LayoutDescriptor> {
+        load_layout(self.layout.as_deref())
+    }
+}
+
+/// `--layout FILE --tp N --blocks-per-chunk N`: the row a command stores (model, tensor
+/// parallelism and GPU blocks per chunk).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RowArgs {
+    /// The model and its tensor-parallel size.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// GPU blocks per chunk (row).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub blocks_per_chunk: u32,
+}
+
+/// `--path DIR` (repeatable): the directories a command works in, one file each, rows
+/// striped across them in this order. Default: the system temp dir.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PathArgs {
+    /// Directory to work in (repeat for several devices; rows are striped across them).
+    /// Default: the system temp dir.
+    #[arg(long = "path", value_name = "DIR")]
+    pub paths: Vec<PathBuf>,
+}
+
+impl PathArgs {
+    /// The directories ([`path_dirs`]): existing, each named once, the temp dir by default.
+    pub fn dirs(&self) -> Result<Vec<PathBuf>> {
+        path_dirs(&self.paths)
+    }
+}
+
+/// `--max-bytes-in-flight SIZE`: the cap on bytes of I/O in flight (an `nvme` tier's
+/// `max_bytes_in_flight`; rows in flight = this / row size, at least one).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct InFlightArgs {
+    /// Cap on bytes of I/O in flight (the nvme tier's max_bytes_in_flight); the depth in rows
+    /// is this divided by the row size.
+    #[arg(long, default_value = "64MiB", value_parser = parse_size, value_name = "SIZE")]
+    pub max_bytes_in_flight: u64,
+}
 
 /// Parses an `--io-engine` value.
 pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {

@@ -2,34 +2,34 @@
 //!
 //! Each command lives in its own module with a `clap::Args` struct and a
 //! `run(args) -> Result<ExitCode>` function; this module only parses and dispatches.
+//!
+//! * [`bench`]: `kvtier bench` (plan, phases, report, the stack it runs on).
+//! * [`fio`]: `kvtier fio-compare` (fio runner, test files, the kvtier and G3 workloads,
+//!   report, plot).
+//! * [`serve`]: `kvtier serve` (manager service, metrics endpoint).
+//! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
+//! * [`config_cmd`], [`layout_cmd`]: `kvtier config check`, `kvtier layout show|check`.
+//! * [`args`]: the argument groups and flag parsers several commands share; [`output`],
+//!   [`size`], [`stats`], [`memory`], [`interrupt`], [`logger`], [`sigpipe`]: what every
+//!   command uses.
+//!
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch).
 
 pub mod args;
 pub mod bench;
-pub mod bench_data;
-pub mod bench_phases;
-pub mod bench_report;
-pub mod bench_tier;
 pub mod config_cmd;
 pub mod fio;
-pub mod fio_compare;
-pub mod fio_files;
-pub mod fio_report;
-pub mod g3_workload;
-pub mod http;
 pub mod interrupt;
-pub mod kvtier_workload;
 pub mod layout_cmd;
 pub mod logger;
+pub mod memory;
 pub mod output;
-pub mod plot;
 pub mod serve;
-pub mod serve_loop;
 pub mod sigpipe;
 pub mod size;
 pub mod stats;
-pub mod tier_cmd;
+pub mod tier;
 
 use std::process::ExitCode;
 
@@ -68,11 +68,11 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
-    FioCompare(fio_compare::FioCompareArgs),
+    FioCompare(fio::FioCompareArgs),
     /// Run the manager with the configured tiers and serve /metrics and /healthz.
     Serve(serve::ServeArgs),
     /// Administer a G3 tier: format, inspect, verify, ls, clear.
-    Tier(tier_cmd::TierArgs),
+    Tier(tier::TierArgs),
     /// Configuration tools: `kvtier config check FILE`.
     Config(config_cmd::ConfigArgs),
     /// Inspect and validate KV layout descriptors (canonical mappings and digests).
@@ -150,9 +150,9 @@ pub fn main() -> ExitCode {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench(args) => bench::run(args),
-        Command::FioCompare(args) => fio_compare::run(args),
+        Command::FioCompare(args) => fio::run(args),
         Command::Serve(args) => serve::run(args),
-        Command::Tier(args) => tier_cmd::run(args),
+        Command::Tier(args) => tier::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Layout(args) => layout_cmd::run(args),
     };

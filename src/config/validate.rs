@@ -189,7 +189,7 @@ impl BackpressureConfig {
                 .with("found", a.to_string()));
         }
         if let Some(high) = self.high_water_s
-            && !(high > 0.0)
+            && (high.is_nan() || high <= 0.0)
         {
             return Err(
                 Error::config(key("high_water_s"), "must be > 0").with("found", high.to_string())

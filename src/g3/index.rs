@@ -8,8 +8,9 @@ use crate::g3::slot_key::SlotKey;
 use crate::hash::KeyHasher;
 use crate::key::ChunkKey;
 
-/// A slot number within the stripe set.
-pub type Slot = u32;
+/// A slot number within the stripe set (defined with the key table, which stores them).
+pub use crate::g3::keymap::Slot;
+
 const NIL: u32 = u32::MAX;
 /// How far eviction walks from the LRU end past pinned or unusable slots before giving up.
 const EVICTION_SCAN_LIMIT: usize = 256;

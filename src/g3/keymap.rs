@@ -7,7 +7,8 @@
 //! key + value + control bytes keeps recovery of millions of entries cache- and TLB-friendly;
 //! large tables are advised to use transparent huge pages.
 
-use crate::g3::index::Slot;
+/// A slot number within the stripe set.
+pub type Slot = u32;
 
 /// Hash-to-slot table.
 #[derive(Debug, Clone)]

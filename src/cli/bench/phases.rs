@@ -8,9 +8,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::cli::bench::Plan;
-use crate::cli::bench_data::{fill_row, first_mismatch, process_cpu_seconds};
-use crate::cli::bench_report::PhaseReport;
+use crate::cli::bench::data::{fill_row, first_mismatch, process_cpu_seconds};
+use crate::cli::bench::plan::Plan;
+use crate::cli::bench::report::PhaseReport;
 use crate::cli::output::progress_bar;
 use crate::cli::stats::percentile_sorted;
 use crate::contract::job::{LookupResult, RequestContext};

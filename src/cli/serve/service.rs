@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-use crate::cli::http::{CheckHealth, MetricsServer, RenderMetrics};
+use crate::cli::serve::http::{CheckHealth, MetricsServer, RenderMetrics};
 use crate::error::{Error, ErrorKind, Result};
 
 /// What `serve` runs: something that renders metrics and shuts down cleanly.

@@ -43,9 +43,9 @@ impl Profile {
     /// The fio job file text.
     pub fn job_file(self) -> &'static str {
         match self {
-            Profile::Store => include_str!("../../fio-profiles/store.fio"),
-            Profile::Load => include_str!("../../fio-profiles/load.fio"),
-            Profile::Mixed => include_str!("../../fio-profiles/mixed.fio"),
+            Profile::Store => include_str!("../../../fio-profiles/store.fio"),
+            Profile::Load => include_str!("../../../fio-profiles/load.fio"),
+            Profile::Mixed => include_str!("../../../fio-profiles/mixed.fio"),
         }
     }
 

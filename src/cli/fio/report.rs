@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::cli::fio_compare::Plan;
+use crate::cli::fio::plan::Plan;
 use crate::cli::output::{Table, display_paths};
 use crate::cli::size::{format_gbps, format_size};
 

@@ -13,9 +13,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cli::fio::Profile;
-use crate::cli::fio_files::buffer_region;
-use crate::cli::kvtier_workload::{PassStats, shuffle};
+use crate::cli::fio::files::buffer_region;
+use crate::cli::fio::kvtier_workload::{PassStats, shuffle};
+use crate::cli::fio::runner::Profile;
 use crate::contract::job::TransferJob;
 use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
@@ -89,7 +89,7 @@ impl G3Workload {
         format!(
             "G3 tier ({}, O_DIRECT, {}, CRC32, journal, fsync never)",
             self.engine_name,
-            crate::cli::fio_files::page_note(&self.region)
+            crate::cli::fio::files::page_note(&self.region)
         )
     }
 

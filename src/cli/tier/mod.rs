@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use serde::Serialize;
 
 use crate::canonical::{NamespaceParams, namespace_digest};
-use crate::cli::args::load_layout;
+use crate::cli::args::RowArgs;
 use crate::cli::output::{Table, display_paths, print_json};
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
@@ -86,15 +86,9 @@ pub struct FormatArgs {
     /// Capacity over all paths (split evenly, rounded down to whole slots).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub capacity: u64,
-    /// Model layout descriptor (TOML). Default: Llama-3.1-8B, bf16, 16-token blocks.
-    #[arg(long, value_name = "FILE")]
-    pub layout: Option<PathBuf>,
-    /// Tensor-parallel size.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub tp: u32,
-    /// GPU blocks per chunk.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub blocks_per_chunk: u32,
+    /// The rows the tier is sized for: model layout, TP size, blocks per chunk.
+    #[command(flatten)]
+    pub row: RowArgs,
     /// Rows hold the canonical layout (`canonical_layout = true` in the config that will use
     /// the tier; `kvtier bench` tiers are canonical). Default: the direct layout, the config
     /// default. The two have different namespace digests, so this must match the config.
@@ -133,8 +127,9 @@ pub fn run(args: TierArgs) -> Result<ExitCode> {
 }
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
-    let layout = load_layout(a.layout.as_deref())?;
-    let params = NamespaceParams::new(&layout, a.tp, a.blocks_per_chunk, a.canonical)?;
+    let layout = a.row.model.load()?;
+    let params =
+        NamespaceParams::new(&layout, a.row.model.tp, a.row.blocks_per_chunk, a.canonical)?;
     let existing: Vec<PathBuf> = a
         .paths
         .iter()
@@ -163,8 +158,8 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             "formatted {} path(s) for {} (TP {}, {} block(s) per chunk, {} layout)",
             a.paths.len(),
             layout.model_name,
-            a.tp,
-            a.blocks_per_chunk,
+            a.row.model.tp,
+            a.row.blocks_per_chunk,
             if a.canonical { "canonical" } else { "direct" }
         );
     }

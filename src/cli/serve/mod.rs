@@ -5,14 +5,17 @@
 //! bytes per GPU block, the config gives `blocks_per_chunk` (or `block_size`) and
 //! `cpu_bytes_to_use`; `nvme` tiers get the layout's namespace digest for their superblocks.
 
+pub mod http;
+pub mod service;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use crate::canonical::{LayoutDescriptor, NamespaceParams, namespace_digest};
-use crate::cli::args::load_layout;
-use crate::cli::http::DEFAULT_METRICS_ADDR;
-use crate::cli::serve_loop::{Service, serve_until_signal};
+use crate::cli::args::ModelArgs;
+use crate::cli::serve::http::DEFAULT_METRICS_ADDR;
+use crate::cli::serve::service::{Service, serve_until_signal};
 use crate::cli::size::format_size;
 use crate::config::KvtierConfig;
 use crate::error::{Error, ErrorKind, Result};
@@ -36,12 +39,10 @@ pub struct ServeArgs {
     /// Address of the metrics endpoint (host:port; port 0 picks a free one). Loopback by default.
     #[arg(long, default_value = DEFAULT_METRICS_ADDR, value_name = "ADDR")]
     pub metrics_addr: String,
-    /// Model layout descriptor (TOML) that sizes the rows. Default: Llama-3.1-8B.
-    #[arg(long, value_name = "FILE")]
-    pub layout: Option<PathBuf>,
-    /// Tensor-parallel size.
-    #[arg(long, default_value_t = 1, value_name = "N")]
-    pub tp: u32,
+    /// The model whose rows the region holds, and its TP size (blocks per chunk come from
+    /// the configuration).
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Metric name prefix (`vllm:` makes vLLM dashboards work unchanged).
     #[arg(long, default_value = crate::metrics::DEFAULT_PREFIX, value_name = "PREFIX")]
     pub metrics_prefix: String,
@@ -50,31 +51,32 @@ pub struct ServeArgs {
 /// Runs `kvtier serve`.
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let cfg = crate::config::load(&args.config)?;
-    let layout = load_layout(args.layout.as_deref())?;
-    let manager = build_manager(&cfg, &layout, args.tp, &args.metrics_prefix).map_err(|e| {
-        if e.kind() != ErrorKind::IncompatibleLayout {
-            return e;
-        }
-        // Say which inputs make the namespace and how to format a tier that matches.
-        Error::new(
-            ErrorKind::IncompatibleLayout,
-            format!(
-                "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
+    let layout = args.model.load()?;
+    let manager =
+        build_manager(&cfg, &layout, args.model.tp, &args.metrics_prefix).map_err(|e| {
+            if e.kind() != ErrorKind::IncompatibleLayout {
+                return e;
+            }
+            // Say which inputs make the namespace and how to format a tier that matches.
+            Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!(
+                    "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
                  canonical_layout = {} in {}: format the tier to match (`kvtier tier format \
                  PATH... --capacity SIZE --layout FILE --tp N --blocks-per-chunk N{}`)",
-                e.message(),
-                layout.model_name,
-                args.tp,
-                cfg.canonical_layout,
-                args.config.display(),
-                if cfg.canonical_layout {
-                    " --canonical"
-                } else {
-                    ""
-                }
-            ),
-        )
-    })?;
+                    e.message(),
+                    layout.model_name,
+                    args.model.tp,
+                    cfg.canonical_layout,
+                    args.config.display(),
+                    if cfg.canonical_layout {
+                        " --canonical"
+                    } else {
+                        ""
+                    }
+                ),
+            )
+        })?;
     serve_until_signal(&args.metrics_addr, Box::new(ManagerService { manager }))?;
     Ok(ExitCode::SUCCESS)
 }
@@ -98,7 +100,7 @@ pub fn build_manager(
         cfg.cpu_bytes_to_use,
     )?;
     let (rows, stride) = geometry.region_dims()?;
-    check_region_memory(geometry.region_bytes, crate::cli::bench::mem_available())?;
+    check_region_memory(geometry.region_bytes, crate::cli::memory::mem_available())?;
     log::info!(
         "primary region: {rows} rows of {} ({})",
         format_size(geometry.row_stride),

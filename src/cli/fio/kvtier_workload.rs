@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::cli::fio::Profile;
-use crate::cli::fio_files::{buffer_region, open_direct};
+use crate::cli::fio::files::{buffer_region, open_direct};
+use crate::cli::fio::runner::Profile;
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
@@ -20,7 +20,7 @@ use crate::tiering::rng::XorShift64;
 /// What the workload runs on.
 #[derive(Debug, Clone)]
 pub struct WorkloadShape {
-    /// Prepared files (see [`crate::cli::fio_files::prepare`]), one per path.
+    /// Prepared files (see [`crate::cli::fio::files::prepare`]), one per path.
     pub files: Vec<PathBuf>,
     /// Bytes per file (a multiple of `row_size`).
     pub file_size: u64,
@@ -104,7 +104,7 @@ impl KvtierWorkload {
             " (unregistered buffers)"
         });
         s.push_str(", O_DIRECT, ");
-        s.push_str(crate::cli::fio_files::page_note(self.engine.region()));
+        s.push_str(crate::cli::fio::files::page_note(self.engine.region()));
         if let Some(why) = &self.info.fallback_reason {
             s.push_str(&format!(", fell back: {why}"));
         }
@@ -249,7 +249,7 @@ pub fn shuffle(v: &mut [u64], seed: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::fio_files::prepare;
+    use crate::cli::fio::files::prepare;
 
     #[test]
     fn shuffle_is_a_permutation() {

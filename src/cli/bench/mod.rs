@@ -1,0 +1,169 @@
+//! `kvtier bench`: the whole stack end to end on a temporary (or given) G3 tier.
+//!
+//! 1. Fill: reserve primary rows through the manager (`prepare_store`) and write each chunk's
+//!    deterministic bytes into its row (what the GPU -> primary copy does in vLLM).
+//! 2. Store: `complete_store` per job-sized batch; the manager cascades every batch to the G3
+//!    tier as one store job. A window of outstanding jobs keeps the tier's byte budget busy.
+//! 3. Evict: `reset_cache` drains the tier and empties the primary (G3 keeps its data).
+//! 4. Load: `lookup` finds each chunk in G3 and starts a promotion; `on_schedule_end` submits
+//!    one load job per request (batch).
+//! 5. Verify: pin every row (`prepare_load`) and compare it byte for byte with what was stored.
+//!
+//! * [`plan`]: what the arguments mean (rows, jobs, capacity), checked before anything runs.
+//! * [`tier`]: the stack the bench runs on (primary, one G3 tier, the manager).
+//! * [`phases`]: fill, store, load, verify. [`data`]: each chunk's deterministic bytes.
+//! * [`report`]: the `--json` schema and the human table.
+
+pub mod data;
+pub mod phases;
+pub mod plan;
+pub mod report;
+pub mod tier;
+
+use std::process::ExitCode;
+
+use crate::canonical::namespace_digest;
+use crate::cli::args::{InFlightArgs, PathArgs, RowArgs, parse_engine};
+use crate::cli::bench::data::chunk_key;
+use crate::cli::bench::phases::{
+    corrupt_chunk_for_test, corrupt_loaded_chunk, fill, load_phase, store_phase, verify,
+};
+use crate::cli::bench::plan::Plan;
+use crate::cli::bench::report::{BenchReport, LayoutReport, TierReport, render};
+use crate::cli::bench::tier::{BenchTier, TierOptions};
+use crate::cli::output::print_json;
+use crate::cli::size::parse_size;
+use crate::error::Result;
+use crate::io::IoEngineKind;
+use crate::key::ChunkKey;
+
+/// Arguments of `kvtier bench`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "Examples:
+  kvtier bench                                   # 2 GiB of Llama-3.1-8B chunks (2 MiB rows) on the temp dir
+  kvtier bench --path /mnt/nvme0 --path /mnt/nvme1 --bytes 16GiB
+  kvtier bench --layout layouts/qwen3-32b.toml --tp 2 --blocks-per-chunk 4
+  kvtier bench --bytes 256MiB --keep --json      # keep the tier for `kvtier tier inspect`
+
+The tier gets a new sub-directory in each --path (one slab each), removed afterwards unless
+--keep. Exits 1 if any stored byte does not come back intact.")]
+pub struct BenchArgs {
+    /// Where the tier goes.
+    #[command(flatten)]
+    pub path: PathArgs,
+    /// Tier capacity over all paths. Default: just enough for --bytes.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub capacity: Option<u64>,
+    /// Bytes of KV chunks to store and load back (rounded down to whole rows, at least one).
+    #[arg(long, default_value = "2GiB", value_parser = parse_size, value_name = "SIZE")]
+    pub bytes: u64,
+    /// The rows: model layout, TP size, blocks per chunk.
+    #[command(flatten)]
+    pub row: RowArgs,
+    /// The tier's byte budget in flight.
+    #[command(flatten)]
+    pub in_flight: InFlightArgs,
+    /// I/O engine: auto, uring or psync.
+    #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
+    pub io_engine: IoEngineKind,
+    /// How long the tier's worker lingers (naps instead of blocking) after its last work, as
+    /// the nvme key `idle_linger_ms`; 0 turns lingering off.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub idle_linger_ms: u64,
+    /// Keep the tier afterwards (its path is printed) for `kvtier tier inspect/verify`.
+    #[arg(long)]
+    pub keep: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
+/// directories (even with `--keep`) and exits 130.
+pub fn run(args: BenchArgs) -> Result<ExitCode> {
+    crate::cli::interrupt::run_interruptible(|| run_caught(args))
+}
+
+fn run_caught(args: BenchArgs) -> Result<ExitCode> {
+    let plan = Plan::from_args(&args)?;
+    let namespace = namespace_digest(&plan.layout, &plan.params);
+    let mut tier = BenchTier::open(&TierOptions {
+        parent_dirs: args.path.paths.clone(),
+        capacity: plan.capacity,
+        row_stride: plan.row_stride,
+        primary_rows: plan.chunks,
+        max_bytes_in_flight: args.in_flight.max_bytes_in_flight,
+        io_engine: args.io_engine,
+        idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
+        namespace,
+        keep: args.keep,
+    })?;
+    let seed = run_seed();
+    let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
+    let batches = plan.batches();
+    let progress = !args.json;
+
+    fill(&mut tier.manager, &keys, &batches, seed, progress)?;
+    let store = store_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
+    tier.manager.reset_cache()?;
+    tier.manager.on_reset_flushed();
+    let load = load_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
+    if let Some(index) = corrupt_chunk_for_test()? {
+        corrupt_loaded_chunk(&mut tier.manager, &keys, index)?;
+    }
+    let (verified, mismatched, missing) = verify(&mut tier.manager, &keys, seed, progress)?;
+
+    let facts = tier.facts();
+    let kept = tier.close()?;
+    let report = BenchReport {
+        layout: LayoutReport {
+            model: plan.layout.model_name.clone(),
+            tp: args.row.model.tp,
+            blocks_per_chunk: args.row.blocks_per_chunk,
+            tokens_per_chunk: plan.layout.tokens_per_block * args.row.blocks_per_chunk,
+            row_stride: plan.row_stride,
+            namespace: hex::encode(namespace),
+        },
+        tier: TierReport {
+            paths: facts.dirs,
+            capacity_bytes: plan.capacity,
+            max_bytes_in_flight: args.in_flight.max_bytes_in_flight,
+            io_engine: facts.io_engine,
+            direct_io: facts.direct_io,
+            kept,
+        },
+        chunks: plan.chunks,
+        store,
+        load,
+        chunks_verified: verified,
+        chunks_mismatched: mismatched,
+        chunks_missing: missing,
+        ok: verified == plan.chunks,
+    };
+    if args.json {
+        print_json(&report)?;
+    } else {
+        print!("{}", render(&report));
+    }
+    if report.ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
+            plan.chunks - verified,
+            plan.chunks,
+            mismatched,
+            missing
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// A seed that differs between runs (so a kept tier never makes a later run look good).
+fn run_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
