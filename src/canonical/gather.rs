@@ -257,7 +257,13 @@ impl RowPlan {
 
     /// Calls `f(local_start, row_start, run)` for every run of every page to move for chunk
     /// `chunk_id`, in plan order (layer, page, run); the starts are the run's first fragment.
-    fn for_each_run(&self, chunk_id: u64, dir: Direction, mut f: impl FnMut(u64, u64, &CopyRun)) {
+    /// (The GPUDirect Storage path maps these runs onto GPU blocks.)
+    pub fn for_each_run(
+        &self,
+        chunk_id: u64,
+        dir: Direction,
+        mut f: impl FnMut(u64, u64, &CopyRun),
+    ) {
         let bpc = u64::from(self.blocks_per_chunk);
         for lp in &self.layers {
             let m = &lp.mapping;

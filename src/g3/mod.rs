@@ -7,15 +7,20 @@
 //! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
 //! * [`tier`]: [`G3Tier`], the [`crate::contract::secondary::SecondaryTier`] implementation,
 //!   driven by the worker thread in `worker`.
+//! * [`direct`]: [`direct::DirectSlots`], slots moved by another data path (GPUDirect Storage).
+//! * `gpu_path` (feature `gds`): chunks moved between GPU blocks and slots by GDS.
 //! * [`gds`]: whether GPUDirect Storage can run for the tier (`gds` key), and why not.
 //! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
 
 pub mod admin;
 pub mod aligned;
 pub mod config;
+pub mod direct;
 pub mod dirs;
 pub mod format;
 pub mod gds;
+#[cfg(feature = "gds")]
+pub mod gpu_path;
 pub mod index;
 pub mod journal;
 pub mod keymap;

@@ -73,6 +73,8 @@ pub struct G3Tier {
     locality: Option<Locality>,
     max_queued_jobs: usize,
     info: G3Info,
+    /// Duplicates of the slabs' data descriptors, for [`G3Tier::direct_slots`].
+    direct_files: Arc<Vec<File>>,
 }
 
 impl std::fmt::Debug for G3Tier {
@@ -128,6 +130,12 @@ impl G3Tier {
             .iter()
             .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
             .collect::<Result<Vec<_>>>()?;
+        let direct_files = Arc::new(
+            set.files
+                .iter()
+                .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
+                .collect::<Result<Vec<_>>>()?,
+        );
         let all_direct = set.files.iter().all(|f| f.direct);
         let per_flight =
             ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight, row_stride).min(4096) as u32;
@@ -211,12 +219,27 @@ impl G3Tier {
             locality,
             max_queued_jobs: cfg.max_queued_jobs,
             info,
+            direct_files,
         })
     }
 
     /// Facts about the open tier.
     pub fn info(&self) -> &G3Info {
         &self.info
+    }
+
+    /// A handle for another data path (GPUDirect Storage) to move rows into and out of this
+    /// tier's slots under its index, journal and CRC rules (see [`crate::g3::direct`]).
+    pub fn direct_slots(&self) -> Result<crate::g3::direct::DirectSlots> {
+        let cmd_tx = self
+            .cmd_tx
+            .clone()
+            .ok_or_else(|| Error::new(ErrorKind::Closed, "the G3 tier is shut down"))?;
+        Ok(crate::g3::direct::DirectSlots {
+            cmd_tx,
+            files: self.direct_files.clone(),
+            row_stride: self.info.row_stride,
+        })
     }
 
     /// The GPUDirect Storage state now (a GPU data path that starts cuFile updates it).

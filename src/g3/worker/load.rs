@@ -12,7 +12,9 @@ impl Worker {
         let mut guard = self.sh.index.lock();
         let Some(ix) = guard.as_mut() else { return };
         for i in 0..a.keys.len() {
-            if let Err(e) = self.check_row(a.rows[i]) {
+            if a.direct.is_none()
+                && let Err(e) = self.check_row(a.rows[i])
+            {
                 a.fail(i, e);
                 continue;
             }
@@ -42,9 +44,13 @@ impl Worker {
             if a.status[i] != KeyStatus::Done {
                 continue;
             }
-            // SAFETY: the manager reserves a load job's rows (no other reader or writer)
-            // until the job is reported; our read into the row has completed.
-            let found = unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash);
+            let found = match &a.direct {
+                // The other data path checksummed what it read (see `direct.rs`).
+                Some(d) => Ok(d.crcs[i]),
+                // SAFETY: the manager reserves a load job's rows (no other reader or writer)
+                // until the job is reported; our read into the row has completed.
+                None => unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash),
+            };
             match found {
                 Ok(found) if found == crc => loaded.push(a.keys[i].clone()),
                 Ok(found) => {

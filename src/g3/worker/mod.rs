@@ -38,9 +38,12 @@ use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::key::ChunkKey;
 
+mod direct;
 mod durability;
 mod load;
 mod store;
+
+pub(crate) use direct::{DirectOutcome, DirectStart};
 
 /// Transfers in flight from which the worker stops listening for commands and takes them at
 /// the next completion instead (see the module docs).
@@ -67,6 +70,10 @@ pub(crate) enum Cmd {
     Drain(Sender<()>),
     /// Drain, checkpoint (when the flag is true), stop the engine, then signal and exit.
     Shutdown(Sender<Result<()>>, bool),
+    /// Reserve (store) or pin (load) slots for a transfer another data path makes.
+    DirectStart(DirectStart),
+    /// The other data path's per-key outcome: commit, release, report to the sender.
+    DirectFinish(DirectOutcome),
 }
 
 /// State shared between the tier (caller side) and its worker.
@@ -101,6 +108,9 @@ struct Active {
     bytes: u64,
     started: Instant,
     first_error: Option<Error>,
+    /// A transfer made by another data path (see `direct.rs`): no primary rows, the CRCs come
+    /// from it, the result goes to `reply`.
+    direct: Option<direct::DirectState>,
 }
 
 impl Active {
@@ -169,6 +179,8 @@ pub(crate) struct Worker {
     /// Jobs whose transfers all completed, finished (load CRC checks, commit queueing) once
     /// the budget they freed has been refilled with new submissions.
     completed: Vec<Active>,
+    /// Direct transfers started and not finished, by serial.
+    direct: HashMap<u32, Active>,
 }
 
 impl Worker {
@@ -201,6 +213,7 @@ impl Worker {
             last_work: Instant::now(),
             commits: Vec::new(),
             completed: Vec::new(),
+            direct: HashMap::new(),
         }
     }
 
@@ -341,7 +354,10 @@ impl Worker {
                 self.start_then_cancel_the_rest();
                 self.drain_waiters.push(ack);
             }
+            Cmd::DirectStart(start) => self.start_direct(start),
+            Cmd::DirectFinish(outcome) => self.finish_direct(outcome),
             Cmd::Shutdown(ack, checkpoint) => {
+                self.abandon_direct();
                 self.start_then_cancel_the_rest();
                 self.shutdown_ack = Some(ack);
                 self.checkpoint_on_close = checkpoint;
@@ -460,6 +476,7 @@ impl Worker {
             bytes: 0,
             started: Instant::now(),
             first_error: None,
+            direct: None,
         };
         self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
         if a.rows.len() != n {
@@ -629,7 +646,14 @@ impl Worker {
             }
         };
         self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
-        let _ = self.results_tx.send(result);
+        match a.direct.and_then(|d| d.reply) {
+            Some(reply) => {
+                let _ = reply.send(result);
+            }
+            None => {
+                let _ = self.results_tx.send(result);
+            }
+        }
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {

@@ -61,7 +61,9 @@ impl Worker {
                     );
                     continue;
                 }
-                if let Err(e) = self.check_row(a.rows[i]) {
+                if a.direct.is_none()
+                    && let Err(e) = self.check_row(a.rows[i])
+                {
                     a.fail(i, e);
                     continue;
                 }
@@ -151,7 +153,10 @@ impl Worker {
     /// the job for the next group commit.
     pub(super) fn finish_store(&mut self, a: Active) {
         let n_paths = self.set.files.len();
-        for i in 0..a.keys.len() {
+        // A direct transfer's failed writes poisoned their paths when reported (only I/O
+        // errors do: a GPU-side failure says nothing about the disk).
+        let own_writes = if a.direct.is_none() { a.keys.len() } else { 0 };
+        for i in 0..own_writes {
             if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
                 let e = a
                     .first_error

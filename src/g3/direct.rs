@@ -1,0 +1,133 @@
+//! [`DirectSlots`]: moving chunk bytes into and out of a live G3 tier's slots by another data
+//! path (GPUDirect Storage), with the tier keeping its index, journal and CRC rules.
+//!
+//! 1. [`DirectSlots::begin_store`] / [`DirectSlots::begin_load`]: the tier's worker reserves
+//!    slots for the keys (evicting and journaling like a store job; keys already held are
+//!    skipped) or pins their committed slots, and returns each one's slab file, byte offset
+//!    and (loads) indexed CRC.
+//! 2. The caller moves whole rows (`row_stride` bytes) at those offsets through the slab
+//!    files' O_DIRECT descriptors ([`DirectSlots::files`]), checksumming each row with
+//!    CRC-32 (IEEE), what `crc32fast` computes over the row.
+//! 3. [`DirectSlots::finish`] with each key's CRC or error: stores are committed exactly like
+//!    the tier's own (fdatasync of the slabs under `fsync = always`, one journal record per
+//!    key, then the index); loads are checked against the indexed CRC, and a failed key
+//!    becomes a miss. The returned [`JobResult`] follows the tier's rules: success only if
+//!    every key moved (or was skipped as held).
+//!
+//! A slot written this way is an ordinary slot: the CPU path loads it, and the reverse. The
+//! calls wait for the worker (microseconds, longer while it writes a checkpoint): call them
+//! from an I/O thread, not from the scheduler.
+
+use std::fs::File;
+
+use crossbeam_channel::Sender;
+
+use crate::contract::job::JobResult;
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::worker::{Cmd, DirectOutcome, DirectStart};
+use crate::key::ChunkKey;
+
+/// What the tier granted one key.
+#[derive(Debug)]
+pub enum GrantedSlot {
+    /// Store: the key is already held (or repeated in the job); nothing to move.
+    Skipped,
+    /// The key cannot move (no slot, not held, poisoned tier...).
+    Failed(Error),
+    /// Move `row_stride` bytes at `offset` of slab file `file` (an index into
+    /// [`DirectSlots::files`]); `crc` is the indexed CRC (loads; 0 for stores).
+    Ready {
+        /// Slab file index (stripe order).
+        file: usize,
+        /// Byte offset of the slot in that file.
+        offset: u64,
+        /// The indexed CRC-32 of the row (loads).
+        crc: u32,
+    },
+}
+
+/// The slots granted for one transfer; hand it back to [`DirectSlots::finish`].
+#[derive(Debug)]
+pub struct DirectGrant {
+    pub(crate) serial: u32,
+    /// The caller's job id.
+    pub job_id: u64,
+    /// Bytes per slot (the whole row moves).
+    pub row_stride: u64,
+    /// One per key, in the job's order.
+    pub slots: Vec<GrantedSlot>,
+}
+
+/// A handle for another data path to move rows into and out of a live tier's slots. Clones
+/// share the tier; after the tier shuts down every call fails with `Closed`.
+#[derive(Debug, Clone)]
+pub struct DirectSlots {
+    pub(crate) cmd_tx: Sender<Cmd>,
+    pub(crate) files: std::sync::Arc<Vec<File>>,
+    pub(crate) row_stride: u64,
+}
+
+fn closed() -> Error {
+    Error::new(ErrorKind::Closed, "the G3 tier is shut down")
+}
+
+impl DirectSlots {
+    /// Bytes per slot.
+    pub fn row_stride(&self) -> u64 {
+        self.row_stride
+    }
+
+    /// Fresh descriptors of the slab files' O_DIRECT data descriptors, in stripe order (the
+    /// `file` of a [`GrantedSlot::Ready`] indexes this list).
+    pub fn files(&self) -> Result<Vec<File>> {
+        self.files
+            .iter()
+            .map(|f| {
+                f.try_clone().map_err(|e| {
+                    Error::new(ErrorKind::Io, format!("dup of a slab descriptor: {e}"))
+                        .with_source(e)
+                })
+            })
+            .collect()
+    }
+
+    fn begin(&self, job_id: u64, keys: Vec<ChunkKey>, load: bool) -> Result<DirectGrant> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.cmd_tx
+            .send(Cmd::DirectStart(DirectStart {
+                job_id,
+                load,
+                keys,
+                reply: tx,
+            }))
+            .map_err(|_| closed())?;
+        rx.recv().map_err(|_| closed())?
+    }
+
+    /// Reserves a slot for each key to store (see the module docs).
+    pub fn begin_store(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<DirectGrant> {
+        self.begin(job_id, keys, false)
+    }
+
+    /// Pins the committed slot of each key to load.
+    pub fn begin_load(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<DirectGrant> {
+        self.begin(job_id, keys, true)
+    }
+
+    /// Reports each key's outcome (the CRC-32 of the row written or read, or the error;
+    /// entries for keys not [`GrantedSlot::Ready`] are ignored) and waits for the commit or
+    /// check. The result is the job's, by the tier's rules.
+    pub fn finish(&self, grant: DirectGrant, results: Vec<Result<u32>>) -> JobResult {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let job_id = grant.job_id;
+        let sent = self.cmd_tx.send(Cmd::DirectFinish(DirectOutcome {
+            serial: grant.serial,
+            results,
+            reply: tx,
+        }));
+        match sent.ok().and_then(|()| rx.recv().ok()) {
+            Some(r) => r,
+            None => JobResult::failed(job_id, closed()),
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Transfers another data path makes (GPUDirect Storage) into and out of this tier's slots.
+//!
+//! The worker reserves (store) or pins (load) the slots exactly as for its own jobs and hands
+//! out their file offsets; when told each key's outcome it commits the stores through the same
+//! group commit (fdatasync of the slabs, journal record, index) or checks the loads' CRCs
+//! against the index and turns failures into misses, then reports the job to the caller. A
+//! direct transfer is never visible to lookups before its commit, exactly like a store job.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::Sender;
+
+use super::{Active, KeyStatus, Worker};
+use crate::contract::job::JobResult;
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::direct::{DirectGrant, GrantedSlot};
+use crate::g3::format::slot_location;
+use crate::key::ChunkKey;
+
+/// A request for slots (see [`crate::g3::direct::DirectSlots`]).
+pub(crate) struct DirectStart {
+    /// The caller's job id (in the result).
+    pub job_id: u64,
+    /// Load (pin committed slots) or store (reserve free or evicted slots).
+    pub load: bool,
+    /// The keys.
+    pub keys: Vec<ChunkKey>,
+    /// Where the grant goes.
+    pub reply: Sender<Result<DirectGrant>>,
+}
+
+/// The outcome of a direct transfer, per key of its grant.
+pub(crate) struct DirectOutcome {
+    /// The grant's serial.
+    pub serial: u32,
+    /// Per key: the CRC-32 of the row written (store) or read (load), or why it failed.
+    /// Ignored for keys the grant did not make ready.
+    pub results: Vec<Result<u32>>,
+    /// Where the job result goes.
+    pub reply: Sender<JobResult>,
+}
+
+/// What an [`Active`] of a direct transfer carries.
+pub(crate) struct DirectState {
+    /// Where the job result goes (set when the outcome arrives).
+    pub reply: Option<Sender<JobResult>>,
+    /// Per key, the CRC the other data path found (loads).
+    pub crcs: Vec<u32>,
+}
+
+impl Worker {
+    pub(super) fn start_direct(&mut self, s: DirectStart) {
+        let serial = self.next_serial;
+        self.next_serial = self.next_serial.wrapping_add(1);
+        let n = s.keys.len();
+        let mut a = Active {
+            job_id: s.job_id,
+            load: s.load,
+            keys: s.keys,
+            rows: vec![0; n],
+            slots: vec![None; n],
+            status: vec![KeyStatus::Pending; n],
+            remaining: 0,
+            bytes: 0,
+            started: Instant::now(),
+            first_error: None,
+            direct: Some(DirectState {
+                reply: None,
+                crcs: vec![0; n],
+            }),
+        };
+        self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
+        if let Some(e) = self.sh.failed.lock().as_ref() {
+            (0..n).for_each(|i| a.fail(i, e.duplicate()));
+        } else if s.load {
+            self.prepare_load(&mut a);
+        } else {
+            self.prepare_store(&mut a);
+        }
+        let stride = self.set.row_stride();
+        let n_files = self.set.files.len();
+        let failed = |a: &Active| {
+            a.first_error.as_ref().map_or_else(
+                || Error::new(ErrorKind::Internal, "key failed"),
+                Error::duplicate,
+            )
+        };
+        let slots = (0..n)
+            .map(|i| match (a.status[i], a.slots[i]) {
+                (KeyStatus::Skipped, _) => GrantedSlot::Skipped,
+                (KeyStatus::Pending, Some((slot, crc))) => {
+                    let (file, offset) = slot_location(u64::from(slot), n_files, stride);
+                    GrantedSlot::Ready { file, offset, crc }
+                }
+                _ => GrantedSlot::Failed(failed(&a)),
+            })
+            .collect();
+        self.direct.insert(serial, a);
+        let _ = s.reply.send(Ok(DirectGrant {
+            serial,
+            job_id: s.job_id,
+            row_stride: stride,
+            slots,
+        }));
+    }
+
+    pub(super) fn finish_direct(&mut self, o: DirectOutcome) {
+        let Some(mut a) = self.direct.remove(&o.serial) else {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!("direct transfer {} is unknown (finished twice?)", o.serial),
+            );
+            let _ = o.reply.send(JobResult::failed(0, e));
+            return;
+        };
+        let stride = self.set.row_stride();
+        let n_paths = self.set.files.len();
+        let n = a.keys.len();
+        if o.results.len() != n {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!("{} outcomes for a transfer of {n} keys", o.results.len()),
+            );
+            for i in 0..n {
+                if a.status[i] == KeyStatus::Pending {
+                    a.fail(i, e.duplicate());
+                }
+            }
+        }
+        for (i, r) in o.results.into_iter().enumerate().take(n) {
+            if a.status[i] != KeyStatus::Pending {
+                continue;
+            }
+            match r {
+                Ok(crc) => {
+                    a.status[i] = KeyStatus::Done;
+                    a.bytes += stride;
+                    let ctr = if a.load {
+                        if let Some(d) = a.direct.as_mut() {
+                            d.crcs[i] = crc;
+                        }
+                        &self.sh.metrics.bytes_read
+                    } else {
+                        if let Some((slot, _)) = a.slots[i] {
+                            a.slots[i] = Some((slot, crc));
+                        }
+                        &self.sh.metrics.bytes_written
+                    };
+                    ctr.fetch_add(stride, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    if e.kind() == ErrorKind::Checksum {
+                        self.sh
+                            .metrics
+                            .checksum_failures
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    if matches!(e.kind(), ErrorKind::Io | ErrorKind::ShortIo) {
+                        self.sh.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
+                        // A failed write poisons its path, as on the CPU path.
+                        if let (false, Some((slot, _))) = (a.load, a.slots[i]) {
+                            self.poison_path(slot as usize % n_paths, &e);
+                        }
+                    }
+                    a.fail(i, e);
+                }
+            }
+        }
+        if let Some(d) = a.direct.as_mut() {
+            d.reply = Some(o.reply);
+        }
+        self.finish(a);
+    }
+
+    /// At shutdown: releases the slots of direct transfers whose outcome never came (stores
+    /// were never journaled; they are simply not there after a restart).
+    pub(super) fn abandon_direct(&mut self) {
+        let parked: Vec<Active> = self.direct.drain().map(|(_, a)| a).collect();
+        let mut guard = self.sh.index.lock();
+        for a in parked {
+            self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
+            let Some(ix) = guard.as_mut() else { continue };
+            for i in 0..a.keys.len() {
+                if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                    if a.load {
+                        ix.unpin(slot);
+                    } else {
+                        ix.abort(slot);
+                    }
+                }
+            }
+        }
+    }
+}
