@@ -14,9 +14,39 @@ use crossbeam_channel::Sender;
 use super::{Active, KeyStatus, Worker};
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::direct::{DirectGrant, GrantedSlot};
 use crate::g3::format::slot_location;
 use crate::key::ChunkKey;
+
+/// What the tier granted one key.
+#[derive(Debug)]
+pub enum GrantedSlot {
+    /// Store: the key is already held (or repeated in the job); nothing to move.
+    Skipped,
+    /// The key cannot move (no slot, not held, poisoned tier...).
+    Failed(Error),
+    /// Move `row_stride` bytes at `offset` of slab file `file` (an index into
+    /// `DirectSlots::files`); `crc` is the indexed CRC (loads; 0 for stores).
+    Ready {
+        /// Slab file index (stripe order).
+        file: usize,
+        /// Byte offset of the slot in that file.
+        offset: u64,
+        /// The indexed CRC-32 of the row (loads).
+        crc: u32,
+    },
+}
+
+/// The slots granted for one transfer; hand it back to `DirectSlots::finish`.
+#[derive(Debug)]
+pub struct DirectGrant {
+    pub(crate) serial: u32,
+    /// The caller's job id.
+    pub job_id: u64,
+    /// Bytes per slot (the whole row moves).
+    pub row_stride: u64,
+    /// One per key, in the job's order.
+    pub slots: Vec<GrantedSlot>,
+}
 
 /// A request for slots (see [`crate::g3::direct::DirectSlots`]).
 pub(crate) struct DirectStart {

@@ -43,6 +43,7 @@ mod durability;
 mod load;
 mod store;
 
+pub use direct::{DirectGrant, GrantedSlot};
 pub(crate) use direct::{DirectOutcome, DirectStart};
 
 /// Transfers in flight from which the worker stops listening for commands and takes them at
