@@ -36,3 +36,19 @@ fn inspect_reports_gds_for_the_slabs() {
     let text = kvtier(&["tier", "inspect", dir]);
     assert!(String::from_utf8_lossy(&text.stdout).contains(&format!("gds:        {expected}")));
 }
+
+/// Without a GPU (or without the feature), `bench --gds` is a one-line user error saying why.
+#[test]
+fn bench_gds_without_gpu_says_why() {
+    if kvtier::g3::gds::availability(&[std::env::temp_dir()]).is_ok() {
+        kvtier::skip_test!("GPUDirect Storage libraries are present here");
+        return;
+    }
+    let out = kvtier(&["bench", "--gds", "--bytes", "8MiB"]);
+    let needle = if cfg!(feature = "gds") {
+        "cannot start"
+    } else {
+        "--features gds"
+    };
+    cli_common::assert_exit_2_one_line(&out, needle);
+}

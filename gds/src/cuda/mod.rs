@@ -1,6 +1,11 @@
 //! The real device: CUDA through cudarc's driver API and cuFile through [`cufile`], loaded
 //! only after [`crate::probe`] found both libraries.
 
+pub mod cufile;
+mod device;
+
+pub use device::CudaDevice;
+
 /// Whether the dynamic loader can load `name` (a bare name or a path). The library stays
 /// loaded (`RTLD_NODELETE`): libcufile keeps thread-local state that must not be unmapped.
 pub(crate) fn loads(name: &str) -> bool {

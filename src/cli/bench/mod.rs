@@ -15,6 +15,7 @@
 //! * [`report`]: the `--json` schema and the human table.
 
 pub mod data;
+pub mod gds;
 pub mod phases;
 pub mod plan;
 pub mod report;
@@ -76,6 +77,11 @@ pub struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Instead: chunks in GPU memory stored and loaded by GPUDirect Storage and, from the same
+    /// GPU buffers, by the CPU path (GPU -> pinned row -> O_DIRECT), every byte verified; one
+    /// table of GB/s. Needs a build with `--features gds` and a GPU.
+    #[arg(long)]
+    pub gds: bool,
 }
 
 /// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
@@ -85,6 +91,9 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
 }
 
 fn run_caught(args: BenchArgs) -> Result<ExitCode> {
+    if args.gds {
+        return gds::run(&args);
+    }
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
     let mut tier = BenchTier::open(&TierOptions {
