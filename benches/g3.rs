@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use kvtier::contract::job::TransferJob;
 use kvtier::contract::secondary::SecondaryTier;
-use kvtier::g3::journal::{JournalWriter, write_checkpoint};
+use kvtier::g3::checkpoint::rotate;
+use kvtier::g3::index_dir::IndexDir;
+use kvtier::g3::journal::JournalWriter;
 use kvtier::g3::{FsyncPolicy, G3Tier, G3TierConfig, geometry_namespace};
 use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
@@ -202,23 +204,25 @@ fn recovery_bench(dir: &Path, entries: u64) {
             generation: i + 1,
         })
         .collect();
-    write_checkpoint(d.path(), uuid, 1, entries + 1, &ix).expect("checkpoint");
-    JournalWriter::create(d.path(), uuid, 1).expect("journal");
-    let _ = kvtier::g3::recovery::recover(d.path(), uuid, total, 1); // warm the page cache
-    let r = kvtier::g3::recovery::recover(d.path(), uuid, total, 1).expect("recover");
+    let dir = IndexDir::open(d.path()).expect("index directory");
+    rotate(&dir, uuid, 1, entries + 1, &ix)
+        .map_err(|e| e.error)
+        .expect("checkpoint");
+    let _ = kvtier::g3::recovery::recover(&dir, uuid, total, 1); // warm the page cache
+    let r = kvtier::g3::recovery::recover(&dir, uuid, total, 1).expect("recover");
     assert_eq!(r.index.len() as u64, entries);
     let ck = r.records as f64 / r.duration.as_secs_f64();
     // Journal-only replay of the same entries.
     let ckpt = d.path().join(kvtier::g3::journal::CHECKPOINT_FILE_NAME);
     std::fs::remove_file(ckpt).expect("remove checkpoint");
-    let mut w = JournalWriter::create(d.path(), uuid, 0).expect("journal");
+    let mut w = JournalWriter::create(&dir, uuid, 0).expect("journal");
     for e in &ix {
         w.insert(&e.key, e.slot, e.crc, e.generation);
     }
     w.flush(false).expect("flush");
     drop(w);
-    let _ = kvtier::g3::recovery::recover(d.path(), uuid, total, 1);
-    let r = kvtier::g3::recovery::recover(d.path(), uuid, total, 1).expect("recover");
+    let _ = kvtier::g3::recovery::recover(&dir, uuid, total, 1);
+    let r = kvtier::g3::recovery::recover(&dir, uuid, total, 1).expect("recover");
     assert_eq!(r.index.len() as u64, entries);
     let jn = r.records as f64 / r.duration.as_secs_f64();
     println!("\n| recovery source | entries | entries/s |\n|---|---:|---:|");

@@ -15,7 +15,7 @@ use kvtier::error::ErrorKind;
 use kvtier::g3::journal::JOURNAL_FILE_NAME;
 use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
-use kvtier::io::{FaultPlan, FaultyEngine, open_engine};
+use kvtier::io::{FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine};
 use kvtier::region::PrimaryRegion;
 use std::sync::Arc;
 
@@ -229,9 +229,11 @@ fn failed_final_checkpoint_is_counted_and_the_journal_recovers_everything() {
     let d = tmpdir();
     let r = region(8);
     let mut cfg = config(&[d.path()], 8);
-    // No per-job fdatasync: the shutdown checkpoint's slab sync is the first one, and it fails.
     cfg.fsync = kvtier::g3::FsyncPolicy::Never;
-    let mut t = open_faulty(cfg, &r, FaultPlan::new().fail_syncs_after(0));
+    // The shutdown checkpoint cannot create its file (the first checkpoint, at open, can).
+    let plan = FaultPlan::new()
+        .meta(MetaFault::new(MetaFile::Checkpoint, MetaOp::Create, libc::EIO).after(1));
+    let mut t = open_faulty(cfg, &r, plan);
     for i in 0..3u32 {
         fill_row(&r, i, u64::from(i));
     }

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use kvtier::g3::index::{Index, Slot, SlotState};
-use kvtier::g3::journal::{FILE_HEADER_SIZE, JournalWriter, Record, decode_records};
+use kvtier::g3::index_dir::IndexDir;
+use kvtier::g3::journal::{FILE_HEADER_SIZE, JournalWriter};
+use kvtier::g3::record::{Record, RecordCodec, decode_records};
 use kvtier::key::ChunkKey;
 use proptest::prelude::*;
 
@@ -38,7 +40,8 @@ proptest! {
     fn journal_replay_matches_live_index(ops in proptest::collection::vec(op(), 1..120), slots in 1u32..10) {
         let dir = tempfile::tempdir_in("/tmp").unwrap();
         let mut ix = Index::new(slots, 2);
-        let mut j = JournalWriter::create(dir.path(), [1; 16], 0).unwrap();
+        let index_dir = IndexDir::open(dir.path()).unwrap();
+        let mut j = JournalWriter::create(&index_dir, [1; 16], 0).unwrap();
         let mut model: HashMap<ChunkKey, (Slot, u32)> = HashMap::new();
         let mut generation = 1u64;
         let mut store = |ix: &mut Index, j: &mut JournalWriter, model: &mut HashMap<_, _>, key: ChunkKey, ok: bool| {
@@ -102,11 +105,14 @@ proptest! {
         j.flush(false).unwrap();
         let bytes = std::fs::read(j.path()).unwrap();
         let mut replay = Index::new(slots, 2);
-        let (_, problem) = decode_records(&bytes[FILE_HEADER_SIZE..], |r| match r {
-            Record::Insert { key, slot, crc, generation } => { replay.apply_insert(key, slot, crc, generation); }
-            Record::Remove { slot } => { replay.apply_remove(slot); }
-        });
-        prop_assert!(problem.is_none());
+        let decoded = decode_records(&RecordCodec::new([1; 16]), &bytes[FILE_HEADER_SIZE..], FILE_HEADER_SIZE as u64);
+        prop_assert!(decoded.skipped.is_empty() && decoded.tail.is_none());
+        for r in decoded.records {
+            match r {
+                Record::Insert { key, slot, crc, generation } => { replay.apply_insert(key, slot, crc, generation); }
+                Record::Remove { slot } => { replay.apply_remove(slot); }
+            }
+        }
         replay.finish_recovery();
         let mut live = ix.entries_lru_first();
         let mut rec = replay.entries_lru_first();

@@ -99,7 +99,8 @@ fn lookup_answers_retry_while_recovering() {
     let ckpt_seq = kvtier::g3::admin::inspect(&cfg.paths)
         .unwrap()
         .checkpoint_seq;
-    let mut w = kvtier::g3::journal::JournalWriter::create(d.path(), set_uuid, ckpt_seq).unwrap();
+    let dir = kvtier::g3::index_dir::IndexDir::open(d.path()).unwrap();
+    let mut w = kvtier::g3::journal::JournalWriter::create(&dir, set_uuid, ckpt_seq).unwrap();
     for i in 0..300_000u64 {
         w.insert(&key(i), (i % 4) as u32, 0, i + 1);
     }

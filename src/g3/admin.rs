@@ -10,9 +10,11 @@ use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::aligned::AlignedBuf;
+use crate::g3::checkpoint::remove_index_files;
 use crate::g3::config::DirectIoMode;
 use crate::g3::format::{Superblock, slot_location};
-use crate::g3::journal::{JOURNAL_FILE_NAME, remove_index_files};
+use crate::g3::index_dir::{IndexDir, JOURNAL_FILE_NAME};
+use crate::g3::record::chunk_crc;
 use crate::g3::recovery::{self, Recovered};
 use crate::g3::slab::{
     self, SLAB_FILE_NAME, SlabSpec, check_dirs, fs_type_of, lock_holder_of, open_locked,
@@ -120,11 +122,14 @@ impl OpenSet {
     fn sb(&self) -> &Superblock {
         &self.files[0].2
     }
+    fn index_dir(&self) -> Result<IndexDir> {
+        IndexDir::open(self.meta_dir())
+    }
     fn recover(&self) -> Result<Recovered> {
         let sb = self.sb();
         let total = u32::try_from(sb.total_slots)
             .map_err(|_| Error::new(ErrorKind::Corrupt, "superblock names more than 2^32 slots"))?;
-        recovery::recover(self.meta_dir(), sb.set_uuid, total, self.files.len())
+        recovery::recover(&self.index_dir()?, sb.set_uuid, total, self.files.len())
     }
 }
 
@@ -193,7 +198,8 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
     // Refuse a directory that takes no files before anything is removed or created.
     let dirs = slab::check_writable_dirs(paths)?;
     slab::remove_set(&dirs)?;
-    remove_index_files(&dirs[0])?;
+    let index_dir = IndexDir::open(&dirs[0])?;
+    remove_index_files(&index_dir)?;
     let spec = SlabSpec {
         row_stride: opts.row_stride,
         capacity_bytes: opts.capacity_bytes,
@@ -203,8 +209,8 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
     let set = slab::open_set(&dirs, &spec)?;
     let total = u32::try_from(set.total_slots())
         .map_err(|_| Error::new(ErrorKind::Config, "more than 2^32 - 1 slots"))?;
-    let rec = recovery::recover(set.meta_dir(), set.set_uuid(), total, set.files.len())?;
-    recovery::open_journal(set.meta_dir(), set.set_uuid(), &rec)?;
+    let rec = recovery::recover(&index_dir, set.set_uuid(), total, set.files.len())?;
+    recovery::open_journal(&index_dir, set.set_uuid(), &rec)?;
     drop(set);
     inspect(&dirs)
 }
@@ -212,10 +218,19 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
 /// Reports the superblocks, lock holders and index summary. Read-only.
 pub fn inspect(paths: &[PathBuf]) -> Result<SlabReport> {
     let set = open_existing(paths, false)?;
-    let rec = set.recover()?;
-    let journal_bytes = std::fs::metadata(set.meta_dir().join(JOURNAL_FILE_NAME))
-        .map(|m| m.len())
-        .unwrap_or(0);
+    let mut rec = set.recover()?;
+    let index_dir = set.index_dir()?;
+    let journal_bytes = index_dir
+        .open_read(JOURNAL_FILE_NAME)?
+        .and_then(|f| f.metadata().ok())
+        .map_or(0, |m| m.len());
+    for (name, len) in index_dir.damaged_copies()? {
+        rec.warnings.push(format!(
+            "{} ({len} bytes) is a damaged index file kept for inspection; the entries it \
+             still held were recovered where readable. Remove it once inspected",
+            index_dir.file_path(&name).display()
+        ));
+    }
     let files = set
         .files
         .iter()
@@ -282,7 +297,7 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
         let (file, off) = slot_location(u64::from(e.slot), n, stride);
         match readers[file].read_exact_at(buf.as_mut_slice(), off) {
             Ok(()) => {
-                let found = crc32fast::hash(buf.as_slice());
+                let found = chunk_crc(e.key.as_bytes(), buf.as_slice());
                 if found == e.crc {
                     report.ok += 1;
                 } else {
@@ -313,8 +328,9 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
 /// Forgets every entry (the slabs stay, their slots become free). Takes the slab locks.
 pub fn clear(paths: &[PathBuf]) -> Result<()> {
     let set = open_existing(paths, true)?;
-    remove_index_files(set.meta_dir())?;
+    let index_dir = set.index_dir()?;
+    remove_index_files(&index_dir)?;
     let rec = set.recover()?;
-    recovery::open_journal(set.meta_dir(), set.sb().set_uuid, &rec)?;
+    recovery::open_journal(&index_dir, set.sb().set_uuid, &rec)?;
     Ok(())
 }

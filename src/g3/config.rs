@@ -19,6 +19,13 @@ pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
 pub const MAX_QUEUED_JOBS_LIMIT: usize = 65_536;
 /// Default journal size that triggers a checkpoint.
 pub const DEFAULT_CHECKPOINT_JOURNAL_BYTES: u64 = 64 << 20;
+/// Smallest `max_journal_bytes` (and its floor when derived from `checkpoint_journal_bytes`).
+pub const MIN_MAX_JOURNAL_BYTES: u64 = 1 << 20;
+
+/// The default `max_journal_bytes`: four times `checkpoint_journal_bytes`, at least 64 MiB.
+pub fn default_max_journal_bytes(checkpoint_journal_bytes: u64) -> u64 {
+    checkpoint_journal_bytes.saturating_mul(4).max(64 << 20)
+}
 
 /// Whether O_DIRECT is mandatory (`direct_io`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -106,6 +113,9 @@ pub struct G3TierConfig {
     pub fsync: FsyncPolicy,
     /// Journal size (bytes) after which the index is checkpointed and the journal restarted.
     pub checkpoint_journal_bytes: u64,
+    /// Journal size past which stores are refused (checkpoints are failing) until a
+    /// checkpoint succeeds.
+    pub max_journal_bytes: u64,
     /// Longest time between checkpoints while the journal has records (`None`: size only).
     pub checkpoint_interval: Option<Duration>,
     /// Jobs that may wait in the queue; beyond this a submission fails at once.
@@ -127,6 +137,7 @@ impl G3TierConfig {
             direct_io: DirectIoMode::Required,
             fsync: FsyncPolicy::Always,
             checkpoint_journal_bytes: DEFAULT_CHECKPOINT_JOURNAL_BYTES,
+            max_journal_bytes: default_max_journal_bytes(DEFAULT_CHECKPOINT_JOURNAL_BYTES),
             checkpoint_interval: Some(Duration::from_secs(60)),
             max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
             idle: IdlePolicy::default(),
@@ -212,6 +223,21 @@ impl G3TierConfig {
         }
         if let Some(v) = tc.params.get("checkpoint_journal_bytes") {
             cfg.checkpoint_journal_bytes = size_value(v, &kp("checkpoint_journal_bytes"))?;
+        }
+        cfg.max_journal_bytes = default_max_journal_bytes(cfg.checkpoint_journal_bytes);
+        if let Some(v) = tc.params.get("max_journal_bytes") {
+            cfg.max_journal_bytes = size_value(v, &kp("max_journal_bytes"))?;
+            let floor = cfg.checkpoint_journal_bytes.max(MIN_MAX_JOURNAL_BYTES);
+            if cfg.max_journal_bytes < floor {
+                return Err(Error::config(
+                    kp("max_journal_bytes"),
+                    format!(
+                        "must be at least checkpoint_journal_bytes and 1 MiB ({floor} bytes), \
+                         found {}",
+                        cfg.max_journal_bytes
+                    ),
+                ));
+            }
         }
         if let Some(v) = tc.params.get("checkpoint_interval_s") {
             let secs = v
@@ -353,6 +379,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "direct_io",
     "fsync",
     "checkpoint_journal_bytes",
+    "max_journal_bytes",
     "checkpoint_interval_s",
     "max_queued_jobs",
     "idle_poll_us",

@@ -14,8 +14,10 @@ use crate::error::{Error, ErrorKind, Result};
 pub const SUPERBLOCK_SIZE: usize = 4096;
 /// Magic at offset 0 of every slab file.
 pub const SLAB_MAGIC: [u8; 8] = *b"KVTG3SLB";
-/// The slab format version this build writes and reads.
-pub const SLAB_FORMAT_VERSION: u32 = 1;
+/// The slab format version this build writes and reads. Version 2 (issue 21): the index
+/// records' CRC covers the set uuid and the record offset, and an entry's data CRC covers the
+/// key as well as the row; a version 1 set is refused at open (never misread).
+pub const SLAB_FORMAT_VERSION: u32 = 2;
 const CRC_OFFSET: usize = SUPERBLOCK_SIZE - 4;
 
 /// The decoded superblock of one slab file of a stripe set.
@@ -99,9 +101,18 @@ impl Superblock {
         }
         let version = le_u32(b, 8);
         if version != SLAB_FORMAT_VERSION {
+            let why = if version < SLAB_FORMAT_VERSION {
+                format!(
+                    "it was written by an older kvtier, whose index this build cannot check                      (this build reads version {SLAB_FORMAT_VERSION}): reformat it with                      `kvtier tier format` (the chunks it holds are discarded; they are a cache)"
+                )
+            } else {
+                format!(
+                    "it was written by a newer kvtier (this build reads version                      {SLAB_FORMAT_VERSION})"
+                )
+            };
             return Err(Error::new(
                 ErrorKind::IncompatibleLayout,
-                format!("{what}: slab format version {version} is not supported"),
+                format!("{what}: slab format version {version} is not supported: {why}"),
             )
             .with("expected", SLAB_FORMAT_VERSION.to_string())
             .with("found", version.to_string()));
@@ -250,7 +261,7 @@ mod tests {
         let b = sample().encode();
         let expected_head = concat!(
             "4b56544733534c42",
-            "01000000",
+            "02000000",
             "00100000", // magic, version, header size
             "0000200000000000",
             "e803000000000000",
@@ -281,12 +292,12 @@ mod tests {
         let e = Superblock::decode(&bad, "slab0").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt);
         assert!(e.to_string().contains("slab0"), "{e}");
-        let mut v2 = sample();
-        v2.version = 2;
-        assert_eq!(
-            Superblock::decode(&v2.encode(), "t").unwrap_err().kind(),
-            ErrorKind::IncompatibleLayout
-        );
+        let mut v1 = sample();
+        v1.version = 1;
+        let e = Superblock::decode(&v1.encode(), "t").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::IncompatibleLayout);
+        assert!(e.to_string().contains("version 1"), "{e}");
+        assert!(e.to_string().contains("kvtier tier format"), "{e}");
         assert!(Superblock::decode(&good[..100], "t").is_err());
     }
 

@@ -1,222 +1,110 @@
-//! The persistent index: an append-only journal of CRC-protected records plus a checkpoint
-//! that compacts it. Byte layouts are in `docs/format.md`; every integer is little-endian.
+//! The journal writer: appends CRC-protected records (encoded by [`crate::g3::record`]) to the
+//! current journal. Byte layouts are in `docs/format.md`; every integer is little-endian.
 //!
 //! A record is appended only after the data it describes is written (and, under
-//! `fsync = always`, durable). Readers stop at the first record that is torn or fails its CRC
-//! and report how many bytes were valid, so the tail can be cut off.
+//! `fsync = always`, durable). After a failed write or sync the writer is poisoned and
+//! refuses every further append: the tier then refuses stores until a checkpoint starts a new
+//! journal ([`crate::g3::checkpoint::rotate`]).
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::format::{le_u32, le_u64};
-use crate::g3::index::{IndexEntry, Slot};
-use crate::g3::record_reader::{check_records, records};
-use crate::g3::slab::sync_dir;
+use crate::g3::index::Slot;
+use crate::g3::index_dir::IndexDir;
+use crate::g3::index_dir::JOURNAL_TMP_FILE_NAME;
+use crate::g3::record::{FileHeader, JOURNAL_MAGIC, RecordCodec};
+use crate::io::{IoEngine, MetaFile, MetaOp};
 use crate::key::ChunkKey;
 
-/// Journal file name (in the first path's directory).
-pub const JOURNAL_FILE_NAME: &str = "kvtier-g3.journal";
-/// Checkpoint file name (in the first path's directory).
-pub const CHECKPOINT_FILE_NAME: &str = "kvtier-g3.checkpoint";
-/// Magic of a journal file.
-pub const JOURNAL_MAGIC: [u8; 8] = *b"KVTG3JNL";
-/// Magic of a checkpoint file.
-pub const CHECKPOINT_MAGIC: [u8; 8] = *b"KVTG3CKP";
-/// Version of the journal and checkpoint formats.
-pub const JOURNAL_VERSION: u32 = 1;
-/// Size of the journal / checkpoint file header.
-pub const FILE_HEADER_SIZE: usize = 64;
-/// Fixed part of a record, before the key bytes.
-pub const RECORD_HEADER_SIZE: usize = 24;
-/// Longest key a record can hold.
-pub const MAX_KEY_LEN: usize = u16::MAX as usize;
+pub use crate::g3::index_dir::{CHECKPOINT_FILE_NAME, JOURNAL_FILE_NAME};
+pub use crate::g3::record::{FILE_HEADER_SIZE, MAX_KEY_LEN};
 
-pub(crate) const KIND_INSERT: u8 = 1;
-pub(crate) const KIND_REMOVE: u8 = 2;
-
-/// The header of a journal or checkpoint file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileHeader {
-    /// `JOURNAL_MAGIC` or `CHECKPOINT_MAGIC`.
-    pub magic: [u8; 8],
-    /// Uuid of the stripe set the file belongs to.
-    pub set_uuid: [u8; 16],
-    /// Checkpoint: its sequence number. Journal: the checkpoint it continues.
-    pub seq: u64,
-    /// Checkpoint: number of entries. Journal: 0.
-    pub count: u64,
-    /// Checkpoint: next generation to hand out. Journal: 0.
-    pub next_generation: u64,
-}
-
-impl FileHeader {
-    /// Encodes the 64-byte header.
-    pub fn encode(&self) -> [u8; FILE_HEADER_SIZE] {
-        let mut b = [0u8; FILE_HEADER_SIZE];
-        b[0..8].copy_from_slice(&self.magic);
-        b[8..12].copy_from_slice(&JOURNAL_VERSION.to_le_bytes());
-        b[12..16].copy_from_slice(&(FILE_HEADER_SIZE as u32).to_le_bytes());
-        b[16..32].copy_from_slice(&self.set_uuid);
-        b[32..40].copy_from_slice(&self.seq.to_le_bytes());
-        b[40..48].copy_from_slice(&self.count.to_le_bytes());
-        b[48..56].copy_from_slice(&self.next_generation.to_le_bytes());
-        let crc = crc32fast::hash(&b[..60]);
-        b[60..64].copy_from_slice(&crc.to_le_bytes());
-        b
+/// The 64-byte header of a journal continuing checkpoint `seq` of the set `set_uuid`.
+pub fn journal_header(set_uuid: [u8; 16], seq: u64) -> [u8; FILE_HEADER_SIZE] {
+    FileHeader {
+        magic: JOURNAL_MAGIC,
+        set_uuid,
+        seq,
+        count: 0,
+        next_generation: 0,
     }
-
-    /// Decodes and checks a header with the expected magic.
-    pub fn decode(b: &[u8], magic: [u8; 8], what: &Path) -> Result<Self> {
-        let corrupt = |why: String| {
-            Error::new(ErrorKind::Corrupt, format!("{}: {why}", what.display()))
-                .with("path", what.display().to_string())
-        };
-        if b.len() < FILE_HEADER_SIZE {
-            return Err(corrupt(format!(
-                "{} bytes, shorter than its header",
-                b.len()
-            )));
-        }
-        if b[0..8] != magic {
-            return Err(corrupt("bad magic".into()));
-        }
-        let crc = crc32fast::hash(&b[..60]);
-        if le_u32(b, 60) != crc {
-            return Err(corrupt("header CRC mismatch".into()));
-        }
-        let version = le_u32(b, 8);
-        if version != JOURNAL_VERSION {
-            return Err(Error::new(
-                ErrorKind::IncompatibleLayout,
-                format!(
-                    "{}: format version {version} is not supported",
-                    what.display()
-                ),
-            )
-            .with("expected", JOURNAL_VERSION.to_string())
-            .with("found", version.to_string()));
-        }
-        let mut set_uuid = [0u8; 16];
-        set_uuid.copy_from_slice(&b[16..32]);
-        Ok(FileHeader {
-            magic,
-            set_uuid,
-            seq: le_u64(b, 32),
-            count: le_u64(b, 40),
-            next_generation: le_u64(b, 48),
-        })
-    }
-}
-
-/// One journal record.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Record {
-    /// `slot` now holds `key`, whose bytes have CRC32 `crc`.
-    Insert {
-        /// The key.
-        key: ChunkKey,
-        /// Its slot.
-        slot: Slot,
-        /// CRC32 of the slot's bytes.
-        crc: u32,
-        /// Generation (monotonic per stripe set).
-        generation: u64,
-    },
-    /// `slot` holds nothing any more.
-    Remove {
-        /// The slot.
-        slot: Slot,
-    },
-}
-
-/// Appends the encoding of an insert record to `out`. Keys longer than [`MAX_KEY_LEN`] are
-/// refused by the caller before reaching here.
-pub fn encode_insert(out: &mut Vec<u8>, key: &[u8], slot: Slot, crc: u32, generation: u64) {
-    encode(out, KIND_INSERT, key, slot, crc, generation);
-}
-
-/// Appends the encoding of a remove record to `out`.
-pub fn encode_remove(out: &mut Vec<u8>, slot: Slot) {
-    encode(out, KIND_REMOVE, &[], slot, 0, 0);
-}
-
-fn encode(out: &mut Vec<u8>, kind: u8, key: &[u8], slot: Slot, crc: u32, generation: u64) {
-    let start = out.len();
-    out.extend_from_slice(&[0u8; 4]);
-    out.push(kind);
-    out.push(0);
-    out.extend_from_slice(&(key.len().min(MAX_KEY_LEN) as u16).to_le_bytes());
-    out.extend_from_slice(&slot.to_le_bytes());
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(&generation.to_le_bytes());
-    out.extend_from_slice(&key[..key.len().min(MAX_KEY_LEN)]);
-    let c = crc32fast::hash(&out[start + 4..]);
-    out[start..start + 4].copy_from_slice(&c.to_le_bytes());
-}
-
-/// Decodes records from `body` (the bytes after the file header), calling `f` for each valid
-/// one. Returns `(valid_bytes, problem)`: decoding stops at the first torn or corrupt record,
-/// described by `problem`. (Recovery streams files with
-/// [`crate::g3::record_reader::stream_records`] instead, which applies the same checks.)
-pub fn decode_records(body: &[u8], mut f: impl FnMut(Record)) -> (usize, Option<String>) {
-    let (valid, problem) = check_records(body, 0, true);
-    records(&body[..valid]).for_each(|r| f(r.to_record()));
-    (valid, problem)
+    .encode()
 }
 
 /// Appends records to the journal. After a failed write or sync it is poisoned and refuses
 /// every further append.
-#[derive(Debug)]
 pub struct JournalWriter {
     file: File,
     path: PathBuf,
+    codec: RecordCodec,
     len: u64,
     pending: Vec<u8>,
     poisoned: Option<String>,
+    faults: Option<Arc<dyn IoEngine>>,
+}
+
+impl std::fmt::Debug for JournalWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JournalWriter")
+            .field("path", &self.path)
+            .field("len", &self.len)
+            .field("poisoned", &self.poisoned)
+            .finish_non_exhaustive()
+    }
 }
 
 impl JournalWriter {
-    /// Opens an existing journal whose first `valid_len` bytes are valid; anything after
-    /// (a torn tail) is truncated away.
-    pub fn open_at(path: &Path, valid_len: u64) -> Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(path)
-            .map_err(|e| Error::io("open journal", path, e))?;
+    /// Opens the current journal of `dir`, whose first `valid_len` bytes are whole valid
+    /// records; anything after (a torn tail, holding no valid record) is truncated away.
+    pub fn open_at(dir: &IndexDir, set_uuid: [u8; 16], valid_len: u64) -> Result<Self> {
+        let path = dir.file_path(JOURNAL_FILE_NAME);
+        let file = dir.open_rw(JOURNAL_FILE_NAME)?;
         let len = file
             .metadata()
-            .map_err(|e| Error::io("stat", path, e))?
+            .map_err(|e| Error::io("stat", &path, e))?
             .len();
         if len > valid_len {
             file.set_len(valid_len)
-                .map_err(|e| Error::io("truncate journal", path, e))?;
-            file.sync_all().map_err(|e| Error::io("fsync", path, e))?;
+                .map_err(|e| Error::io("truncate journal", &path, e))?;
+            file.sync_all().map_err(|e| Error::io("fsync", &path, e))?;
         }
-        Ok(JournalWriter {
-            file,
-            path: path.to_path_buf(),
-            len: valid_len,
-            pending: Vec::new(),
-            poisoned: None,
-        })
+        Ok(Self::new(file, path, set_uuid, valid_len, dir))
     }
 
-    /// Creates (atomically replaces) a journal continuing checkpoint `seq`.
-    pub fn create(dir: &Path, set_uuid: [u8; 16], seq: u64) -> Result<Self> {
-        let path = dir.join(JOURNAL_FILE_NAME);
-        let header = FileHeader {
-            magic: JOURNAL_MAGIC,
-            set_uuid,
-            seq,
-            count: 0,
-            next_generation: 0,
-        };
-        write_atomically(&path, &header.encode())?;
-        Self::open_at(&path, FILE_HEADER_SIZE as u64)
+    /// Replaces the current journal of `dir` with an empty one continuing checkpoint `seq`
+    /// (temp file, fsync, rename, directory fsync). For tools and tests: the tier starts
+    /// journals with [`crate::g3::checkpoint::rotate`], which keeps the previous generation.
+    pub fn create(dir: &IndexDir, set_uuid: [u8; 16], seq: u64) -> Result<Self> {
+        dir.write_file(
+            JOURNAL_TMP_FILE_NAME,
+            &journal_header(set_uuid, seq),
+            MetaFile::Journal,
+        )?;
+        dir.rename(JOURNAL_TMP_FILE_NAME, JOURNAL_FILE_NAME, MetaFile::Journal)?;
+        dir.sync()?;
+        Self::open_at(dir, set_uuid, FILE_HEADER_SIZE as u64)
+    }
+
+    /// The writer of the freshly created journal `file` (its header only).
+    pub(crate) fn new(
+        file: File,
+        path: PathBuf,
+        set_uuid: [u8; 16],
+        len: u64,
+        dir: &IndexDir,
+    ) -> Self {
+        JournalWriter {
+            file,
+            path,
+            codec: RecordCodec::new(set_uuid),
+            len,
+            pending: Vec::new(),
+            poisoned: None,
+            faults: dir.faults().cloned(),
+        }
     }
 
     /// The journal's path.
@@ -241,36 +129,89 @@ impl JournalWriter {
 
     /// Buffers an insert record.
     pub fn insert(&mut self, key: &ChunkKey, slot: Slot, crc: u32, generation: u64) {
-        encode_insert(&mut self.pending, key.as_bytes(), slot, crc, generation);
+        // `pending` starts at the journal's end.
+        self.codec.encode_insert(
+            &mut self.pending,
+            self.len,
+            key.as_bytes(),
+            slot,
+            crc,
+            generation,
+        );
     }
 
     /// Buffers a remove record.
     pub fn remove(&mut self, slot: Slot) {
-        encode_remove(&mut self.pending, slot);
+        self.codec.encode_remove(&mut self.pending, self.len, slot);
     }
 
-    /// Writes the buffered records; with `sync`, also `fdatasync`s the journal.
+    fn fault(&self, op: MetaOp) -> std::io::Result<()> {
+        match self
+            .faults
+            .as_ref()
+            .and_then(|e| e.meta_fault(MetaFile::Journal, op))
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes the buffered records; with `sync`, also `fdatasync`s the journal. With `sync`
+    /// it also checks that the journal file is still linked: records appended to a journal
+    /// that was deleted would not be found by a restart.
     pub fn flush(&mut self, sync: bool) -> Result<()> {
         if let Some(why) = &self.poisoned {
             self.pending.clear();
             return Err(self.poison_error(why));
         }
         if !self.pending.is_empty() {
-            if let Err(e) = self.file.write_all_at(&self.pending, self.len) {
-                return Err(self.poison(Error::io("append to journal", &self.path, e)));
+            if let Err(e) = self
+                .fault(MetaOp::Write)
+                .and_then(|()| self.file.write_all_at(&self.pending, self.len))
+            {
+                return Err(self.poison(journal_error("append to journal", &self.path, e)));
             }
             self.len += self.pending.len() as u64;
             self.pending.clear();
         }
-        if sync && let Err(e) = self.file.sync_data() {
-            return Err(self.poison(Error::io("fdatasync journal", &self.path, e)));
+        if sync {
+            if let Err(e) = self
+                .fault(MetaOp::Sync)
+                .and_then(|()| self.file.sync_data())
+            {
+                return Err(self.poison(journal_error("fdatasync journal", &self.path, e)));
+            }
+            if let Err(e) = self.check_linked() {
+                return Err(self.poison(e));
+            }
         }
         Ok(())
     }
 
-    fn poison(&mut self, e: Error) -> Error {
-        log::error!("G3 journal {} poisoned: {e}", self.path.display());
-        self.poisoned = Some(e.to_string());
+    /// Fails when the journal file has no name any more (deleted under the tier).
+    pub fn check_linked(&self) -> Result<()> {
+        let st = rustix::fs::fstat(&self.file)
+            .map_err(|e| Error::io("stat", &self.path, std::io::Error::from(e)))?;
+        if st.st_nlink == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "journal {} was deleted while the tier ran: records appended to it would \
+                     not be found by a restart",
+                    self.path.display()
+                ),
+            )
+            .with("path", self.path.display().to_string()));
+        }
+        Ok(())
+    }
+
+    /// Refuses every further append, for `e`.
+    pub fn poison(&mut self, e: Error) -> Error {
+        if self.poisoned.is_none() {
+            log::error!("G3 journal {} poisoned: {e}", self.path.display());
+            self.poisoned = Some(e.to_string());
+        }
         self.pending.clear();
         e
     }
@@ -287,178 +228,62 @@ impl JournalWriter {
     }
 }
 
-/// Writes a checkpoint (`seq`, entries in LRU order) atomically: temp file, fsync, rename,
-/// fsync of the directory.
-pub fn write_checkpoint(
-    dir: &Path,
-    set_uuid: [u8; 16],
-    seq: u64,
-    next_generation: u64,
-    entries: &[IndexEntry],
-) -> Result<()> {
-    let header = FileHeader {
-        magic: CHECKPOINT_MAGIC,
-        set_uuid,
-        seq,
-        count: entries.len() as u64,
-        next_generation,
-    };
-    let mut buf = Vec::with_capacity(FILE_HEADER_SIZE + entries.len() * (RECORD_HEADER_SIZE + 40));
-    buf.extend_from_slice(&header.encode());
-    for e in entries {
-        encode_insert(&mut buf, e.key.as_bytes(), e.slot, e.crc, e.generation);
+/// ENOSPC / EDQUOT is [`ErrorKind::NoSpace`]; anything else an I/O error.
+fn journal_error(op: &str, path: &Path, e: std::io::Error) -> Error {
+    if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+        return Error::new(ErrorKind::NoSpace, format!("{op} {}: {e}", path.display()))
+            .with("path", path.display().to_string())
+            .with_source(e);
     }
-    write_atomically(&dir.join(CHECKPOINT_FILE_NAME), &buf)
-}
-
-/// Replaces `path` with `bytes` atomically (temp file in the same directory, fsync, rename,
-/// directory fsync).
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = path.with_extension("tmp");
-    let write = || -> std::io::Result<()> {
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&tmp)?;
-        f.write_all_at(bytes, 0)?;
-        f.sync_all()
-    };
-    write().map_err(|e| Error::io("write", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io("rename into place", path, e))?;
-    sync_dir(dir)
-}
-
-/// Removes the journal and checkpoint in `dir` (missing files are fine).
-pub fn remove_index_files(dir: &Path) -> Result<()> {
-    let mut removed = false;
-    for name in [JOURNAL_FILE_NAME, CHECKPOINT_FILE_NAME] {
-        let p = dir.join(name);
-        match std::fs::remove_file(&p) {
-            Ok(()) => removed = true,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("remove", &p, e)),
-        }
-    }
-    // Nothing removed, nothing to sync (and no fsync of a directory that refuses it).
-    if removed { sync_dir(dir) } else { Ok(()) }
+    Error::io(op, path, e)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::g3::record::decode_records;
 
-    #[test]
-    fn record_golden_bytes_and_round_trip() {
-        let mut b = Vec::new();
-        encode_insert(&mut b, &[0xAA, 0xBB], 7, 0x1122_3344, 9);
-        assert_eq!(b.len(), RECORD_HEADER_SIZE + 2);
-        assert_eq!(
-            hex::encode(&b[4..]),
-            concat!(
-                "01000200",
-                "07000000",
-                "44332211",
-                "0900000000000000",
-                "aabb"
-            )
-        );
-        assert_eq!(le_u32(&b, 0), crc32fast::hash(&b[4..]));
-        encode_remove(&mut b, 7);
-        let mut got = Vec::new();
-        let (n, problem) = decode_records(&b, |r| got.push(r));
-        assert_eq!((n, problem), (b.len(), None));
-        assert_eq!(
-            got,
-            vec![
-                Record::Insert {
-                    key: ChunkKey::new([0xAA, 0xBB]),
-                    slot: 7,
-                    crc: 0x1122_3344,
-                    generation: 9
-                },
-                Record::Remove { slot: 7 },
-            ]
-        );
+    const U: [u8; 16] = [1; 16];
+
+    fn fresh(dir: &IndexDir) -> JournalWriter {
+        dir.write_file(JOURNAL_FILE_NAME, &journal_header(U, 0), MetaFile::Journal)
+            .unwrap();
+        JournalWriter::open_at(dir, U, FILE_HEADER_SIZE as u64).unwrap()
     }
 
     #[test]
-    fn torn_and_corrupt_tails_stop_decoding() {
-        let mut b = Vec::new();
-        encode_insert(&mut b, b"k1", 1, 1, 1);
-        let first = b.len();
-        encode_insert(&mut b, b"k2", 2, 2, 2);
-        for cut in first + 1..b.len() {
-            let (n, p) = decode_records(&b[..cut], |_| {});
-            assert_eq!(n, first);
-            assert!(p.is_some());
-        }
-        let mut bad = b.clone();
-        bad[first + 10] ^= 0x40;
-        let mut count = 0;
-        let (n, p) = decode_records(&bad, |_| count += 1);
-        assert_eq!((n, count), (first, 1));
-        assert!(p.unwrap().contains("CRC"));
-    }
-
-    #[test]
-    fn header_round_trip_and_checks() {
-        let h = FileHeader {
-            magic: JOURNAL_MAGIC,
-            set_uuid: [3; 16],
-            seq: 5,
-            count: 6,
-            next_generation: 7,
-        };
-        let b = h.encode();
-        let p = Path::new("/x/journal");
-        assert_eq!(FileHeader::decode(&b, JOURNAL_MAGIC, p).unwrap(), h);
-        assert_eq!(
-            FileHeader::decode(&b, CHECKPOINT_MAGIC, p)
-                .unwrap_err()
-                .kind(),
-            ErrorKind::Corrupt
-        );
-        let mut bad = b;
-        bad[33] ^= 1;
-        assert_eq!(
-            FileHeader::decode(&bad, JOURNAL_MAGIC, p)
-                .unwrap_err()
-                .kind(),
-            ErrorKind::Corrupt
-        );
-    }
-
-    #[test]
-    fn writer_appends_and_truncates_torn_tail() {
-        let dir = tempfile::tempdir_in("/tmp").unwrap();
-        let mut w = JournalWriter::create(dir.path(), [1; 16], 0).unwrap();
+    fn writer_appends_records_at_their_offsets_and_truncates_a_torn_tail() {
+        let d = tempfile::tempdir_in("/tmp").unwrap();
+        let dir = IndexDir::open(d.path()).unwrap();
+        let mut w = fresh(&dir);
         w.insert(&ChunkKey::new(b"a"), 0, 5, 1);
+        w.flush(true).unwrap();
+        w.remove(0);
         w.flush(true).unwrap();
         let good = w.len();
         drop(w);
-        let p = dir.path().join(JOURNAL_FILE_NAME);
-        let mut f = OpenOptions::new().append(true).open(&p).unwrap();
+        let p = d.path().join(JOURNAL_FILE_NAME);
+        let bytes = std::fs::read(&p).unwrap();
+        let decoded = decode_records(&RecordCodec::new(U), &bytes[64..], 64);
+        assert_eq!(decoded.records.len(), 2, "{decoded:?}");
+        assert!(decoded.tail.is_none() && decoded.skipped.is_empty());
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
         std::io::Write::write_all(&mut f, &[1, 2, 3]).unwrap();
-        let w = JournalWriter::open_at(&p, good).unwrap();
+        let w = JournalWriter::open_at(&dir, U, good).unwrap();
         assert_eq!(std::fs::metadata(&p).unwrap().len(), good);
         assert_eq!(w.len(), good);
     }
 
     #[test]
-    fn removing_nothing_syncs_nothing() {
-        // /proc refuses fsync (EINVAL); with no index files there it must not be synced.
-        if !Path::new("/proc/self").exists() {
-            crate::skip_test!("no /proc here");
-            return;
-        }
-        remove_index_files(Path::new("/proc")).unwrap();
+    fn a_deleted_journal_is_noticed_at_the_next_sync() {
         let d = tempfile::tempdir_in("/tmp").unwrap();
-        std::fs::write(d.path().join(JOURNAL_FILE_NAME), b"x").unwrap();
-        remove_index_files(d.path()).unwrap();
-        assert!(!d.path().join(JOURNAL_FILE_NAME).exists());
+        let dir = IndexDir::open(d.path()).unwrap();
+        let mut w = fresh(&dir);
+        std::fs::remove_file(d.path().join(JOURNAL_FILE_NAME)).unwrap();
+        w.insert(&ChunkKey::new(b"a"), 0, 5, 1);
+        let e = w.flush(true).unwrap_err();
+        assert!(e.to_string().contains("deleted"), "{e}");
+        assert!(w.poisoned().is_some());
+        assert_eq!(w.flush(false).unwrap_err().kind(), ErrorKind::Poisoned);
     }
 }

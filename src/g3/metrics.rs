@@ -15,8 +15,14 @@ pub struct PathStatus {
     pub direct: bool,
     /// Filesystem type.
     pub fs_type: String,
-    /// Set after a failed write or fsync: no further writes go to this path.
+    /// Set after a failed write or fsync, or once the slab is not what its path names any
+    /// more: no further writes go to this path.
     pub poisoned: AtomicBool,
+    /// Why the path is poisoned.
+    pub problem: Mutex<Option<String>>,
+    /// Set when the slab is no longer what its path names (deleted, replaced, unmounted):
+    /// what is written to it would not be found by a restart.
+    pub lost: Mutex<Option<String>>,
 }
 
 /// Counters and gauges of one tier.
@@ -64,6 +70,18 @@ pub struct G3Metrics {
     pub recovery_records: AtomicU64,
     /// Journal bytes cut off at recovery.
     pub recovery_cut_bytes: AtomicU64,
+    /// Bytes of index-file damage skipped at recovery (records lost to it).
+    pub recovery_skipped_bytes: AtomicU64,
+    /// Damaged index files kept aside at recovery.
+    pub recovery_damaged_files: AtomicU64,
+    /// Store keys refused because the index cannot take them now.
+    pub stores_refused: AtomicU64,
+    /// Bytes in the current journal.
+    pub journal_bytes: AtomicU64,
+    /// When the last checkpoint was written (Unix milliseconds; 0 = none known).
+    pub last_checkpoint_unix_ms: AtomicU64,
+    /// Set when recovery failed (the tier serves nothing).
+    pub recovery_failed: AtomicBool,
     /// Set while the journal refuses writes.
     pub journal_poisoned: AtomicBool,
     /// Set once recovery has finished.
@@ -95,6 +113,18 @@ fn m(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -
 }
 
 impl G3Metrics {
+    /// Time since the last checkpoint was written, when one is known.
+    pub fn checkpoint_age(&self) -> Option<std::time::Duration> {
+        let ms = self.last_checkpoint_unix_ms.load(Ordering::Relaxed);
+        if ms == 0 {
+            return None;
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        Some(std::time::Duration::from_millis(now.saturating_sub(ms)))
+    }
+
     /// Samples every metric.
     pub fn sample(&self, paths: &[PathStatus]) -> Vec<TierMetric> {
         use TierMetricKind::{Counter, Gauge};
@@ -208,16 +238,49 @@ impl G3Metrics {
                 get(&self.recovery_cut_bytes),
             ),
             m(
-                "g3_recovered",
-                "1 once the index is recovered (lookups answer RETRY before)",
+                "g3_recovery_skipped_bytes",
+                "Bytes of index-file damage skipped at recovery (records lost to it)",
                 Gauge,
-                f64::from(u8::from(self.recovered.load(Ordering::Relaxed))),
+                get(&self.recovery_skipped_bytes),
+            ),
+            m(
+                "g3_recovery_damaged_files",
+                "Damaged index files kept aside at recovery",
+                Gauge,
+                get(&self.recovery_damaged_files),
+            ),
+            m(
+                "g3_recovered",
+                "1 once the index is recovered (0 while recovering, or when recovery failed)",
+                Gauge,
+                f64::from(u8::from(
+                    self.recovered.load(Ordering::Relaxed)
+                        && !self.recovery_failed.load(Ordering::Relaxed),
+                )),
             ),
             m(
                 "g3_journal_healthy",
-                "0 after a failed journal write (stores refused)",
+                "0 while the journal refuses writes (stores refused until a checkpoint succeeds)",
                 Gauge,
                 f64::from(u8::from(!self.journal_poisoned.load(Ordering::Relaxed))),
+            ),
+            m(
+                "g3_journal_bytes",
+                "Bytes in the current index journal",
+                Gauge,
+                get(&self.journal_bytes),
+            ),
+            m(
+                "g3_stores_refused",
+                "Store keys refused because the index cannot take them (journal unhealthy or full)",
+                Counter,
+                get(&self.stores_refused),
+            ),
+            m(
+                "g3_checkpoint_age_seconds",
+                "Seconds since the last checkpoint was written",
+                Gauge,
+                self.checkpoint_age().map_or(0.0, |d| d.as_secs_f64()),
             ),
             m(
                 "g3_used_slots",
@@ -235,7 +298,7 @@ impl G3Metrics {
         ));
         out.push(m(
             "g3_checkpoint_failures",
-            "Checkpoints that failed (the journal still holds every committed entry)",
+            "Checkpoints that failed (retried with backoff)",
             Counter,
             get(&self.checkpoint_failures),
         ));
@@ -284,7 +347,8 @@ impl G3Metrics {
             out.push(d);
             let mut h = m(
                 "g3_path_healthy",
-                "0 after a failed write or fsync on the path (no further writes)",
+                "0 after a failed write or fsync on the path, or once its slab is not what the \
+                 path names (no further writes)",
                 Gauge,
                 f64::from(u8::from(!p.poisoned.load(Ordering::Relaxed))),
             );

@@ -4,7 +4,10 @@
 //! * [`format`]: the slab superblock, striping, the geometry namespace.
 //! * [`dirs`]: checking that the tier's directories take files, syncing them.
 //! * [`slab`]: creating, locking, preallocating and opening slab files.
-//! * [`index`], [`journal`], [`recovery`]: the persistent key -> slot index.
+//! * [`index`]: the in-memory key -> slot index.
+//! * [`record`]: the record codec of the index files; [`record_reader`] streams them.
+//! * [`index_dir`]: the open directory of the index files; [`journal`] appends to the journal,
+//!   [`checkpoint`] writes checkpoint generations, [`recovery`] rebuilds the index.
 //! * [`tier`]: [`G3Tier`], the [`crate::contract::secondary::SecondaryTier`] implementation,
 //!   driven by the worker thread in `worker`.
 //! * [`direct`]: [`direct::DirectSlots`], slots moved by another data path (GPUDirect Storage).
@@ -14,6 +17,7 @@
 
 pub mod admin;
 pub mod aligned;
+pub mod checkpoint;
 pub mod config;
 pub mod direct;
 pub mod dirs;
@@ -22,9 +26,11 @@ pub mod gds;
 #[cfg(feature = "gds")]
 pub mod gpu_path;
 pub mod index;
+pub mod index_dir;
 pub mod journal;
 pub mod keymap;
 pub mod metrics;
+pub mod record;
 pub mod record_reader;
 pub mod recovery;
 pub mod slab;

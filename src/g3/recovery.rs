@@ -1,23 +1,51 @@
-//! Rebuilding the index from checkpoint + journal at start-up (on the tier's worker thread,
-//! while `lookup` answers RETRY).
+//! Rebuilding the index from the checkpoints and journals at start-up (on the tier's worker
+//! thread, while `lookup` answers RETRY; read-only, so `tier inspect` runs it beside a live
+//! tier).
 //!
-//! Damage is never fatal and never yields a wrong entry: a torn or corrupt journal tail is cut
-//! off with a warning; a checkpoint or journal of another stripe set is ignored with a
-//! warning. Entries lost that way become misses, and their slots are reused. Every entry that
-//! survives still carries its data CRC, checked on every load.
+//! The rule (`docs/format.md`, "Recovery"): the newest intact checkpoint, then every journal
+//! of this stripe set that continues it or a later checkpoint, in sequence order. Damage costs
+//! only what it covers and is never fatal:
+//! * a damaged record is skipped and reading resumes at the next valid record;
+//! * a damaged checkpoint falls back to the previous generation plus the journals since (its
+//!   own readable records are used when that journal is gone);
+//! * a damaged header does not drop the file's records (they are bound to the set by their
+//!   CRC);
+//! * a torn journal tail (no valid record after it) is cut off.
+//!
+//! Files with damage are named in [`Recovered::keep_damaged`] so that the tier keeps them for
+//! inspection before it writes a fresh checkpoint of what was recovered. Every entry still
+//! carries its data CRC, checked on every load, so recovery never yields wrong bytes.
 
 use std::fs::File;
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::checkpoint::rotate;
 use crate::g3::format::read_at_most;
 use crate::g3::index::Index;
-use crate::g3::journal::{
-    CHECKPOINT_FILE_NAME, CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_FILE_NAME,
-    JOURNAL_MAGIC, JournalWriter, write_checkpoint,
+use crate::g3::index_dir::{
+    CHECKPOINT_FILE_NAME, CHECKPOINT_PREV_FILE_NAME, IndexDir, JOURNAL_FILE_NAME,
+    JOURNAL_PREV_FILE_NAME,
 };
-use crate::g3::record_reader::{RecordRef, records, stream_records};
+use crate::g3::journal::JournalWriter;
+use crate::g3::record::{
+    CHECKPOINT_MAGIC, FILE_HEADER_SIZE, FileHeader, JOURNAL_MAGIC, MAX_SEQUENCE, RecordCodec,
+    RecordRef, records,
+};
+use crate::g3::record_reader::{StreamEnd, stream_records};
+use crate::io::MetaFile;
+
+/// A damaged (or unusable) index file to keep for inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeepDamaged {
+    /// Its name in the index directory.
+    pub name: &'static str,
+    /// Move it away (it is not used any more) rather than keep a linked copy (it stays in use
+    /// as the previous generation).
+    pub rename: bool,
+    /// Which kind of file it is (for fault injection).
+    pub file: MetaFile,
+}
 
 /// What recovery found.
 #[derive(Debug)]
@@ -26,20 +54,28 @@ pub struct Recovered {
     pub index: Index,
     /// Next generation number to hand out.
     pub next_generation: u64,
-    /// Sequence number of the checkpoint read (0 when none).
+    /// Sequence number of the checkpoint the index was rebuilt from (0 when none).
     pub checkpoint_seq: u64,
-    /// `Some(valid_len)` when the journal continues that checkpoint and can be appended to
-    /// after cutting it at `valid_len`; `None` when a fresh checkpoint + journal must be
-    /// written.
-    pub journal_valid_len: Option<u64>,
+    /// Highest sequence number named by any index file (a new checkpoint takes the next).
+    pub max_seq: u64,
+    /// `Some(valid_len)` when the current journal continues the current checkpoint and can be
+    /// appended to after cutting it at `valid_len`; `None` when a fresh checkpoint + journal
+    /// must be written.
+    pub append_at: Option<u64>,
+    /// Damaged files to keep for inspection before the fresh checkpoint is written.
+    pub keep_damaged: Vec<KeepDamaged>,
     /// Checkpoint entries plus journal records applied.
     pub records: u64,
-    /// Bytes of journal cut off.
+    /// Bytes of the current journal's torn tail, cut off.
     pub cut_bytes: u64,
+    /// Bytes of damage skipped (records lost to it), tails of other files included.
+    pub skipped_bytes: u64,
     /// Warnings logged (damage found).
     pub warnings: Vec<String>,
     /// Time spent.
     pub duration: Duration,
+    /// When the checkpoint used was written (its modification time).
+    pub checkpoint_written: Option<SystemTime>,
 }
 
 /// Applies checked records in small batches, prefetching what each insert will touch one
@@ -55,7 +91,7 @@ struct Replay {
 const REPLAY_BATCH: usize = 16;
 
 impl Replay {
-    /// Applies the records of `chunk` (whole records, already CRC-checked).
+    /// Applies the records of `chunk` (whole records, already checked).
     fn apply(&mut self, index: &mut Index, chunk: &[u8]) {
         let mut batch = Vec::with_capacity(REPLAY_BATCH);
         for r in records(chunk) {
@@ -85,7 +121,9 @@ impl Replay {
                     crc,
                     generation,
                 } => {
-                    self.max_gen = self.max_gen.max(generation);
+                    if generation <= MAX_SEQUENCE {
+                        self.max_gen = self.max_gen.max(generation);
+                    }
                     index.apply_insert_hashed(key, h, slot, crc, generation)
                 }
                 RecordRef::Remove { slot } => index.apply_remove(slot),
@@ -97,163 +135,355 @@ impl Replay {
     }
 }
 
-/// Opens `p` and reads its header bytes (fewer when the file is shorter); `None` when the
-/// file does not exist.
-fn open_optional(p: &Path) -> Result<Option<(File, Vec<u8>)>> {
-    let f = match File::open(p) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io("open", p, e)),
-    };
-    let mut header = vec![0u8; FILE_HEADER_SIZE];
-    let n = read_at_most(&f, &mut header, 0).map_err(|e| Error::io("read", p, e))?;
-    header.truncate(n);
-    Ok(Some((f, header)))
+/// One index file found in the directory.
+struct Found {
+    name: &'static str,
+    file: File,
+    /// `None` when the header is damaged (the records may still be readable).
+    header: Option<FileHeader>,
+    written: Option<SystemTime>,
 }
 
-/// Rebuilds the index of the stripe set `set_uuid` from the files in `dir`.
+impl Found {
+    fn seq(&self) -> Option<u64> {
+        self.header.map(|h| h.seq)
+    }
+}
+
+/// Everything recovery accumulates while it reads.
+struct Reader<'a> {
+    dir: &'a IndexDir,
+    codec: RecordCodec,
+    set_uuid: [u8; 16],
+    total_slots: u32,
+    n_paths: usize,
+    warnings: Vec<String>,
+    keep: Vec<KeepDamaged>,
+    max_seq: u64,
+    skipped_bytes: u64,
+}
+
+impl Reader<'_> {
+    fn warn(&mut self, w: String) {
+        log::warn!("{w}");
+        self.warnings.push(w);
+    }
+
+    fn keep(&mut self, name: &'static str, rename: bool, file: MetaFile) {
+        if !self.keep.iter().any(|k| k.name == name) {
+            self.keep.push(KeepDamaged { name, rename, file });
+        }
+    }
+
+    fn fresh_index(&self) -> Index {
+        Index::for_recovery(self.total_slots, self.n_paths)
+    }
+
+    /// Opens `name` and decodes its header. Files of another set or format version are set
+    /// aside (kept, never read); a damaged header leaves `header: None`.
+    fn find(
+        &mut self,
+        name: &'static str,
+        magic: [u8; 8],
+        kind: MetaFile,
+    ) -> Result<Option<Found>> {
+        let Some(file) = self.dir.open_read(name)? else {
+            return Ok(None);
+        };
+        let path = self.dir.file_path(name);
+        let shown = path.display().to_string();
+        let mut buf = vec![0u8; FILE_HEADER_SIZE];
+        let n = read_at_most(&file, &mut buf, 0).map_err(|e| Error::io("read", &path, e))?;
+        let written = file.metadata().and_then(|m| m.modified()).ok();
+        let header = match FileHeader::decode(&buf[..n], magic, &shown) {
+            Ok(h) if h.set_uuid != self.set_uuid => {
+                self.warn(format!(
+                    "G3 index file {shown} belongs to stripe set {}, not {}; setting it aside",
+                    hex::encode(h.set_uuid),
+                    hex::encode(self.set_uuid)
+                ));
+                self.keep(name, true, kind);
+                return Ok(None);
+            }
+            Ok(h) => {
+                self.max_seq = self.max_seq.max(h.seq);
+                Some(h)
+            }
+            Err(e) if e.kind() == ErrorKind::IncompatibleLayout => {
+                self.warn(format!("{e}; setting it aside"));
+                self.keep(name, true, kind);
+                return Ok(None);
+            }
+            Err(e) if n == 0 => {
+                // An empty file (a crash right after its creation) holds nothing to lose.
+                log::info!("{e}; ignored");
+                return Ok(None);
+            }
+            Err(e) => {
+                self.warn(format!("{e}; reading its records without it"));
+                None
+            }
+        };
+        Ok(Some(Found {
+            name,
+            file,
+            header,
+            written,
+        }))
+    }
+
+    /// Streams the records of `f` into `index`.
+    fn stream(&self, f: &Found, index: &mut Index, replay: &mut Replay) -> Result<StreamEnd> {
+        let path = self.dir.file_path(f.name);
+        stream_records(&self.codec, &f.file, &path, FILE_HEADER_SIZE as u64, |c| {
+            replay.apply(index, c)
+        })
+    }
+}
+
+/// Rebuilds the index of the stripe set `set_uuid` from the files in `dir` (read-only).
 pub fn recover(
-    dir: &Path,
+    dir: &IndexDir,
     set_uuid: [u8; 16],
     total_slots: u32,
     n_paths: usize,
 ) -> Result<Recovered> {
     let start = Instant::now();
-    let mut index = Index::for_recovery(total_slots, n_paths);
-    let mut warnings = Vec::new();
-    let mut warn = |w: String| {
-        log::warn!("{w}");
-        warnings.push(w);
+    let mut rd = Reader {
+        dir,
+        codec: RecordCodec::new(set_uuid),
+        set_uuid,
+        total_slots,
+        n_paths,
+        warnings: Vec::new(),
+        keep: Vec::new(),
+        max_seq: 0,
+        skipped_bytes: 0,
     };
-    let mut replay = Replay::default();
+    let mut ckpts = Vec::new();
+    for name in [CHECKPOINT_FILE_NAME, CHECKPOINT_PREV_FILE_NAME] {
+        ckpts.extend(rd.find(name, CHECKPOINT_MAGIC, MetaFile::Checkpoint)?);
+    }
+    let mut journals = Vec::new();
+    for name in [JOURNAL_FILE_NAME, JOURNAL_PREV_FILE_NAME] {
+        journals.extend(rd.find(name, JOURNAL_MAGIC, MetaFile::Journal)?);
+    }
+    // Newest first; a checkpoint whose header is damaged comes last.
+    ckpts.sort_by_key(|c| std::cmp::Reverse(c.seq().map_or(0, |s| s + 1)));
 
-    let ckpt_path = dir.join(CHECKPOINT_FILE_NAME);
-    let mut ckpt_seq = 0;
-    let mut next_generation = 1;
-    let mut have_ckpt = false;
-    if let Some((file, header)) = open_optional(&ckpt_path)? {
-        match FileHeader::decode(&header, CHECKPOINT_MAGIC, &ckpt_path) {
-            Err(e) => warn(format!("ignoring G3 checkpoint: {e}")),
-            Ok(h) if h.set_uuid != set_uuid => warn(format!(
-                "ignoring G3 checkpoint {}: it belongs to stripe set {}, not {}",
-                ckpt_path.display(),
-                hex::encode(h.set_uuid),
-                hex::encode(set_uuid)
+    // The base: the newest intact checkpoint.
+    let mut index = rd.fresh_index();
+    let mut replay = Replay::default();
+    let mut base: Option<usize> = None;
+    let mut damaged: Vec<usize> = Vec::new();
+    for (i, c) in ckpts.iter().enumerate() {
+        let mut ix = rd.fresh_index();
+        let mut rp = Replay::default();
+        let end = rd.stream(c, &mut ix, &mut rp)?;
+        let shown = rd.dir.file_path(c.name).display().to_string();
+        let problem = match (end.problem(), c.header) {
+            (Some(p), _) => Some(p),
+            (None, None) => Some("its header is damaged".to_string()),
+            (None, Some(h)) if rp.records != h.count => Some(format!(
+                "it holds {} entries, its header says {}",
+                rp.records, h.count
             )),
-            Ok(h) => {
-                have_ckpt = true;
-                ckpt_seq = h.seq;
-                next_generation = h.next_generation;
-                let end = stream_records(&file, &ckpt_path, FILE_HEADER_SIZE as u64, |c| {
-                    replay.apply(&mut index, c)
-                })?;
-                let n = replay.records;
-                if let Some(p) = end.problem {
-                    warn(format!(
-                        "G3 checkpoint {} is damaged ({p}); {n} of {} entries recovered",
-                        ckpt_path.display(),
-                        h.count
-                    ));
-                } else if n != h.count {
-                    warn(format!(
-                        "G3 checkpoint {} holds {n} entries, its header says {}",
-                        ckpt_path.display(),
-                        h.count
-                    ));
-                }
+            (None, Some(_)) => None,
+        };
+        match problem {
+            None => {
+                index = ix;
+                replay = rp;
+                base = Some(i);
+                break;
+            }
+            Some(p) => {
+                rd.skipped_bytes += end.skipped_bytes() + end.tail.map_or(0, |t| t.len());
+                rd.warn(format!(
+                    "G3 checkpoint {shown} is damaged ({p}); {} of its entries are readable",
+                    rp.records
+                ));
+                rd.keep(c.name, true, MetaFile::Checkpoint);
+                damaged.push(i);
             }
         }
     }
+    let base_seq = base.and_then(|b| ckpts[b].seq());
+    // Journals continuing the base (or a later checkpoint), oldest first; a journal whose
+    // header is damaged is most likely the current one, and goes last.
+    let from = base_seq.unwrap_or(0);
+    journals.sort_by_key(|j| j.seq().map_or(u64::MAX, |s| s));
+    let (use_journals, folded): (Vec<&Found>, Vec<&Found>) = journals
+        .iter()
+        .partition(|j| j.seq().is_none_or(|s| s >= from));
+    for j in folded {
+        log::info!(
+            "G3 journal {} continues checkpoint {} and predates checkpoint {from}; already \
+             folded in",
+            rd.dir.file_path(j.name).display(),
+            j.seq().unwrap_or(0)
+        );
+    }
+    // Damaged checkpoints newer than the base: their readable records are needed when no
+    // journal continues the base (the records between the base and them exist nowhere else).
+    let continued = use_journals.iter().any(|j| j.seq() == base_seq);
+    let mut newer_damaged: Vec<usize> = damaged
+        .iter()
+        .copied()
+        .filter(|&i| match (base_seq, ckpts[i].seq()) {
+            (None, _) => true,
+            (Some(b), Some(s)) => s > b,
+            (Some(_), None) => true,
+        })
+        .collect();
+    if base.is_some() && continued {
+        newer_damaged.clear();
+    } else if base.is_none() {
+        // No intact checkpoint: the readable records of the newest damaged one are the base.
+        newer_damaged.truncate(1);
+    }
+    newer_damaged.sort_by_key(|&i| ckpts[i].seq().map_or(u64::MAX, |s| s));
+    for &i in &newer_damaged {
+        rd.stream(&ckpts[i], &mut index, &mut replay)?;
+        rd.warn(format!(
+            "G3 checkpoint {}: its readable entries were used",
+            rd.dir.file_path(ckpts[i].name).display()
+        ));
+    }
+    if let Some(b) = base
+        && !damaged.is_empty()
+    {
+        rd.warn(format!(
+            "G3 index rebuilt from the previous generation {} (seq {}) and the journals since",
+            rd.dir.file_path(ckpts[b].name).display(),
+            base_seq.unwrap_or(0)
+        ));
+    }
 
-    let jpath = dir.join(JOURNAL_FILE_NAME);
-    let mut journal_valid_len = None;
     let mut cut_bytes = 0;
-    if let Some((file, header)) = open_optional(&jpath)? {
-        match FileHeader::decode(&header, JOURNAL_MAGIC, &jpath) {
-            Err(e) => warn(format!("ignoring G3 journal: {e}")),
-            Ok(h) if h.set_uuid != set_uuid => warn(format!(
-                "ignoring G3 journal {}: it belongs to stripe set {}, not {}",
-                jpath.display(),
-                hex::encode(h.set_uuid),
-                hex::encode(set_uuid)
-            )),
-            Ok(h) if have_ckpt && h.seq < ckpt_seq => log::info!(
-                "G3 journal {} predates checkpoint {ckpt_seq}; already folded in",
-                jpath.display()
-            ),
-            Ok(h) => {
-                if h.seq != ckpt_seq {
-                    warn(format!(
-                        "G3 journal {} continues checkpoint {} but checkpoint {ckpt_seq} was \
-                         found; replaying it anyway (loads stay CRC-checked)",
-                        jpath.display(),
-                        h.seq
-                    ));
-                }
-                let end = stream_records(&file, &jpath, FILE_HEADER_SIZE as u64, |c| {
-                    replay.apply(&mut index, c)
-                })?;
-                let valid = end.valid;
-                if let Some(p) = end.problem {
-                    cut_bytes = end.total - valid;
-                    warn(format!(
-                        "G3 journal {}: {p}; cutting off the last {cut_bytes} bytes",
-                        jpath.display()
-                    ));
-                }
-                if h.seq == ckpt_seq {
-                    journal_valid_len = Some(FILE_HEADER_SIZE as u64 + valid);
-                }
+    let mut append_at = None;
+    let mut journal_damaged = false;
+    let last = use_journals.len().saturating_sub(1);
+    for (i, j) in use_journals.iter().enumerate() {
+        let end = rd.stream(j, &mut index, &mut replay)?;
+        let shown = rd.dir.file_path(j.name).display().to_string();
+        let current = j.name == JOURNAL_FILE_NAME;
+        if !end.skipped.is_empty() {
+            journal_damaged = true;
+            rd.skipped_bytes += end.skipped_bytes();
+            rd.warn(format!(
+                "G3 journal {shown} is damaged ({}); the records after the damage were \
+                 replayed",
+                end.problem().unwrap_or_default()
+            ));
+            rd.keep(j.name, false, MetaFile::Journal);
+        }
+        if let Some(t) = end.tail {
+            if current && i == last {
+                cut_bytes = t.len();
+                rd.warn(format!(
+                    "G3 journal {shown}: {} at offset {}; cutting off the last {} bytes",
+                    t.why,
+                    t.start,
+                    t.len()
+                ));
+            } else {
+                journal_damaged = true;
+                rd.skipped_bytes += t.len();
+                rd.warn(format!(
+                    "G3 journal {shown}: its last {} bytes hold no valid record ({})",
+                    t.len(),
+                    t.why
+                ));
+                rd.keep(j.name, false, MetaFile::Journal);
             }
         }
+        if current && i == last {
+            append_at = Some(end.valid_end);
+        }
+        if j.header.is_some() && j.seq() != base_seq && current && base_seq.is_some() {
+            rd.warn(format!(
+                "G3 journal {shown} continues checkpoint {} but checkpoint {from} was used; \
+                 replayed (loads stay CRC-checked)",
+                j.seq().unwrap_or(0)
+            ));
+        }
+    }
+    // The current journal is appended to only when nothing needs rewriting: it continues the
+    // current checkpoint, intact, and no other file was damaged.
+    let current_ckpt = base.is_some_and(|b| ckpts[b].name == CHECKPOINT_FILE_NAME);
+    let current_journal_continues = use_journals
+        .last()
+        .is_some_and(|j| j.name == JOURNAL_FILE_NAME && j.header.is_some() && j.seq() == base_seq);
+    let clean = rd.keep.is_empty() && damaged.is_empty() && !journal_damaged;
+    if !(clean && current_ckpt && current_journal_continues && use_journals.len() == 1) {
+        append_at = None;
     }
     if replay.out_of_range > 0 {
-        warn(format!(
+        rd.warn(format!(
             "{} G3 index records named slots beyond {total_slots}; ignored",
             replay.out_of_range
         ));
     }
     index.finish_recovery();
+    let header_gen = base
+        .and_then(|b| ckpts[b].header)
+        .map_or(1, |h| h.next_generation);
     Ok(Recovered {
         index,
-        next_generation: next_generation.max(replay.max_gen + 1),
-        checkpoint_seq: ckpt_seq,
-        journal_valid_len,
+        next_generation: header_gen.max(replay.max_gen.saturating_add(1)).max(1),
+        checkpoint_seq: base_seq.unwrap_or(0),
+        max_seq: rd.max_seq,
+        append_at,
+        keep_damaged: rd.keep,
         records: replay.records,
         cut_bytes,
-        warnings,
+        skipped_bytes: rd.skipped_bytes,
+        warnings: rd.warnings,
         duration: start.elapsed(),
+        checkpoint_written: base.and_then(|b| ckpts[b].written),
     })
 }
 
-/// Opens the journal for appending after [`recover`]: continues it when possible, else
-/// writes a fresh checkpoint of the recovered index and a fresh journal. Returns the writer
-/// and the checkpoint sequence it continues.
+/// Opens the journal for appending after [`recover`]: keeps the damaged files aside, then
+/// continues the current journal when possible, else writes a fresh checkpoint of the
+/// recovered index and a fresh journal. Returns the writer and the checkpoint sequence it
+/// continues.
 pub fn open_journal(
-    dir: &Path,
+    dir: &IndexDir,
     set_uuid: [u8; 16],
     rec: &Recovered,
 ) -> Result<(JournalWriter, u64)> {
-    if let Some(len) = rec.journal_valid_len {
+    for k in &rec.keep_damaged {
+        dir.keep_damaged(k.name, k.rename, k.file)?;
+    }
+    if let Some(len) = rec.append_at {
         return Ok((
-            JournalWriter::open_at(&dir.join(JOURNAL_FILE_NAME), len)?,
+            JournalWriter::open_at(dir, set_uuid, len)?,
             rec.checkpoint_seq,
         ));
     }
-    let seq = rec.checkpoint_seq + 1;
-    write_checkpoint(
+    let seq = rec.max_seq.checked_add(1).ok_or_else(|| {
+        Error::new(
+            ErrorKind::Corrupt,
+            "G3 checkpoint sequence numbers are exhausted",
+        )
+    })?;
+    let w = rotate(
         dir,
         set_uuid,
         seq,
         rec.next_generation,
         &rec.index.entries_lru_first(),
-    )?;
-    Ok((JournalWriter::create(dir, set_uuid, seq)?, seq))
+    )
+    .map_err(|e| e.error)?;
+    Ok((w, seq))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::g3::checkpoint::encode_checkpoint;
     use crate::key::ChunkKey;
 
     const U: [u8; 16] = [9; 16];
@@ -262,24 +492,28 @@ mod tests {
         ChunkKey::new(i.to_le_bytes())
     }
 
+    fn dir(d: &tempfile::TempDir) -> IndexDir {
+        IndexDir::open(d.path()).unwrap()
+    }
+
     #[test]
     fn empty_dir_recovers_empty_and_writes_fresh_files() {
         let d = tempfile::tempdir_in("/tmp").unwrap();
-        let r = recover(d.path(), U, 8, 2).unwrap();
-        assert!(r.index.is_empty() && r.journal_valid_len.is_none());
-        let (_w, seq) = open_journal(d.path(), U, &r).unwrap();
+        let r = recover(&dir(&d), U, 8, 2).unwrap();
+        assert!(r.index.is_empty() && r.append_at.is_none());
+        let (_w, seq) = open_journal(&dir(&d), U, &r).unwrap();
         assert_eq!(seq, 1);
-        let r2 = recover(d.path(), U, 8, 2).unwrap();
+        let r2 = recover(&dir(&d), U, 8, 2).unwrap();
         assert_eq!(r2.checkpoint_seq, 1);
-        assert_eq!(r2.journal_valid_len, Some(FILE_HEADER_SIZE as u64));
+        assert_eq!(r2.append_at, Some(FILE_HEADER_SIZE as u64));
         assert!(r2.warnings.is_empty(), "{:?}", r2.warnings);
     }
 
     #[test]
     fn checkpoint_plus_journal_with_torn_tail() {
         let d = tempfile::tempdir_in("/tmp").unwrap();
-        let r = recover(d.path(), U, 8, 1).unwrap();
-        let (mut w, _) = open_journal(d.path(), U, &r).unwrap();
+        let r = recover(&dir(&d), U, 8, 1).unwrap();
+        let (mut w, _) = open_journal(&dir(&d), U, &r).unwrap();
         for i in 0..4 {
             w.insert(&k(i), i, 100 + i, u64::from(i) + 1);
         }
@@ -293,31 +527,55 @@ mod tests {
         let p = d.path().join(JOURNAL_FILE_NAME);
         let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
         f.set_len(good + 10).unwrap();
-        let r = recover(d.path(), U, 8, 1).unwrap();
+        let r = recover(&dir(&d), U, 8, 1).unwrap();
         assert_eq!(r.index.len(), 3);
         assert!(r.index.is_valid(&k(0)) && !r.index.is_valid(&k(1)) && !r.index.is_valid(&k(7)));
-        assert_eq!(r.journal_valid_len, Some(good));
+        assert_eq!(r.append_at, Some(good));
         assert_eq!(r.cut_bytes, 10);
-        assert_eq!(r.warnings.len(), 1);
+        assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
         assert_eq!(r.next_generation, 5);
         // Compaction keeps the same state.
         let entries = r.index.entries_lru_first();
-        write_checkpoint(d.path(), U, 2, r.next_generation, &entries).unwrap();
-        JournalWriter::create(d.path(), U, 2).unwrap();
-        let r2 = recover(d.path(), U, 8, 1).unwrap();
+        rotate(&dir(&d), U, 2, r.next_generation, &entries).unwrap();
+        let r2 = recover(&dir(&d), U, 8, 1).unwrap();
         assert_eq!(r2.index.entries_lru_first(), entries);
+        assert!(r2.warnings.is_empty(), "{:?}", r2.warnings);
     }
 
     #[test]
-    fn foreign_set_files_are_ignored() {
+    fn foreign_set_files_are_set_aside() {
         let d = tempfile::tempdir_in("/tmp").unwrap();
-        let r = recover(d.path(), [1; 16], 4, 1).unwrap();
-        let (mut w, _) = open_journal(d.path(), [1; 16], &r).unwrap();
+        let r = recover(&dir(&d), [1; 16], 4, 1).unwrap();
+        let (mut w, _) = open_journal(&dir(&d), [1; 16], &r).unwrap();
         w.insert(&k(1), 1, 1, 1);
         w.flush(true).unwrap();
-        let r = recover(d.path(), U, 4, 1).unwrap();
+        let r = recover(&dir(&d), U, 4, 1).unwrap();
         assert!(r.index.is_empty());
-        assert_eq!(r.warnings.len(), 2);
-        assert!(r.journal_valid_len.is_none());
+        assert_eq!(r.warnings.len(), 2, "{:?}", r.warnings);
+        assert!(r.append_at.is_none());
+        assert_eq!(r.keep_damaged.len(), 2);
+    }
+
+    #[test]
+    fn a_journal_continuing_an_older_checkpoint_is_folded_in_not_replayed_twice() {
+        // The state a crash leaves between the checkpoint's rename and the journal's.
+        let d = tempfile::tempdir_in("/tmp").unwrap();
+        let r = recover(&dir(&d), U, 8, 1).unwrap();
+        let (mut w, _) = open_journal(&dir(&d), U, &r).unwrap();
+        w.insert(&k(1), 1, 1, 1);
+        w.insert(&k(2), 2, 2, 2);
+        w.remove(1);
+        w.flush(true).unwrap();
+        let r = recover(&dir(&d), U, 8, 1).unwrap();
+        let entries = r.index.entries_lru_first();
+        let bytes = encode_checkpoint(U, 2, 3, &entries);
+        std::fs::write(d.path().join(CHECKPOINT_FILE_NAME), bytes).unwrap();
+        let r = recover(&dir(&d), U, 8, 1).unwrap();
+        assert_eq!(r.index.entries_lru_first(), entries);
+        assert_eq!(r.checkpoint_seq, 2);
+        assert!(
+            r.append_at.is_none(),
+            "the journal must be rotated, not continued"
+        );
     }
 }

@@ -58,6 +58,39 @@ pub struct SlabFile {
     pub superblock: Superblock,
 }
 
+impl SlabFile {
+    /// Checks that the slab is still what its path names: not deleted (a link count of 0),
+    /// and the path leads to this very file (not renamed, replaced, or hidden by an unmount of
+    /// its filesystem). Slots written to a slab that fails this would not be found by a
+    /// restart.
+    pub fn check_identity(&self) -> Result<()> {
+        let md = self
+            .meta
+            .metadata()
+            .map_err(|e| Error::io("stat", &self.path, e))?;
+        let gone = |why: String| {
+            Err(Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "G3 slab {} {why} while the tier ran: what is written to it now would not                      be found by a restart",
+                    self.path.display()
+                ),
+            )
+            .with("path", self.path.display().to_string()))
+        };
+        if md.nlink() == 0 {
+            return gone("was deleted".into());
+        }
+        match std::fs::metadata(&self.path) {
+            Ok(now) if now.dev() == md.dev() && now.ino() == md.ino() => Ok(()),
+            Ok(_) => gone("was replaced by another file (or its directory by another one)".into()),
+            Err(e) => gone(format!(
+                "can no longer be reached through its path ({e}): renamed, or its filesystem                  unmounted"
+            )),
+        }
+    }
+}
+
 /// The open files of a stripe set, in stripe order.
 #[derive(Debug)]
 pub struct SlabSet {

@@ -170,9 +170,14 @@ impl G3Tier {
                     direct: f.direct,
                     fs_type: f.fs_type.clone(),
                     poisoned: Default::default(),
+                    problem: Default::default(),
+                    lost: Default::default(),
                 })
                 .collect(),
             failed: Mutex::new(None),
+            checkpoint_error: Mutex::new(None),
+            journal_problem: Mutex::new(None),
+            final_checkpoint_error: Mutex::new(None),
         });
         // Bounded channels keep their slots in one preallocated ring: an unbounded channel
         // allocates a block every 31 messages on the sending (scheduler) thread and frees it on

@@ -5,11 +5,13 @@
 //! move only part of their bytes (the wrapper really transfers the shorter length through the
 //! inner engine, then reports [`ErrorKind::ShortIo`]: a short transfer is never a success),
 //! which reads get a bit flipped in the buffer after they complete, the latency added to every
-//! completion, and after how many writes every further write fails.
+//! completion, after how many writes every further write fails, and which operations on the
+//! tier's metadata files (journal, checkpoint, their directory) fail with which `errno`
+//! ([`MetaFault`], through [`IoEngine::meta_fault`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -18,7 +20,9 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::files::{dir_name, os_error, request_error};
-use crate::io::{EngineHandle, EngineInfo, IoCompletion, IoDir, IoEngine, IoRequest};
+use crate::io::{
+    EngineHandle, EngineInfo, IoCompletion, IoDir, IoEngine, IoRequest, MetaFile, MetaOp,
+};
 use crate::region::PrimaryRegion;
 
 /// Flip bit `bit` of byte `byte` (counted from the start of the request's buffer) after
@@ -32,6 +36,71 @@ pub struct BitFlip {
     /// Bit within the byte (0..8).
     pub bit: u8,
 }
+
+/// Fail operations `op` on the metadata file `file` with `errno`: the matching operations
+/// after the first `skip`, `times` of them (`None`: every one), while `gate` (if any) is set.
+#[derive(Debug, Clone)]
+pub struct MetaFault {
+    /// Which file.
+    pub file: MetaFile,
+    /// Which operation.
+    pub op: MetaOp,
+    /// The error, e.g. `libc::ENOSPC`.
+    pub errno: i32,
+    /// Matching operations that go through before the first failure.
+    pub skip: u64,
+    /// How many fail (`None`: all after `skip`).
+    pub times: Option<u64>,
+    /// When given, the rule applies only while this is true (a test switches a fault on and
+    /// off, e.g. a disk that fills up and is freed again).
+    pub gate: Option<Arc<AtomicBool>>,
+}
+
+impl MetaFault {
+    /// Every operation `op` on `file` fails with `errno`.
+    pub fn new(file: MetaFile, op: MetaOp, errno: i32) -> Self {
+        MetaFault {
+            file,
+            op,
+            errno,
+            skip: 0,
+            times: None,
+            gate: None,
+        }
+    }
+
+    /// Lets the first `n` matching operations through.
+    pub fn after(mut self, n: u64) -> Self {
+        self.skip = n;
+        self
+    }
+
+    /// Fails only `n` operations.
+    pub fn times(mut self, n: u64) -> Self {
+        self.times = Some(n);
+        self
+    }
+
+    /// Applies only while `gate` is true.
+    pub fn while_set(mut self, gate: Arc<AtomicBool>) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+}
+
+impl PartialEq for MetaFault {
+    fn eq(&self, o: &Self) -> bool {
+        let gate = match (&self.gate, &o.gate) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        gate && (self.file, self.op, self.errno, self.skip, self.times)
+            == (o.file, o.op, o.errno, o.skip, o.times)
+    }
+}
+
+impl Eq for MetaFault {}
 
 /// Which faults to inject. Empty (the default) injects nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -48,6 +117,8 @@ pub struct FaultPlan {
     pub fail_writes_after: Option<u64>,
     /// Once this many `sync_data` calls have succeeded, every later one fails with EIO.
     pub fail_syncs_after: Option<u64>,
+    /// Faults of the metadata files' operations (see [`MetaFault`]).
+    pub meta: Vec<MetaFault>,
 }
 
 impl FaultPlan {
@@ -95,6 +166,12 @@ impl FaultPlan {
         self.fail_syncs_after = Some(n);
         self
     }
+
+    /// Adds a metadata-file fault.
+    pub fn meta(mut self, fault: MetaFault) -> Self {
+        self.meta.push(fault);
+        self
+    }
 }
 
 /// Counts of what was injected so far.
@@ -108,6 +185,8 @@ pub struct FaultCounts {
     pub flips: u64,
     /// `sync_data` calls failed.
     pub sync_failures: u64,
+    /// Metadata-file operations failed.
+    pub meta_failures: u64,
 }
 
 /// What to do when an operation's inner completion arrives.
@@ -131,6 +210,8 @@ struct State {
     /// Keyed by operation number, which is the tag the inner engine sees.
     pending: HashMap<u64, Pending>,
     counts: FaultCounts,
+    /// Matching operations seen so far, per metadata rule.
+    meta_seen: Vec<u64>,
 }
 
 enum Control {
@@ -349,6 +430,37 @@ impl IoEngine for FaultyEngine {
             }
         }
         self.inner.sync_data(file)
+    }
+
+    fn meta_fault(&self, file: MetaFile, op: MetaOp) -> Option<std::io::Error> {
+        if self.plan.meta.is_empty() {
+            return None;
+        }
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        st.meta_seen.resize(self.plan.meta.len(), 0);
+        let mut hit = None;
+        for (rule, seen) in self.plan.meta.iter().zip(st.meta_seen.iter_mut()) {
+            if rule.file != file || rule.op != op {
+                continue;
+            }
+            if rule
+                .gate
+                .as_ref()
+                .is_some_and(|g| !g.load(Ordering::SeqCst))
+            {
+                continue;
+            }
+            *seen += 1;
+            let n = *seen;
+            let fails = n > rule.skip && rule.times.is_none_or(|t| n <= rule.skip + t);
+            if fails && hit.is_none() {
+                hit = Some(rule.errno);
+            }
+        }
+        let errno = hit?;
+        st.counts.meta_failures += 1;
+        Some(std::io::Error::from_raw_os_error(errno))
     }
 
     fn shutdown(&self) {

@@ -20,7 +20,7 @@ mod queue;
 mod thread;
 pub mod uring;
 
-pub use faulty::{FaultPlan, FaultyEngine};
+pub use faulty::{FaultPlan, FaultyEngine, MetaFault};
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};
@@ -78,6 +78,31 @@ pub enum IoEngineKind {
     Psync,
 }
 
+/// A file that a tier writes beside its data files, outside the engine's transfers (the G3
+/// index), named so that faults can be injected into its operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetaFile {
+    /// The index journal (and its temporary and previous-generation names).
+    Journal,
+    /// The index checkpoint (and its temporary and previous-generation names).
+    Checkpoint,
+    /// The directory holding them (its fsync).
+    Directory,
+}
+
+/// An operation on a [`MetaFile`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetaOp {
+    /// Creating (or truncating) a file.
+    Create,
+    /// Writing bytes.
+    Write,
+    /// `fsync` / `fdatasync`.
+    Sync,
+    /// Renaming (or linking) a file to another name.
+    Rename,
+}
+
 /// A pluggable I/O engine.
 pub trait IoEngine: Send + Sync {
     /// `"uring"`, `"psync"`, `"faulty(uring)"`, ...
@@ -102,4 +127,11 @@ pub trait IoEngine: Send + Sync {
     /// `fdatasync` of file `file`: every write that completed before the call is durable
     /// when it returns `Ok`. Blocks the caller (the G3 worker's group commit).
     fn sync_data(&self, file: usize) -> Result<()>;
+
+    /// Called before each operation on a tier's metadata files (the G3 journal, checkpoint
+    /// and their directory): `Some(error)` makes that operation fail with `error` without
+    /// running it. Real engines inject nothing; the `faulty` engine follows its plan.
+    fn meta_fault(&self, _file: MetaFile, _op: MetaOp) -> Option<std::io::Error> {
+        None
+    }
 }

@@ -15,6 +15,7 @@ use super::{Active, KeyStatus, Worker};
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::format::slot_location;
+use crate::g3::record::{chunk_crc_from_row_crc, row_crc_from_chunk_crc};
 use crate::key::ChunkKey;
 
 /// What the tier granted one key.
@@ -31,7 +32,8 @@ pub enum GrantedSlot {
         file: usize,
         /// Byte offset of the slot in that file.
         offset: u64,
-        /// The indexed CRC-32 of the row (loads).
+        /// The CRC-32 the row's bytes must have (loads; the index stores it bound to the key,
+        /// see `g3::record::chunk_crc`).
         crc: u32,
     },
 }
@@ -121,6 +123,13 @@ impl Worker {
                 (KeyStatus::Skipped, _) => GrantedSlot::Skipped,
                 (KeyStatus::Pending, Some((slot, crc))) => {
                     let (file, offset) = slot_location(u64::from(slot), n_files, stride);
+                    // The other data path checks the row's own CRC-32; the index binds the
+                    // key too (`chunk_crc`).
+                    let crc = if s.load {
+                        row_crc_from_chunk_crc(a.keys[i].as_bytes(), crc, stride)
+                    } else {
+                        0
+                    };
                     GrantedSlot::Ready { file, offset, crc }
                 }
                 _ => GrantedSlot::Failed(failed(&a)),
@@ -173,6 +182,7 @@ impl Worker {
                         &self.sh.metrics.bytes_read
                     } else {
                         if let Some((slot, _)) = a.slots[i] {
+                            let crc = chunk_crc_from_row_crc(a.keys[i].as_bytes(), crc, stride);
                             a.slots[i] = Some((slot, crc));
                         }
                         &self.sh.metrics.bytes_written

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use super::{Active, KeyStatus, Worker};
 use crate::error::{Error, ErrorKind};
 use crate::g3::config::FsyncPolicy;
+use crate::g3::record::{chunk_crc, chunk_crc_from_row_crc};
 
 impl Worker {
     pub(super) fn prepare_load(&mut self, a: &mut Active) {
@@ -34,6 +35,7 @@ impl Worker {
 
     pub(super) fn finish_load(&mut self, mut a: Active) {
         let region = self.engine.region();
+        let stride = self.set.row_stride();
         let mut dropped = Vec::new();
         let mut loaded = Vec::new();
         // CRCs first, without the index lock (lookups must not wait on hashing).
@@ -45,11 +47,12 @@ impl Worker {
                 continue;
             }
             let found = match &a.direct {
-                // The other data path checksummed what it read (see `direct.rs`).
-                Some(d) => Ok(d.crcs[i]),
+                // The other data path checksummed the row it read (see `direct.rs`).
+                Some(d) => Ok(chunk_crc_from_row_crc(a.keys[i].as_bytes(), d.crcs[i], stride)),
                 // SAFETY: the manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
-                None => unsafe { region.row(a.rows[i] as usize) }.map(crc32fast::hash),
+                None => unsafe { region.row(a.rows[i] as usize) }
+                    .map(|row| chunk_crc(a.keys[i].as_bytes(), row)),
             };
             match found {
                 Ok(found) if found == crc => loaded.push(a.keys[i].clone()),
@@ -95,10 +98,7 @@ impl Worker {
             if let Some(j) = self.journal.as_mut() {
                 dropped.iter().for_each(|(_, s)| j.remove(*s));
                 if j.flush(sync).is_err() {
-                    self.sh
-                        .metrics
-                        .journal_poisoned
-                        .store(true, Ordering::Relaxed);
+                    self.publish_journal_state();
                 }
             }
             self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);

@@ -37,6 +37,7 @@ use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::key::ChunkKey;
+use durability::Durability;
 
 mod direct;
 mod durability;
@@ -88,6 +89,12 @@ pub(crate) struct Shared {
     pub paths: Vec<PathStatus>,
     /// Why the tier cannot serve (recovery failed, worker gone), if so.
     pub failed: Mutex<Option<Error>>,
+    /// Why the last checkpoint failed, while checkpoints fail.
+    pub checkpoint_error: Mutex<Option<String>>,
+    /// Why the journal refuses writes, if it does.
+    pub journal_problem: Mutex<Option<String>>,
+    /// Why the final checkpoint at shutdown failed, if it did.
+    pub final_checkpoint_error: Mutex<Option<String>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,9 +167,7 @@ pub(crate) struct Worker {
     results_tx: Sender<JobResult>,
     events_tx: Sender<OffloadingEvent>,
     journal: Option<JournalWriter>,
-    ckpt_seq: u64,
-    next_gen: u64,
-    last_ckpt: Instant,
+    dur: Durability,
     queue: VecDeque<(TransferJob, bool)>,
     active: HashMap<u32, Active>,
     next_serial: u32,
@@ -199,9 +204,7 @@ impl Worker {
             results_tx: w.results_tx,
             events_tx: w.events_tx,
             journal: None,
-            ckpt_seq: 0,
-            next_gen: 1,
-            last_ckpt: Instant::now(),
+            dur: Durability::default(),
             queue: VecDeque::new(),
             active: HashMap::new(),
             next_serial: 0,
@@ -225,6 +228,10 @@ impl Worker {
                 "G3 tier {}: index recovery failed, the tier serves no data: {e}",
                 self.tier_id
             );
+            self.sh
+                .metrics
+                .recovery_failed
+                .store(true, Ordering::Relaxed);
             *self.sh.failed.lock() = Some(e);
         }
         self.sh.metrics.recovered.store(true, Ordering::Release);
@@ -261,12 +268,7 @@ impl Worker {
                     return;
                 }
             }
-            let tick_at = match (self.cfg.checkpoint_interval, &self.journal) {
-                (Some(iv), Some(j)) if !j.is_empty() => {
-                    Some(self.last_ckpt + iv.max(Duration::from_millis(1)))
-                }
-                _ => None,
-            };
+            let tick_at = self.next_checkpoint_at();
             if self.in_flight == 0 && cmd_open && stores_open {
                 // Nothing is coming from the engine: linger (see the module docs).
                 let (cmds, stores) = (&self.cmd_rx, &self.store_rx);
@@ -609,9 +611,10 @@ impl Worker {
             && !p.poisoned.swap(true, Ordering::Relaxed)
         {
             log::error!(
-                "G3 slab {} poisoned after a failed write: {why}; no further writes go there",
+                "G3 slab {} poisoned: {why}; no further writes go there",
                 self.set.files[path].path.display()
             );
+            *p.problem.lock() = Some(why.to_string());
         }
         if let Some(ix) = self.sh.index.lock().as_mut() {
             ix.mark_path_dead(path);

@@ -7,25 +7,13 @@ use std::sync::atomic::Ordering;
 use super::{Active, KeyStatus, Worker};
 use crate::error::{Error, ErrorKind};
 use crate::g3::config::FsyncPolicy;
-use crate::g3::journal::MAX_KEY_LEN;
+use crate::g3::record::{MAX_KEY_LEN, chunk_crc};
 use crate::io::{IoDir, IoRequest};
 use crate::key::ChunkKey;
 
 impl Worker {
     pub(super) fn prepare_store(&mut self, a: &mut Active) {
-        let mut journal_bad = self
-            .journal
-            .as_ref()
-            .and_then(|j| j.poisoned().map(str::to_string));
-        if journal_bad.is_none()
-            && self
-                .sh
-                .paths
-                .iter()
-                .all(|p| p.poisoned.load(Ordering::Relaxed))
-        {
-            journal_bad = Some("every slab path is poisoned by an earlier failed write".into());
-        }
+        let refusal = self.store_refusal();
         let mut evicted = Vec::new();
         {
             let mut guard = self.sh.index.lock();
@@ -41,14 +29,12 @@ impl Worker {
                         .fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                if let Some(why) = &journal_bad {
-                    a.fail(
-                        i,
-                        Error::new(
-                            ErrorKind::Poisoned,
-                            format!("G3 tier refuses writes: {why}"),
-                        ),
-                    );
+                if let Some(e) = &refusal {
+                    self.sh
+                        .metrics
+                        .stores_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    a.fail(i, e.duplicate());
                     continue;
                 }
                 if key.len() > MAX_KEY_LEN {
@@ -103,10 +89,7 @@ impl Worker {
                 None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
             };
             if let Err(e) = res {
-                self.sh
-                    .metrics
-                    .journal_poisoned
-                    .store(true, Ordering::Relaxed);
+                self.publish_journal_state();
                 let mut guard = self.sh.index.lock();
                 for i in 0..a.keys.len() {
                     if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
@@ -123,8 +106,8 @@ impl Worker {
         // (`checksum_submitted_writes`), so that hashing overlaps the device's work.
     }
 
-    /// CRC-32 of the rows whose writes were just submitted, computed while those writes are
-    /// in flight. The manager pins a store job's rows (nobody writes them) until the job is
+    /// [`chunk_crc`] (key, then row) of the rows whose writes were just submitted, computed
+    /// while those writes are in flight. The manager pins a store job's rows (nobody writes them) until the job is
     /// reported, so this is the CRC of the bytes being written; it reaches the journal and
     /// the index only after the write completed (`flush_commits`).
     pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
@@ -141,7 +124,7 @@ impl Worker {
             // SAFETY: the row is pinned (no writer) until the job is reported, and was
             // range-checked in `prepare_store`; O_DIRECT only reads it meanwhile.
             match unsafe { region.row(row as usize) } {
-                Ok(bytes) => a.slots[i] = Some((slot, crc32fast::hash(bytes))),
+                Ok(bytes) => a.slots[i] = Some((slot, chunk_crc(a.keys[i].as_bytes(), bytes))),
                 // Unreachable after the range check; the key fails rather than journaling
                 // a CRC that was never computed.
                 Err(e) => a.fail(i, e),
@@ -169,8 +152,11 @@ impl Worker {
     }
 
     /// Group commit of every finished store job: under `fsync = always` one fdatasync per
-    /// slab written (data durable before the journal names it), then one journal append (and
-    /// fdatasync), then the index commit, the events and the results.
+    /// slab written (data durable before the journal names it) and a check that every slab
+    /// and the index directory are still the ones a restart will find (each time under
+    /// `fsync = always`, else at most every second), then one journal append (and fdatasync),
+    /// then the index commit, the events and the results. A key whose slab failed any of it
+    /// is failed, never reported stored.
     pub(super) fn flush_commits(&mut self) {
         if self.commits.is_empty() {
             return;
@@ -178,6 +164,20 @@ impl Worker {
         let mut jobs = std::mem::take(&mut self.commits);
         let n_paths = self.set.files.len();
         let sync = self.cfg.fsync == FsyncPolicy::Always;
+        // Paths whose keys of this group must fail: a slab that a restart would not find, or
+        // (below) whose sync failed.
+        let mut lost: Vec<(usize, Error)> = if sync {
+            self.check_files()
+        } else {
+            self.check_files_now_and_then()
+        };
+        for (f, p) in self.sh.paths.iter().enumerate() {
+            if let Some(why) = p.lost.lock().as_ref()
+                && !lost.iter().any(|(l, _)| *l == f)
+            {
+                lost.push((f, Error::new(ErrorKind::Poisoned, why.clone())));
+            }
+        }
         let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);
         if sync {
             let touched: BTreeSet<usize> = jobs
@@ -189,42 +189,49 @@ impl Worker {
                 })
                 .collect();
             for f in touched {
+                if lost.iter().any(|(l, _)| *l == f) {
+                    continue;
+                }
                 if let Err(e) = self.engine.sync_data(f) {
                     self.poison_path(f, &e);
-                    for a in jobs.iter_mut() {
-                        for i in 0..a.keys.len() {
-                            if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(f) {
-                                a.fail(i, e.duplicate());
-                            }
-                        }
+                    lost.push((f, e));
+                }
+            }
+        }
+        for (f, e) in &lost {
+            for a in jobs.iter_mut() {
+                for i in 0..a.keys.len() {
+                    if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(*f) {
+                        a.fail(i, e.duplicate());
                     }
                 }
             }
         }
+        // (The journal bound and the paths were checked when the jobs started; records of
+        // writes already done may go past the bound.)
+        let refusal = self.journal_refusal();
         // One append for the whole group.
         let mut gens: Vec<Vec<u64>> = jobs.iter().map(|a| vec![0; a.keys.len()]).collect();
         let any_done = jobs.iter().any(|a| a.status.contains(&KeyStatus::Done));
-        let journal_err = match (any_done, self.journal.as_mut()) {
-            (false, _) => None,
-            (true, Some(j)) => {
+        let journal_err = match (any_done, refusal, self.journal.as_mut()) {
+            (false, _, _) => None,
+            (true, Some(e), _) => Some(e),
+            (true, None, Some(j)) => {
                 for (a, g) in jobs.iter().zip(gens.iter_mut()) {
                     for (i, gen_i) in g.iter_mut().enumerate() {
                         if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.slots[i]) {
-                            *gen_i = self.next_gen;
-                            j.insert(&a.keys[i], slot, crc, self.next_gen);
-                            self.next_gen += 1;
+                            *gen_i = self.dur.next_gen;
+                            j.insert(&a.keys[i], slot, crc, self.dur.next_gen);
+                            self.dur.next_gen = self.dur.next_gen.saturating_add(1);
                         }
                     }
                 }
                 j.flush(sync).err()
             }
-            (true, None) => Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+            (true, None, None) => Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
         };
         if let Some(e) = &journal_err {
-            self.sh
-                .metrics
-                .journal_poisoned
-                .store(true, Ordering::Relaxed);
+            self.publish_journal_state();
             for a in jobs.iter_mut() {
                 for i in 0..a.keys.len() {
                     if a.status[i] == KeyStatus::Done {
