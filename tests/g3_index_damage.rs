@@ -7,10 +7,10 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use g3_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::G3Tier;
 use kvtier::g3::journal::{CHECKPOINT_FILE_NAME, JOURNAL_FILE_NAME};
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 
 /// Bytes of one index record of a `g3_common::key` (40-byte key).
 const RECORD: u64 = 24 + 40;

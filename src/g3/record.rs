@@ -624,7 +624,11 @@ mod tests {
 
     #[test]
     fn chunk_crc_from_and_to_the_row_crc() {
-        for (key, len) in [(&b"k"[..], 4096usize), (&[0xAB; 40][..], 8192), (&b""[..], 17)] {
+        for (key, len) in [
+            (&b"k"[..], 4096usize),
+            (&[0xAB; 40][..], 8192),
+            (&b""[..], 17),
+        ] {
             let row: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
             let whole = chunk_crc(key, &row);
             let row_crc = crc32fast::hash(&row);

@@ -48,7 +48,11 @@ impl Worker {
             }
             let found = match &a.direct {
                 // The other data path checksummed the row it read (see `direct.rs`).
-                Some(d) => Ok(chunk_crc_from_row_crc(a.keys[i].as_bytes(), d.crcs[i], stride)),
+                Some(d) => Ok(chunk_crc_from_row_crc(
+                    a.keys[i].as_bytes(),
+                    d.crcs[i],
+                    stride,
+                )),
                 // SAFETY: the manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
                 None => unsafe { region.row(a.rows[i] as usize) }
