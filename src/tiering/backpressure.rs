@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::config::BackpressureConfig;
+use crate::config::{BackpressureConfig, TierConfig};
 use crate::contract::job::Locality;
 use crate::error::Result;
 use crate::tiering::clock::Clock;
@@ -83,6 +83,15 @@ impl DetectorParams {
             failure_threshold,
             policy,
         }
+    }
+
+    /// The detector of a configured secondary tier: `None` when the tier has no back-pressure
+    /// configuration, else [`DetectorParams::resolve`] of its merged config.
+    pub fn for_tier(tier: &TierConfig) -> Result<Option<Self>> {
+        tier.backpressure
+            .as_ref()
+            .map(|bp| Self::resolve(bp, &tier.tier_type, tier.locality, &tier.key_path()))
+            .transpose()
     }
 
     /// Resolves a merged config for a tier: missing water marks come from the tier-aware preset
@@ -274,6 +283,12 @@ impl EmaDetector {
     /// Consecutive failed stores (`stats["consecutive_store_failures"]`).
     pub fn consecutive_failures(&self) -> u32 {
         self.consecutive_failures
+    }
+
+    /// The pressure state as last computed, read without applying idle decay (vLLM's
+    /// `_under_pressure`; [`EmaDetector::is_under_pressure`] refreshes it first).
+    pub fn pressure_flag(&self) -> bool {
+        self.under_pressure
     }
 
     /// Consecutive completions below low water.

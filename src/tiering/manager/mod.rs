@@ -190,17 +190,12 @@ impl TieringManager {
         let mut params = Vec::new();
         for tc in &cfg.secondary_tiers {
             let label = tier_label(tc.index, &tc.tier_type);
-            let step = tc
-                .backpressure
-                .as_ref()
-                .map(|bp| DetectorParams::resolve(bp, &tc.tier_type, tc.locality, &tc.key_path()))
-                .transpose()
-                .and_then(|p| {
-                    let mut ctx =
-                        TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
-                    ctx.namespace = opts.namespace;
-                    factory.create(tc, &ctx).map(|t| (t, p))
-                });
+            let step = DetectorParams::for_tier(tc).and_then(|p| {
+                let mut ctx =
+                    TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
+                ctx.namespace = opts.namespace;
+                factory.create(tc, &ctx).map(|t| (t, p))
+            });
             match step {
                 Ok((t, p)) => {
                     log::info!("Created secondary tier #{} ({})", tc.index, tc.tier_type);

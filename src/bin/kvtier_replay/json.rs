@@ -1,0 +1,73 @@
+//! Reading the driver's input: typed fields with errors that name the field.
+
+use serde_json::{Value, json};
+
+/// `value[key]` as an object field, required.
+pub fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value, String> {
+    v.get(key)
+        .ok_or_else(|| format!("missing field {key:?} in {}", short(v)))
+}
+
+/// A required array field.
+pub fn array<'a>(v: &'a Value, key: &str) -> Result<&'a Vec<Value>, String> {
+    field(v, key)?
+        .as_array()
+        .ok_or_else(|| format!("field {key:?} must be an array"))
+}
+
+/// A required string field.
+pub fn string<'a>(v: &'a Value, key: &str) -> Result<&'a str, String> {
+    field(v, key)?
+        .as_str()
+        .ok_or_else(|| format!("field {key:?} must be a string"))
+}
+
+/// A required non-negative integer field.
+pub fn uint(v: &Value, key: &str) -> Result<u64, String> {
+    field(v, key)?
+        .as_u64()
+        .ok_or_else(|| format!("field {key:?} must be a non-negative integer"))
+}
+
+/// An optional non-negative integer field.
+pub fn opt_uint(v: &Value, key: &str) -> Result<Option<u64>, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("field {key:?} must be a non-negative integer or null")),
+    }
+}
+
+/// A `u32` field with a default.
+pub fn u32_or(v: &Value, key: &str, default: u32) -> Result<u32, String> {
+    match opt_uint(v, key)? {
+        None => Ok(default),
+        Some(x) => u32::try_from(x).map_err(|_| format!("field {key:?} is too large")),
+    }
+}
+
+/// An optional boolean field with a default.
+pub fn bool_or(v: &Value, key: &str, default: bool) -> Result<bool, String> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(x) => x
+            .as_bool()
+            .ok_or_else(|| format!("field {key:?} must be a boolean")),
+    }
+}
+
+/// A kvtier refusal as an observation.
+pub fn error_entry(e: &kvtier::Error) -> Value {
+    json!({"error": e.to_string(), "kind": e.kind().as_str()})
+}
+
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 120 {
+        format!("{}...", &s[..s.floor_char_boundary(120)])
+    } else {
+        s
+    }
+}

@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Fetch vLLM's Python sources for the differential tests (stdlib only).
+
+Downloads the pinned vLLM wheel (``vllm-wheel.toml``) with pip into
+``$KVTIER_CACHE_DIR/wheels`` (default ``~/.cache/kvtier/wheels``), checks its sha256
+against the hash PyPI publishes (recorded in ``vllm-wheel.toml``), and unpacks only the
+``vllm/**/*.py`` sources and the ``.dist-info`` metadata into
+``$KVTIER_CACHE_DIR/vllm-<version>-py-<sha12>/``. Both steps reuse what is already
+there, so only the first run needs the package index. Nothing of vLLM is written into
+the checkout.
+
+Usage: ``python fetch_vllm.py [--cache-dir DIR] [--print-src]``. With ``--print-src`` the
+last line of stdout is the directory to put on ``sys.path``.
+
+Exit status: 0 ready; 3 the wheel is not cached and could not be downloaded (no package
+index: callers may skip); 1 anything else (a hash mismatch, a broken cache), which must fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PIN_FILE = HERE / "vllm-wheel.toml"
+# Marker written last into an unpacked source tree; holds the wheel's sha256.
+COMPLETE_MARKER = ".kvtier-complete"
+EXIT_UNAVAILABLE = 3
+
+
+class FetchError(Exception):
+    """A failure that no retry on this machine fixes (exit 1)."""
+
+
+class Unavailable(Exception):
+    """The wheel is not cached and the package index could not provide it (exit 3)."""
+
+
+def cache_dir() -> Path:
+    """``$KVTIER_CACHE_DIR``, else ``~/.cache/kvtier``."""
+    env = os.environ.get("KVTIER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "kvtier"
+
+
+def load_pin() -> dict:
+    with PIN_FILE.open("rb") as f:
+        pin = tomllib.load(f)
+    for key in ("version", "filename", "sha256"):
+        if not isinstance(pin.get(key), str) or not pin[key]:
+            raise FetchError(f"{PIN_FILE}: {key} must be a non-empty string")
+    return pin
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """An exclusive flock on ``path``: several checkouts share one cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def log(msg: str) -> None:
+    print(f"fetch_vllm: {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_wheel(cache: Path, pin: dict) -> Path:
+    """The verified wheel in ``cache/wheels``, downloaded with pip if absent."""
+    wheels = cache / "wheels"
+    wheel = wheels / pin["filename"]
+    if wheel.exists():
+        found = sha256_of(wheel)
+        if found == pin["sha256"]:
+            return wheel
+        bad = wheel.with_name(wheel.name + f".sha256-{found[:12]}.rejected")
+        log(f"{wheel} has sha256 {found}, expected {pin['sha256']}; moved to {bad}")
+        wheel.replace(bad)
+    wheels.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {pin['filename']} (about 340 MB, once) into {wheels}")
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"vllm=={pin['version']} --hash=sha256:{pin['sha256']}\n")
+        # The platform flags pick exactly the pinned file whatever this host is; the hash
+        # check (--require-hashes) refuses anything else.
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--platform", "manylinux_2_28_x86_64", "--implementation", "cp",
+            "--python-version", "3.11", "--abi", "abi3", "--require-hashes",
+            "--disable-pip-version-check", "--progress-bar", "off",
+            "-r", str(req), "-d", tmp,
+        ]
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        got = Path(tmp) / pin["filename"]
+        if result.returncode != 0 or not got.exists():
+            tail = "\n".join(result.stdout.strip().splitlines()[-6:])
+            if "HASH" in result.stdout.upper() and "MISMATCH" in result.stdout.upper():
+                raise FetchError(f"pip download: the index served other bytes:\n{tail}")
+            raise Unavailable(f"pip download failed (exit {result.returncode}):\n{tail}")
+        found = sha256_of(got)
+        if found != pin["sha256"]:
+            raise FetchError(f"downloaded {got.name} has sha256 {found}, expected {pin['sha256']}")
+        os.replace(got, wheel)
+    return wheel
+
+
+def _member_path(root: Path, name: str) -> Path:
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts:
+        raise FetchError(f"unsafe path in wheel: {name!r}")
+    return root.joinpath(*parts)
+
+
+def source_dir(cache: Path, pin: dict) -> Path:
+    return cache / f"vllm-{pin['version']}-py-{pin['sha256'][:12]}"
+
+
+def ensure_sources(cache: Path, pin: dict, wheel: Path) -> Path:
+    """``cache/vllm-<version>-py-<sha12>``: the wheel's ``vllm/**/*.py`` and dist-info."""
+    target = source_dir(cache, pin)
+    marker = target / COMPLETE_MARKER
+    if marker.exists() and marker.read_text().strip() == pin["sha256"]:
+        return target
+    if target.exists():
+        log(f"{target} is incomplete; unpacking again")
+        shutil.rmtree(target)
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{target.name}-"))
+    try:
+        count = 0
+        with zipfile.ZipFile(wheel) as z:
+            for info in z.infolist():
+                name = info.filename
+                wanted = (name.startswith("vllm/") and name.endswith(".py")) or (
+                    name.split("/", 1)[0].endswith(".dist-info") and not name.endswith("/")
+                )
+                if not wanted:
+                    continue
+                dest = _member_path(tmp, name)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(info) as src, dest.open("wb") as out:
+                    shutil.copyfileobj(src, out)
+                count += 1
+        if count == 0:
+            raise FetchError(f"{wheel} holds no vllm/*.py files")
+        (tmp / COMPLETE_MARKER).write_text(pin["sha256"] + "\n")
+        tmp.chmod(0o755)  # mkdtemp made it private; the cache is shared by checkouts
+        tmp.rename(target)
+        log(f"unpacked {count} files into {target}")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return target
+
+
+def ensure(cache: Path | None = None) -> Path:
+    """Fetch (if needed) and unpack (if needed); returns the source directory."""
+    cache = cache or cache_dir()
+    pin = load_pin()
+    with locked(cache / ".fetch_vllm.lock"):
+        # A complete tree was unpacked from a verified wheel: no need to hash 340 MB again.
+        ready = source_dir(cache, pin)
+        marker = ready / COMPLETE_MARKER
+        if marker.exists() and marker.read_text().strip() == pin["sha256"]:
+            return ready
+        wheel = ensure_wheel(cache, pin)
+        return ensure_sources(cache, pin, wheel)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache-dir", type=Path, help="default: $KVTIER_CACHE_DIR or ~/.cache/kvtier")
+    parser.add_argument("--print-src", action="store_true", help="print the source directory last")
+    args = parser.parse_args()
+    try:
+        src = ensure(args.cache_dir)
+    except Unavailable as e:
+        log(str(e))
+        return EXIT_UNAVAILABLE
+    except (FetchError, OSError, zipfile.BadZipFile) as e:
+        log(f"error: {e}")
+        return 1
+    if args.print_src:
+        print(src)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

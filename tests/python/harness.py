@@ -1,0 +1,112 @@
+"""Helpers for kvtier's differential tests against vLLM 0.33.0 (see tests/python/README.md).
+
+* :data:`clock`: the switchable ``time.monotonic`` installed before vLLM is imported, so a
+  test can run vLLM's own code on an injected clock.
+* :func:`replay`: runs the ``kvtier-replay`` driver (JSON in, JSON out) to observe kvtier.
+* :func:`float_diff`: exact float comparison with a readable message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+#: Times on this grid are exact both as Python floats and as whole nanoseconds (1e9 = 2^9 * 5^9),
+#: so kvtier's Duration arithmetic and vLLM's float arithmetic see the same values.
+TIME_QUANTUM_S = 1.0 / 512
+
+
+class SwitchableMonotonic:
+    """``time.monotonic`` that is real time unless a test sets it.
+
+    Installed as ``time.monotonic`` before any vLLM module is imported, so that module-level
+    references (``field(default_factory=time.monotonic)``) see it too. Modules imported
+    earlier (pytest, threading) keep the real clock.
+    """
+
+    def __init__(self) -> None:
+        self._real = time.monotonic
+        self._now: float | None = None
+
+    def __call__(self) -> float:
+        return self._real() if self._now is None else self._now
+
+    @contextlib.contextmanager
+    def manual(self, start: float):
+        """Inside the block time stands still at ``start`` until :meth:`advance` or :meth:`set`."""
+        previous = self._now
+        self._now = float(start)
+        try:
+            yield self
+        finally:
+            self._now = previous
+
+    def set(self, t: float) -> None:
+        assert self._now is not None, "clock.set outside clock.manual()"
+        self._now = float(t)
+
+    def advance(self, dt: float) -> None:
+        assert self._now is not None, "clock.advance outside clock.manual()"
+        self._now += dt
+
+
+clock = SwitchableMonotonic()
+time.monotonic = clock
+
+
+class ReplayError(AssertionError):
+    """The driver failed; the message carries its stderr."""
+
+
+def replay_path() -> str:
+    path = os.environ.get("KVTIER_REPLAY")
+    if not path:
+        raise ReplayError(
+            "KVTIER_REPLAY is not set: run the Python tests through "
+            "`cargo test --test python_suite` (which builds kvtier-replay and sets it), or set "
+            "KVTIER_REPLAY=target/debug/kvtier-replay after `cargo build --bin kvtier-replay`"
+        )
+    return path
+
+
+def replay(command: str, payload, *, extra_args: tuple[str, ...] = ()) -> object:
+    """Runs ``kvtier-replay COMMAND`` with ``payload`` as JSON on stdin; returns its JSON."""
+    proc = subprocess.run(
+        [replay_path(), command, *extra_args],
+        input=json.dumps(payload),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise ReplayError(
+            f"kvtier-replay {command} exited {proc.returncode}:\n{proc.stderr.strip()[-4000:]}"
+        )
+    return json.loads(proc.stdout)
+
+
+def kvtier_bin() -> str:
+    path = os.environ.get("KVTIER_BIN")
+    if not path:
+        raise ReplayError("KVTIER_BIN is not set: run through `cargo test --test python_suite`")
+    return path
+
+
+def float_diff(what: str, vllm_value, kvtier_value) -> str | None:
+    """None when equal (floats bit for bit), else a message with both values in hex."""
+    if isinstance(vllm_value, float) or isinstance(kvtier_value, float):
+        a, b = float(vllm_value), float(kvtier_value)
+        if a == b or (a != a and b != b):
+            return None
+        return f"{what}: vLLM {a!r} ({a.hex()}) != kvtier {b!r} ({b.hex()})"
+    if vllm_value == kvtier_value:
+        return None
+    return f"{what}: vLLM {vllm_value!r} != kvtier {kvtier_value!r}"
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]

@@ -1,0 +1,80 @@
+"""The harness itself: vLLM's modules load from the cache, the stand-ins behave like torch."""
+
+import importlib
+import importlib.metadata
+
+import pytest
+
+import harness
+import kvtier_placeholders
+import torch
+
+
+def test_vllm_is_the_pinned_release(vllm_src):
+    import vllm
+
+    assert importlib.metadata.version("vllm") == "0.33.0"
+    assert vllm.__version__ == "0.33.0"
+    assert str(vllm.__file__).startswith(str(vllm_src))
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "vllm.v1.kv_cache_interface",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping",
+        "vllm.v1.kv_offload.file_mapper",
+        "vllm.v1.kv_offload.tiering.backpressure",
+        "vllm.v1.kv_offload.tiering.factory",
+        "vllm.v1.kv_offload.tiering.spec",
+        "vllm.v1.kv_offload.tiering.manager",
+        "vllm.v1.kv_offload.cpu.manager",
+    ],
+)
+def test_scheduler_side_modules_import(module):
+    importlib.import_module(module)
+
+
+def test_metadata_torch_follows_torch_rules():
+    raw = torch.zeros(64, dtype=torch.int8)
+    assert raw.shape == (64,) and raw.stride() == (1,) and raw.element_size() == 1
+    # view(dtype) to a wider type divides the last dimension and the other strides.
+    v = torch.as_strided(raw, (2, 4, 8), (32, 8, 1), 0).view(torch.bfloat16)
+    assert (tuple(v.shape), v.stride(), v.storage_offset()) == ((2, 4, 4), (16, 4, 1), 0)
+    assert v[1].storage_offset() == 16 and v[1].shape == (4, 4)
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 64"):
+        torch.as_strided(raw, (2, 4, 8), (32, 8, 1), 1)
+    with pytest.raises(RuntimeError, match="stride"):
+        torch.as_strided(raw, (8, 2), (1, 8)).view(torch.float32)
+    assert torch.tensor([], dtype=torch.float8_e4m3fn).element_size() == 1
+    assert not torch.cuda.is_available()
+    with pytest.raises(AttributeError, match="not modelled"):
+        raw.data_ptr()
+
+
+def test_placeholders_refuse_to_be_values():
+    p = kvtier_placeholders.Placeholder("pkg.fn")
+    result = p(1)
+    assert "pkg.fn" in kvtier_placeholders.CALLS
+    with pytest.raises(TypeError, match=r"pkg\.fn\(\) has no value"):
+        bool(result)
+    with pytest.raises(TypeError):
+        list(result)
+
+    class Sub(p):  # import-time subclassing works
+        pass
+
+    assert Sub.__mro__[-1] is object
+
+
+def test_switchable_clock_drives_vllm_time():
+    import time
+
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    with harness.clock.manual(1000.0) as clock:
+        assert time.monotonic() == 1000.0
+        clock.advance(harness.TIME_QUANTUM_S)
+        job = TransferJob(job_id=0, keys=[], chunk_ids=None, is_promotion=False, req_context=None)
+        assert job.submit_time == 1000.0 + 1 / 512
+    assert time.monotonic() != 1000.0 + 1 / 512

@@ -1,0 +1,234 @@
+//! Runs the Python test suite (`tests/python/`, pytest) from `cargo test`: the differential
+//! tests that replay the same inputs through vLLM 0.33.0's own code and through kvtier.
+//!
+//! Steps (each reuses what an earlier run left):
+//! 1. a virtual environment under `target/tmp/python-venv`, with `tests/python/requirements.txt`
+//!    installed (reinstalled only when that file changes);
+//! 2. the vLLM sources: `tests/python/fetch_vllm.py` (wheel cache outside the checkout,
+//!    `$KVTIER_CACHE_DIR` or `~/.cache/kvtier`);
+//! 3. `pytest tests/python` with `KVTIER_REPLAY` (the `kvtier-replay` driver), `KVTIER_BIN`
+//!    (the `kvtier` CLI) and `KVTIER_VLLM_SRC` set.
+//!
+//! Without Python (3.11 or newer, with `venv`) or a reachable package index on the first run,
+//! the test skips with a printed reason, unless `KVTIER_REQUIRE_PYTHON_TESTS=1` (set by
+//! `.ci/run`), which turns every such skip into a failure. `PYTEST_ADDOPTS` passes options
+//! through (`PYTEST_ADDOPTS="-k backpressure -x"`). To add a step (e.g. building the Python
+//! package into the venv), add a function like [`install_requirements`] and call it from
+//! [`python_suite`] before [`run_pytest`]. See `tests/python/README.md`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use sha2::{Digest, Sha256};
+
+/// The oldest Python vLLM 0.33.0 supports.
+const MIN_PYTHON: (u32, u32) = (3, 11);
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn python_dir() -> PathBuf {
+    repo_root().join("tests").join("python")
+}
+
+fn required() -> bool {
+    std::env::var("KVTIER_REQUIRE_PYTHON_TESTS").is_ok_and(|v| v == "1")
+}
+
+/// Why the suite cannot run here: a skip, or a failure under `KVTIER_REQUIRE_PYTHON_TESTS=1`.
+fn unavailable(reason: &str) {
+    if required() {
+        panic!("KVTIER_REQUIRE_PYTHON_TESTS=1 but the Python suite cannot run: {reason}");
+    }
+    kvtier::skip_test!("Python test suite not run: {reason}");
+}
+
+/// A line straight to stderr (not captured by the test harness), like `skip_test!`.
+fn note(msg: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "python_suite: {msg}");
+}
+
+fn tail(out: &Output, lines: usize) -> String {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn run(cmd: &mut Command) -> std::io::Result<Output> {
+    cmd.output()
+}
+
+/// The interpreter to build the venv from: `$KVTIER_PYTHON`, else `python3`, if it is at
+/// least [`MIN_PYTHON`].
+fn find_python() -> Result<PathBuf, String> {
+    let python = std::env::var_os("KVTIER_PYTHON").map_or_else(|| "python3".into(), PathBuf::from);
+    let out = run(
+        Command::new(&python).args(["-c", "import sys; print('%d %d' % sys.version_info[:2])"])
+    )
+    .map_err(|e| format!("{} not runnable: {e}", python.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version: Vec<u32> = text
+        .split_whitespace()
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    match version[..] {
+        [major, minor] if (major, minor) >= MIN_PYTHON => Ok(python),
+        [major, minor] => Err(format!(
+            "{} is Python {major}.{minor}; vLLM 0.33.0 needs {}.{} or newer (set KVTIER_PYTHON)",
+            python.display(),
+            MIN_PYTHON.0,
+            MIN_PYTHON.1
+        )),
+        _ => Err(format!("{} did not report its version", python.display())),
+    }
+}
+
+struct Venv {
+    dir: PathBuf,
+}
+
+impl Venv {
+    fn python(&self) -> PathBuf {
+        self.dir.join("bin").join("python")
+    }
+}
+
+/// Creates the venv under `target/tmp/python-venv` unless it exists.
+fn prepare_venv(python: &Path) -> Result<Venv, String> {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-venv");
+    let venv = Venv { dir };
+    if venv.python().exists() {
+        return Ok(venv);
+    }
+    note(&format!("creating {}", venv.dir.display()));
+    let out = run(Command::new(python).args(["-m", "venv"]).arg(&venv.dir))
+        .map_err(|e| format!("python -m venv: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("python -m venv failed:\n{}", tail(&out, 8)));
+    }
+    Ok(venv)
+}
+
+/// Installs `tests/python/requirements.txt` into the venv unless the stamp says it is there.
+fn install_requirements(venv: &Venv) -> Result<(), String> {
+    let requirements = python_dir().join("requirements.txt");
+    let text = std::fs::read(&requirements)
+        .map_err(|e| format!("reading {}: {e}", requirements.display()))?;
+    let digest = hex::encode(Sha256::digest(&text));
+    let stamp = venv.dir.join(".kvtier-requirements.sha256");
+    if std::fs::read_to_string(&stamp).is_ok_and(|s| s.trim() == digest) {
+        return Ok(());
+    }
+    note("installing tests/python/requirements.txt into the venv (once)");
+    let out = run(Command::new(venv.python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "-r",
+        ])
+        .arg(&requirements))
+    .map_err(|e| format!("pip: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "pip install -r tests/python/requirements.txt failed (package index unreachable?):\n{}",
+            tail(&out, 8)
+        ));
+    }
+    std::fs::write(&stamp, digest).map_err(|e| format!("writing {}: {e}", stamp.display()))
+}
+
+/// Why a step did not complete: the machine cannot (skip) or something is wrong (fail).
+enum StepError {
+    Unavailable(String),
+    Failed(String),
+}
+
+/// Runs `fetch_vllm.py` and returns the source directory.
+fn fetch_vllm(venv: &Venv) -> Result<PathBuf, StepError> {
+    let out = run(Command::new(venv.python())
+        .arg(python_dir().join("fetch_vllm.py"))
+        .arg("--print-src"))
+    .map_err(|e| StepError::Failed(format!("fetch_vllm.py: {e}")))?;
+    match out.status.code() {
+        Some(0) => {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let src = stdout.lines().last().unwrap_or_default().trim().to_string();
+            Ok(PathBuf::from(src))
+        }
+        Some(3) => Err(StepError::Unavailable(format!(
+            "the vLLM wheel is not cached and could not be downloaded:\n{}",
+            tail(&out, 8)
+        ))),
+        _ => Err(StepError::Failed(format!(
+            "fetch_vllm.py failed:\n{}",
+            tail(&out, 20)
+        ))),
+    }
+}
+
+/// Runs pytest on `tests/python`; the output is shown in full on failure.
+fn run_pytest(venv: &Venv, vllm_src: &Path) -> Result<String, String> {
+    let out = run(Command::new(venv.python())
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "--color=no",
+            "-p",
+            "no:cacheprovider",
+        ])
+        .arg(python_dir())
+        .current_dir(repo_root())
+        .env("KVTIER_REPLAY", env!("CARGO_BIN_EXE_kvtier-replay"))
+        .env("KVTIER_BIN", env!("CARGO_BIN_EXE_kvtier"))
+        .env("KVTIER_VLLM_SRC", vllm_src)
+        .env("PYTHONDONTWRITEBYTECODE", "1"))
+    .map_err(|e| format!("pytest: {e}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(stdout
+            .lines()
+            .rev()
+            .find(|l| l.contains(" passed") || l.contains(" skipped"))
+            .unwrap_or("pytest passed")
+            .trim()
+            .to_string())
+    } else {
+        Err(format!(
+            "pytest tests/python failed ({}):\n{stdout}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+#[test]
+fn python_suite() {
+    let python = match find_python() {
+        Ok(p) => p,
+        Err(reason) => return unavailable(&reason),
+    };
+    let venv = match prepare_venv(&python).and_then(|v| install_requirements(&v).map(|()| v)) {
+        Ok(v) => v,
+        Err(reason) => return unavailable(&reason),
+    };
+    let vllm_src = match fetch_vllm(&venv) {
+        Ok(src) => src,
+        Err(StepError::Unavailable(reason)) => return unavailable(&reason),
+        Err(StepError::Failed(msg)) => panic!("{msg}"),
+    };
+    match run_pytest(&venv, &vllm_src) {
+        Ok(summary) => note(&format!("pytest tests/python: {summary}")),
+        Err(msg) => panic!("{msg}"),
+    }
+}
