@@ -453,8 +453,8 @@ impl Crate {
         // Files included with `#[path = "x.rs"] mod name;` belong to the including module.
         let mut path_attr: BTreeMap<PathBuf, String> = BTreeMap::new();
         for f in &files {
-            if f == &src.join("main.rs") {
-                continue; // the binary's crate root: not part of the library
+            if f == &src.join("main.rs") || f.starts_with(src.join("bin")) {
+                continue; // binaries' crates (`kvtier`, `kvtier-replay`): not part of the library
             }
             let text = fs::read_to_string(f).expect("read source");
             let module = module_of(&src, f);

@@ -33,14 +33,14 @@ use std::time::Duration;
 
 use kvtier::ChunkKey;
 use kvtier::config::{self, KvtierConfig};
+use kvtier::contract::job::{
+    JobId, JobResult, Locality, LookupResult, Medium, RequestContext, TransferJob,
+};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::primary::PrimaryTier;
 use kvtier::region::PrimaryRegion;
 use kvtier::tiering::backpressure::{DetectorParams, EmaDetector, PolicyKind, StoreDecision};
 use kvtier::tiering::clock::{Clock, ManualClock};
-use kvtier::tiering::job::{
-    JobId, JobResult, Locality, LookupResult, Medium, RequestContext, TransferJob,
-};
-use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TierSpec, TieringManager};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
