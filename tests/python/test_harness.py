@@ -48,8 +48,21 @@ def test_metadata_torch_follows_torch_rules():
         torch.as_strided(raw, (8, 2), (1, 8)).view(torch.float32)
     assert torch.tensor([], dtype=torch.float8_e4m3fn).element_size() == 1
     assert not torch.cuda.is_available()
-    with pytest.raises(AttributeError, match="not modelled"):
+    with pytest.raises(RuntimeError, match="no data"):
         raw.data_ptr()
+    with pytest.raises(AttributeError, match="not modelled"):
+        raw.to("cuda")
+
+
+def test_frombuffer_tensors_share_the_buffer():
+    buf = bytearray(64)
+    t = torch.frombuffer(memoryview(buf), dtype=torch.int8).view(4, 16)
+    arr = t.numpy()
+    assert arr.shape == (4, 16) and arr.ctypes.data == t.data_ptr()
+    arr[1, 2] = 7
+    assert buf[18] == 7
+    row = t[2]
+    assert row.data_ptr() == t.data_ptr() + 32
 
 
 def test_placeholders_refuse_to_be_values():
@@ -60,6 +73,8 @@ def test_placeholders_refuse_to_be_values():
         bool(result)
     with pytest.raises(TypeError):
         list(result)
+    with pytest.raises(TypeError, match="has no value"):
+        bool(result.attribute == 3)
 
     class Sub(p):  # import-time subclassing works
         pass

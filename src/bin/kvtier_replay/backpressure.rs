@@ -14,15 +14,17 @@
 //!   from the configuration (vLLM's `kv_connector_extra_config` shape; every secondary tier is a
 //!   scripted tier that reports jobs when told), a primary of `num_chunks` rows of `row_stride`
 //!   bytes (from the scenario, defaults 1024 and 4096) and a manual clock. Events:
-//!   `advance`; `{"op": "store", "keys": n}` (a new request stores `n` new chunks: `on_new_request`,
-//!   `prepare_store`, `complete_store`, `on_request_finished`; the result lists, per tier, the
-//!   index of the store job it received or null when back-pressure dropped it);
+//!   `advance`; `{"op": "store", "keys": n}` (one scheduler step in which a new request stores
+//!   `n` new chunks: `on_new_request`, `prepare_store`, `complete_store`, `on_request_finished`,
+//!   `on_schedule_end`; the result lists, per tier, the index of the store job it received or
+//!   null when back-pressure dropped it);
 //!   `{"op": "finish", "tier": i, "job": k, "success": b, "transfer_bytes": n | null}` (tier
 //!   `i` reports its `k`-th store job at the next poll); `{"op": "poll"}` (`on_schedule_end`).
 //! * `{"kind": "config", "config": {...}}`: the detector parameters kvtier resolves for each
 //!   secondary tier (null: no detector), or the configuration error.
 //!
-//! Detector and manager scenarios answer `{"observations": [...]}`, one per event:
+//! Detector and manager scenarios answer `{"observations": [...]}`, one per event (a manager
+//! scenario that names a job kvtier never submitted stops there and adds `"error"`):
 //! `{"result", "tiers": [{"ema", "pressure", "consecutive_failures", "healthy_streak",
 //! "stores_dropped", "blocks_dropped"}]}` (`pressure` is the state as last computed, read
 //! without applying idle decay; drop counts are cumulative).
@@ -276,33 +278,81 @@ fn manager_scenario(s: &Value) -> Result<Value, String> {
         ..ManagerOptions::default()
     };
     let mut m = TieringManager::with_tiers(primary, specs, opts).map_err(|e| e.to_string())?;
-    let mut next_key = 0u64;
-    let mut next_req = 0u64;
+    let mut replay = ManagerReplay {
+        manager: &mut m,
+        clock: &clock,
+        scripts: &scripts,
+        next_key: 0,
+        next_req: 0,
+    };
     let mut observations = Vec::new();
+    let mut error = None;
     for e in array(s, "events")? {
-        let result = match string(e, "op")? {
+        match replay.apply(e) {
+            Ok(result) => {
+                let m = &replay.manager;
+                let tiers: Vec<Value> = (0..m.num_tiers())
+                    .map(|i| m.detector(i).map_or(Value::Null, detector_state))
+                    .collect();
+                observations.push(json!({"result": result, "tiers": tiers}));
+            }
+            Err(msg) => {
+                error = Some(msg);
+                break;
+            }
+        }
+    }
+    m.shutdown().map_err(|e| e.to_string())?;
+    Ok(match error {
+        None => json!({ "observations": observations }),
+        Some(e) => json!({ "observations": observations, "error": e }),
+    })
+}
+
+/// One manager scenario in progress.
+struct ManagerReplay<'a> {
+    manager: &'a mut TieringManager,
+    clock: &'a ManualClock,
+    scripts: &'a [Arc<Mutex<Script>>],
+    next_key: u64,
+    next_req: u64,
+}
+
+impl ManagerReplay<'_> {
+    /// Applies one event; an event kvtier cannot follow (a job it never submitted) is an error
+    /// that ends the scenario.
+    fn apply(&mut self, e: &Value) -> Result<Value, String> {
+        let m = &mut *self.manager;
+        Ok(match string(e, "op")? {
             "advance" => {
-                clock.advance(ticks(uint(e, "ticks")?)?);
+                self.clock.advance(ticks(uint(e, "ticks")?)?);
                 Value::Null
             }
             "store" => {
                 let n = uint(e, "keys")?;
                 let keys: Vec<ChunkKey> = (0..n)
                     .map(|_| {
-                        next_key += 1;
-                        replay_key(next_key)
+                        self.next_key += 1;
+                        replay_key(self.next_key)
                     })
                     .collect();
-                next_req += 1;
-                let req = RequestContext::new(format!("req-{next_req}"));
-                let before: Vec<usize> = scripts.iter().map(|s| s.lock().submitted.len()).collect();
+                self.next_req += 1;
+                let req = RequestContext::new(format!("req-{}", self.next_req));
+                let before: Vec<usize> = self
+                    .scripts
+                    .iter()
+                    .map(|s| s.lock().submitted.len())
+                    .collect();
                 m.on_new_request(&req);
                 if m.prepare_store(&keys, &req).is_none() {
                     return Err("the primary refused a store: raise num_chunks".into());
                 }
                 m.complete_store(&keys, &req, true);
                 m.on_request_finished(&req);
-                let jobs: Vec<Value> = scripts
+                m.on_schedule_end(&ScheduleEndContext::default())
+                    .map_err(|e| e.to_string())?;
+                let jobs: Vec<Value> = self
+                    .scripts
                     .iter()
                     .zip(before)
                     .map(|(s, b)| {
@@ -315,9 +365,12 @@ fn manager_scenario(s: &Value) -> Result<Value, String> {
             "finish" => {
                 let tier = usize::try_from(uint(e, "tier")?).map_err(|e| e.to_string())?;
                 let job = usize::try_from(uint(e, "job")?).map_err(|e| e.to_string())?;
-                let script = scripts.get(tier).ok_or("finish: no such tier")?;
+                let script = self.scripts.get(tier).ok_or("finish: no such tier")?;
                 let mut script = script.lock();
-                let id = *script.submitted.get(job).ok_or("finish: no such job")?;
+                let id = *script
+                    .submitted
+                    .get(job)
+                    .ok_or_else(|| format!("finish: tier {tier} never received store job {job}"))?;
                 let result = if field(e, "success")?.as_bool().ok_or("success: bool")? {
                     JobResult {
                         transfer_bytes: opt_uint(e, "transfer_bytes")?,
@@ -336,14 +389,8 @@ fn manager_scenario(s: &Value) -> Result<Value, String> {
                 Value::Null
             }
             other => return Err(format!("unknown manager op {other:?}")),
-        };
-        let tiers: Vec<Value> = (0..m.num_tiers())
-            .map(|i| m.detector(i).map_or(Value::Null, detector_state))
-            .collect();
-        observations.push(json!({"result": result, "tiers": tiers}));
+        })
     }
-    m.shutdown().map_err(|e| e.to_string())?;
-    Ok(json!({ "observations": observations }))
 }
 
 /// The `n`-th key of a replay: a unique 8-byte block hash, then group 0 (vLLM's key layout is

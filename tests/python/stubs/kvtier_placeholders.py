@@ -10,8 +10,9 @@ module under those top-level names a placeholder module:
 * a placeholder can be imported, subclassed (the class then derives from ``object``), used
   in annotations (``|``, ``[]``), concatenated (``+``), described to pydantic (any value)
   and called, as import-time registration code does; every call is recorded in ``CALLS``;
-* the *result* of a call has no value: ``bool()``, iteration, ``len()`` and comparisons
-  raise ``TypeError`` naming it, so no code path can silently branch on a stand-in.
+* the *result* of a call (and anything reached from it) has no value: ``bool()``, iteration,
+  ``len()`` and comparisons raise ``TypeError`` naming it, so no code path can silently branch
+  on a stand-in.
 
 The metadata-only torch (``stubs/torch``) uses the same placeholders for everything it does
 not model.
@@ -31,14 +32,12 @@ CALLS: set[str] = set()
 class Placeholder:
     """A named stand-in for an object of a package that is not installed."""
 
-    __slots__ = ("_name",)
+    __slots__ = ("_name", "_is_value")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, is_value: bool = False):
         object.__setattr__(self, "_name", name)
-
-    @property
-    def _is_call_result(self) -> bool:
-        return self._name.endswith(")")
+        # True for the result of a call and everything reached from it.
+        object.__setattr__(self, "_is_value", is_value)
 
     def _refuse(self, what: str):
         raise TypeError(
@@ -48,18 +47,18 @@ class Placeholder:
 
     def __call__(self, *args, **kwargs):
         CALLS.add(self._name)
-        return Placeholder(f"{self._name}()")
+        return Placeholder(f"{self._name}()", is_value=True)
 
     def __getattr__(self, name: str):
         if name.startswith("__") and name.endswith("__"):
             raise AttributeError(name)
-        return Placeholder(f"{self._name}.{name}")
+        return Placeholder(f"{self._name}.{name}", self._is_value)
 
     def __setattr__(self, name: str, value) -> None:
         CALLS.add(f"{self._name}.{name} = ...")
 
     def __getitem__(self, key):
-        return Placeholder(f"{self._name}[...]")
+        return Placeholder(f"{self._name}[...]", self._is_value)
 
     def __setitem__(self, key, value) -> None:
         CALLS.add(f"{self._name}[...] = ...")
@@ -85,7 +84,7 @@ class Placeholder:
         return core_schema.any_schema()
 
     def __bool__(self) -> bool:
-        if self._is_call_result:
+        if self._is_value:
             self._refuse("truth value")
         return True
 
@@ -96,7 +95,7 @@ class Placeholder:
         self._refuse("len")
 
     def __eq__(self, other):
-        if self._is_call_result:
+        if self._is_value:
             self._refuse("comparison")
         return self is other
 

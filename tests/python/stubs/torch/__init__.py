@@ -2,16 +2,22 @@
 
 It models exactly what vLLM's KV-cache view and canonical-mapping code reads from tensors:
 dtypes with their element sizes, and tensors as *metadata*: shape, stride (in elements),
-storage offset, dtype and the byte size of the storage they view. There is no data: nothing
-can be read or written through a tensor. The operations modelled are the ones that only
-transform metadata, with torch's own rules and checks:
+storage offset, dtype and the byte size of the storage they view. Tensors made by ``zeros``,
+``empty`` and friends have no data. The operations modelled only transform metadata, with
+torch's own rules and checks:
 
 * ``torch.zeros`` / ``torch.empty`` / ``torch.empty_strided`` / ``torch.tensor`` (shape only);
 * ``torch.as_strided`` (bounds-checked against the storage like torch);
-* ``Tensor.view(dtype)`` (reinterpreting the last dimension, torch's divisibility rules);
+* ``Tensor.view(dtype)`` (reinterpreting the last dimension, torch's divisibility rules) and
+  ``Tensor.view(*shape)`` of a contiguous tensor;
 * ``Tensor[i]`` / ``Tensor[a:b]`` on the first dimension;
 * ``shape``, ``size()``, ``stride()``, ``storage_offset()``, ``element_size()``, ``dim()``,
   ``numel()``, ``is_contiguous()``, ``dtype``, ``device``.
+
+One exception carries bytes, because vLLM's shared CPU region is a real mapping:
+``torch.frombuffer(buffer, dtype)`` views a Python buffer (the region's mmap); tensors over it
+answer ``data_ptr()`` and ``numpy()`` (a numpy array sharing those bytes), which is how vLLM
+hands the region to secondary tiers (``create_kv_memoryview``).
 
 It reports ``__version__ = "2.14.0"``, the version vLLM 0.33.0 pins, and no accelerator
 (``torch.cuda.is_available()`` is False). Everything else is a placeholder from
@@ -98,13 +104,23 @@ class device:  # noqa: N801 (torch's name)
 
 
 class _Storage:
-    """The backing allocation of one or more tensors: only its size in bytes."""
+    """The backing allocation of one or more tensors: its size in bytes, and the bytes only
+    when it views a Python buffer (``frombuffer``)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, buffer=None):
         self._nbytes = nbytes
+        self._buffer = buffer
 
     def nbytes(self):
         return self._nbytes
+
+    def bytes_array(self):
+        """The storage as a flat numpy uint8 array sharing its bytes."""
+        if self._buffer is None:
+            raise RuntimeError("metadata torch: this tensor has no data (not from frombuffer)")
+        import numpy as np
+
+        return np.frombuffer(self._buffer, dtype=np.uint8)
 
 
 class _PlaceholderClassAttrs(type):
@@ -191,10 +207,44 @@ class Tensor(metaclass=_PlaceholderClassAttrs):
 
     # -- metadata transformations ----------------------------------------------------------
     def view(self, *args):
-        """``view(dtype)`` reinterprets the elements; shape views are not modelled."""
+        """``view(dtype)`` reinterprets the elements; ``view(*shape)`` reshapes a contiguous
+        tensor (one ``-1`` allowed)."""
         if len(args) == 1 and isinstance(args[0], dtype):
             return _view_dtype(self, args[0])
-        raise NotImplementedError("metadata torch models view(dtype) only")
+        shape = list(_shape_arg(args))
+        if shape.count(-1) > 1:
+            raise RuntimeError("only one dimension can be inferred")
+        known = _math.prod(n for n in shape if n != -1)
+        if -1 in shape:
+            if known == 0 or self.numel() % known:
+                raise RuntimeError(f"shape {tuple(shape)} is invalid for input of size {self.numel()}")
+            shape[shape.index(-1)] = self.numel() // known
+        if _math.prod(shape) != self.numel():
+            raise RuntimeError(f"shape {tuple(shape)} is invalid for input of size {self.numel()}")
+        if not self.is_contiguous():
+            raise NotImplementedError("metadata torch reshapes contiguous tensors only")
+        return Tensor(shape, _contiguous_strides(shape), self._offset, self._dtype,
+                      self._storage, self._device)
+
+    # -- bytes (only for tensors over a buffer, see frombuffer) -------------------------------
+    def data_ptr(self):
+        base = self._storage.bytes_array().ctypes.data
+        return base + self._offset * self._dtype.itemsize
+
+    def numpy(self):
+        """A numpy array sharing this tensor's bytes (like torch's ``numpy()``)."""
+        import numpy as np
+
+        np_dtype = _NUMPY_DTYPES.get(self._dtype._name)
+        if np_dtype is None:
+            raise TypeError(f"metadata torch: {self._dtype} has no numpy equivalent")
+        flat = self._storage.bytes_array().view(np_dtype)
+        item = self._dtype.itemsize
+        return np.lib.stride_tricks.as_strided(
+            flat[self._offset:],
+            shape=tuple(self._shape),
+            strides=tuple(s * item for s in self._stride),
+        )
 
     def __getitem__(self, index):
         if not self._shape:
@@ -214,7 +264,13 @@ class Tensor(metaclass=_PlaceholderClassAttrs):
         raise NotImplementedError("metadata torch models t[i] and t[a:b] on dimension 0 only")
 
     def __getattr__(self, name):
-        raise AttributeError(f"metadata torch: Tensor.{name} is not modelled (no data)")
+        raise AttributeError(f"metadata torch: Tensor.{name} is not modelled")
+
+
+_NUMPY_DTYPES = {
+    "int8": "int8", "uint8": "uint8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "float16": "float16", "float32": "float32", "float64": "float64", "bool": "bool",
+}
 
 
 def _check_bounds(shape, stride, offset, dtype_, storage):
@@ -298,6 +354,18 @@ def tensor(data, dtype=None, device=None, **_ignored):
     if dtype is None:
         dtype = {_builtins.bool: bool, _builtins.int: int64}.get(type(probe), float32)  # noqa: F821
     return empty(tuple(shape), dtype=dtype, device=device)
+
+
+def frombuffer(buffer, *, dtype, count=-1, offset=0, **_ignored):
+    """A 1-D tensor over a writable Python buffer (its bytes are shared, like torch's)."""
+    view = memoryview(buffer).cast("B")
+    nbytes = len(view)
+    if offset or count != -1:
+        raise NotImplementedError("metadata torch models frombuffer(buffer, dtype=...) only")
+    if nbytes % dtype.itemsize:
+        raise ValueError(f"buffer length {nbytes} is not a multiple of element size {dtype.itemsize}")
+    n = nbytes // dtype.itemsize
+    return Tensor((n,), (1,), 0, dtype, _Storage(nbytes, view), device("cpu"))
 
 
 def as_strided(input, size, stride, storage_offset=None):  # noqa: A002 (torch's name)
