@@ -1,4 +1,4 @@
-//! Fast seeded hashing of keys and ids: [`KeyHasher`] (one call per byte string, used by the
+//! Fast seeded hashing of keys and ids: `KeyHasher` (one call per byte string, used by the
 //! primary tier's index) and [`FastState`], a `BuildHasher` with the same mixing for the
 //! tiering manager's maps, whose keys (chunk keys, request ids, job ids) are looked up several
 //! times per scheduler call. The standard SipHash costs tens of nanoseconds per 40-byte key

@@ -15,8 +15,11 @@
 //! address stays valid and unmoved until the region is dropped, and it is only dropped once
 //! every holder of its `Arc` (I/O engines with registered buffers included) has let go.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+
+use rustix::fs::MemfdFlags;
+use rustix::mm::{Advice, madvise};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
@@ -83,18 +86,11 @@ impl PrimaryRegion {
     /// pre-faults it, so that it can be registered with io_uring and used for O_DIRECT.
     pub fn create(num_rows: usize, row_stride: usize) -> Result<Self> {
         let len = check_geometry(row_stride, num_rows)?;
-        let name = c"kvtier-primary";
-        // SAFETY: `name` is a valid NUL-terminated string; flags are valid for memfd_create.
-        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(Error::new(ErrorKind::Io, "memfd_create failed")
-                .with_source(std::io::Error::last_os_error()));
-        }
-        // SAFETY: `raw` is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: valid fd; ftruncate sets the memfd size.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) } != 0 {
-            let err = std::io::Error::last_os_error();
+        let fd = rustix::fs::memfd_create(c"kvtier-primary", MemfdFlags::CLOEXEC).map_err(|e| {
+            Error::new(ErrorKind::Io, "memfd_create failed").with_source(std::io::Error::from(e))
+        })?;
+        if let Err(e) = rustix::fs::ftruncate(&fd, len as u64) {
+            let err = std::io::Error::from(e);
             return Err(Error::new(
                 ErrorKind::NoSpace,
                 format!("cannot size the primary region to {len} bytes: {err}"),
@@ -154,17 +150,22 @@ impl PrimaryRegion {
     }
 
     fn prefault_pages(&self) -> PrefaultMethod {
-        const MADV_POPULATE_WRITE: libc::c_int = 23;
         // SAFETY: the range is exactly our own mapping.
-        let rc =
-            unsafe { libc::madvise(self.base.as_ptr().cast(), self.len(), MADV_POPULATE_WRITE) };
-        if rc == 0 {
-            return PrefaultMethod::PopulateWrite;
+        let populated = unsafe {
+            madvise(
+                self.base.as_ptr().cast(),
+                self.len(),
+                Advice::LinuxPopulateWrite,
+            )
+        };
+        match populated {
+            Ok(()) => return PrefaultMethod::PopulateWrite,
+            Err(e) => log::info!(
+                "MADV_POPULATE_WRITE unavailable ({}); pre-faulting the primary region page by \
+                 page",
+                std::io::Error::from(e)
+            ),
         }
-        log::info!(
-            "MADV_POPULATE_WRITE unavailable ({}); pre-faulting the primary region page by page",
-            std::io::Error::last_os_error()
-        );
         let page = ROW_ALIGNMENT;
         let mut off = 0;
         while off < self.len() {
@@ -279,8 +280,8 @@ impl Drop for PrimaryRegion {
         if let Backing::Memfd { .. } = self.backing {
             // SAFETY: we mapped exactly this range in `create` and no one holds the region any
             // more (it is dropped only when the last `Arc` goes, engines included).
-            unsafe {
-                libc::munmap(self.base.as_ptr().cast(), self.len());
+            if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len()) } {
+                log::error!("munmap of the primary region failed: {e}");
             }
         }
     }

@@ -2,7 +2,7 @@
 //! of consecutive pieces, so a row's CRC can be computed piecewise on the GPU and combined on
 //! the host without touching the bytes again.
 //!
-//! `crc(A ‖ B) = x^(8·|B|) · crc(A) ⊕ crc(B)` in GF(2)[x] modulo the CRC polynomial (zlib's
+//! `crc(A ‖ B) = x^(8·|B|) · crc(A) ⊕ crc(B)` in GF(2)\[x\] modulo the CRC polynomial (zlib's
 //! `crc32_combine`): one carry-less multiplication per piece with an operator that depends only
 //! on the piece length, so combining the 512 pieces of a 2 MiB row costs about 16k bit steps.
 

@@ -9,7 +9,7 @@
 //! 3. [`verify_tiling`] ([`tiling`]): runs partition each local page and the elected writers tile
 //!    each canonical page exactly once.
 //! 4. [`validate_canonical`] ([`validate`]): the seed's `_validate_canonical_refs` rules.
-//! 5. [`RowPlan`] with [`gather`] / [`scatter`] ([`gather`](mod@gather)): move bytes between a
+//! 5. [`RowPlan`] with [`gather`](fn@gather) / [`scatter`] ([`gather`](mod@gather)): move bytes between a
 //!    rank's local chunk and the canonical area of a primary row.
 //! 6. [`digest::vllm_digest`] and [`digest::namespace_digest`]: what storage is keyed by.
 

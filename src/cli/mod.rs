@@ -3,12 +3,13 @@
 //! Each command lives in its own module with a `clap::Args` struct and a
 //! `run(args) -> Result<ExitCode>` function; this module only parses and dispatches.
 //!
-//! * [`bench`]: `kvtier bench` (plan, phases, report, the stack it runs on).
+//! * [`bench`](mod@bench): `kvtier bench` (plan, phases, report, the stack it runs on).
 //! * [`fio`]: `kvtier fio-compare` (fio runner, test files, the kvtier and G3 workloads,
 //!   report, plot).
 //! * [`serve`]: `kvtier serve` (manager service, metrics endpoint).
 //! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
-//! * [`config_cmd`], [`layout_cmd`]: `kvtier config check`, `kvtier layout show|check`.
+//! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
+//!   `kvtier layout show|check`, `kvtier version`.
 //! * [`args`]: the argument groups and flag parsers several commands share; [`output`],
 //!   [`size`], [`stats`], [`memory`], [`interrupt`], [`logger`], [`sigpipe`]: what every
 //!   command uses.
@@ -30,6 +31,7 @@ pub mod sigpipe;
 pub mod size;
 pub mod stats;
 pub mod tier;
+pub mod version;
 
 use std::process::ExitCode;
 
@@ -62,7 +64,8 @@ pub struct Cli {
 /// kvtier's commands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Print the version and build features.
+    /// Print the version, the build (profile, rust-version, features) and the I/O engines
+    /// available on this machine.
     Version,
     /// Store chunks through the whole stack into a G3 tier, load them back, verify every byte.
     Bench(bench::BenchArgs),
@@ -144,11 +147,7 @@ pub fn main() -> ExitCode {
         sigpipe::restore_default();
     }
     let result = match cli.command {
-        Command::Version => {
-            println!("kvtier {}", env!("CARGO_PKG_VERSION"));
-            println!("{}", crate::g3::gds::version_lines());
-            Ok(ExitCode::SUCCESS)
-        }
+        Command::Version => version::run(),
         Command::Bench(args) => bench::run(args),
         Command::FioCompare(args) => fio::run(args),
         Command::Serve(args) => serve::run(args),

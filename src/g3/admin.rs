@@ -49,7 +49,7 @@ pub struct SlabFileReport {
     pub locked_by: Option<u32>,
 }
 
-/// A stripe set and its index, as reported by [`inspect`] and [`format`].
+/// A stripe set and its index, as reported by [`inspect`] and [`format`](fn@format).
 #[derive(Debug, Clone, Serialize)]
 pub struct SlabReport {
     /// Files in stripe order.

@@ -1,60 +1,49 @@
-//! A heap buffer aligned to 4096 bytes, for O_DIRECT reads and writes outside the primary
-//! region (superblocks, admin verification). The only `unsafe` here is allocation.
+//! A heap buffer aligned to [`ROW_ALIGNMENT`], for O_DIRECT reads and writes outside the
+//! primary region (superblocks, admin verification), held in an `aligned-vec` vector: no
+//! allocator code and no `unsafe` here.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
-use std::ptr::NonNull;
+use aligned_vec::{AVec, ConstAlign};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::geometry::ROW_ALIGNMENT as BUF_ALIGN;
+use crate::geometry::ROW_ALIGNMENT;
 
-/// A zero-initialised, 4096-aligned byte buffer.
+/// A zero-initialised byte buffer whose address and length are multiples of
+/// [`ROW_ALIGNMENT`].
 pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    layout: Layout,
+    bytes: AVec<u8, ConstAlign<ROW_ALIGNMENT>>,
 }
 
-// SAFETY: the buffer is plain owned memory, like a `Vec<u8>`.
-unsafe impl Send for AlignedBuf {}
-
 impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes (`len` > 0, a multiple of 4096).
+    /// A zeroed buffer of `len` bytes (`len` > 0, a multiple of [`ROW_ALIGNMENT`]). An
+    /// allocation the system refuses is an [`ErrorKind::NoSpace`] error, not an abort.
     pub fn new(len: usize) -> Result<Self> {
-        if len == 0 || !len.is_multiple_of(BUF_ALIGN) {
+        if len == 0 || !len.is_multiple_of(ROW_ALIGNMENT) {
             return Err(Error::new(
                 ErrorKind::Misaligned,
-                format!("aligned buffer length {len} is not a positive multiple of {BUF_ALIGN}"),
+                format!(
+                    "aligned buffer length {len} is not a positive multiple of {ROW_ALIGNMENT}"
+                ),
             ));
         }
-        let layout = Layout::from_size_align(len, BUF_ALIGN)
-            .map_err(|e| Error::new(ErrorKind::Internal, format!("buffer layout: {e}")))?;
-        // SAFETY: `layout` has a non-zero size.
-        let raw = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
+        let mut bytes = AVec::new(ROW_ALIGNMENT);
+        bytes.try_reserve_exact(len).map_err(|e| {
             Error::new(
                 ErrorKind::NoSpace,
-                format!("cannot allocate {len} aligned bytes"),
+                format!("cannot allocate {len} aligned bytes: {e:?}"),
             )
         })?;
-        Ok(AlignedBuf { ptr, layout })
+        bytes.resize(len, 0);
+        Ok(AlignedBuf { bytes })
     }
 
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` owns `layout.size()` initialised (zeroed) bytes for our lifetime.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
+        self.bytes.as_slice()
     }
 
     /// The bytes, mutably.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as above, and `&mut self` makes the view exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with exactly this layout and not freed before.
-        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+        self.bytes.as_mut_slice()
     }
 }
 
@@ -65,10 +54,12 @@ mod tests {
     #[test]
     fn aligned_and_zeroed() {
         let mut b = AlignedBuf::new(8192).unwrap();
-        assert_eq!(b.as_slice().as_ptr() as usize % BUF_ALIGN, 0);
+        assert_eq!(b.as_slice().len(), 8192);
+        assert_eq!(b.as_slice().as_ptr() as usize % ROW_ALIGNMENT, 0);
         assert!(b.as_slice().iter().all(|&x| x == 0));
         b.as_mut_slice()[5] = 7;
         assert_eq!(b.as_slice()[5], 7);
         assert!(AlignedBuf::new(100).is_err());
+        assert!(AlignedBuf::new(0).is_err());
     }
 }

@@ -5,10 +5,11 @@
 //! failure: it is reported as [`ErrorKind::InvalidPath`] naming the directory and the reason,
 //! before anything is created where possible ([`check_writable_dir`]).
 
-use std::ffi::CString;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+use rustix::fs::Access;
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -69,13 +70,13 @@ const PSEUDO_FILESYSTEMS: [(u64, &str); 12] = [
 /// `dir`: not a kernel pseudo filesystem, not a read-only mount, writable by this process.
 /// Every refusal is an [`ErrorKind::InvalidPath`] error naming `dir` and the reason.
 pub fn check_writable_dir(dir: &Path) -> Result<()> {
-    let c = CString::new(dir.as_os_str().as_bytes()).map_err(|_| {
-        Error::new(
+    if dir.as_os_str().as_bytes().contains(&0) {
+        return Err(Error::new(
             ErrorKind::InvalidPath,
             format!("G3 path {} contains a NUL byte", dir.display()),
         )
-        .with("path", dir.display().to_string())
-    })?;
+        .with("path", dir.display().to_string()));
+    }
     if let Ok(magic) = crate::io::probe::statfs_magic(dir)
         && let Some((_, name)) = PSEUDO_FILESYSTEMS.iter().find(|(m, _)| *m == magic)
     {
@@ -90,9 +91,8 @@ pub fn check_writable_dir(dir: &Path) -> Result<()> {
         .with("path", dir.display().to_string())
         .with("filesystem", *name));
     }
-    // SAFETY: `c` is NUL-terminated; access only reads it.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        let e = std::io::Error::last_os_error();
+    if let Err(e) = rustix::fs::access(dir, Access::WRITE_OK | Access::EXEC_OK) {
+        let e = std::io::Error::from(e);
         let reason = unwritable_reason(&e).unwrap_or("not usable");
         return Err(unwritable(dir, "access check", reason, e));
     }

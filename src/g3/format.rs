@@ -5,6 +5,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use rustix::rand::GetRandomFlags;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -200,18 +201,16 @@ pub fn random_uuid() -> Result<[u8; 16]> {
     let mut b = [0u8; 16];
     let mut filled = 0;
     while filled < b.len() {
-        // SAFETY: the pointer and length describe the unfilled tail of `b`, which we own.
-        let n = unsafe { libc::getrandom(b[filled..].as_mut_ptr().cast(), b.len() - filled, 0) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
+        match rustix::rand::getrandom(&mut b[filled..], GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                let err = std::io::Error::from(e);
+                return Err(
+                    Error::new(ErrorKind::Io, format!("getrandom failed: {err}")).with_source(err),
+                );
             }
-            return Err(
-                Error::new(ErrorKind::Io, format!("getrandom failed: {err}")).with_source(err),
-            );
         }
-        filled += n as usize;
     }
     Ok(b)
 }

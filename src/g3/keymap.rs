@@ -165,14 +165,15 @@ fn advise_range(start: usize, bytes: usize) {
     let end = (start + bytes) & !(HUGE - 1);
     if end > aligned {
         // SAFETY: callers pass a range inside an allocation they own; MADV_HUGEPAGE only
-        // changes how the kernel backs it, never its contents.
-        unsafe {
-            libc::madvise(
-                aligned as *mut libc::c_void,
+        // changes how the kernel backs it, never its contents (a refusal only leaves the table
+        // in small pages).
+        let _ = unsafe {
+            rustix::mm::madvise(
+                aligned as *mut std::ffi::c_void,
                 end - aligned,
-                libc::MADV_HUGEPAGE,
-            );
-        }
+                rustix::mm::Advice::LinuxHugepage,
+            )
+        };
     }
 }
 

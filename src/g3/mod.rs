@@ -1,7 +1,7 @@
 //! The G3 NVMe tier: preallocated slab files whose slots are exactly one primary row.
 //!
 //! * [`config`]: the tier's config keys ([`G3TierConfig`]).
-//! * [`format`]: the slab superblock, striping, the geometry namespace.
+//! * [`format`](mod@format): the slab superblock, striping, the geometry namespace.
 //! * [`dirs`]: checking that the tier's directories take files, syncing them.
 //! * [`slab`]: creating, locking, preallocating and opening slab files.
 //! * [`index`]: the in-memory key -> slot index.

@@ -6,11 +6,9 @@
 //! under an index that may still name its slots). Reformatting is [`remove_set`] followed by a
 //! fresh open, and only the admin commands do that.
 
-use std::ffi::CString;
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io::ErrorKind as IoErrorKind;
 use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
@@ -385,13 +383,14 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
     })?;
     let started = std::time::Instant::now();
     loop {
-        // SAFETY: flock on a descriptor we own; no memory is involved.
-        let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc == 0 {
-            return Ok(f);
-        }
-        let err = std::io::Error::last_os_error();
-        let busy = err.raw_os_error() == Some(libc::EWOULDBLOCK);
+        // `File::try_lock` is `flock(LOCK_EX | LOCK_NB)` on Linux.
+        let (err, busy) = match f.try_lock() {
+            Ok(()) => return Ok(f),
+            Err(TryLockError::WouldBlock) => {
+                (std::io::Error::from_raw_os_error(libc::EWOULDBLOCK), true)
+            }
+            Err(TryLockError::Error(e)) => (e, false),
+        };
         // A process forked by any thread of this one holds a copy of every descriptor until
         // its exec closes it, so the lock of a tier closed a moment ago can outlive the close
         // by that long (measured: 275 of 300 immediate reopens failed while another thread
@@ -438,8 +437,8 @@ pub fn lock_holder_of(f: &File) -> Option<u32> {
     let dev = md.dev();
     let want = format!(
         "{:02x}:{:02x}:{}",
-        libc::major(dev),
-        libc::minor(dev),
+        rustix::fs::major(dev),
+        rustix::fs::minor(dev),
         md.ino()
     );
     let locks = std::fs::read_to_string("/proc/locks").ok()?;
@@ -551,6 +550,8 @@ fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
         return Err(no_space(available));
     }
     let len_off = libc::off_t::try_from(len).map_err(|_| no_space(available))?;
+    // Raw libc: glibc's posix_fallocate writes zeros where the filesystem has no fallocate(2)
+    // (rustix's `fallocate` and std have only the system call, which then fails).
     // SAFETY: posix_fallocate on a descriptor we own; no memory is involved.
     let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len_off) };
     match rc {
@@ -569,18 +570,12 @@ fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
 /// Bytes available to an unprivileged writer in the filesystem of `dir` (`statvfs`); `None`
 /// when unknown.
 pub fn available_bytes(dir: &Path) -> Option<u64> {
-    let c = CString::new(dir.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statvfs is plain old data; zeroed is a valid initial value.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
+    let st = rustix::fs::statvfs(dir).ok()?;
     if st.f_blocks == 0 {
         // ramfs and some virtual filesystems report no size at all: unknown, not full.
         return None;
     }
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
 /// The filesystem type of `p` as `name (0xmagic)`.

@@ -7,19 +7,17 @@
 //! I/O is refused (tmpfs, for example, accepts it, so alignment bugs hide there), and the
 //! filesystem type. [`probe_io_uring`] checks that a ring can be set up and runs a NOP.
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use rustix::fs::{AtFlags, CWD, StatxFlags};
+
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ROW_ALIGNMENT;
 use crate::region::PrimaryRegion;
-
-/// `STATX_DIOALIGN` (Linux 6.1): ask statx for direct-I/O alignment.
-const STATX_DIOALIGN: u32 = 0x2000;
 
 /// Size of the probe's test write: one aligned block.
 const PROBE_BYTES: usize = ROW_ALIGNMENT;
@@ -95,37 +93,30 @@ pub fn fs_type_name(magic: u64) -> &'static str {
     }
 }
 
-fn c_path(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        Error::new(
+/// A path the kernel can take: no NUL byte inside.
+fn check_no_nul(path: &Path) -> Result<()> {
+    if path.as_os_str().as_bytes().contains(&0) {
+        return Err(Error::new(
             ErrorKind::InvalidPath,
             format!("{} contains a NUL byte", path.display()),
         )
-        .with("path", path.display().to_string())
-    })
+        .with("path", path.display().to_string()));
+    }
+    Ok(())
 }
 
 /// The `statfs` `f_type` magic of the filesystem holding `path` (a 32-bit value; the C field
 /// is a signed word, so it is masked to 32 bits).
 pub(crate) fn statfs_magic(path: &Path) -> Result<u64> {
-    let c = c_path(path)?;
-    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(Error::io("statfs", path, std::io::Error::last_os_error()));
-    }
+    check_no_nul(path)?;
+    let st = rustix::fs::statfs(path).map_err(|e| Error::io("statfs", path, e.into()))?;
     Ok(st.f_type as u64 & 0xffff_ffff)
 }
 
 /// `(mem_align, offset_align)` from statx, when the kernel reports nonzero DIO alignment.
 fn statx_dio_align(path: &Path) -> Option<(u32, u32)> {
-    let c = c_path(path).ok()?;
-    // SAFETY: an all-zero statx is a valid value of this plain C struct.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is NUL-terminated and `st` is a valid out-pointer.
-    let rc = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, STATX_DIOALIGN, &mut st) };
-    if rc != 0 || st.stx_mask & STATX_DIOALIGN == 0 {
+    let st = rustix::fs::statx(CWD, path, AtFlags::empty(), StatxFlags::DIOALIGN).ok()?;
+    if st.stx_mask & StatxFlags::DIOALIGN.bits() == 0 {
         return None;
     }
     (st.stx_dio_offset_align != 0).then_some((st.stx_dio_mem_align, st.stx_dio_offset_align))
@@ -279,7 +270,9 @@ pub fn probe_direct_io(dir: &Path) -> Result<DirectIoProbe> {
     })
 }
 
-/// Whether an io_uring can be set up here and completes a NOP; `Err` says why not.
+/// Whether an io_uring can be set up here, has the opcodes kvtier needs
+/// ([`crate::io::uring::REQUIRED_OPCODES`]) and completes a NOP; `Err` says why not, naming
+/// any missing opcode.
 pub fn probe_io_uring() -> std::result::Result<(), String> {
     let mut ring = io_uring::IoUring::new(4).map_err(|e| {
         let hint = match e.raw_os_error() {
@@ -289,6 +282,10 @@ pub fn probe_io_uring() -> std::result::Result<(), String> {
         };
         format!("io_uring_setup failed: {e}{hint}")
     })?;
+    let opcodes = crate::io::uring::OpcodeSupport::of(&ring, |_| true)?;
+    if let Some(why) = opcodes.missing_required() {
+        return Err(why);
+    }
     let nop = io_uring::opcode::Nop::new().build().user_data(7);
     // SAFETY: a NOP references no memory.
     unsafe { ring.submission().push(&nop) }

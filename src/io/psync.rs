@@ -100,6 +100,9 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
     while done < req.len {
         let remaining = req.len - done;
         let offset = req.file_offset + done as u64;
+        // Raw libc pread/pwrite: the buffer is region memory addressed by pointer (the region
+        // never hands out a Rust slice over rows the kernel or another agent may touch), and
+        // std's `read_at`/`write_at` and rustix's `pread`/`pwrite` take slices.
         // SAFETY: `buf + done .. buf + len` lies inside the region, which the caller keeps
         // alive (this worker holds an `Arc`); the caller owns the row for the duration of the
         // request (reserved for a read into it, pinned for a write from it).

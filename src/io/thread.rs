@@ -16,6 +16,7 @@
 //! each G3 tier as `g3_io_threads_without_batch_policy`.
 
 use std::io;
+use std::num::NonZeroU64;
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -41,7 +42,8 @@ pub fn batch_policy_failures() -> u64 {
     BATCH_FAILURES.load(Ordering::Relaxed)
 }
 
-/// The calling thread's scheduling policy (`libc::SCHED_*`).
+/// The calling thread's scheduling policy (`libc::SCHED_*`). Raw libc here and in
+/// `set_batch_policy`: neither std nor rustix has `sched_getscheduler`/`sched_setscheduler`.
 pub fn current_policy() -> i32 {
     // SAFETY: sched_getscheduler(0) reads the calling thread's policy; no memory is passed.
     unsafe { libc::sched_getscheduler(0) }
@@ -49,15 +51,13 @@ pub fn current_policy() -> i32 {
 
 /// Timer slack of I/O threads: their naps (see `IdlePolicy`) are tens of microseconds, and
 /// the default slack of 50 us would double them.
-const IO_TIMER_SLACK_NS: libc::c_ulong = 5_000;
+const IO_TIMER_SLACK_NS: NonZeroU64 = NonZeroU64::new(5_000).expect("nonzero");
 
 fn set_timer_slack() {
-    // SAFETY: PR_SET_TIMERSLACK takes an integer argument and touches no memory of ours.
-    let rc = unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, IO_TIMER_SLACK_NS) };
-    if rc != 0 {
+    if let Err(e) = rustix::thread::set_current_timer_slack(Some(IO_TIMER_SLACK_NS)) {
         log::debug!(
             "cannot set the I/O thread's timer slack: {}",
-            io::Error::last_os_error()
+            io::Error::from(e)
         );
     }
 }

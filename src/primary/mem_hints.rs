@@ -48,10 +48,15 @@ fn advise_huge(ptr: *mut u8, len: usize) {
     // SAFETY: `[start, end)` lies inside the allocation that `ptr` heads (`len` bytes of a
     // live Vec's capacity); MADV_HUGEPAGE only changes how the kernel backs those pages and
     // never their contents or validity.
-    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-    if rc != 0 {
+    let advised = unsafe {
+        rustix::mm::madvise(
+            start as *mut std::ffi::c_void,
+            end - start,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+    if let Err(err) = advised {
         static WARN: Once = Once::new();
-        let err = std::io::Error::last_os_error();
         WARN.call_once(|| {
             log::info!(
                 "primary tier: madvise(MADV_HUGEPAGE) failed ({err}); slot arrays use small \

@@ -13,13 +13,18 @@
 //! Where that is unavailable the region keeps 4 KiB pages and says so once in the log and in
 //! [`super::PrimaryRegion::huge_pages`].
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::ffi::c_void;
+use std::os::fd::OwnedFd;
+use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+use rustix::mm::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
 
 /// The x86-64 PMD (transparent huge page) size.
 pub const HUGE_PAGE: usize = 2 << 20;
 
-/// `madvise` advice: synchronously collapse the range into huge pages (Linux >= 6.1).
+/// `madvise` advice: synchronously collapse the range into huge pages (Linux >= 6.1). Raw
+/// `libc::madvise` below because rustix's `Advice` has no `MADV_COLLAPSE`.
 const MADV_COLLAPSE: libc::c_int = 25;
 
 /// Set once the "no huge pages" fallback has been logged.
@@ -27,78 +32,58 @@ static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 
 /// Maps `len` bytes of `fd` read-write and shared, at a 2 MiB-aligned address when `len` is at
 /// least one huge page.
-pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut libc::c_void> {
-    let prot = libc::PROT_READ | libc::PROT_WRITE;
+pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut c_void> {
+    let prot = ProtFlags::READ | ProtFlags::WRITE;
     if len < HUGE_PAGE {
-        // SAFETY: mapping a valid fd of at least `len` bytes; MAP_FAILED is checked below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        return checked(ptr);
+        // SAFETY: a fresh mapping (no address requested) of a valid fd of at least `len` bytes.
+        return Ok(unsafe { mmap(null_mut(), len, prot, MapFlags::SHARED, fd, 0) }?);
     }
     let span = len + HUGE_PAGE;
-    // SAFETY: reserves address space only (no access, no memory); checked below.
+    // SAFETY: reserves address space only (no access, no memory), at an address of the
+    // kernel's choosing.
     let reserved = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
+        mmap_anonymous(
+            null_mut(),
             span,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::NORESERVE,
         )
-    };
-    let reserved = checked(reserved)?;
+    }?;
     let start = reserved as usize;
     let aligned = start.next_multiple_of(HUGE_PAGE);
     // SAFETY: `[aligned, aligned + len)` lies inside our own reservation, which MAP_FIXED
     // replaces; `fd` has at least `len` bytes.
-    let ptr = unsafe {
-        libc::mmap(
-            aligned as *mut libc::c_void,
+    let mapped = unsafe {
+        mmap(
+            aligned as *mut c_void,
             len,
             prot,
-            libc::MAP_SHARED | libc::MAP_FIXED,
-            fd.as_raw_fd(),
+            MapFlags::SHARED | MapFlags::FIXED,
+            fd,
             0,
         )
     };
-    let ptr = match checked(ptr) {
+    let ptr = match mapped {
         Ok(p) => p,
         Err(e) => {
-            // SAFETY: unmaps exactly our own reservation.
-            unsafe { libc::munmap(reserved, span) };
-            return Err(e);
+            // SAFETY: unmaps exactly our own reservation, which nothing else uses.
+            let _ = unsafe { munmap(reserved, span) };
+            return Err(e.into());
         }
     };
     let head = aligned - start;
     let tail = span - head - len;
     // SAFETY: the head and tail are the unused ends of our own reservation, outside the
-    // memfd mapping.
+    // memfd mapping. Failing to return them only leaves reserved address space behind.
     unsafe {
         if head > 0 {
-            libc::munmap(reserved, head);
+            let _ = munmap(reserved, head);
         }
         if tail > 0 {
-            libc::munmap((aligned + len) as *mut libc::c_void, tail);
+            let _ = munmap((aligned + len) as *mut c_void, tail);
         }
     }
     Ok(ptr)
-}
-
-fn checked(ptr: *mut libc::c_void) -> std::io::Result<*mut libc::c_void> {
-    if ptr == libc::MAP_FAILED {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(ptr)
-    }
 }
 
 /// Backs the 2 MiB-aligned whole huge pages of the fresh mapping `[base, base + len)` with huge

@@ -57,18 +57,12 @@ pub fn first_mismatch(row: &[u8], run_seed: u64, index: u64) -> Option<usize> {
 }
 
 /// User plus system CPU seconds this process has used so far.
+///
+/// `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`: the CPU time of every thread of the process, the
+/// same sum as `getrusage`'s user and system times.
 pub fn process_cpu_seconds() -> f64 {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes a `rusage` into the pointer we pass; the struct is zeroed and
-    // large enough, and we only read it when the call succeeded.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) };
-    if rc != 0 {
-        return f64::NAN;
-    }
-    // SAFETY: getrusage returned 0, so it initialised the struct.
-    let usage = unsafe { usage.assume_init() };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    secs(usage.ru_utime) + secs(usage.ru_stime)
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }
 
 #[cfg(test)]

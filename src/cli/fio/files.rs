@@ -3,10 +3,11 @@
 //! measured pass overwrites or reads written extents (never fresh, unwritten ones).
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use rustix::fs::FallocateFlags;
 
 use crate::error::{Error, Result};
 use crate::geometry::ROW_ALIGNMENT;
@@ -69,11 +70,8 @@ fn fill(path: &Path, len: u64, bytes: &[u8]) -> Result<()> {
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .map_err(|e| Error::io("create (O_DIRECT)", path, e))?;
-    // SAFETY: plain syscall on an fd we own; the result is checked.
-    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        return Err(Error::io("fallocate", path, err).with("needed", len.to_string()));
+    if let Err(e) = rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, len) {
+        return Err(Error::io("fallocate", path, e.into()).with("needed", len.to_string()));
     }
     let mut offset = 0u64;
     while offset < len {

@@ -4,6 +4,10 @@
 //!   of rows, and transfers use READ_FIXED / WRITE_FIXED. A request must lie inside one piece.
 //!   When registration fails (ENOMEM under a memlock limit, EFAULT for file-backed memory) the
 //!   engine uses plain READ / WRITE instead and says why ([`UringEngine::fallback_reason`]).
+//! * At start the ring asks the kernel which opcodes it supports (`IORING_REGISTER_PROBE`):
+//!   without READ, WRITE or POLL_ADD the engine refuses to start, naming the missing opcode
+//!   (`auto` then uses psync and says why); without READ_FIXED / WRITE_FIXED it uses plain
+//!   READ / WRITE and names them in its fallback reason.
 //! * Files are registered as fixed files when the kernel allows it.
 //! * Requests arrive over a channel. With nothing in flight the ring thread blocks on that
 //!   channel; with I/O in flight it blocks in `submit_and_wait(1)`, and a submitter that finds
@@ -15,13 +19,14 @@
 //!   shutdown waits for every request before it unregisters and drops the ring.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::thread::JoinHandle;
 
 use crossbeam_channel::Receiver;
-use io_uring::IoUring;
+use io_uring::{IoUring, Probe, opcode};
+use rustix::event::{EventfdFlags, eventfd};
 
 mod ring;
 
@@ -67,21 +72,94 @@ pub(crate) struct Wake {
 }
 
 impl Wake {
+    // An eventfd's counter is a host-endian u64 by definition (eventfd(2)).
+    #[allow(clippy::host_endian_bytes)]
     pub(crate) fn ring(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to our own eventfd. A full counter (EAGAIN)
-        // already means "wake up", so the result is not needed.
-        unsafe {
-            libc::write(self.fd.as_raw_fd(), (&raw const one).cast(), 8);
-        }
+        // A full counter (EAGAIN) already means "wake up", so the result is not needed.
+        let _ = rustix::io::write(&self.fd, &1u64.to_ne_bytes());
     }
 
     pub(crate) fn drain(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads at most 8 bytes into a live u64; the fd is non-blocking.
-        unsafe {
-            libc::read(self.fd.as_raw_fd(), (&raw mut v).cast(), 8);
+        // Non-blocking: an empty counter (EAGAIN) means there was nothing to drain.
+        let mut v = [0u8; 8];
+        let _ = rustix::io::read(&self.fd, &mut v);
+    }
+}
+
+/// The io_uring opcodes kvtier submits, as the kernel reports them (`IORING_REGISTER_PROBE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OpcodeSupport {
+    /// Names of the opcodes the ring needs in every mode that the kernel lacks.
+    required_missing: Vec<&'static str>,
+    /// Names of the fixed-buffer opcodes the kernel lacks.
+    fixed_missing: Vec<&'static str>,
+}
+
+/// Opcodes every ring needs: plain transfers (also the fallback when the region is not
+/// registered) and the eventfd poll that wakes the ring thread.
+pub const REQUIRED_OPCODES: [(&str, u8); 3] = [
+    ("READ", opcode::Read::CODE),
+    ("WRITE", opcode::Write::CODE),
+    ("POLL_ADD", opcode::PollAdd::CODE),
+];
+
+/// Opcodes of transfers from and to the registered region; without them the engine uses
+/// [`REQUIRED_OPCODES`]' READ / WRITE and says why.
+pub const FIXED_BUFFER_OPCODES: [(&str, u8); 2] = [
+    ("READ_FIXED", opcode::ReadFixed::CODE),
+    ("WRITE_FIXED", opcode::WriteFixed::CODE),
+];
+
+impl OpcodeSupport {
+    /// Asks the kernel which opcodes `ring` supports (and `allowed` accepts).
+    pub(crate) fn of(
+        ring: &IoUring,
+        allowed: impl Fn(u8) -> bool,
+    ) -> std::result::Result<Self, String> {
+        let mut probe = Probe::new();
+        ring.submitter().register_probe(&mut probe).map_err(|e| {
+            format!(
+                "the kernel cannot list its io_uring opcodes (IORING_REGISTER_PROBE needs \
+                 Linux >= 5.6): {e}"
+            )
+        })?;
+        Ok(Self::from_support(|code| {
+            probe.is_supported(code) && allowed(code)
+        }))
+    }
+
+    /// The verdict for a kernel that supports exactly the opcodes `is_supported` accepts.
+    pub(crate) fn from_support(is_supported: impl Fn(u8) -> bool) -> Self {
+        let missing = |ops: &[(&'static str, u8)]| {
+            ops.iter()
+                .filter(|(_, code)| !is_supported(*code))
+                .map(|(name, _)| *name)
+                .collect()
+        };
+        OpcodeSupport {
+            required_missing: missing(&REQUIRED_OPCODES),
+            fixed_missing: missing(&FIXED_BUFFER_OPCODES),
         }
+    }
+
+    /// Why the ring cannot be used at all, naming the missing opcodes.
+    pub(crate) fn missing_required(&self) -> Option<String> {
+        (!self.required_missing.is_empty()).then(|| {
+            format!(
+                "the kernel's io_uring lacks the {} opcode(s) kvtier needs",
+                self.required_missing.join(", ")
+            )
+        })
+    }
+
+    /// Why transfers cannot use the registered region, naming the missing opcodes.
+    pub(crate) fn missing_fixed(&self) -> Option<String> {
+        (!self.fixed_missing.is_empty()).then(|| {
+            format!(
+                "the kernel's io_uring lacks the {} opcode(s) of registered buffers",
+                self.fixed_missing.join(", ")
+            )
+        })
     }
 }
 
@@ -163,6 +241,19 @@ impl UringEngine {
         o_direct: bool,
         max_piece: usize,
     ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
+        Self::start(region, files, queue_depth, o_direct, max_piece, |_| true)
+    }
+
+    /// As [`UringEngine::with_piece_limit`], treating the opcodes `allowed` rejects as missing
+    /// from the kernel too (tests stand in for older kernels with it).
+    pub(crate) fn start(
+        region: Arc<PrimaryRegion>,
+        files: Vec<std::fs::File>,
+        queue_depth: u32,
+        o_direct: bool,
+        max_piece: usize,
+        allowed: impl Fn(u8) -> bool,
+    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
         let max_piece = max_piece.min(MAX_REGISTERED_BUFFER);
         let depth = queue_depth.max(1);
         let ring = match IoUring::builder().setup_cqsize(depth * 2).build(depth) {
@@ -176,15 +267,23 @@ impl UringEngine {
                 return Err((err, files));
             }
         };
-        // SAFETY: plain eventfd creation; the result is checked.
-        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if raw < 0 {
-            let e = std::io::Error::last_os_error();
-            let err = Error::new(ErrorKind::Io, format!("eventfd failed: {e}")).with_source(e);
-            return Err((err, files));
+        let opcodes = match OpcodeSupport::of(&ring, allowed) {
+            Ok(o) => o,
+            Err(why) => {
+                return Err((Error::new(ErrorKind::Unsupported, why), files));
+            }
+        };
+        if let Some(why) = opcodes.missing_required() {
+            return Err((Error::new(ErrorKind::Unsupported, why), files));
         }
-        // SAFETY: `raw` is a fresh fd we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let fd = match eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC) {
+            Ok(fd) => fd,
+            Err(e) => {
+                let e = std::io::Error::from(e);
+                let err = Error::new(ErrorKind::Io, format!("eventfd failed: {e}")).with_source(e);
+                return Err((err, files));
+            }
+        };
         let wake = Arc::new(Wake {
             fd,
             waiting: AtomicBool::new(false),
@@ -201,10 +300,14 @@ impl UringEngine {
                     false
                 }
             };
-        let (piece, fallback_reason) = match register_region(&ring, &region, max_piece) {
-            Ok(piece) => (Some(piece), None),
-            // Logged by the caller, which knows whether it falls back further (to psync).
-            Err(reason) => (None, Some(reason)),
+        // Fallback reasons are logged by the caller, which knows whether it falls back further
+        // (to psync).
+        let (piece, fallback_reason) = match opcodes.missing_fixed() {
+            Some(reason) => (None, Some(reason)),
+            None => match register_region(&ring, &region, max_piece) {
+                Ok(piece) => (Some(piece), None),
+                Err(reason) => (None, Some(reason)),
+            },
         };
         let (queue, req_rx) = RequestQueue::new("uring", "the ring thread exited unexpectedly");
         let mut worker = RingThread {

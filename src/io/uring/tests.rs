@@ -94,3 +94,111 @@ fn requests_use_their_piece_and_never_straddle_two() {
     assert!(e.to_string().contains("straddles"), "{e}");
     engine.shutdown();
 }
+
+#[test]
+fn opcode_probe_names_what_the_kernel_lacks() {
+    use super::{FIXED_BUFFER_OPCODES, OpcodeSupport, REQUIRED_OPCODES};
+    let all = OpcodeSupport::from_support(|_| true);
+    assert_eq!(all.missing_required(), None);
+    assert_eq!(all.missing_fixed(), None);
+    // A kernel without the fixed-buffer opcodes: usable, with plain READ / WRITE.
+    let fixed: Vec<u8> = FIXED_BUFFER_OPCODES.iter().map(|(_, c)| *c).collect();
+    let no_fixed = OpcodeSupport::from_support(|c| !fixed.contains(&c));
+    assert_eq!(no_fixed.missing_required(), None);
+    let why = no_fixed.missing_fixed().expect("fixed opcodes are missing");
+    assert!(why.contains("READ_FIXED, WRITE_FIXED"), "{why}");
+    // A kernel without the eventfd poll: not usable, and the reason names the opcode.
+    let poll = REQUIRED_OPCODES
+        .iter()
+        .find(|(n, _)| *n == "POLL_ADD")
+        .unwrap()
+        .1;
+    let no_poll = OpcodeSupport::from_support(|c| c != poll);
+    let why = no_poll.missing_required().expect("POLL_ADD is missing");
+    assert!(why.contains("POLL_ADD") && !why.contains("READ,"), "{why}");
+    assert_eq!(no_poll.missing_fixed(), None);
+}
+
+#[test]
+fn this_kernel_has_every_opcode_kvtier_uses() {
+    let ring = match io_uring::IoUring::new(2) {
+        Ok(r) => r,
+        Err(e) => {
+            crate::skip_test!("io_uring unavailable: {e}");
+            return;
+        }
+    };
+    let support = match super::OpcodeSupport::of(&ring, |_| true) {
+        Ok(s) => s,
+        Err(why) => {
+            crate::skip_test!("{why}");
+            return;
+        }
+    };
+    // io_uring has had all of them since Linux 5.6, which the probe itself needs.
+    assert_eq!(support.missing_required(), None);
+    assert_eq!(support.missing_fixed(), None);
+}
+
+#[test]
+fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
+    use io_uring::opcode;
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let open = || {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_DIRECT)
+            .open(dir.path().join("slab"))
+            .unwrap()
+    };
+    let region = Arc::new(PrimaryRegion::create(2, PAGE).unwrap());
+    // An older kernel: no POLL_ADD. The engine refuses, naming the opcode.
+    let poll = opcode::PollAdd::CODE;
+    let refused = UringEngine::start(region.clone(), vec![open()], 4, true, PAGE, |c| c != poll);
+    let e = match refused {
+        Ok(e) => {
+            e.shutdown();
+            panic!("an engine without POLL_ADD must not start");
+        }
+        Err((e, files)) => {
+            assert_eq!(files.len(), 1, "the files come back for the psync fallback");
+            e
+        }
+    };
+    if e.to_string().contains("cannot set up an io_uring")
+        || e.to_string().contains("cannot list its io_uring opcodes")
+    {
+        crate::skip_test!("io_uring unavailable here: {e}");
+        return;
+    }
+    assert_eq!(e.kind(), ErrorKind::Unsupported);
+    assert!(e.to_string().contains("POLL_ADD"), "{e}");
+    // No READ_FIXED: plain READ / WRITE, with the reason naming it.
+    let no_fixed = opcode::ReadFixed::CODE;
+    let engine = UringEngine::start(region.clone(), vec![open()], 4, true, PAGE, |c| {
+        c != no_fixed
+    })
+    .map_err(|(e, _)| e)
+    .unwrap();
+    assert!(!engine.fixed_buffers());
+    let why = engine.fallback_reason().unwrap_or_default().to_string();
+    assert!(why.contains("READ_FIXED"), "{why}");
+    // SAFETY: no transfer is in flight; this test owns the region.
+    unsafe { region.row_mut(0).unwrap().fill(pattern(0)) };
+    engine.submit(&[req(IoDir::Write, 0, 1, 1)]).unwrap();
+    assert_eq!(wait(&engine, 1).unwrap(), PAGE);
+    engine.submit(&[req(IoDir::Read, 0, 1, 2)]).unwrap();
+    // The read lands in row 1 of the region: same file offset, other row.
+    let mut back = req(IoDir::Read, 0, 1, 3);
+    back.region_offset = PAGE;
+    engine.submit(&[back]).unwrap();
+    assert_eq!(wait(&engine, 2).unwrap(), PAGE);
+    assert_eq!(wait(&engine, 3).unwrap(), PAGE);
+    // SAFETY: the read into row 1 has completed.
+    let bytes = unsafe { region.row(1).unwrap() };
+    assert!(bytes.iter().all(|&b| b == pattern(0)));
+    engine.shutdown();
+}

@@ -1,0 +1,74 @@
+//! `kvtier version` reports the build and the engines this machine has, checked against
+//! independent sources: `Cargo.toml` for the minimum Rust version and the cargo features, and
+//! the library's own io_uring probe run in this process.
+
+mod cli_common;
+
+use cli_common::{assert_success, kvtier};
+
+fn manifest() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap()
+}
+
+/// The value of `key = "..."` on its own line in the manifest.
+fn manifest_value(text: &str, key: &str) -> String {
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix(key)?.trim().strip_prefix('='))
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .unwrap_or_else(|| panic!("{key} not in Cargo.toml"))
+}
+
+/// The feature names of the `[features]` table, without `default`.
+fn manifest_features(text: &str) -> Vec<String> {
+    text.lines()
+        .skip_while(|l| l.trim() != "[features]")
+        .skip(1)
+        .take_while(|l| !l.trim_start().starts_with('['))
+        .filter_map(|l| l.split_once('=').map(|(k, _)| k.trim().to_string()))
+        .filter(|k| !k.is_empty() && !k.starts_with('#') && k != "default")
+        .collect()
+}
+
+#[test]
+fn version_reports_build_features_and_engines() {
+    let out = kvtier(&["version"]);
+    assert_success(&out);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in:\n{text}"))
+            .to_string()
+    };
+    let manifest = manifest();
+    assert!(text.starts_with(&format!("kvtier {}\n", env!("CARGO_PKG_VERSION"))));
+    let rust_version = manifest_value(&manifest, "rust-version");
+    assert!(
+        line("build: ").contains(&format!("rust-version {rust_version} or newer")),
+        "{text}"
+    );
+
+    // Every feature in Cargo.toml is reported, as built in exactly when this build has it.
+    let declared = manifest_features(&manifest);
+    assert!(!declared.is_empty(), "Cargo.toml declares features");
+    let listed: Vec<&str> = kvtier::cli::version::BUILD_FEATURES
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(
+        listed, declared,
+        "BUILD_FEATURES must list Cargo.toml's features"
+    );
+    let features = line("features: ");
+    assert_eq!(features.contains("gds"), cfg!(feature = "gds"), "{text}");
+
+    let uring = line("engine uring: ");
+    match kvtier::io::probe_io_uring() {
+        Ok(()) => assert_eq!(uring, "available"),
+        Err(why) => assert!(
+            uring.starts_with("unavailable") && uring.contains(&why),
+            "{uring}"
+        ),
+    }
+    assert_eq!(line("engine psync: "), "available");
+}
