@@ -2,7 +2,7 @@
 //! in for GPU memory, with every address checked against its allocations, so the planning
 //! and the executor run (and are tested) on a machine without a GPU.
 //!
-//! Addresses are plain `u64`s: GPU virtual addresses on `crate::cuda::CudaDevice`, host
+//! Addresses are plain `u64`s: GPU virtual addresses on [`crate::cuda::CudaDevice`], host
 //! addresses of the stand-in's allocations on [`HostDevice`].
 
 use std::alloc::Layout;

@@ -14,7 +14,7 @@
 //! * [`device`]: the [`device::Device`] trait and [`device::HostDevice`], host memory standing
 //!   in for a GPU (tests, and every machine without one).
 //! * [`exec`]: stores and loads whole chunks through device staging rows.
-//! * [`cuda`]: `cuda::CudaDevice`, the real device (cudarc driver API, cuFile, a CRC kernel).
+//! * [`cuda`]: [`cuda::CudaDevice`], the real device (cudarc driver API, cuFile, a CRC kernel).
 
 pub mod crc;
 pub mod cuda;

@@ -1,4 +1,4 @@
-//! The real device: CUDA through cudarc's driver API and cuFile through `cufile`, loaded
+//! The real device: CUDA through cudarc's driver API and cuFile through [`cufile`], loaded
 //! only after [`crate::probe`] found both libraries.
 
 pub mod cufile;
