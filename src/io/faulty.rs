@@ -463,6 +463,14 @@ impl IoEngine for FaultyEngine {
         Some(std::io::Error::from_raw_os_error(errno))
     }
 
+    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize> {
+        self.inner.attach_file(file, label, o_direct)
+    }
+
+    fn detach_file(&self, file: usize) -> Result<std::fs::File> {
+        self.inner.detach_file(file)
+    }
+
     fn shutdown(&self) {
         let Some(ctl) = self.control.write().take() else {
             return;

@@ -21,6 +21,7 @@ mod thread;
 pub mod uring;
 
 pub use faulty::{FaultPlan, FaultyEngine, MetaFault};
+pub use files::ATTACHED_FLAG;
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};
@@ -134,4 +135,16 @@ pub trait IoEngine: Send + Sync {
     fn meta_fault(&self, _file: MetaFile, _op: MetaOp) -> Option<std::io::Error> {
         None
     }
+
+    /// Adds a file opened for a few transfers of its own (a file-per-chunk tier's chunk file)
+    /// to the engine's file table and returns its index for [`IoRequest::file`]. `label` names
+    /// it in errors; `o_direct` says it was opened with O_DIRECT (requests on it are then
+    /// checked for 4096-byte alignment). Such a file is never registered with io_uring.
+    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize>;
+
+    /// Removes a file added by [`IoEngine::attach_file`] and hands it back. Refused (the file
+    /// stays attached) while a transfer on it is in flight, that is until its completion has
+    /// been sent; an index that names no attached file is an [`crate::ErrorKind::Contract`]
+    /// error.
+    fn detach_file(&self, file: usize) -> Result<std::fs::File>;
 }

@@ -82,6 +82,8 @@ fn worker(
     // empty, so every queued request runs before the worker exits.
     while let Ok(req) = rx.recv() {
         let result = transfer(&req, files, region);
+        // Released before the completion is sent, so that its receiver may detach the file.
+        files.release(req.file);
         // The receiver lives in the engine, which outlives its workers.
         let _ = tx.send(IoCompletion {
             tag: req.tag,
@@ -93,7 +95,6 @@ fn worker(
 /// Moves all of `req` or fails. The request has been validated against the region and files.
 fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Result<usize> {
     let fd = files.raw_fd(req.file);
-    let label = files.label(req.file);
     // SAFETY: `validate` checked region_offset + len <= region.len().
     let buf = unsafe { region.base_ptr().add(req.region_offset) };
     let mut done = 0usize;
@@ -124,9 +125,9 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
             if err.raw_os_error() == Some(libc::EINTR) {
                 continue;
             }
-            return Err(os_error(req, label, done, err));
+            return Err(os_error(req, &files.label(req.file), done, err));
         }
-        done = advance(req, label, done, rc as usize, files.o_direct())?;
+        done = advance(req, files, done, rc as usize)?;
     }
     Ok(req.len)
 }
@@ -151,6 +152,14 @@ impl IoEngine for PsyncEngine {
 
     fn sync_data(&self, file: usize) -> Result<()> {
         self.files.sync_data(file)
+    }
+
+    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize> {
+        self.files.attach(file, label, o_direct)
+    }
+
+    fn detach_file(&self, file: usize) -> Result<std::fs::File> {
+        self.files.detach(file)
     }
 
     fn shutdown(&self) {

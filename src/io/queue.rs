@@ -76,8 +76,10 @@ impl RequestQueue {
                 });
                 continue;
             }
-            tx.send(*req)
-                .map_err(|_| Error::new(ErrorKind::Internal, self.threads_gone))?;
+            if tx.send(*req).is_err() {
+                files.release(req.file);
+                return Err(Error::new(ErrorKind::Internal, self.threads_gone));
+            }
             queued = true;
         }
         Ok(queued)

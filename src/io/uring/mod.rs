@@ -395,6 +395,14 @@ impl IoEngine for UringEngine {
         self.files.sync_data(file)
     }
 
+    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize> {
+        self.files.attach(file, label, o_direct)
+    }
+
+    fn detach_file(&self, file: usize) -> Result<std::fs::File> {
+        self.files.detach(file)
+    }
+
     fn shutdown(&self) {
         self.queue.close();
         // The ring thread may be blocked waiting for I/O; it exits once everything completed.

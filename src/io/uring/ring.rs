@@ -114,6 +114,8 @@ impl RingThread {
     fn complete(&mut self, slot: usize, result: Result<usize>) {
         if let Some(op) = self.ops[slot].take() {
             self.free.push(slot);
+            // Released before the completion is sent, so that its receiver may detach the file.
+            self.files.release(op.req.file);
             let _ = self.done.send(IoCompletion {
                 tag: op.req.tag,
                 result,
@@ -169,7 +171,7 @@ impl RingThread {
                             req.region_offset, req.len
                         ),
                         req,
-                        self.files.label(req.file),
+                        &self.files.label(req.file),
                     ));
                 }
                 Some(u16::try_from(idx).map_err(|_| {
@@ -182,7 +184,7 @@ impl RingThread {
         let buf = unsafe { self.region.base_ptr().add(start) };
         let off = req.file_offset + op.done as u64;
         let len = len as u32;
-        let entry = if self.fixed_files {
+        let entry = if self.fixed_files && self.files.is_fixed(req.file) {
             rw_entry!(
                 types::Fixed(req.file as u32),
                 req.dir,
@@ -257,7 +259,6 @@ impl RingThread {
             return;
         };
         let req = op.req;
-        let label = self.files.label(req.file);
         if res < 0 {
             let errno = -res;
             if errno == libc::EINTR || errno == libc::EAGAIN {
@@ -266,14 +267,14 @@ impl RingThread {
             }
             let err = os_error(
                 &req,
-                label,
+                &self.files.label(req.file),
                 op.done,
                 std::io::Error::from_raw_os_error(errno),
             );
             self.complete(slot, Err(err));
             return;
         }
-        match advance(&req, label, op.done, res as usize, self.files.o_direct()) {
+        match advance(&req, &self.files, op.done, res as usize) {
             Ok(done) if done < req.len => {
                 op.done = done;
                 // Resubmit the remainder ahead of newer work.
