@@ -15,7 +15,9 @@
 //! 7. [`config`]: configuration model, parsing and one `validate` per type.
 //! 8. [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
 //! 9. [`primary`]: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
-//! 10. [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery).
+//! 10. [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery); [`fs`]: the
+//!     file-per-chunk tier for shared file systems (vLLM `fs` tier compatible), which reuses
+//!     a few of G3's pieces.
 //! 11. [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! 12. [`cli`]: the `kvtier` command line.
 
@@ -24,6 +26,7 @@ pub mod cli;
 pub mod config;
 pub mod contract;
 pub mod error;
+pub mod fs;
 pub mod g3;
 pub mod geometry;
 pub mod hash;

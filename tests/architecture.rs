@@ -30,7 +30,8 @@ use std::path::{Path, PathBuf};
 /// * `config`: the configuration model, parsing and validation.
 /// * `canonical`: the canonical layout (descriptors, copy runs, digests).
 /// * `primary`: the CPU primary tier.
-/// * `g3`: the G3 NVMe tier.
+/// * `g3`, `fs`: the G3 NVMe tier; the file-per-chunk tier (it reuses G3's direct-I/O mode,
+///   engine factory type and directory sync, so it imports `g3`, never the reverse).
 /// * `tiering`: the manager tying the tiers together.
 /// * `cli`: the command line.
 const LAYERS: &[&[&str]] = &[
@@ -43,7 +44,7 @@ const LAYERS: &[&[&str]] = &[
     &["config"],
     &["canonical"],
     &["primary"],
-    &["g3"],
+    &["g3", "fs"],
     &["tiering"],
     &["cli"],
 ];

@@ -278,7 +278,6 @@ fn sync_data_of_known_and_unknown_files(engine: Engine) {
     assert_eq!(e.kind(), ErrorKind::Contract, "{e}");
 }
 
-
 /// Files attached for their own transfers (a file-per-chunk tier): each row goes to a file of
 /// its own through the engine, comes back through freshly attached descriptors, and every
 /// file holds exactly its row. Fixed file 0 keeps working beside them.
@@ -318,7 +317,11 @@ fn attached_files_round_trip(engine: Engine) {
     for i in 0..4 {
         assert_eq!(std::fs::read(path(i)).unwrap(), row_bytes(&fx.region, i));
         let f = open_direct(&path(i));
-        ids.push(fx.engine.attach_file(f, format!("chunk {i}"), true).unwrap());
+        ids.push(
+            fx.engine
+                .attach_file(f, format!("chunk {i}"), true)
+                .unwrap(),
+        );
     }
     let reads: Vec<_> = ids
         .iter()
@@ -384,7 +387,11 @@ fn stale_attached_index_is_refused(engine: Engine) {
         .unwrap();
     let e = collect(&*fx.engine, 1).remove(&1).unwrap().unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Contract, "{e}");
-    assert_eq!(std::fs::metadata(&b).unwrap().len(), 0, "b must be untouched");
+    assert_eq!(
+        std::fs::metadata(&b).unwrap().len(),
+        0,
+        "b must be untouched"
+    );
     assert_eq!(
         fx.engine.detach_file(old).unwrap_err().kind(),
         ErrorKind::Contract
@@ -440,7 +447,10 @@ fn detach_waits_for_the_transfer_in_flight(engine: Engine) {
         }
         all
     });
-    assert_eq!(collect(&*fx.engine, 1).remove(&1).unwrap().unwrap(), 1 << 20);
+    assert_eq!(
+        collect(&*fx.engine, 1).remove(&1).unwrap().unwrap(),
+        1 << 20
+    );
     assert_eq!(drained.join().unwrap(), row_bytes(&fx.region, 0));
     fx.engine.detach_file(id).unwrap();
     fx.engine.shutdown();
@@ -491,7 +501,6 @@ macro_rules! conformance {
             fn stale_attached_index_is_refused() {
                 super::stale_attached_index_is_refused($engine);
             }
-
         }
     };
 }

@@ -23,7 +23,10 @@ use crate::region::PrimaryRegion;
 /// Set in the index of an attached file: `ATTACHED_FLAG | generation << 32 | slot`.
 pub const ATTACHED_FLAG: usize = 1 << 62;
 
-const _: () = assert!(usize::BITS == 64, "file indices pack a generation into 64 bits");
+const _: () = assert!(
+    usize::BITS == 64,
+    "file indices pack a generation into 64 bits"
+);
 
 /// A file attached for a few transfers.
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! The tier factory: a tier type name (`secondary_tiers[i].type`) -> a constructor.
 //!
-//! Built in: `nvme` ([`G3Tier`], kvtier's NVMe slab tier) and `memory` ([`MemoryTier`], for
-//! tests and examples). Tests and embedders can register more with [`TierFactory::register`].
+//! Built in: `nvme` ([`G3Tier`], kvtier's NVMe slab tier), `fs` ([`FsTier`], one file per
+//! chunk on a shared file system) and `memory` ([`MemoryTier`], for tests and examples). Tests and embedders can register more with [`TierFactory::register`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,7 +11,8 @@ use serde_json::Value;
 
 use crate::config::TierConfig;
 use crate::contract::secondary::SecondaryTier;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
+use crate::fs::{FsTier, FsTierConfig};
 use crate::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
@@ -30,6 +31,9 @@ pub struct TierBuildContext {
     /// namespace of the row stride ([`geometry_namespace`]), until canonical layout digests
     /// are supplied by the caller.
     pub namespace: Option<[u8; 32]>,
+    /// vLLM's FileMapper fields of the model (`FileMapper.get_run_config()`), which name an
+    /// `fs` tier's folder. `None`: no `fs` tier can be built.
+    pub file_mapper_fields: Option<Value>,
 }
 
 impl TierBuildContext {
@@ -40,6 +44,7 @@ impl TierBuildContext {
             clock,
             tier_label,
             namespace: None,
+            file_mapper_fields: None,
         }
     }
 
@@ -87,6 +92,7 @@ impl TierFactory {
         let mut f = Self::empty();
         f.register("memory", Arc::new(build_memory_tier));
         f.register("nvme", Arc::new(build_nvme_tier));
+        f.register("fs", Arc::new(build_fs_tier));
         f
     }
 
@@ -149,6 +155,30 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
     let tier = G3Tier::open(
         g3,
         ctx.region.clone(),
+        ctx.namespace(),
+        ctx.tier_label.clone(),
+        cfg.locality,
+    )?;
+    Ok(Box::new(tier))
+}
+
+/// Builds an `fs` tier ([`FsTier`]) from its params (see `docs/fs-tier.md`).
+pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
+    let fs = FsTierConfig::from_tier(cfg)?;
+    let Some(fields) = ctx.file_mapper_fields.clone() else {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "{}: an fs tier names its folder after the model's vLLM FileMapper fields, and \
+                 none were given (kvtier serve and bench derive them from --layout and --tp)",
+                cfg.key_path()
+            ),
+        ));
+    };
+    let tier = FsTier::open(
+        fs,
+        ctx.region.clone(),
+        fields,
         ctx.namespace(),
         ctx.tier_label.clone(),
         cfg.locality,

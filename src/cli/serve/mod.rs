@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, namespace_digest};
+use crate::canonical::{LayoutDescriptor, NamespaceParams, VllmDigestFields, namespace_digest};
 use crate::cli::args::ModelArgs;
 use crate::cli::serve::http::DEFAULT_METRICS_ADDR;
 use crate::cli::serve::service::{Service, serve_until_signal};
@@ -82,7 +82,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
 }
 
 /// Sizes the region from the layout and config, and builds the manager with `nvme` tiers that
-/// carry the layout's namespace.
+/// carry the layout's namespace and `fs` tiers named by its vLLM FileMapper fields.
 pub fn build_manager(
     cfg: &KvtierConfig,
     layout: &LayoutDescriptor,
@@ -112,6 +112,7 @@ pub fn build_manager(
     let opts = ManagerOptions {
         metrics_prefix: metrics_prefix.to_string(),
         namespace: Some(namespace),
+        file_mapper_fields: Some(VllmDigestFields::from_descriptor(layout, &params).to_json()),
         ..ManagerOptions::default()
     };
     TieringManager::from_config(cfg, region, &factory, opts)

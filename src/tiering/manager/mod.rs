@@ -52,6 +52,8 @@ pub struct ManagerOptions {
     pub enable_events: bool,
     /// Storage namespace digest handed to persistent tiers (`None`: geometry namespace).
     pub namespace: Option<[u8; 32]>,
+    /// vLLM's FileMapper fields of the model, handed to `fs` tiers (they name its folder).
+    pub file_mapper_fields: Option<serde_json::Value>,
 }
 
 impl Default for ManagerOptions {
@@ -61,6 +63,7 @@ impl Default for ManagerOptions {
             clock: Arc::new(SystemClock),
             enable_events: false,
             namespace: None,
+            file_mapper_fields: None,
         }
     }
 }
@@ -194,6 +197,7 @@ impl TieringManager {
                 let mut ctx =
                     TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
                 ctx.namespace = opts.namespace;
+                ctx.file_mapper_fields = opts.file_mapper_fields.clone();
                 factory.create(tc, &ctx).map(|t| (t, p))
             });
             match step {

@@ -1,0 +1,542 @@
+//! [`FsTier`]: the file-per-chunk tier behind the [`SecondaryTier`] contract.
+//!
+//! Every contract call validates, enqueues and returns in microseconds; lookups answer from
+//! the catalog or the verdict cache, or RETRY while a background check runs. Only
+//! [`SecondaryTier::drain_jobs`] and [`SecondaryTier::shutdown`] block.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+use serde_json::Value;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::fs::catalog::Catalog;
+use crate::fs::chunk_file::{DirCache, PublishMode, probe_publish};
+use crate::fs::config::{FsTierConfig, Integrity};
+use crate::fs::folder;
+use crate::fs::integrity::probe_xattr;
+use crate::fs::lookup::AsyncLookup;
+use crate::fs::mapper::FileMapper;
+use crate::fs::metrics::FsMetrics;
+use crate::fs::scan;
+use crate::fs::worker::{Cmd, Shared, Worker, WorkerInit};
+use crate::g3::{DirectIoMode, EngineFactory};
+use crate::io::{EngineOptions, open_engine, probe_direct_io};
+use crate::key::ChunkKey;
+use crate::region::PrimaryRegion;
+use crate::contract::job::{
+    JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
+};
+use crate::contract::secondary::{SecondaryTier, TierMetric};
+
+/// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands and the lookup
+/// and scan threads' reports.
+const CONTROL_SLACK: usize = 64;
+
+/// Longest a lookup waits for the catalog lock before it asks the verdict cache instead.
+const LOOKUP_LOCK_WAIT: Duration = Duration::from_micros(100);
+
+/// Facts about an open tier, for logs, the CLI and tests.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FsInfo {
+    /// `<root_dir>/<model>_<digest12>`, the folder of `config.json`.
+    pub base_path: PathBuf,
+    /// `<base_path>_r0`, the folder of the chunk files.
+    pub data_dir: PathBuf,
+    /// vLLM's 12-digit digest.
+    pub digest: String,
+    /// Filesystem type of `root_dir`.
+    pub fs_type: String,
+    /// Whether chunk files use O_DIRECT.
+    pub direct_io: bool,
+    /// The I/O engine's name.
+    pub engine: String,
+    /// How files are published (`noreplace`, `link`, `rename`).
+    pub publish: &'static str,
+    /// `xattr` or `none`.
+    pub integrity: &'static str,
+    /// Bytes per chunk file.
+    pub row_stride: u64,
+}
+
+/// The file-per-chunk tier (`type = "fs"`).
+pub struct FsTier {
+    sh: Arc<Shared>,
+    lookup: AsyncLookup,
+    cmd_tx: Option<Sender<Cmd>>,
+    results_rx: Receiver<JobResult>,
+    events_rx: Receiver<OffloadingEvent>,
+    invalidated_rx: Receiver<Vec<ChunkKey>>,
+    local_results: Vec<JobResult>,
+    outstanding: usize,
+    /// Keys of loads in progress, to mark the failed ones MISS when they are reported.
+    load_keys: HashMap<JobId, Vec<ChunkKey>>,
+    worker: Option<JoinHandle<()>>,
+    scan: Option<JoinHandle<()>>,
+    scan_stop: Arc<AtomicBool>,
+    locality: Option<Locality>,
+    max_queued_jobs: usize,
+    capacity: u64,
+    info: FsInfo,
+}
+
+impl std::fmt::Debug for FsTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsTier")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FsTier {
+    /// Opens the tier under `cfg.root_dir` for chunks of `region.row_stride()` bytes.
+    /// `fields` are vLLM's FileMapper fields of the model (they name the folder, see
+    /// [`FileMapper`]); `namespace` is kvtier's namespace digest, kept in the folder's
+    /// `kvtier.json`.
+    pub fn open(
+        cfg: FsTierConfig,
+        region: Arc<PrimaryRegion>,
+        fields: Value,
+        namespace: [u8; 32],
+        tier_id: String,
+        locality: Option<Locality>,
+    ) -> Result<Self> {
+        Self::open_with_engine(
+            cfg,
+            region,
+            fields,
+            namespace,
+            tier_id,
+            locality,
+            Box::new(open_engine),
+        )
+    }
+
+    /// [`FsTier::open`] with a custom engine factory (tests wrap the engine in a fault
+    /// injector).
+    pub fn open_with_engine(
+        cfg: FsTierConfig,
+        region: Arc<PrimaryRegion>,
+        fields: Value,
+        namespace: [u8; 32],
+        tier_id: String,
+        locality: Option<Locality>,
+        make_engine: EngineFactory,
+    ) -> Result<Self> {
+        let probe = probe_direct_io(&cfg.root_dir).map_err(|e| root_error(&cfg, e))?;
+        let mapper = FileMapper::new(&cfg.root_dir, fields)?;
+        std::fs::create_dir_all(mapper.data_dir()).map_err(|e| {
+            Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "cannot create the fs tier folder {}: {e}",
+                    mapper.data_dir().display()
+                ),
+            )
+            .with("path", mapper.data_dir().display().to_string())
+            .with_source(e)
+        })?;
+        let publish = probe_publish(mapper.data_dir())?;
+        folder::prepare(&mapper, &namespace, publish)?;
+        let direct = probe.o_direct;
+        if !direct {
+            match cfg.direct_io {
+                DirectIoMode::Required => {
+                    probe.require_direct_io()?;
+                }
+                DirectIoMode::Auto => log::warn!(
+                    "fs tier {tier_id}: O_DIRECT does not work in {} ({}: {}); using buffered \
+                     I/O (fs_direct_io = 0)",
+                    cfg.root_dir.display(),
+                    probe.fs_type,
+                    probe.o_direct_error.as_deref().unwrap_or("unknown reason")
+                ),
+            }
+        }
+        match cfg.integrity {
+            Integrity::Xattr => probe_xattr(mapper.data_dir()).map_err(|why| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "{} ({}) does not keep user extended attributes ({why}); the fs tier \
+                         keeps each chunk file's CRC32 there. Enable them (e.g. the user_xattr \
+                         mount option) or set integrity = \"none\" to store without CRCs",
+                        cfg.root_dir.display(),
+                        probe.fs_type
+                    ),
+                )
+                .with("path", cfg.root_dir.display().to_string())
+                .with("filesystem", probe.fs_type)
+            })?,
+            Integrity::None => log::warn!(
+                "fs tier {tier_id}: integrity = none: chunk files are stored without a CRC32 \
+                 record; loads of them are counted in fs_files_loaded_unverified"
+            ),
+        }
+        if publish != PublishMode::NoReplace {
+            log::warn!(
+                "fs tier {tier_id}: {} lacks renameat2(RENAME_NOREPLACE); publishing files \
+                 with {}",
+                cfg.root_dir.display(),
+                publish.as_str()
+            );
+        }
+        let stride = region.row_stride() as u64;
+        let rows_in_flight = (cfg.max_bytes_in_flight / stride).clamp(1, 4096) as u32;
+        let opts = EngineOptions {
+            queue_depth: rows_in_flight,
+            psync_threads: cfg.io_threads,
+            o_direct: direct,
+        };
+        let handle = make_engine(cfg.io_engine, region.clone(), Vec::new(), &opts)?;
+        let info = FsInfo {
+            base_path: mapper.base_path().to_path_buf(),
+            data_dir: mapper.data_dir().to_path_buf(),
+            digest: mapper.digest().to_string(),
+            fs_type: probe.fs_type.to_string(),
+            direct_io: direct,
+            engine: handle.info.name.clone(),
+            publish: publish.as_str(),
+            integrity: cfg.integrity.as_str(),
+            row_stride: stride,
+        };
+        let metrics = FsMetrics::default();
+        *metrics.engine.lock() = handle.info.name.clone();
+        *metrics.engine_fallback.lock() = handle.info.fallback_reason.clone();
+        *metrics.publish_mode.lock() = publish.as_str();
+        metrics.direct_io.store(direct, Ordering::Relaxed);
+        metrics
+            .writes_records
+            .store(cfg.integrity == Integrity::Xattr, Ordering::Relaxed);
+        let sh = Arc::new(Shared {
+            catalog: Mutex::new(Catalog::new(cfg.capacity_bytes)),
+            metrics,
+            mapper,
+            region,
+            engine: handle.engine.clone(),
+            direct,
+            publish,
+            integrity: cfg.integrity,
+            fsync: cfg.fsync,
+            dirs: DirCache::default(),
+        });
+        let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(cfg.max_queued_jobs + CONTROL_SLACK);
+        let (results_tx, results_rx) = crossbeam_channel::unbounded();
+        let (events_tx, events_rx) = crossbeam_channel::unbounded();
+        let (invalidated_tx, invalidated_rx) = crossbeam_channel::unbounded();
+        let engine = handle.engine;
+        let started = Worker::spawn_pool(WorkerInit {
+            sh: sh.clone(),
+            max_bytes_in_flight: cfg.max_bytes_in_flight,
+            io_threads: cfg.io_threads,
+            tier_id: tier_id.clone(),
+            locality,
+            cmd_rx,
+            results_tx,
+            events_tx,
+            invalidated_tx,
+        })
+        .and_then(|w| {
+            crate::io::spawn_io_thread(format!("kvtier-fs-{tier_id}"), move || w.run()).map_err(
+                |e| {
+                    Error::new(
+                        ErrorKind::Io,
+                        format!("cannot start the fs coordinator thread: {e}"),
+                    )
+                    .with_source(e)
+                },
+            )
+        });
+        let worker = match started {
+            Ok(h) => h,
+            Err(e) => {
+                engine.shutdown();
+                return Err(e);
+            }
+        };
+        let mut tier = FsTier {
+            lookup: AsyncLookup::start(
+                sh.clone(),
+                cfg.lookup_threads,
+                cfg.lookup_cache_entries,
+                cfg.lookup_timeout,
+                cmd_tx.clone(),
+            )?,
+            sh: sh.clone(),
+            cmd_tx: Some(cmd_tx.clone()),
+            results_rx,
+            events_rx,
+            invalidated_rx,
+            local_results: Vec::new(),
+            outstanding: 0,
+            load_keys: HashMap::new(),
+            worker: Some(worker),
+            scan: None,
+            scan_stop: Arc::new(AtomicBool::new(false)),
+            locality,
+            max_queued_jobs: cfg.max_queued_jobs,
+            capacity: cfg.capacity_bytes,
+            info,
+        };
+        tier.scan = Some(scan::spawn(
+            sh,
+            cfg.stale_temp_age,
+            tier.scan_stop.clone(),
+            cmd_tx,
+        )?);
+        Ok(tier)
+    }
+
+    /// Facts about the open tier.
+    pub fn info(&self) -> &FsInfo {
+        &self.info
+    }
+
+    /// The vLLM naming this tier uses.
+    pub fn mapper(&self) -> &FileMapper {
+        &self.sh.mapper
+    }
+
+    /// True once the start-up scan has handed its files to the catalog.
+    pub fn is_scanned(&self) -> bool {
+        self.sh.metrics.scan_done.load(Ordering::Acquire)
+    }
+
+    /// Blocks until the start-up scan has finished (for tools and tests).
+    pub fn wait_scanned(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.is_scanned() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+
+    /// Chunk files this process knows and their bytes.
+    pub fn known(&self) -> (usize, u64) {
+        let c = self.sh.catalog.lock();
+        (c.len(), c.bytes())
+    }
+
+    fn enqueue(&mut self, job: TransferJob, load: bool) {
+        let job_id = job.job_id;
+        self.outstanding += 1;
+        if job.keys.is_empty() {
+            self.local_results
+                .push(JobResult::ok(job_id, Duration::ZERO, 0));
+            return;
+        }
+        if job.keys.len() != job.chunk_ids.len() {
+            let e = Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "job {job_id} has {} keys but {} chunk ids",
+                    job.keys.len(),
+                    job.chunk_ids.len()
+                ),
+            );
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        }
+        let m = &self.sh.metrics;
+        if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
+            m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
+            let e = Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "fs job queue is full ({} jobs); job {job_id} refused",
+                    self.max_queued_jobs
+                ),
+            );
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        }
+        let Some(tx) = &self.cmd_tx else {
+            let e = Error::new(ErrorKind::Closed, "the fs tier is shut down");
+            self.local_results.push(JobResult::failed(job_id, e));
+            return;
+        };
+        if load {
+            self.load_keys.insert(job_id, job.keys.clone());
+        }
+        m.queued_jobs.fetch_add(1, Ordering::Relaxed);
+        let cmd = if load {
+            Cmd::Load(job)
+        } else {
+            Cmd::Store(job)
+        };
+        if let Err(e) = tx.try_send(cmd) {
+            m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
+            self.load_keys.remove(&job_id);
+            let e = if e.is_full() {
+                m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
+                Error::new(
+                    ErrorKind::NoSpace,
+                    format!("fs job channel is full; job {job_id} refused"),
+                )
+            } else {
+                Error::new(ErrorKind::Closed, "the fs coordinator thread has stopped")
+            };
+            self.local_results.push(JobResult::failed(job_id, e));
+        }
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        self.lookup.shutdown();
+        self.scan_stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.scan.take()
+            && h.join().is_err()
+        {
+            log::error!("the fs scan thread panicked");
+        }
+        let Some(tx) = self.cmd_tx.take() else {
+            return Ok(());
+        };
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
+        let sent = tx.send(Cmd::Shutdown(ack_tx)).is_ok();
+        drop(tx);
+        let result = if sent {
+            ack_rx.recv().unwrap_or_else(|_| {
+                Err(Error::new(
+                    ErrorKind::Internal,
+                    "the fs coordinator exited without shutting down",
+                ))
+            })
+        } else {
+            Err(Error::new(
+                ErrorKind::Internal,
+                "the fs coordinator thread was already gone",
+            ))
+        };
+        if let Some(h) = self.worker.take()
+            && h.join().is_err()
+        {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                "the fs coordinator thread panicked; I/O may still reference the primary region",
+            ));
+        }
+        result
+    }
+}
+
+/// A `root_dir` that cannot be used is the user's mistake: say which key and directory.
+fn root_error(cfg: &FsTierConfig, e: Error) -> Error {
+    let mut out = Error::new(e.kind(), format!("fs tier root_dir: {}", e.message()))
+        .with("path", cfg.root_dir.display().to_string());
+    for (k, v) in e.context() {
+        if *k != "path" {
+            out = out.with(k, v.clone());
+        }
+    }
+    out
+}
+
+impl SecondaryTier for FsTier {
+    fn tier_type(&self) -> &str {
+        "fs"
+    }
+
+    fn medium(&self) -> Option<Medium> {
+        Some(Medium::Storage)
+    }
+
+    fn locality(&self) -> Option<Locality> {
+        self.locality
+    }
+
+    fn lookup(&mut self, key: &ChunkKey, req: &RequestContext) -> LookupResult {
+        while let Ok(keys) = self.invalidated_rx.try_recv() {
+            self.lookup.mark_miss(&keys);
+        }
+        if let Some(mut c) = self.sh.catalog.try_lock_for(LOOKUP_LOCK_WAIT)
+            && c.touch(key)
+        {
+            self.sh
+                .metrics
+                .lookup_catalog_hits
+                .fetch_add(1, Ordering::Relaxed);
+            return LookupResult::Hit;
+        }
+        match self.lookup.lookup(key, &req.req_id) {
+            Some(true) => LookupResult::Hit,
+            Some(false) => LookupResult::Miss,
+            None => LookupResult::Retry,
+        }
+    }
+
+    fn submit_store(&mut self, job: TransferJob) {
+        self.enqueue(job, false);
+    }
+
+    fn submit_load(&mut self, job: TransferJob) {
+        self.enqueue(job, true);
+    }
+
+    fn get_finished_jobs(&mut self) -> Vec<JobResult> {
+        let mut out = std::mem::take(&mut self.local_results);
+        out.extend(self.results_rx.try_iter());
+        self.outstanding = self.outstanding.saturating_sub(out.len());
+        for r in &out {
+            let Some(keys) = self.load_keys.remove(&r.job_id) else {
+                continue;
+            };
+            if r.success {
+                continue;
+            }
+            // The livelock rule: a key whose load failed is a MISS from now on.
+            let loaded = r.successful_keys.as_deref().unwrap_or(&[]);
+            self.lookup
+                .mark_miss(keys.iter().filter(|k| !loaded.contains(k)));
+        }
+        out
+    }
+
+    fn on_request_finished(&mut self, req: &RequestContext) {
+        self.lookup.cleanup(&req.req_id);
+    }
+
+    fn on_schedule_end(&mut self) {
+        self.lookup.flush();
+    }
+
+    fn has_pending_work(&self) -> bool {
+        self.outstanding > 0 || self.lookup.has_pending_work()
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        self.events_rx.try_iter().collect()
+    }
+
+    fn drain_jobs(&mut self) {
+        let Some(tx) = &self.cmd_tx else { return };
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
+        if tx.send(Cmd::Drain(ack_tx)).is_ok() {
+            let _ = ack_rx.recv();
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn metrics(&self) -> Vec<TierMetric> {
+        self.sh.metrics.sample(self.capacity)
+    }
+}
+
+impl Drop for FsTier {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            log::error!("fs tier shutdown on drop failed: {e}");
+        }
+    }
+}
