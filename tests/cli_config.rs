@@ -206,3 +206,18 @@ fn nvme_tier_keys_are_validated_by_the_g3_parser() {
     assert_user_error(&out, "secondary_tiers[0].capacity_byte");
     assert!(String::from_utf8_lossy(&out.stderr).contains("typo.json"));
 }
+
+#[test]
+fn one_config_holds_an_nvme_and_an_fs_tier_each_checked_by_its_parser() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"cpu_bytes_to_use": "1GiB", "secondary_tiers": [
+        {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "8GiB"},
+        {"type": "fs", "locality": "REMOTE", "root_dir": "/shared/kv", "capacity_bytes": "1TiB"}]}"#;
+    let out = check(&write(dir.path(), "good.json", good), &[]);
+    let v = json(&out);
+    assert_eq!(v["tier_params"][1]["validated"], true);
+    assert_eq!(v["tier_params"][1]["by"], "the fs tier parser");
+    let bad = good.replace("\"root_dir\"", "\"rootdir\"");
+    let out = check(&write(dir.path(), "bad.json", &bad), &[]);
+    assert_user_error(&out, "secondary_tiers[1].rootdir");
+}

@@ -2,7 +2,7 @@
 //! JSON or TOML configuration, validates it and prints the resolved configuration as JSON
 //! (back-pressure merged per tier with presets and defaults filled in; chunk geometry when the
 //! layout inputs are given). Type-specific tier keys are validated by the tier's own parser
-//! where kvtier has that tier (`nvme`). Exit 0 when valid, 2 with a one-line error on stderr
+//! where kvtier has that tier (`nvme`, `fs`). Exit 0 when valid, 2 with a one-line error on stderr
 //! when not.
 
 use std::path::PathBuf;
@@ -81,6 +81,10 @@ fn check_tier_params(tier: &TierConfig, row_stride: Option<u64>) -> Result<TierP
         "nvme" => {
             G3TierConfig::from_tier(tier)?.validate(&tier.key_path(), row_stride)?;
             (true, "the nvme (G3) tier parser")
+        }
+        "fs" => {
+            crate::fs::FsTierConfig::from_tier(tier)?;
+            (true, "the fs tier parser")
         }
         _ => (
             false,

@@ -48,6 +48,8 @@ pub struct FsMetrics {
     pub evictions: AtomicU64,
     /// Evictions whose unlink failed (other than the file being gone already).
     pub eviction_failures: AtomicU64,
+    /// Evictions handed to the I/O threads and not yet done.
+    pub evictions_in_flight: AtomicU64,
     /// Files this process knows (catalog size).
     pub known_files: AtomicU64,
     /// Bytes of the files this process knows.

@@ -509,7 +509,9 @@ impl SecondaryTier for FsTier {
     }
 
     fn has_pending_work(&self) -> bool {
-        self.outstanding > 0 || self.lookup.has_pending_work()
+        self.outstanding > 0
+            || self.lookup.has_pending_work()
+            || self.sh.metrics.evictions_in_flight.load(Ordering::Relaxed) > 0
     }
 
     fn take_events(&mut self) -> Vec<OffloadingEvent> {

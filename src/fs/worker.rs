@@ -241,7 +241,9 @@ pub(crate) struct Worker {
     /// Keys whose row the engine is moving: what the finish step needs.
     moving: HashMap<u64, (usize, Opened)>,
     in_flight: u64,
-    evicting: usize,
+    /// Files being removed, each with the store keys (tags) that wait for the removal: a
+    /// store must not find the file about to go and take it for its own.
+    evicting: HashMap<ChunkKey, Vec<u64>>,
     drain_waiters: Vec<Sender<()>>,
     shutdown_ack: Option<Sender<Result<()>>>,
 }
@@ -287,7 +289,7 @@ impl Worker {
             waiting: VecDeque::new(),
             moving: HashMap::new(),
             in_flight: 0,
-            evicting: 0,
+            evicting: HashMap::new(),
             drain_waiters: Vec::new(),
             shutdown_ack: None,
         })
@@ -341,7 +343,7 @@ impl Worker {
     }
 
     fn idle(&self) -> bool {
-        self.active.is_empty() && self.queue.is_empty() && self.evicting == 0
+        self.active.is_empty() && self.queue.is_empty() && self.evicting.is_empty()
     }
 
     fn command(&mut self, cmd: Cmd) {
@@ -351,7 +353,9 @@ impl Worker {
             Cmd::Seen(files) => {
                 let mut c = self.sh.catalog.lock();
                 for (key, bytes) in files {
-                    c.insert(key, bytes);
+                    if !self.evicting.contains_key(&key) {
+                        c.insert(key, bytes);
+                    }
                 }
                 drop(c);
                 self.evict();
@@ -359,7 +363,9 @@ impl Worker {
             Cmd::Scanned(files) => {
                 let mut c = self.sh.catalog.lock();
                 for (key, bytes) in files {
-                    c.insert_cold(key, bytes);
+                    if !self.evicting.contains_key(&key) {
+                        c.insert_cold(key, bytes);
+                    }
                 }
                 drop(c);
                 self.evict();
@@ -491,7 +497,12 @@ impl Worker {
                     continue;
                 }
                 a.remaining += 1;
-                self.waiting.push_back(op_tag(serial, i));
+                let tag = op_tag(serial, i);
+                match self.evicting.get_mut(&a.keys[i]) {
+                    // A store of a file being removed starts once it is gone.
+                    Some(parked) if !load => parked.push(tag),
+                    _ => self.waiting.push_back(tag),
+                }
             }
         }
         if a.remaining == 0 {
@@ -526,8 +537,12 @@ impl Worker {
             }
             Step::Finished { tag, outcome } => self.finished(tag, outcome),
             Step::Evicted { key, result } => {
-                self.evicting = self.evicting.saturating_sub(1);
+                for tag in self.evicting.remove(&key).unwrap_or_default() {
+                    self.waiting.push_front(tag);
+                }
                 let m = &self.sh.metrics;
+                m.evictions_in_flight
+                    .store(self.evicting.len() as u64, Ordering::Relaxed);
                 match result {
                     Ok(()) => {
                         m.evictions.fetch_add(1, Ordering::Relaxed);
@@ -603,6 +618,8 @@ impl Worker {
         let key = a.keys[i].clone();
         let m = &self.sh.metrics;
         let mut invalidate = false;
+        // A file this process is removing is not known any more, whatever this key did.
+        let removing = self.evicting.contains_key(&key);
         {
             let mut catalog = self.sh.catalog.lock();
             if a.load {
@@ -613,7 +630,9 @@ impl Worker {
                     a.status[i] = KeyStatus::Done;
                     a.bytes += stride;
                     a.stored.push(key.clone());
-                    catalog.insert(key, stride);
+                    if !removing {
+                        catalog.insert(key, stride);
+                    }
                     m.bytes_written.fetch_add(stride, Ordering::Relaxed);
                     match p {
                         Published::New => m.files_stored.fetch_add(1, Ordering::Relaxed),
@@ -623,13 +642,17 @@ impl Worker {
                 Ok(KeyOutcome::Present) => {
                     a.status[i] = KeyStatus::Skipped;
                     a.stored.push(key.clone());
-                    catalog.insert(key, stride);
+                    if !removing {
+                        catalog.insert(key, stride);
+                    }
                     m.stores_skipped.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(KeyOutcome::Loaded { verified }) => {
                     a.status[i] = KeyStatus::Done;
                     a.bytes += stride;
-                    catalog.insert(key, stride);
+                    if !removing {
+                        catalog.insert(key, stride);
+                    }
                     m.bytes_read.fetch_add(stride, Ordering::Relaxed);
                     let ctr = if verified {
                         &m.files_loaded_verified
@@ -726,10 +749,14 @@ impl Worker {
         let _ = self.invalidated_tx.send(victims.clone());
         for key in victims {
             if let Ok(path) = self.sh.mapper.file_path(&key) {
-                self.evicting += 1;
+                self.evicting.insert(key.clone(), Vec::new());
                 self.send_task(Task::Evict { key, path });
             }
         }
+        self.sh
+            .metrics
+            .evictions_in_flight
+            .store(self.evicting.len() as u64, Ordering::Relaxed);
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
