@@ -21,9 +21,9 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use fs_common::*;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::fs::FsTier;
-use kvtier::tiering::job::LookupResult;
-use kvtier::tiering::secondary::SecondaryTier;
 
 const MODE: &str = "KVTIER_FS_CHILD_MODE";
 const ROOT: &str = "KVTIER_FS_CHILD_ROOT";

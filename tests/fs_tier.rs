@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use fs_common::*;
 use kvtier::ErrorKind;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::fs::integrity::{CrcRecord, XATTR_NAME};
 use kvtier::fs::{FsTier, Integrity};
 use kvtier::io::{EngineHandle, FaultPlan, FaultyEngine, open_engine};
-use kvtier::contract::job::LookupResult;
-use kvtier::contract::secondary::SecondaryTier;
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir_in("/tmp").unwrap()
@@ -36,7 +36,8 @@ fn stored_files_are_exactly_the_rows_at_vllm_paths_with_a_crc_record() {
     assert_eq!(res.transfer_bytes, Some(3 * STRIDE as u64));
     for k in [10, 11, 12] {
         let p = t.mapper().file_path(&key(k)).unwrap();
-        let hex = hex::encode(&key(k).as_bytes()[..32]);
+        let kb = key(k);
+        let hex = hex::encode(&kb.as_bytes()[..kb.len() - 4]);
         let want = t
             .info()
             .data_dir
@@ -116,12 +117,7 @@ fn a_flipped_byte_fails_that_key_only_and_the_key_becomes_a_miss() {
     assert!(row_is(&r, 0, 1) && row_is(&r, 2, 3));
     assert!(!p.exists(), "the corrupt file is removed");
     assert_eq!(resolve(&mut t, 2, &rq), LookupResult::Miss);
-    let failures = t
-        .metrics()
-        .into_iter()
-        .find(|m| m.name == "fs_checksum_failures")
-        .unwrap();
-    assert_eq!(failures.value, 1.0);
+    assert_eq!(metric(&t, "fs_checksum_failures"), 1.0);
     t.shutdown().unwrap();
 }
 
@@ -163,10 +159,8 @@ fn files_written_by_vllm_load_and_count_as_unverified() {
     let res = load(&mut t, &r, 1, &[42]);
     assert!(res.success, "{res:?}");
     assert!(row_is(&r, 0, 42));
-    let m = t.metrics();
-    let get = |n: &str| m.iter().find(|x| x.name == n).unwrap().value;
-    assert_eq!(get("fs_files_loaded_unverified"), 1.0);
-    assert_eq!(get("fs_files_loaded_verified"), 0.0);
+    assert_eq!(metric(&t, "fs_files_loaded_unverified"), 1.0);
+    assert_eq!(metric(&t, "fs_files_loaded_verified"), 0.0);
     t.shutdown().unwrap();
 }
 
@@ -362,10 +356,8 @@ fn the_start_up_scan_seeds_the_catalog_oldest_first_and_removes_stale_temps() {
     assert!(paths[0].exists() && paths[2].exists());
     assert!(!std::path::Path::new(&stale).exists());
     assert!(std::path::Path::new(&fresh).exists());
-    let m = t.metrics();
-    let get = |n: &str| m.iter().find(|x| x.name == n).unwrap().value;
-    assert_eq!(get("fs_scanned_files"), 3.0);
-    assert_eq!(get("fs_stale_temps_removed"), 1.0);
+    assert_eq!(metric(&t, "fs_scanned_files"), 3.0);
+    assert_eq!(metric(&t, "fs_stale_temps_removed"), 1.0);
     let rq = req("r");
     assert_eq!(
         t.lookup(&key(3), &rq),
@@ -457,11 +449,9 @@ fn integrity_none_stores_without_records_but_still_checks_others() {
     assert_eq!(xattr_of(&t.mapper().file_path(&key(2)).unwrap()), None);
     let res = load(&mut t, &r, 3, &[1, 2]);
     assert!(res.success);
-    let m = t.metrics();
-    let get = |n: &str| m.iter().find(|x| x.name == n).unwrap().value;
-    assert_eq!(get("fs_files_loaded_verified"), 1.0);
-    assert_eq!(get("fs_files_loaded_unverified"), 1.0);
-    assert_eq!(get("fs_crc_records_written"), 0.0);
+    assert_eq!(metric(&t, "fs_files_loaded_verified"), 1.0);
+    assert_eq!(metric(&t, "fs_files_loaded_unverified"), 1.0);
+    assert_eq!(metric(&t, "fs_crc_records_written"), 0.0);
     t.shutdown().unwrap();
 }
 
@@ -542,10 +532,8 @@ fn lookups_answer_miss_when_the_verdict_cache_is_full_of_unresolved_checks() {
         assert_eq!(resolve(&mut t, k, &rq), LookupResult::Miss);
     }
     assert_eq!(t.lookup(&key(99), &rq), LookupResult::Retry);
-    let m = t.metrics();
-    let get = |n: &str| m.iter().find(|x| x.name == n).unwrap().value;
-    assert_eq!(get("fs_lookup_overflows"), 1.0);
-    assert!(get("fs_lookup_cache_entries") <= 16.0);
+    assert_eq!(metric(&t, "fs_lookup_overflows"), 1.0);
+    assert!(metric(&t, "fs_lookup_cache_entries") <= 16.0);
     t.on_request_finished(&rq);
     t.shutdown().unwrap();
 }

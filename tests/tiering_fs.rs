@@ -10,6 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvtier::config::{self, EvictionPolicyKind};
+use kvtier::contract::job::{Locality, LookupResult};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::fs::{FsTier, FsTierConfig};
 use kvtier::io::IoEngineKind;
 use kvtier::io::faulty::{FaultPlan as IoFaultPlan, FaultyEngine};
@@ -17,8 +19,6 @@ use kvtier::io::open_engine;
 use kvtier::primary::PrimaryTier;
 use kvtier::tiering::clock::ManualClock;
 use kvtier::tiering::factory::TierFactory;
-use kvtier::tiering::job::{Locality, LookupResult};
-use kvtier::tiering::secondary::SecondaryTier;
 use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TierSpec, TieringManager};
 use serde_json::json;
 use tiering_common::*;

@@ -83,7 +83,7 @@ fn check_tier_params(tier: &TierConfig, row_stride: Option<u64>) -> Result<TierP
             (true, "the nvme (G3) tier parser")
         }
         "fs" => {
-            crate::fs::FsTierConfig::from_tier(tier)?;
+            crate::fs::FsTierConfig::from_tier(tier)?.validate(&tier.key_path(), row_stride)?;
             (true, "the fs tier parser")
         }
         _ => (

@@ -8,6 +8,9 @@
 //!   contexts and offloading events.
 //! * [`secondary`]: the [`SecondaryTier`](secondary::SecondaryTier) trait every secondary tier
 //!   implements, and the tier-owned metric samples it reports.
+//! * [`ledger`]: the bookkeeping of tiers with a worker thread (jobs reported without the
+//!   worker, jobs not yet reported, the shutdown handshake).
 
 pub mod job;
+pub mod ledger;
 pub mod secondary;

@@ -35,6 +35,33 @@ pub struct TierMetric {
     pub value: f64,
 }
 
+impl TierMetric {
+    /// A sample without labels.
+    pub fn new(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> Self {
+        TierMetric {
+            name,
+            help,
+            kind,
+            labels: Vec::new(),
+            value,
+        }
+    }
+
+    /// The gauge `name` = 1 that says which I/O engine a tier runs (label `engine`) and
+    /// whether it fell back to it (label `fallback`, 0 or 1).
+    pub fn engine_info(
+        name: &'static str,
+        help: &'static str,
+        engine: String,
+        fell_back: bool,
+    ) -> Self {
+        let mut m = TierMetric::new(name, help, TierMetricKind::Gauge, 1.0);
+        m.labels.push(("engine", engine));
+        m.labels.push(("fallback", u8::from(fell_back).to_string()));
+        m
+    }
+}
+
 /// A secondary tier: holds chunks outside the primary and moves whole rows to and from it.
 pub trait SecondaryTier: Send {
     /// The tier's type name (`"nvme"`, `"memory"`), used in the metric label `<i+1>:<type>`.

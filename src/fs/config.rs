@@ -186,11 +186,11 @@ impl FsTierConfig {
                     "required (the bytes of chunk files this process keeps before it evicts)",
                 ));
             }
-            Some(v) => positive_size(v, &kp("capacity_bytes"))?,
+            Some(v) => size(v, &kp("capacity_bytes"))?,
         };
         let mut cfg = FsTierConfig::new(root_dir, capacity_bytes);
         if let Some(v) = p.get("max_bytes_in_flight") {
-            cfg.max_bytes_in_flight = positive_size(v, &kp("max_bytes_in_flight"))?;
+            cfg.max_bytes_in_flight = size(v, &kp("max_bytes_in_flight"))?;
         }
         if let Some(v) = p.get("io_engine") {
             cfg.io_engine = match choice(v, &kp("io_engine"), &["auto", "uring", "psync"])? {
@@ -218,26 +218,96 @@ impl FsTierConfig {
             };
         }
         if let Some(v) = p.get("io_threads") {
-            cfg.io_threads = whole(v, &kp("io_threads"), 1, MAX_THREADS as u64)? as usize;
+            cfg.io_threads = count(v, &kp("io_threads"))?;
         }
         if let Some(v) = p.get("lookup_threads") {
-            cfg.lookup_threads = whole(v, &kp("lookup_threads"), 1, MAX_THREADS as u64)? as usize;
+            cfg.lookup_threads = count(v, &kp("lookup_threads"))?;
         }
         if let Some(v) = p.get("lookup_cache_entries") {
-            cfg.lookup_cache_entries = whole(v, &kp("lookup_cache_entries"), 16, 1 << 26)? as usize;
+            cfg.lookup_cache_entries = count(v, &kp("lookup_cache_entries"))?;
         }
         if let Some(v) = p.get("lookup_timeout_ms") {
-            cfg.lookup_timeout =
-                Duration::from_millis(whole(v, &kp("lookup_timeout_ms"), 1, 3_600_000)?);
+            cfg.lookup_timeout = Duration::from_millis(whole(v, &kp("lookup_timeout_ms"))?);
         }
         if let Some(v) = p.get("stale_temp_s") {
-            cfg.stale_temp_age = Duration::from_secs(whole(v, &kp("stale_temp_s"), 1, 1 << 32)?);
+            cfg.stale_temp_age = Duration::from_secs(whole(v, &kp("stale_temp_s"))?);
         }
         if let Some(v) = p.get("max_queued_jobs") {
-            cfg.max_queued_jobs =
-                whole(v, &kp("max_queued_jobs"), 1, MAX_QUEUED_JOBS_LIMIT as u64)? as usize;
+            cfg.max_queued_jobs = count(v, &kp("max_queued_jobs"))?;
         }
+        cfg.validate(&prefix, None)?;
         Ok(cfg)
+    }
+
+    /// The rules of every value, however the configuration was built (parser, code); with the
+    /// row stride known (`Some`), also that the capacity holds at least one chunk file. Errors
+    /// name `<key_prefix>.<key>` (just `<key>` for an empty prefix).
+    pub fn validate(&self, key_prefix: &str, row_stride: Option<u64>) -> Result<()> {
+        let kp = |k: &str| {
+            if key_prefix.is_empty() {
+                k.to_string()
+            } else {
+                format!("{key_prefix}.{k}")
+            }
+        };
+        let range = |key: &str, found: u64, min: u64, max: u64| {
+            if (min..=max).contains(&found) {
+                Ok(())
+            } else {
+                Err(Error::config(
+                    kp(key),
+                    format!("expected a whole number from {min} to {max}, found {found}"),
+                ))
+            }
+        };
+        if self.root_dir.as_os_str().is_empty() {
+            return Err(Error::config(
+                kp("root_dir"),
+                "expected a directory path string, found \"\"",
+            ));
+        }
+        for (key, v) in [
+            ("capacity_bytes", self.capacity_bytes),
+            ("max_bytes_in_flight", self.max_bytes_in_flight),
+        ] {
+            if v == 0 {
+                return Err(Error::config(kp(key), "must be > 0"));
+            }
+        }
+        range("io_threads", self.io_threads as u64, 1, MAX_THREADS as u64)?;
+        range(
+            "lookup_threads",
+            self.lookup_threads as u64,
+            1,
+            MAX_THREADS as u64,
+        )?;
+        range(
+            "lookup_cache_entries",
+            self.lookup_cache_entries as u64,
+            16,
+            1 << 26,
+        )?;
+        let timeout_ms = u64::try_from(self.lookup_timeout.as_millis()).unwrap_or(u64::MAX);
+        range("lookup_timeout_ms", timeout_ms, 1, 3_600_000)?;
+        range("stale_temp_s", self.stale_temp_age.as_secs(), 1, 1 << 32)?;
+        range(
+            "max_queued_jobs",
+            self.max_queued_jobs as u64,
+            1,
+            MAX_QUEUED_JOBS_LIMIT as u64,
+        )?;
+        if let Some(stride) = row_stride
+            && self.capacity_bytes < stride
+        {
+            return Err(Error::config(
+                kp("capacity_bytes"),
+                format!(
+                    "{} holds no chunk file of {stride} bytes (one row)",
+                    self.capacity_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -264,36 +334,31 @@ fn choice<'a>(v: &'a Value, key_path: &str, allowed: &[&str]) -> Result<&'a str>
     }
 }
 
-/// A whole number in `min..=max`.
-fn whole(v: &Value, key_path: &str, min: u64, max: u64) -> Result<u64> {
+/// A whole number (`>= 0`); ranges are checked by [`FsTierConfig::validate`].
+fn whole(v: &Value, key_path: &str) -> Result<u64> {
     v.as_u64()
-        .filter(|n| (min..=max).contains(n))
-        .ok_or_else(|| {
-            Error::config(
-                key_path,
-                format!("expected a whole number from {min} to {max}, found {v}"),
-            )
-        })
+        .ok_or_else(|| Error::config(key_path, format!("expected a whole number >= 0, found {v}")))
 }
 
-/// A byte count > 0: an integer or a size string (`"64GiB"`).
-fn positive_size(v: &Value, key_path: &str) -> Result<u64> {
-    let n = match v {
+/// A whole number that fits `usize`.
+fn count(v: &Value, key_path: &str) -> Result<usize> {
+    usize::try_from(whole(v, key_path)?)
+        .map_err(|_| Error::config(key_path, format!("{v} is too large")))
+}
+
+/// A byte count: an integer or a size string (`"64GiB"`); `> 0` is checked by
+/// [`FsTierConfig::validate`].
+fn size(v: &Value, key_path: &str) -> Result<u64> {
+    match v {
         Value::Number(n) => n.as_u64().ok_or_else(|| {
-            Error::config(key_path, format!("expected a byte count > 0, found {n}"))
-        })?,
-        Value::String(s) => parse_size(s).map_err(|e| Error::config(key_path, e.to_string()))?,
-        other => {
-            return Err(Error::config(
-                key_path,
-                format!("expected a byte count (e.g. 68719476736 or \"64GiB\"), found {other}"),
-            ));
-        }
-    };
-    if n == 0 {
-        return Err(Error::config(key_path, "must be > 0"));
+            Error::config(key_path, format!("expected a byte count >= 0, found {n}"))
+        }),
+        Value::String(s) => parse_size(s).map_err(|e| Error::config(key_path, e.to_string())),
+        other => Err(Error::config(
+            key_path,
+            format!("expected a byte count (e.g. 68719476736 or \"64GiB\"), found {other}"),
+        )),
     }
-    Ok(n)
 }
 
 #[cfg(test)]
@@ -394,6 +459,17 @@ mod tests {
             let want = format!("secondary_tiers[1].{key}");
             assert_eq!(e.context_value("key"), Some(want.as_str()), "{params}: {e}");
         }
+    }
+
+    #[test]
+    fn validate_checks_values_built_in_code_and_the_capacity_against_a_row() {
+        let mut c = FsTierConfig::new("/x", 4096);
+        c.validate("", Some(4096)).unwrap();
+        let e = c.validate("t", Some(8192)).unwrap_err();
+        assert_eq!(e.context_value("key"), Some("t.capacity_bytes"));
+        c.io_threads = 0;
+        let e = c.validate("", None).unwrap_err();
+        assert_eq!(e.context_value("key"), Some("io_threads"));
     }
 
     #[test]

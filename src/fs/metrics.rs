@@ -92,16 +92,6 @@ fn flag(a: &AtomicBool) -> f64 {
     f64::from(u8::from(a.load(Ordering::Relaxed)))
 }
 
-fn m(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> TierMetric {
-    TierMetric {
-        name,
-        help,
-        kind,
-        labels: Vec::new(),
-        value,
-    }
-}
-
 impl FsMetrics {
     /// Samples every metric.
     pub fn sample(&self, capacity: u64) -> Vec<TierMetric> {
@@ -272,26 +262,25 @@ impl FsMetrics {
         ];
         let mut out: Vec<TierMetric> = counters
             .into_iter()
-            .map(|(n, h, a)| m(n, h, Counter, get(a)))
-            .chain(gauges.into_iter().map(|(n, h, v)| m(n, h, Gauge, v)))
+            .map(|(n, h, a)| TierMetric::new(n, h, Counter, get(a)))
+            .chain(
+                gauges
+                    .into_iter()
+                    .map(|(n, h, v)| TierMetric::new(n, h, Gauge, v)),
+            )
             .collect();
-        out.push(m(
+        out.push(TierMetric::new(
             "fs_crc_records_written",
             "1 when kvtier writes a CRC32 record with each file (integrity = xattr), 0 when not",
             Gauge,
             flag(&self.writes_records),
         ));
-        let mut engine = m(
+        let mut engine = TierMetric::engine_info(
             "fs_engine_info",
             "The I/O engine and publish method in use (value 1)",
-            Gauge,
-            1.0,
+            self.engine.lock().clone(),
+            self.engine_fallback.lock().is_some(),
         );
-        engine.labels.push(("engine", self.engine.lock().clone()));
-        engine.labels.push((
-            "fallback",
-            u8::from(self.engine_fallback.lock().is_some()).to_string(),
-        ));
         engine
             .labels
             .push(("publish", self.publish_mode.lock().to_string()));

@@ -15,6 +15,11 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 use serde_json::Value;
 
+use crate::contract::job::{
+    JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
+};
+use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
+use crate::contract::secondary::{SecondaryTier, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
 use crate::fs::chunk_file::{DirCache, PublishMode, probe_publish};
@@ -27,13 +32,10 @@ use crate::fs::metrics::FsMetrics;
 use crate::fs::scan;
 use crate::fs::worker::{Cmd, Shared, Worker, WorkerInit};
 use crate::g3::{DirectIoMode, EngineFactory};
+use crate::geometry::ChunkGeometry;
 use crate::io::{EngineOptions, open_engine, probe_direct_io};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
-use crate::contract::job::{
-    JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
-};
-use crate::contract::secondary::{SecondaryTier, TierMetric};
 
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands and the lookup
 /// and scan threads' reports.
@@ -73,8 +75,7 @@ pub struct FsTier {
     results_rx: Receiver<JobResult>,
     events_rx: Receiver<OffloadingEvent>,
     invalidated_rx: Receiver<Vec<ChunkKey>>,
-    local_results: Vec<JobResult>,
-    outstanding: usize,
+    ledger: JobLedger,
     /// Keys of loads in progress, to mark the failed ones MISS when they are reported.
     load_keys: HashMap<JobId, Vec<ChunkKey>>,
     worker: Option<JoinHandle<()>>,
@@ -129,6 +130,8 @@ impl FsTier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
+        let stride = region.row_stride() as u64;
+        cfg.validate("", Some(stride))?;
         let probe = probe_direct_io(&cfg.root_dir).map_err(|e| root_error(&cfg, e))?;
         let mapper = FileMapper::new(&cfg.root_dir, fields)?;
         std::fs::create_dir_all(mapper.data_dir()).map_err(|e| {
@@ -187,8 +190,8 @@ impl FsTier {
                 publish.as_str()
             );
         }
-        let stride = region.row_stride() as u64;
-        let rows_in_flight = (cfg.max_bytes_in_flight / stride).clamp(1, 4096) as u32;
+        let rows_in_flight =
+            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight, stride).min(4096) as u32;
         let opts = EngineOptions {
             queue_depth: rows_in_flight,
             psync_threads: cfg.io_threads,
@@ -273,8 +276,7 @@ impl FsTier {
             results_rx,
             events_rx,
             invalidated_rx,
-            local_results: Vec::new(),
-            outstanding: 0,
+            ledger: JobLedger::default(),
             load_keys: HashMap::new(),
             worker: Some(worker),
             scan: None,
@@ -328,40 +330,19 @@ impl FsTier {
 
     fn enqueue(&mut self, job: TransferJob, load: bool) {
         let job_id = job.job_id;
-        self.outstanding += 1;
-        if job.keys.is_empty() {
-            self.local_results
-                .push(JobResult::ok(job_id, Duration::ZERO, 0));
-            return;
-        }
-        if job.keys.len() != job.chunk_ids.len() {
-            let e = Error::new(
-                ErrorKind::Contract,
-                format!(
-                    "job {job_id} has {} keys but {} chunk ids",
-                    job.keys.len(),
-                    job.chunk_ids.len()
-                ),
-            );
-            self.local_results.push(JobResult::failed(job_id, e));
+        if !self.ledger.admit(&job) {
             return;
         }
         let m = &self.sh.metrics;
         if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
             m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-            let e = Error::new(
-                ErrorKind::NoSpace,
-                format!(
-                    "fs job queue is full ({} jobs); job {job_id} refused",
-                    self.max_queued_jobs
-                ),
-            );
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger
+                .refuse(job_id, queue_full("fs", job_id, self.max_queued_jobs));
             return;
         }
         let Some(tx) = &self.cmd_tx else {
             let e = Error::new(ErrorKind::Closed, "the fs tier is shut down");
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger.refuse(job_id, e);
             return;
         };
         if load {
@@ -385,7 +366,7 @@ impl FsTier {
             } else {
                 Error::new(ErrorKind::Closed, "the fs coordinator thread has stopped")
             };
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger.refuse(job_id, e);
         }
     }
 
@@ -400,31 +381,7 @@ impl FsTier {
         let Some(tx) = self.cmd_tx.take() else {
             return Ok(());
         };
-        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
-        let sent = tx.send(Cmd::Shutdown(ack_tx)).is_ok();
-        drop(tx);
-        let result = if sent {
-            ack_rx.recv().unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Internal,
-                    "the fs coordinator exited without shutting down",
-                ))
-            })
-        } else {
-            Err(Error::new(
-                ErrorKind::Internal,
-                "the fs coordinator thread was already gone",
-            ))
-        };
-        if let Some(h) = self.worker.take()
-            && h.join().is_err()
-        {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "the fs coordinator thread panicked; I/O may still reference the primary region",
-            ));
-        }
-        result
+        stop_worker(tx, Cmd::Shutdown, self.worker.take(), "fs")
     }
 }
 
@@ -482,9 +439,7 @@ impl SecondaryTier for FsTier {
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        let mut out = std::mem::take(&mut self.local_results);
-        out.extend(self.results_rx.try_iter());
-        self.outstanding = self.outstanding.saturating_sub(out.len());
+        let out = self.ledger.collect(&self.results_rx);
         for r in &out {
             let Some(keys) = self.load_keys.remove(&r.job_id) else {
                 continue;
@@ -509,7 +464,7 @@ impl SecondaryTier for FsTier {
     }
 
     fn has_pending_work(&self) -> bool {
-        self.outstanding > 0
+        self.ledger.outstanding() > 0
             || self.lookup.has_pending_work()
             || self.sh.metrics.evictions_in_flight.load(Ordering::Relaxed) > 0
     }

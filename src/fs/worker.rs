@@ -24,6 +24,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, Sender, never};
 use parking_lot::Mutex;
 
+use crate::contract::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
 use crate::fs::chunk_file::{self, DirCache, LoadFile, PublishMode, Published, discard_temp};
@@ -31,20 +32,9 @@ use crate::fs::config::{FsSync, Integrity};
 use crate::fs::integrity::CrcRecord;
 use crate::fs::mapper::FileMapper;
 use crate::fs::metrics::FsMetrics;
-use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
+use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, job_tag, split_job_tag};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
-use crate::contract::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
-
-/// The engine tag of key `i` of active job `serial`.
-fn op_tag(serial: u32, i: usize) -> u64 {
-    (u64::from(serial) << 32) | i as u64
-}
-
-/// The active job serial and key index of a tag (see [`op_tag`]).
-fn split_tag(tag: u64) -> (u32, usize) {
-    ((tag >> 32) as u32, (tag & 0xffff_ffff) as usize)
-}
 
 /// A message from the tier (or its lookup and scan threads) to the coordinator.
 pub(crate) enum Cmd {
@@ -350,26 +340,8 @@ impl Worker {
         match cmd {
             Cmd::Store(job) => self.queue.push_back((job, false)),
             Cmd::Load(job) => self.queue.push_back((job, true)),
-            Cmd::Seen(files) => {
-                let mut c = self.sh.catalog.lock();
-                for (key, bytes) in files {
-                    if !self.evicting.contains_key(&key) {
-                        c.insert(key, bytes);
-                    }
-                }
-                drop(c);
-                self.evict();
-            }
-            Cmd::Scanned(files) => {
-                let mut c = self.sh.catalog.lock();
-                for (key, bytes) in files {
-                    if !self.evicting.contains_key(&key) {
-                        c.insert_cold(key, bytes);
-                    }
-                }
-                drop(c);
-                self.evict();
-            }
+            Cmd::Seen(files) => self.learn(files, false),
+            Cmd::Scanned(files) => self.learn(files, true),
             Cmd::Drain(ack) => {
                 self.pump();
                 self.cancel_queued();
@@ -381,6 +353,24 @@ impl Worker {
                 self.shutdown_ack = Some(ack);
             }
         }
+    }
+
+    /// Adds files found by a lookup (`cold` false: just used) or by the start-up scan (`cold`:
+    /// behind everything, newest first), except those being removed; then evicts if needed.
+    fn learn(&mut self, files: Vec<(ChunkKey, u64)>, cold: bool) {
+        let mut c = self.sh.catalog.lock();
+        for (key, bytes) in files {
+            if self.evicting.contains_key(&key) {
+                continue;
+            }
+            if cold {
+                c.insert_cold(key, bytes);
+            } else {
+                c.insert(key, bytes);
+            }
+        }
+        drop(c);
+        self.evict();
     }
 
     fn cancel_queued(&mut self) {
@@ -435,7 +425,7 @@ impl Worker {
     }
 
     fn dispatch_open(&mut self, tag: u64) {
-        let (serial, i) = split_tag(tag);
+        let (serial, i) = split_job_tag(tag);
         let Some(a) = self.active.get_mut(&serial) else {
             return;
         };
@@ -497,7 +487,7 @@ impl Worker {
                     continue;
                 }
                 a.remaining += 1;
-                let tag = op_tag(serial, i);
+                let tag = job_tag(serial, i);
                 match self.evicting.get_mut(&a.keys[i]) {
                     // A store of a file being removed starts once it is gone.
                     Some(parked) if !load => parked.push(tag),
@@ -515,7 +505,7 @@ impl Worker {
     fn step(&mut self, step: Step) {
         match step {
             Step::Opened { tag, file, then } => {
-                let (serial, i) = split_tag(tag);
+                let (serial, i) = split_job_tag(tag);
                 let Some(a) = self.active.get(&serial) else {
                     return;
                 };
@@ -610,7 +600,7 @@ impl Worker {
     fn finished(&mut self, tag: u64, outcome: Result<KeyOutcome>) {
         let stride = self.sh.stride();
         self.in_flight = self.in_flight.saturating_sub(stride);
-        let (serial, i) = split_tag(tag);
+        let (serial, i) = split_job_tag(tag);
         let Some(a) = self.active.get_mut(&serial) else {
             log::error!("fs worker: finished step for unknown tag {tag:#x}");
             return;

@@ -103,13 +103,7 @@ fn get(a: &AtomicU64) -> f64 {
 }
 
 fn m(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> TierMetric {
-    TierMetric {
-        name,
-        help,
-        kind,
-        labels: Vec::new(),
-        value,
-    }
+    TierMetric::new(name, help, kind, value)
 }
 
 impl G3Metrics {
@@ -314,18 +308,12 @@ impl G3Metrics {
             Counter,
             get(&self.lookup_retries_busy),
         ));
-        let mut engine = m(
+        out.push(TierMetric::engine_info(
             "g3_engine_info",
             "The I/O engine in use (value 1)",
-            Gauge,
-            1.0,
-        );
-        engine.labels.push(("engine", self.engine.lock().clone()));
-        engine.labels.push((
-            "fallback",
-            u8::from(self.engine_fallback.lock().is_some()).to_string(),
+            self.engine.lock().clone(),
+            self.engine_fallback.lock().is_some(),
         ));
-        out.push(engine);
         let gds = self.gds.lock().clone();
         let mut info = m(
             "g3_gds_info",

@@ -15,6 +15,7 @@ use parking_lot::Mutex;
 use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
+use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
 use crate::contract::secondary::{SecondaryTier, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
@@ -67,8 +68,7 @@ pub struct G3Tier {
     store_tx: Option<Sender<TransferJob>>,
     results_rx: Receiver<JobResult>,
     events_rx: Receiver<OffloadingEvent>,
-    local_results: Vec<JobResult>,
-    outstanding: usize,
+    ledger: JobLedger,
     worker: Option<JoinHandle<()>>,
     locality: Option<Locality>,
     max_queued_jobs: usize,
@@ -218,8 +218,7 @@ impl G3Tier {
             store_tx: Some(store_tx),
             results_rx,
             events_rx,
-            local_results: Vec::new(),
-            outstanding: 0,
+            ledger: JobLedger::default(),
             worker: Some(thread),
             locality,
             max_queued_jobs: cfg.max_queued_jobs,
@@ -281,40 +280,19 @@ impl G3Tier {
 
     fn enqueue(&mut self, job: TransferJob, load: bool) {
         let job_id = job.job_id;
-        self.outstanding += 1;
-        if job.keys.is_empty() {
-            self.local_results
-                .push(JobResult::ok(job_id, Default::default(), 0));
-            return;
-        }
-        if job.keys.len() != job.chunk_ids.len() {
-            let e = Error::new(
-                ErrorKind::Contract,
-                format!(
-                    "job {job_id} has {} keys but {} chunk ids",
-                    job.keys.len(),
-                    job.chunk_ids.len()
-                ),
-            );
-            self.local_results.push(JobResult::failed(job_id, e));
+        if !self.ledger.admit(&job) {
             return;
         }
         let m = &self.shared.metrics;
         if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
             m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-            let e = Error::new(
-                ErrorKind::NoSpace,
-                format!(
-                    "G3 job queue is full ({} jobs); job {job_id} refused",
-                    self.max_queued_jobs
-                ),
-            );
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger
+                .refuse(job_id, queue_full("G3", job_id, self.max_queued_jobs));
             return;
         }
         let (Some(cmd_tx), Some(store_tx)) = (&self.cmd_tx, &self.store_tx) else {
             let e = Error::new(ErrorKind::Closed, "the G3 tier is shut down");
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger.refuse(job_id, e);
             return;
         };
         m.queued_jobs.fetch_add(1, Ordering::Relaxed);
@@ -334,7 +312,7 @@ impl G3Tier {
             } else {
                 Error::new(ErrorKind::Closed, "the G3 worker thread has stopped")
             };
-            self.local_results.push(JobResult::failed(job_id, e));
+            self.ledger.refuse(job_id, e);
         }
     }
 
@@ -348,32 +326,13 @@ impl G3Tier {
         let Some(tx) = self.cmd_tx.take() else {
             return Ok(());
         };
-        let store_tx = self.store_tx.take();
-        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
-        let sent = tx.send(Cmd::Shutdown(ack_tx, checkpoint)).is_ok();
-        drop(tx);
-        drop(store_tx);
-        let result = if sent {
-            ack_rx.recv().unwrap_or_else(|_| {
-                Err(Error::new(
-                    ErrorKind::Internal,
-                    "the G3 worker exited without shutting down",
-                ))
-            })
-        } else {
-            Err(Error::new(
-                ErrorKind::Internal,
-                "the G3 worker thread was already gone",
-            ))
-        };
-        if let Some(h) = self.worker.take()
-            && h.join().is_err()
-        {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "the G3 worker thread panicked; I/O may still reference the primary region",
-            ));
-        }
+        let result = stop_worker(
+            tx,
+            |ack| Cmd::Shutdown(ack, checkpoint),
+            self.worker.take(),
+            "G3",
+        );
+        drop(self.store_tx.take());
         result
     }
 }
@@ -421,14 +380,11 @@ impl SecondaryTier for G3Tier {
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        let mut out = std::mem::take(&mut self.local_results);
-        out.extend(self.results_rx.try_iter());
-        self.outstanding = self.outstanding.saturating_sub(out.len());
-        out
+        self.ledger.collect(&self.results_rx)
     }
 
     fn has_pending_work(&self) -> bool {
-        self.outstanding > 0
+        self.ledger.outstanding() > 0
     }
 
     fn take_events(&mut self) -> Vec<OffloadingEvent> {

@@ -446,8 +446,7 @@ pub(crate) fn advance(
         return Err(short_error(req, &files.label(req.file), done, why));
     }
     let done = done + moved;
-    if done < req.len && !done.is_multiple_of(ROW_ALIGNMENT) && files.o_direct_of(req.file)
-    {
+    if done < req.len && !done.is_multiple_of(ROW_ALIGNMENT) && files.o_direct_of(req.file) {
         return Err(short_error(
             req,
             &files.label(req.file),

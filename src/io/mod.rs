@@ -58,6 +58,17 @@ pub struct IoRequest {
     pub tag: u64,
 }
 
+/// The tag of the transfer of key `index` of a tier's active job `serial` (the two halves of
+/// the `u64`), so that a completion leads straight back to its job and key.
+pub fn job_tag(serial: u32, index: usize) -> u64 {
+    (u64::from(serial) << 32) | (index as u64 & 0xffff_ffff)
+}
+
+/// The job serial and key index of a [`job_tag`].
+pub fn split_job_tag(tag: u64) -> (u32, usize) {
+    ((tag >> 32) as u32, (tag & 0xffff_ffff) as usize)
+}
+
 /// The completion of one [`IoRequest`].
 #[derive(Debug)]
 pub struct IoCompletion {

@@ -165,6 +165,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
 /// Builds an `fs` tier ([`FsTier`]) from its params (see `docs/fs-tier.md`).
 pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
     let fs = FsTierConfig::from_tier(cfg)?;
+    fs.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
     let Some(fields) = ctx.file_mapper_fields.clone() else {
         return Err(Error::new(
             ErrorKind::Config,

@@ -6,19 +6,18 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvtier::contract::job::{JobResult, LookupResult, RequestContext};
+use kvtier::contract::secondary::SecondaryTier;
 use kvtier::fs::{FsTier, FsTierConfig};
 use kvtier::io::IoEngineKind;
-use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
-use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
-use kvtier::contract::secondary::SecondaryTier;
 use serde_json::{Value, json};
 
-pub const STRIDE: usize = 16384;
-
-pub fn region(rows: usize) -> Arc<PrimaryRegion> {
-    Arc::new(PrimaryRegion::create(rows, STRIDE).unwrap())
-}
+/// Rows, keys (a 36-byte hash then group 0: vLLM-shaped), row patterns and jobs are those of
+/// the G3 tests.
+#[path = "../g3_common/mod.rs"]
+mod g3_common;
+pub use g3_common::{STRIDE, clear_row, fill_row, job, key, pattern, region, row_is};
 
 /// The FileMapper fields of a small test model.
 pub fn fields() -> Value {
@@ -30,54 +29,13 @@ pub fn fields() -> Value {
     })
 }
 
-/// A vLLM-shaped key: a 32-byte block hash derived from `i`, then group 0 (big-endian).
-pub fn key(i: u64) -> ChunkKey {
-    let mut b = Vec::with_capacity(36);
-    for j in 0..4u64 {
-        b.extend_from_slice(&(i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ j).to_le_bytes());
-    }
-    b.extend_from_slice(&[0, 0, 0, 0]);
-    ChunkKey::new(b)
-}
-
-/// Deterministic bytes of chunk `i`.
-pub fn pattern(i: u64, len: usize) -> Vec<u8> {
-    let mut x = i.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-pub fn fill_row(r: &PrimaryRegion, row: u32, i: u64) {
-    // SAFETY: tests own every row of their region; no transfer targets it now.
-    unsafe { r.row_mut(row as usize).unwrap() }.copy_from_slice(&pattern(i, r.row_stride()));
-}
-
-pub fn clear_row(r: &PrimaryRegion, row: u32) {
-    // SAFETY: tests own every row of their region; no transfer targets it now.
-    unsafe { r.row_mut(row as usize).unwrap() }.fill(0);
-}
-
-pub fn row_is(r: &PrimaryRegion, row: u32, i: u64) -> bool {
-    // SAFETY: tests own every row of their region; no transfer targets it now.
-    let got = unsafe { r.row(row as usize).unwrap() };
-    got == pattern(i, r.row_stride()).as_slice()
-}
-
-pub fn job(id: u64, keys: &[u64], rows: &[u32], load: bool) -> TransferJob {
-    TransferJob {
-        job_id: id,
-        keys: keys.iter().map(|&k| key(k)).collect(),
-        chunk_ids: rows.to_vec(),
-        is_promotion: load,
-        req_id: Arc::from("req"),
-        submit_time: Instant::now(),
-    }
+/// The value of a tier metric (by name, first sample).
+pub fn metric(t: &dyn SecondaryTier, name: &str) -> f64 {
+    t.metrics()
+        .into_iter()
+        .find(|m| m.name == name)
+        .unwrap_or_else(|| panic!("no metric {name}"))
+        .value
 }
 
 pub fn req(id: &str) -> RequestContext {

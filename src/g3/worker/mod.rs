@@ -35,7 +35,7 @@ use crate::g3::index::{Index, Slot};
 use crate::g3::journal::JournalWriter;
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::SlabSet;
-use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
+use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, job_tag, split_job_tag};
 use crate::key::ChunkKey;
 use durability::Durability;
 
@@ -53,16 +53,6 @@ const QUIET_IN_FLIGHT_ROWS: u64 = 2;
 
 /// Most store jobs committed together (one fdatasync per slab, one journal append).
 const MAX_COMMIT_GROUP: usize = 64;
-
-/// The engine tag of the transfer of key `i` of active job `serial`.
-fn op_tag(serial: u32, i: usize) -> u64 {
-    (u64::from(serial) << 32) | i as u64
-}
-
-/// The active job serial and key index an engine tag names (see [`op_tag`]).
-fn split_tag(tag: u64) -> (u32, usize) {
-    ((tag >> 32) as u32, (tag & 0xffff_ffff) as usize)
-}
 
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
@@ -518,7 +508,7 @@ impl Worker {
                 file_offset,
                 region_offset: a.rows[i] as usize * stride as usize,
                 len: stride as usize,
-                tag: op_tag(serial, i),
+                tag: job_tag(serial, i),
             });
         }
         if a.remaining == 0 {
@@ -533,7 +523,7 @@ impl Worker {
     }
 
     fn complete(&mut self, c: IoCompletion) {
-        let (serial, i) = split_tag(c.tag);
+        let (serial, i) = split_job_tag(c.tag);
         let stride = self.set.row_stride();
         self.in_flight = self.in_flight.saturating_sub(stride);
         self.sh

@@ -113,7 +113,7 @@ impl Worker {
     pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
         let region = self.engine.region();
         for op in batch.iter().filter(|op| op.dir == IoDir::Write) {
-            let (serial, i) = super::split_tag(op.tag);
+            let (serial, i) = crate::io::split_job_tag(op.tag);
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };
