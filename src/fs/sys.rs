@@ -1,82 +1,32 @@
-//! The system calls the `fs` tier needs beyond `std`: extended attributes on an open file and
-//! `renameat2(RENAME_NOREPLACE)`. The only unsafe code of the tier's file handling.
+//! The system calls the `fs` tier needs beyond `std`, through rustix: extended attributes on
+//! an open file and `renameat2(RENAME_NOREPLACE)`, with `std::io::Error`s.
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
-fn c_path(p: &Path) -> io::Result<CString> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
-}
+use rustix::fs::{CWD, RenameFlags, XattrFlags};
 
 /// `fsetxattr(file, name, value, 0)`.
 pub(crate) fn set_xattr(file: &File, name: &CStr, value: &[u8]) -> io::Result<()> {
-    // SAFETY: `name` is NUL-terminated, `value` is valid for `value.len()` bytes, and the
-    // descriptor is owned by `file`, which outlives the call.
-    let rc = unsafe {
-        libc::fsetxattr(
-            file.as_raw_fd(),
-            name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    rustix::fs::fsetxattr(file, name, value, XattrFlags::empty()).map_err(io::Error::from)
 }
 
 /// `fgetxattr(file, name)` into `buf`: `Ok(None)` when the file has no such attribute,
 /// `Ok(Some(len))` with its length otherwise (`ERANGE` if `buf` is too small).
 pub(crate) fn get_xattr(file: &File, name: &CStr, buf: &mut [u8]) -> io::Result<Option<usize>> {
-    // SAFETY: `name` is NUL-terminated, `buf` is writable for `buf.len()` bytes, and the
-    // descriptor is owned by `file`, which outlives the call.
-    let rc = unsafe {
-        libc::fgetxattr(
-            file.as_raw_fd(),
-            name.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if rc >= 0 {
-        return Ok(Some(rc as usize));
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::ENODATA) {
-        Ok(None)
-    } else {
-        Err(e)
+    match rustix::fs::fgetxattr(file, name, buf) {
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e == rustix::io::Errno::NODATA => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
 /// `renameat2(from, to, RENAME_NOREPLACE)`: `EEXIST` when `to` exists; `EINVAL` (or
 /// `ENOSYS`) where the filesystem or kernel does not support the flag.
 pub(crate) fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
-    let (f, t) = (c_path(from)?, c_path(to)?);
-    // SAFETY: both paths are NUL-terminated; AT_FDCWD makes them relative to the cwd (they
-    // are absolute or relative as the caller gave them).
-    let rc = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            f.as_ptr(),
-            libc::AT_FDCWD,
-            t.as_ptr(),
-            libc::RENAME_NOREPLACE,
-        )
-    };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    rustix::fs::renameat_with(CWD, from, CWD, to, RenameFlags::NOREPLACE).map_err(io::Error::from)
 }
 
 /// Whether an errno says the filesystem lacks a feature (rather than that the call failed).

@@ -189,29 +189,19 @@ impl FileTable {
         self.files.get(i).map_or(-1, |f| f.as_raw_fd())
     }
 
-    /// `fdatasync` of file `i`; an unknown index is a contract error. An attached file is held
-    /// (as by a transfer) while it syncs, so it cannot be detached meanwhile.
+    /// `fdatasync` of file `i`; an unknown index is a contract error.
     pub(crate) fn sync_data(&self, i: usize) -> Result<(), Error> {
         if is_attached(i) {
-            let fd = {
+            // A duplicate descriptor of the same file, so that the sync runs without the lock
+            // (and the file may be detached meanwhile: the duplicate keeps it open).
+            let dup = {
                 let mut a = self.attached.lock();
                 let f = a.get_mut(i).ok_or_else(|| unknown_attached(i))?;
-                f.in_flight += 1;
-                f.file.as_raw_fd()
+                f.file.try_clone()
             };
-            // SAFETY: `fd` belongs to an attached file that cannot be detached (hence closed)
-            // while its in-flight count, raised above, is nonzero.
-            let rc = unsafe { libc::fdatasync(fd) };
-            let err = (rc != 0).then(io::Error::last_os_error);
-            self.release(i);
-            return match err {
-                None => Ok(()),
-                Some(e) => Err(Error::io(
-                    "fdatasync",
-                    std::path::Path::new(&*self.label(i)),
-                    e,
-                )),
-            };
+            return dup
+                .and_then(|f| f.sync_data())
+                .map_err(|e| Error::io("fdatasync", std::path::Path::new(&*self.label(i)), e));
         }
         let Some(f) = self.files.get(i) else {
             return Err(Error::new(
