@@ -6,6 +6,7 @@
 //! ```text
 //! kvtier-replay canonical     < {"queries": [...]}     runs, writers and digests
 //! kvtier-replay backpressure  < {"scenarios": [...]}   detector, manager and config replays
+//! kvtier-replay fs            < {"scenarios": [...]}   the fs tier on a directory: paths, stores, loads
 //! ```
 //!
 //! Every subcommand answers `{"results": [...]}`, one entry per query or scenario; an entry
@@ -15,6 +16,7 @@
 
 mod backpressure;
 mod canonical;
+mod fs;
 mod json;
 
 use std::io::Read as _;
@@ -22,15 +24,17 @@ use std::process::ExitCode;
 
 use serde_json::Value;
 
-const USAGE: &str = "usage: kvtier-replay <canonical|backpressure> < input.json > output.json
+const USAGE: &str = "usage: kvtier-replay <canonical|backpressure|fs> < input.json > output.json
   canonical     canonical-layout runs, writers and digests for descriptors or layer views
-  backpressure  back-pressure replays: detector events, manager feeds, config merges";
+  backpressure  back-pressure replays: detector events, manager feeds, config merges
+  fs            the fs tier on a directory: file paths, stores, lookups, loads";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let command: fn(&Value) -> Result<Value, String> = match args.first().map(String::as_str) {
         Some("canonical") => canonical::run,
         Some("backpressure") => backpressure::run,
+        Some("fs") => fs::run,
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;
