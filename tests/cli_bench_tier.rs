@@ -220,8 +220,8 @@ fn tier_format_then_inspect_and_refusals() {
         .unwrap();
     assert_exit_2_one_line(&clear, "--yes");
 
-    // Paths in the wrong order are another stripe position: a layout mismatch.
-    assert_exit_2_one_line(&kvtier(&["tier", "inspect", b, a]), "position");
+    // Paths in the wrong order: the message names the right order (a user error).
+    assert_exit_2_one_line(&kvtier(&["tier", "inspect", b, a]), "another order");
     assert_exit_2_one_line(
         &kvtier(&["tier", "verify", "/nonexistent/kvtier"]),
         "/nonexistent/kvtier",

@@ -77,6 +77,102 @@ fn wait_with_timeout(child: &mut Child, limit: Duration) -> std::process::ExitSt
     }
 }
 
+/// Polls `/healthz` for up to 20 s until `done(head, body)`; returns the last answer.
+fn wait_for_health(addr: &str, done: impl Fn(&str, &str) -> bool) -> (String, String) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (head, body) = get(addr, "/healthz");
+        if done(&head, &body) || Instant::now() > deadline {
+            return (head, body);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn stop(child: &mut Child) -> (Option<i32>, String) {
+    send_signal(child, libc::SIGTERM);
+    let status = wait_with_timeout(child, Duration::from_secs(60));
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status.code(), err)
+}
+
+/// Issue 21 item 7: `/healthz` and the metrics come from the tier's state. A tier whose index
+/// cannot be recovered (its checkpoint is a directory) makes `/healthz` answer 503 with the
+/// reason, `g3_recovered` 0, and `serve` exit non-zero.
+#[test]
+fn a_tier_that_cannot_recover_is_unhealthy() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = write_config(dir.path());
+    let tier = dir.path().join("tier");
+    let (mut child, addr) = start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    wait_for_health(&addr, |h, _| h.starts_with("HTTP/1.1 200"));
+    assert_eq!(stop(&mut child).0, Some(0));
+    let ckpt = tier.join("kvtier-g3.checkpoint");
+    std::fs::remove_file(&ckpt).unwrap();
+    std::fs::create_dir(&ckpt).unwrap();
+    let (mut child, addr) = start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    let (head, body) = wait_for_health(&addr, |h, _| !h.starts_with("HTTP/1.1 200"));
+    let (_, metrics) = get(&addr, "/metrics");
+    let (code, err) = stop(&mut child);
+    assert!(
+        head.starts_with("HTTP/1.1 503"),
+        "a tier that serves nothing is healthy: {head} {body}"
+    );
+    assert!(
+        body.contains("1:nvme") && body.contains("recovery failed"),
+        "{body}"
+    );
+    assert!(
+        metrics.contains("kvtier:g3_recovered{tier=\"1:nvme\"} 0"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("g3_recovered"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(code, Some(1), "{err}");
+}
+
+/// Issue 21 item 7: `serve` exits non-zero when its final checkpoint fails (the checkpoint's
+/// temp file cannot be created).
+#[test]
+fn a_failed_final_checkpoint_fails_serve() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = write_config(dir.path());
+    let tier = dir.path().join("tier");
+    let (mut child, addr) = start(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ]);
+    wait_for_health(&addr, |h, b| h.starts_with("HTTP/1.1 200") && b == "ok\n");
+    // (`kvtier-g3.tmp` was the temp name before issue 21.)
+    for name in ["kvtier-g3.checkpoint.tmp", "kvtier-g3.tmp"] {
+        std::fs::create_dir(tier.join(name)).unwrap();
+    }
+    let (code, err) = stop(&mut child);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("checkpoint"), "{err}");
+}
+
 /// vLLM 0.33.0's tiering metric names (contract doc section 9.1).
 const VLLM_TIERING_METRICS: [&str; 19] = [
     "kv_offload_tiering_lookup_sync_delay_seconds",
@@ -125,7 +221,8 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
     }
     assert!(body.contains("tier=\"0:primary\""), "{body}");
     assert!(body.contains("tier=\"1:nvme\""), "{body}");
-    let (head, body) = get(&addr, "/healthz");
+    // (The tier recovers its index in the background: "ok" once that is done.)
+    let (head, body) = wait_for_health(&addr, |h, b| h.starts_with("HTTP/1.1 200") && b == "ok\n");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert_eq!(body, "ok\n");
     assert!(get(&addr, "/nope").0.starts_with("HTTP/1.1 404"));

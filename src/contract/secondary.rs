@@ -62,6 +62,36 @@ impl TierMetric {
     }
 }
 
+/// How well a tier can serve, for `/healthz` and shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum HealthState {
+    /// Stores and loads are served.
+    #[default]
+    Ok,
+    /// Served in part: some stores refused, a path or the journal failing, recovering.
+    Degraded,
+    /// Nothing is served (its index could not be recovered), or its shutdown lost durability
+    /// (the final checkpoint failed).
+    Failed,
+}
+
+/// A tier's health: its state and one line per problem.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TierHealth {
+    /// The overall state (the worst of the problems).
+    pub state: HealthState,
+    /// What is wrong, one line each (empty when `Ok`).
+    pub problems: Vec<String>,
+}
+
+impl TierHealth {
+    /// Adds a problem of `state` (the overall state becomes the worse of the two).
+    pub fn add(&mut self, state: HealthState, problem: impl Into<String>) {
+        self.state = self.state.max(state);
+        self.problems.push(problem.into());
+    }
+}
+
 /// A secondary tier: holds chunks outside the primary and moves whole rows to and from it.
 pub trait SecondaryTier: Send {
     /// The tier's type name (`"nvme"`, `"memory"`), used in the metric label `<i+1>:<type>`.
@@ -118,5 +148,11 @@ pub trait SecondaryTier: Send {
     /// Tier-owned metrics (engine, queue depth, checksum failures, ...).
     fn metrics(&self) -> Vec<TierMetric> {
         Vec::new()
+    }
+
+    /// The tier's health, from its own state (never blocks). After [`SecondaryTier::shutdown`]
+    /// it says whether the shutdown kept everything durable.
+    fn health(&self) -> TierHealth {
+        TierHealth::default()
     }
 }

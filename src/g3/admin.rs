@@ -2,10 +2,11 @@
 //! list keys, clear. `inspect` and `list_keys` only read (and work while a tier runs);
 //! `format`, `verify` and `clear` take the slab locks and refuse to run beside a live tier.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use rustix::fs::OFlags;
 use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -13,7 +14,7 @@ use crate::g3::aligned::AlignedBuf;
 use crate::g3::checkpoint::remove_index_files;
 use crate::g3::config::DirectIoMode;
 use crate::g3::format::{Superblock, slot_location};
-use crate::g3::index_dir::{IndexDir, JOURNAL_FILE_NAME};
+use crate::g3::index_dir::{IndexDir, JOURNAL_FILE_NAME, open_regular};
 use crate::g3::record::chunk_crc;
 use crate::g3::recovery::{self, Recovered};
 use crate::g3::slab::{
@@ -133,48 +134,47 @@ impl OpenSet {
     }
 }
 
-/// Opens every slab of `paths` (locked or read-only) and checks that they form one set.
-fn open_existing(paths: &[PathBuf], lock: bool) -> Result<OpenSet> {
+/// How [`open_existing`] opens the slabs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Read-only, no lock (works beside a live tier).
+    Read,
+    /// Read-only under the tier's exclusive lock (refused beside a live tier; works on a
+    /// read-only filesystem).
+    ReadLocked,
+    /// Read-write under the exclusive lock.
+    WriteLocked,
+}
+
+/// Opens every slab of `paths` and checks that they form one set, listed in its order, with a
+/// consistent geometry (before anything is sized from the superblock).
+fn open_existing(paths: &[PathBuf], access: Access) -> Result<OpenSet> {
     let dirs = check_dirs(paths)?;
+    let present: Vec<bool> = dirs
+        .iter()
+        .map(|d| d.join(SLAB_FILE_NAME).exists())
+        .collect();
+    if present.iter().all(|&p| !p) {
+        return Err(no_tier_in(&paths[0]));
+    }
+    if present.iter().any(|&p| !p) {
+        return Err(slab::incomplete_set(&dirs, &present));
+    }
     let mut files = Vec::with_capacity(dirs.len());
-    for (i, d) in dirs.iter().enumerate() {
+    for d in &dirs {
         let p = d.join(SLAB_FILE_NAME);
-        if !p.exists() {
-            return Err(no_tier_in(&paths[i]));
-        }
-        let f = if lock {
-            open_locked(&p, false)?
-        } else {
-            File::open(&p).map_err(|e| Error::io("open", &p, e))?
+        let f = match access {
+            Access::WriteLocked => open_locked(&p, false)?,
+            Access::ReadLocked => slab::open_locked_read_only(&p)?,
+            Access::Read => open_regular(&p, OFlags::RDONLY)?.ok_or_else(|| no_tier_in(d))?,
         };
         let sb = read_superblock(&f, &p)?;
-        let first = files
-            .first()
-            .map(|(_, _, s): &(PathBuf, File, Superblock)| s.set_uuid);
-        if sb.path_index as usize != i || sb.path_count as usize != dirs.len() {
-            return Err(Error::new(
-                ErrorKind::IncompatibleLayout,
-                format!(
-                    "{} is member {} of {} of its stripe set, but is listed at position {i} of {}",
-                    p.display(),
-                    sb.path_index,
-                    sb.path_count,
-                    dirs.len()
-                ),
-            ));
-        }
-        if let Some(u) = first
-            && u != sb.set_uuid
-        {
-            return Err(Error::new(
-                ErrorKind::IncompatibleLayout,
-                format!("{} belongs to another stripe set", p.display()),
-            )
-            .with("expected", hex::encode(u))
-            .with("found", hex::encode(sb.set_uuid)));
-        }
+        let len = f.metadata().map_err(|e| Error::io("stat", &p, e))?.len();
+        slab::check_geometry(&sb, len, &p)?;
         files.push((p, f, sb));
     }
+    let sbs: Vec<Superblock> = files.iter().map(|(_, _, sb)| sb.clone()).collect();
+    slab::check_members(&dirs, &sbs)?;
     Ok(OpenSet { files })
 }
 
@@ -217,7 +217,7 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
 
 /// Reports the superblocks, lock holders and index summary. Read-only.
 pub fn inspect(paths: &[PathBuf]) -> Result<SlabReport> {
-    let set = open_existing(paths, false)?;
+    let set = open_existing(paths, Access::Read)?;
     let mut rec = set.recover()?;
     let index_dir = set.index_dir()?;
     let journal_bytes = index_dir
@@ -257,7 +257,7 @@ pub fn inspect(paths: &[PathBuf]) -> Result<SlabReport> {
 
 /// Every index entry, least recently used first. Read-only.
 pub fn list_keys(paths: &[PathBuf]) -> Result<Vec<KeyEntry>> {
-    let set = open_existing(paths, false)?;
+    let set = open_existing(paths, Access::Read)?;
     Ok(set
         .recover()?
         .index
@@ -274,7 +274,7 @@ pub fn list_keys(paths: &[PathBuf]) -> Result<Vec<KeyEntry>> {
 
 /// Reads every indexed slot and checks its CRC. Takes the slab locks.
 pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
-    let set = open_existing(paths, true)?;
+    let set = open_existing(paths, Access::ReadLocked)?;
     let rec = set.recover()?;
     let stride = set.sb().row_stride;
     let n = set.files.len();
@@ -282,12 +282,9 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
         .files
         .iter()
         .map(|(p, _, _)| {
-            OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-                .open(p)
-                .or_else(|_| File::open(p))
-                .map_err(|e| Error::io("open", p, e))
+            open_regular(p, OFlags::RDONLY | OFlags::DIRECT)
+                .or_else(|_| open_regular(p, OFlags::RDONLY))?
+                .ok_or_else(|| Error::io("open", p, std::io::ErrorKind::NotFound.into()))
         })
         .collect::<Result<Vec<_>>>()?;
     let mut buf = AlignedBuf::new(stride as usize)?;
@@ -325,9 +322,121 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
     Ok(report)
 }
 
+/// What [`repair`] did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RepairReport {
+    /// Slab files recreated (empty), in stripe order.
+    pub recreated: Vec<PathBuf>,
+    /// Index entries dropped because their slots were on a recreated member.
+    pub dropped: usize,
+    /// Index entries kept (on the members that were there).
+    pub kept: usize,
+}
+
+/// Recreates the missing members of a stripe set, empty, with the set's geometry and uuid,
+/// keeping every chunk stored on the members that are there. First the entries whose slots
+/// were on a missing member are dropped from the index (a fresh checkpoint generation without
+/// them is written), so that nothing names the recreated slots. Takes the slab locks.
+///
+/// Use it when a slab is gone for good; when its filesystem is only not mounted, mount it
+/// instead (a recreated member would hide the old one).
+pub fn repair(paths: &[PathBuf]) -> Result<RepairReport> {
+    let dirs = slab::check_writable_dirs(paths)?;
+    let slabs: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
+    let present: Vec<bool> = slabs.iter().map(|p| p.exists()).collect();
+    if present.iter().all(|&p| !p) {
+        return Err(no_tier_in(&paths[0]));
+    }
+    let n = dirs.len();
+    let mut held = Vec::new();
+    let mut template: Option<Superblock> = None;
+    for (i, p) in slabs.iter().enumerate().filter(|(i, _)| present[*i]) {
+        let f = open_locked(p, false)?;
+        let sb = read_superblock(&f, p)?;
+        let len = f.metadata().map_err(|e| Error::io("stat", p, e))?.len();
+        slab::check_geometry(&sb, len, p)?;
+        if sb.path_count as usize != n || sb.path_index as usize != i {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!(
+                    "{} is member {} of a stripe set of {} files, but is listed at position {i} \
+                     of {n}: list the set's directories in the order it was formatted with \
+                     before repairing it",
+                    p.display(),
+                    sb.path_index,
+                    sb.path_count
+                ),
+            ));
+        }
+        if let Some(t) = &template
+            && t.set_uuid != sb.set_uuid
+        {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!("{} belongs to another stripe set", p.display()),
+            )
+            .with("expected", hex::encode(t.set_uuid))
+            .with("found", hex::encode(sb.set_uuid)));
+        }
+        template.get_or_insert(sb);
+        held.push(f);
+    }
+    let Some(template) = template else {
+        return Err(no_tier_in(&paths[0]));
+    };
+    let missing: Vec<usize> = (0..n).filter(|&i| !present[i]).collect();
+    let mut report = RepairReport::default();
+    if missing.is_empty() {
+        return Ok(report);
+    }
+    let total = u32::try_from(template.total_slots)
+        .map_err(|_| Error::new(ErrorKind::Corrupt, "superblock names more than 2^32 slots"))?;
+    let index_dir = IndexDir::open(&dirs[0])?;
+    let mut rec = recovery::recover(&index_dir, template.set_uuid, total, n)?;
+    for e in rec.index.entries_lru_first() {
+        if missing.contains(&(e.slot as usize % n)) {
+            rec.index.apply_remove(e.slot);
+            report.dropped += 1;
+        }
+    }
+    report.kept = rec.index.len();
+    // The index no longer names the missing members' slots before they exist again.
+    rec.append_at = None;
+    recovery::open_journal(&index_dir, template.set_uuid, &rec)?;
+    let mut made = Vec::new();
+    for &i in &missing {
+        let sb = Superblock {
+            path_index: i as u32,
+            created_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            ..template.clone()
+        };
+        held.push(slab::create_member(&slabs[i], &sb, &mut made)?);
+        report.recreated.push(slabs[i].clone());
+    }
+    log::warn!(
+        "repaired G3 stripe set {}: recreated {} empty; dropped {} entries that lived there, \
+         kept {}",
+        hex::encode(template.set_uuid),
+        display_list(&report.recreated),
+        report.dropped,
+        report.kept
+    );
+    Ok(report)
+}
+
+fn display_list(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Forgets every entry (the slabs stay, their slots become free). Takes the slab locks.
 pub fn clear(paths: &[PathBuf]) -> Result<()> {
-    let set = open_existing(paths, true)?;
+    let set = open_existing(paths, Access::WriteLocked)?;
     let index_dir = set.index_dir()?;
     remove_index_files(&index_dir)?;
     let rec = set.recover()?;

@@ -19,8 +19,8 @@ pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
 pub const MAX_QUEUED_JOBS_LIMIT: usize = 65_536;
 /// Default journal size that triggers a checkpoint.
 pub const DEFAULT_CHECKPOINT_JOURNAL_BYTES: u64 = 64 << 20;
-/// Smallest `max_journal_bytes` (and its floor when derived from `checkpoint_journal_bytes`).
-pub const MIN_MAX_JOURNAL_BYTES: u64 = 1 << 20;
+/// Smallest `max_journal_bytes`.
+pub const MIN_MAX_JOURNAL_BYTES: u64 = 64 << 10;
 
 /// The default `max_journal_bytes`: four times `checkpoint_journal_bytes`, at least 64 MiB.
 pub fn default_max_journal_bytes(checkpoint_journal_bytes: u64) -> u64 {
@@ -227,17 +227,6 @@ impl G3TierConfig {
         cfg.max_journal_bytes = default_max_journal_bytes(cfg.checkpoint_journal_bytes);
         if let Some(v) = tc.params.get("max_journal_bytes") {
             cfg.max_journal_bytes = size_value(v, &kp("max_journal_bytes"))?;
-            let floor = cfg.checkpoint_journal_bytes.max(MIN_MAX_JOURNAL_BYTES);
-            if cfg.max_journal_bytes < floor {
-                return Err(Error::config(
-                    kp("max_journal_bytes"),
-                    format!(
-                        "must be at least checkpoint_journal_bytes and 1 MiB ({floor} bytes), \
-                         found {}",
-                        cfg.max_journal_bytes
-                    ),
-                ));
-            }
         }
         if let Some(v) = tc.params.get("checkpoint_interval_s") {
             let secs = v
@@ -304,6 +293,17 @@ impl G3TierConfig {
         }
         if self.max_bytes_in_flight == 0 {
             return Err(Error::config(kp("max_bytes_in_flight"), "must be > 0"));
+        }
+        let floor = self.checkpoint_journal_bytes.max(MIN_MAX_JOURNAL_BYTES);
+        if self.max_journal_bytes < floor {
+            return Err(Error::config(
+                kp("max_journal_bytes"),
+                format!(
+                    "must be at least checkpoint_journal_bytes and 64 KiB ({floor} bytes), \
+                     found {}",
+                    self.max_journal_bytes
+                ),
+            ));
         }
         if !(1..=MAX_QUEUED_JOBS_LIMIT).contains(&self.max_queued_jobs) {
             return Err(queued_jobs_error(
@@ -470,6 +470,8 @@ mod tests {
         assert_eq!(c.direct_io, DirectIoMode::Auto);
         assert_eq!(c.fsync, FsyncPolicy::Never);
         assert_eq!(c.checkpoint_journal_bytes, 1 << 20);
+        // Four times the checkpoint size, at least 64 MiB.
+        assert_eq!(c.max_journal_bytes, 64 << 20);
         assert_eq!(c.checkpoint_interval, None);
         assert_eq!(c.max_queued_jobs, 7);
         assert_eq!(c.idle, IdlePolicy::default());
@@ -554,6 +556,15 @@ mod tests {
             (
                 json!({"paths": ["/a"], "capacity_bytes": 1, "gds": true}),
                 "secondary_tiers[2].gds",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "max_journal_bytes": "1KiB"}),
+                "secondary_tiers[2].max_journal_bytes",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1,
+                       "checkpoint_journal_bytes": "1GiB", "max_journal_bytes": "512MiB"}),
+                "secondary_tiers[2].max_journal_bytes",
             ),
         ];
         for (params, key) in cases {

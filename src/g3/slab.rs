@@ -189,58 +189,199 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     if present.iter().all(|&x| !x) {
         return create_set(&slab_paths, spec);
     }
-    if let Some(i) = present.iter().position(|&x| !x) {
-        let j = present.iter().position(|&x| x).unwrap_or(0);
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            format!(
-                "incomplete G3 stripe set: {} exists but {} is missing; refusing to recreate a \
-                 slab under an existing index (run `kvtier tier format` to start over)",
-                slab_paths[j].display(),
-                slab_paths[i].display()
-            ),
-        )
-        .with("path", slab_paths[i].display().to_string()));
+    if present.iter().any(|&x| !x) {
+        return Err(incomplete_set(&dirs, &present));
     }
-    let mut files = Vec::with_capacity(slab_paths.len());
-    for (i, p) in slab_paths.iter().enumerate() {
+    let mut opened = Vec::with_capacity(slab_paths.len());
+    for p in &slab_paths {
         let meta = open_locked(p, false)?;
         let superblock = read_superblock(&meta, p)?;
-        check_superblock(&superblock, p, i, slab_paths.len(), spec)?;
-        if let Some(first) = files.first() {
-            let first: &SlabFile = first;
-            if first.superblock.set_uuid != superblock.set_uuid {
-                return Err(Error::new(
-                    ErrorKind::IncompatibleLayout,
-                    format!(
-                        "{} belongs to another stripe set than {}",
-                        p.display(),
-                        first.path.display()
-                    ),
-                )
-                .with("expected", hex::encode(first.superblock.set_uuid))
-                .with("found", hex::encode(superblock.set_uuid)));
-            }
-        }
         let len = meta.metadata().map_err(|e| Error::io("stat", p, e))?.len();
-        let want = slab_file_len(superblock.slots_in_file, superblock.row_stride);
-        if len < want {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                format!(
-                    "{} is truncated: {len} bytes, its superblock needs {want}",
-                    p.display()
-                ),
-            )
-            .with("expected", want.to_string())
-            .with("found", len.to_string()));
-        }
+        check_geometry(&superblock, len, p)?;
+        opened.push((meta, superblock));
+    }
+    let sbs: Vec<Superblock> = opened.iter().map(|(_, sb)| sb.clone()).collect();
+    check_members(&dirs, &sbs)?;
+    let mut files = Vec::with_capacity(slab_paths.len());
+    for (i, (p, (meta, superblock))) in slab_paths.iter().zip(opened).enumerate() {
+        check_superblock(&superblock, p, i, slab_paths.len(), spec)?;
         files.push(slab_file(p, meta, superblock, spec.direct_io)?);
     }
     Ok(SlabSet {
         files,
         created: false,
     })
+}
+
+/// Checks a superblock against itself and its file: `total_slots` is `path_count` files of
+/// `slots_in_file` slots (at most 2^32 - 2), the row stride a positive multiple of 4096, and the
+/// file is exactly as long as its slots need (slabs are preallocated to that size and never
+/// resized). Run wherever a stripe set is opened (the tier and the admin
+/// commands), before anything is sized from these numbers.
+pub fn check_geometry(sb: &Superblock, file_len: u64, p: &Path) -> Result<()> {
+    let corrupt = |why: String| {
+        Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("{}: superblock is inconsistent: {why}", p.display()),
+        )
+        .with("path", p.display().to_string()))
+    };
+    let align = crate::geometry::ROW_ALIGNMENT as u64;
+    if sb.row_stride == 0 || !sb.row_stride.is_multiple_of(align) {
+        return corrupt(format!(
+            "row_stride {} is not a positive multiple of {align}",
+            sb.row_stride
+        ));
+    }
+    if sb.path_count == 0 || sb.path_index >= sb.path_count {
+        return corrupt(format!(
+            "member {} of {} files",
+            sb.path_index, sb.path_count
+        ));
+    }
+    let total = sb.slots_in_file.checked_mul(u64::from(sb.path_count));
+    if total != Some(sb.total_slots) {
+        return corrupt(format!(
+            "total_slots is {}, but {} file(s) of {} slots hold {}",
+            sb.total_slots,
+            sb.path_count,
+            sb.slots_in_file,
+            total.map_or_else(|| "more than 2^64".into(), |t| t.to_string())
+        ));
+    }
+    if sb.total_slots >= u64::from(u32::MAX) {
+        return corrupt(format!(
+            "total_slots {} exceeds the 2^32 - 2 slot limit",
+            sb.total_slots
+        ));
+    }
+    let want = sb
+        .slots_in_file
+        .checked_mul(sb.row_stride)
+        .and_then(|b| b.checked_add(SUPERBLOCK_SIZE as u64));
+    match want {
+        Some(want) if file_len == want => Ok(()),
+        Some(want) if file_len > want => corrupt(format!(
+            "the file is {file_len} bytes, longer than the {want} its {} slots of {} bytes \
+             need: the superblock names fewer slots than the file was made for (its entries \
+             beyond would be hidden)",
+            sb.slots_in_file, sb.row_stride
+        )),
+        Some(want) => Err(Error::new(
+            ErrorKind::Corrupt,
+            format!(
+                "{} is truncated: {file_len} bytes, its superblock needs {want}",
+                p.display()
+            ),
+        )
+        .with("path", p.display().to_string())
+        .with("expected", want.to_string())
+        .with("found", file_len.to_string())),
+        None => corrupt(format!(
+            "{} slots of {} bytes overflow a file size",
+            sb.slots_in_file, sb.row_stride
+        )),
+    }
+}
+
+/// Checks that the slabs found form one stripe set listed in its order; when they are one set
+/// listed in another order, says which order.
+pub fn check_members(dirs: &[PathBuf], sbs: &[Superblock]) -> Result<()> {
+    let n = sbs.len();
+    let Some(first) = sbs.first() else {
+        return Ok(());
+    };
+    if let Some(i) = sbs.iter().position(|sb| sb.set_uuid != first.set_uuid) {
+        return Err(Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{} belongs to another stripe set than {}: the paths of one tier must be the \
+                 directories it was formatted with",
+                dirs[i].join(SLAB_FILE_NAME).display(),
+                dirs[0].join(SLAB_FILE_NAME).display()
+            ),
+        )
+        .with("expected", hex::encode(first.set_uuid))
+        .with("found", hex::encode(sbs[i].set_uuid)));
+    }
+    if sbs
+        .iter()
+        .enumerate()
+        .all(|(i, sb)| sb.path_index as usize == i && sb.path_count as usize == n)
+    {
+        return Ok(());
+    }
+    let mut order: Vec<Option<&PathBuf>> = vec![None; n];
+    let permutation = sbs.iter().zip(dirs).all(|(sb, d)| {
+        sb.path_count as usize == n
+            && order
+                .get_mut(sb.path_index as usize)
+                .is_some_and(|o| o.replace(d).is_none())
+    });
+    if permutation {
+        let right: Vec<String> = order
+            .iter()
+            .flatten()
+            .map(|d| d.display().to_string())
+            .collect();
+        return Err(Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "the paths of this G3 stripe set are listed in another order than it was \
+                 formatted with: list them as [{}] (nothing is wrong with the files)",
+                right.join(", ")
+            ),
+        )
+        .with("expected", right.join(", ")));
+    }
+    let (i, sb) = sbs
+        .iter()
+        .enumerate()
+        .find(|(i, sb)| sb.path_index as usize != *i || sb.path_count as usize != n)
+        .unwrap_or((0, first));
+    Err(Error::new(
+        ErrorKind::IncompatibleLayout,
+        format!(
+            "{} is member {} of a stripe set of {} files, but {n} path(s) are listed: list \
+             every directory of the set, in the order it was formatted with",
+            dirs[i].join(SLAB_FILE_NAME).display(),
+            sb.path_index,
+            sb.path_count
+        ),
+    )
+    .with("expected", format!("{n} path(s)"))
+    .with(
+        "found",
+        format!("member {} of {}", sb.path_index, sb.path_count),
+    ))
+}
+
+/// The error for a stripe set some of whose slabs are missing: what to do without losing the
+/// chunks the others hold.
+pub fn incomplete_set(dirs: &[PathBuf], present: &[bool]) -> Error {
+    let names = |want: bool| -> Vec<String> {
+        dirs.iter()
+            .zip(present)
+            .filter(|(_, p)| **p == want)
+            .map(|(d, _)| d.join(SLAB_FILE_NAME).display().to_string())
+            .collect()
+    };
+    let (missing, found) = (names(false), names(true));
+    let all: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+    Error::new(
+        ErrorKind::Corrupt,
+        format!(
+            "incomplete G3 stripe set: {} missing while {} {} there. If a filesystem is not \
+             mounted, mount it and start again (nothing is lost). If the file is gone for \
+             good, `kvtier tier repair {}` recreates it empty and keeps every chunk stored on \
+             the other paths (`kvtier tier format` would discard them all)",
+            missing.join(", "),
+            found.join(", "),
+            if found.len() == 1 { "is" } else { "are" },
+            all.join(" ")
+        ),
+    )
+    .with("path", missing.first().cloned().unwrap_or_default())
 }
 
 fn check_superblock(
@@ -273,19 +414,14 @@ fn check_superblock(
     if sb.namespace != spec.namespace {
         return Err(namespace_mismatch(p, &spec.namespace, &sb.namespace));
     }
-    if sb.path_count as usize != n || sb.path_index as usize != idx {
-        return incompatible(
-            "stripe set position",
-            format!("member {idx} of {n}"),
-            format!("member {} of {}", sb.path_index, sb.path_count),
-        );
-    }
+    // (The position in the set was checked for the whole set by `check_members`, and
+    // `total_slots` against the files by `check_geometry`.)
+    debug_assert!(sb.path_count as usize == n && sb.path_index as usize == idx);
     let slots = ChunkGeometry::slots_per_file(spec.capacity_bytes, n, spec.row_stride);
-    let total = ChunkGeometry::total_slots(spec.capacity_bytes, n, spec.row_stride);
-    if sb.slots_in_file != slots || sb.total_slots != total {
+    if sb.slots_in_file != slots {
         return incompatible(
             "capacity (slots per file)",
-            slots.to_string(),
+            format!("{slots} (capacity_bytes {})", spec.capacity_bytes),
             sb.slots_in_file.to_string(),
         );
     }
@@ -314,8 +450,6 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     let mut made: Vec<PathBuf> = Vec::new();
     let result = (|| -> Result<()> {
         for (i, p) in slab_paths.iter().enumerate() {
-            let meta = open_locked(p, true)?;
-            made.push(p.clone());
             let superblock = Superblock {
                 version: SLAB_FORMAT_VERSION,
                 row_stride: spec.row_stride,
@@ -327,11 +461,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
                 set_uuid,
                 created_unix_s,
             };
-            preallocate(&meta, p, slab_file_len(slots, spec.row_stride))?;
-            meta.write_all_at(&superblock.encode(), 0)
-                .map_err(|e| Error::io("write superblock of", p, e))?;
-            meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
-            sync_dir(p.parent().unwrap_or(Path::new(".")))?;
+            let meta = create_member(p, &superblock, &mut made)?;
             files.push(slab_file(p, meta, superblock, spec.direct_io)?);
         }
         Ok(())
@@ -354,15 +484,47 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     })
 }
 
-/// Opens (or creates, with `create`) `p` read-write and takes `flock(LOCK_EX | LOCK_NB)`.
+/// Creates the slab `p` of `superblock` (locked, preallocated, superblock written and synced,
+/// its directory synced); `made` records it once it exists, so a caller can remove it again.
+pub fn create_member(p: &Path, superblock: &Superblock, made: &mut Vec<PathBuf>) -> Result<File> {
+    let meta = open_locked(p, true)?;
+    made.push(p.to_path_buf());
+    preallocate(
+        &meta,
+        p,
+        slab_file_len(superblock.slots_in_file, superblock.row_stride),
+    )?;
+    meta.write_all_at(&superblock.encode(), 0)
+        .map_err(|e| Error::io("write superblock of", p, e))?;
+    meta.sync_all().map_err(|e| Error::io("fsync", p, e))?;
+    sync_dir(p.parent().unwrap_or(Path::new(".")))?;
+    Ok(meta)
+}
+
+/// Opens (or creates, with `create`) `p` read-write and takes `flock(LOCK_EX | LOCK_NB)`. An
+/// existing file must be a regular file (a FIFO is refused without blocking).
 pub fn open_locked(p: &Path, create: bool) -> Result<File> {
+    open_and_lock(p, create, true)
+}
+
+/// Opens the existing slab `p` read-only (it may be on a read-only filesystem) and takes the
+/// same exclusive lock as [`open_locked`]: for commands that only read but must not run beside
+/// a live tier.
+pub fn open_locked_read_only(p: &Path) -> Result<File> {
+    open_and_lock(p, false, false)
+}
+
+fn open_and_lock(p: &Path, create: bool, write: bool) -> Result<File> {
     let mut o = OpenOptions::new();
     o.read(true)
-        .write(true)
+        .write(write)
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC);
     if create {
         o.create_new(true);
+    } else {
+        // A FIFO in place of a slab must not block the open; it is refused below.
+        o.custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK);
     }
     let f = o.open(p).map_err(|e| {
         let dir = p.parent().unwrap_or(Path::new("."));
@@ -381,6 +543,13 @@ pub fn open_locked(p: &Path, create: bool) -> Result<File> {
             None => Error::io(if create { "create" } else { "open" }, p, e),
         }
     })?;
+    if !create {
+        let md = f.metadata().map_err(|e| Error::io("stat", p, e))?;
+        crate::g3::index_dir::require_regular(md.mode(), p)?;
+        let fl = rustix::fs::fcntl_getfl(&f).map_err(|e| Error::io("fcntl", p, e.into()))?;
+        rustix::fs::fcntl_setfl(&f, fl - rustix::fs::OFlags::NONBLOCK)
+            .map_err(|e| Error::io("fcntl", p, e.into()))?;
+    }
     let started = std::time::Instant::now();
     loop {
         // `File::try_lock` is `flock(LOCK_EX | LOCK_NB)` on Linux.

@@ -16,7 +16,7 @@ use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
 use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
-use crate::contract::secondary::{SecondaryTier, TierMetric};
+use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
 use crate::g3::metrics::{G3Metrics, PathStatus};
@@ -72,6 +72,7 @@ pub struct G3Tier {
     worker: Option<JoinHandle<()>>,
     locality: Option<Locality>,
     max_queued_jobs: usize,
+    checkpoint_interval: Option<std::time::Duration>,
     info: G3Info,
     /// Duplicates of the slabs' data descriptors, for [`G3Tier::direct_slots`].
     direct_files: Arc<Vec<File>>,
@@ -222,6 +223,7 @@ impl G3Tier {
             worker: Some(thread),
             locality,
             max_queued_jobs: cfg.max_queued_jobs,
+            checkpoint_interval: cfg.checkpoint_interval,
             info,
             direct_files,
         })
@@ -405,6 +407,63 @@ impl SecondaryTier for G3Tier {
 
     fn metrics(&self) -> Vec<TierMetric> {
         self.shared.metrics.sample(&self.shared.paths)
+    }
+
+    fn health(&self) -> TierHealth {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sh = &self.shared;
+        let m = &sh.metrics;
+        let mut h = TierHealth::default();
+        if let Some(e) = sh.failed.lock().as_ref() {
+            let what = if m.recovery_failed.load(Relaxed) {
+                "index recovery failed, the tier serves nothing"
+            } else {
+                "the tier stopped serving"
+            };
+            h.add(HealthState::Failed, format!("{what}: {e}"));
+        } else if !self.is_recovered() {
+            h.add(
+                HealthState::Degraded,
+                "recovering its index (lookups answer RETRY)",
+            );
+        }
+        if let Some(e) = sh.final_checkpoint_error.lock().as_ref() {
+            h.add(
+                HealthState::Failed,
+                format!(
+                    "the final checkpoint failed ({e}); the journal keeps the acknowledged \
+                     stores for the next start"
+                ),
+            );
+        }
+        if let Some(p) = sh.journal_problem.lock().as_ref()
+            && h.state != HealthState::Failed
+        {
+            h.add(HealthState::Degraded, format!("stores refused: {p}"));
+        }
+        for (i, p) in sh.paths.iter().enumerate() {
+            if p.poisoned.load(Relaxed) {
+                let why = p.problem.lock().clone().unwrap_or_default();
+                let path = self.info.slab_paths[i].display();
+                h.add(
+                    HealthState::Degraded,
+                    format!("path {i} ({path}) takes no writes: {why}"),
+                );
+            }
+        }
+        if let Some(e) = sh.checkpoint_error.lock().as_ref() {
+            h.add(HealthState::Degraded, format!("checkpoints failing: {e}"));
+        }
+        if let (Some(iv), Some(age)) = (self.checkpoint_interval, m.checkpoint_age())
+            && m.journal_bytes.load(Relaxed) > crate::g3::record::FILE_HEADER_SIZE as u64
+            && age > iv.saturating_mul(2) + std::time::Duration::from_secs(60)
+        {
+            h.add(
+                HealthState::Degraded,
+                format!("no checkpoint for {} s", age.as_secs()),
+            );
+        }
+        h
     }
 }
 

@@ -26,8 +26,9 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Produces the `/metrics` body; an error becomes a 500 answer.
 pub type RenderMetrics = Arc<dyn Fn() -> Result<String> + Send + Sync>;
-/// Answers `/healthz`: `Ok(())` = healthy (200), `Err(reason)` = unhealthy (503).
-pub type CheckHealth = Arc<dyn Fn() -> std::result::Result<(), String> + Send + Sync>;
+/// Answers `/healthz`: `Ok(body)` = serving (200: `ok`, or `degraded` with the problems),
+/// `Err(body)` = cannot serve (503, with the reasons).
+pub type CheckHealth = Arc<dyn Fn() -> std::result::Result<String, String> + Send + Sync>;
 
 /// A running metrics server.
 pub struct MetricsServer {
@@ -197,12 +198,19 @@ fn route(path: &str, render: &RenderMetrics, health: &CheckHealth) -> Answer {
             Err(e) => Answer::text("500 Internal Server Error", format!("{e}\n")),
         },
         "/healthz" => match health() {
-            Ok(()) => Answer::text("200 OK", "ok\n"),
-            Err(reason) => Answer::text("503 Service Unavailable", format!("{reason}\n")),
+            Ok(body) => Answer::text("200 OK", with_newline(body)),
+            Err(reason) => Answer::text("503 Service Unavailable", with_newline(reason)),
         },
         "/" => Answer::text("200 OK", "kvtier: see /metrics and /healthz\n"),
         _ => Answer::text("404 Not Found", "not found: try /metrics or /healthz\n"),
     }
+}
+
+fn with_newline(mut s: String) -> String {
+    if !s.ends_with('\n') {
+        s.push('\n');
+    }
+    s
 }
 
 fn write_answer(mut stream: TcpStream, answer: &Answer, head_only: bool) -> std::io::Result<()> {
@@ -272,7 +280,7 @@ mod tests {
     #[test]
     fn render_error_is_500_and_bad_address_is_a_config_error() {
         let render: RenderMetrics = Arc::new(|| Err(Error::new(ErrorKind::Closed, "manager gone")));
-        let health: CheckHealth = Arc::new(|| Ok(()));
+        let health: CheckHealth = Arc::new(|| Ok("ok".to_string()));
         let a = route("/metrics", &render, &health);
         assert_eq!(a.status, "500 Internal Server Error");
         assert!(a.body.contains("manager gone"));

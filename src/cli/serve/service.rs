@@ -20,9 +20,10 @@ pub trait Service: Send {
     /// Collects finished work and renders every metric as Prometheus text.
     fn metrics_text(&mut self) -> Result<String>;
 
-    /// `Ok` while healthy; the reason otherwise.
-    fn health(&mut self) -> std::result::Result<(), String> {
-        Ok(())
+    /// `Ok(body)` while serving (`ok`, or `degraded` with the problems); `Err(reasons)` when
+    /// it cannot serve.
+    fn health(&mut self) -> std::result::Result<String, String> {
+        Ok("ok".to_string())
     }
 
     /// Drains in-flight work, persists what must survive (checkpoints) and stops.

@@ -1,5 +1,5 @@
 //! `kvtier tier ...`: offline administration of a G3 tier (a stripe set of slab files, one per
-//! path, in the order the tier lists them): format, inspect, verify, ls, clear.
+//! path, in the order the tier lists them): format, inspect, verify, ls, clear, repair.
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
@@ -25,7 +25,8 @@ use crate::g3::slab::SLAB_FILE_NAME;
   kvtier tier inspect /mnt/nvme0 /mnt/nvme1
   kvtier tier verify /mnt/nvme0 /mnt/nvme1
   kvtier tier ls /mnt/nvme0 /mnt/nvme1 | wc -l
-  kvtier tier clear /mnt/nvme0 /mnt/nvme1 --yes"
+  kvtier tier clear /mnt/nvme0 /mnt/nvme1 --yes
+  kvtier tier repair /mnt/nvme0 /mnt/nvme1"
 )]
 pub struct TierArgs {
     /// What to do.
@@ -53,6 +54,15 @@ pub enum TierCommand {
     /// Forget every stored chunk (slabs stay allocated); asks unless --yes.
     #[command(after_help = "Example:\n  kvtier tier clear /mnt/nvme0 --yes")]
     Clear(ClearArgs),
+    /// Recreate a slab that is gone for good (empty), keeping the chunks on the other paths.
+    #[command(
+        after_help = "Recreates the missing slab files of a stripe set with the set's \
+geometry, after dropping from the index the entries that lived in them; the other paths keep \
+their chunks. If a filesystem is only not mounted, mount it instead.
+
+Example:\n  kvtier tier repair /mnt/nvme0 /mnt/nvme1"
+    )]
+    Repair(PathsArgs),
 }
 
 /// Paths of a tier, plus `--json`.
@@ -123,6 +133,7 @@ pub fn run(args: TierArgs) -> Result<ExitCode> {
         TierCommand::Verify(a) => verify(a),
         TierCommand::Ls(a) => ls(a),
         TierCommand::Clear(a) => clear(a),
+        TierCommand::Repair(a) => repair(a),
     }
 }
 
@@ -329,6 +340,32 @@ fn clear(a: ClearArgs) -> Result<ExitCode> {
     }
     admin::clear(&a.paths)?;
     println!("cleared {}", display_paths(&a.paths));
+    Ok(ExitCode::SUCCESS)
+}
+
+fn repair(a: PathsArgs) -> Result<ExitCode> {
+    let report = admin::repair(&a.paths)?;
+    if a.json {
+        print_json(&report)?;
+    } else if report.recreated.is_empty() {
+        println!(
+            "the stripe set in {} is complete; nothing to repair",
+            display_paths(&a.paths)
+        );
+    } else {
+        let list: Vec<String> = report
+            .recreated
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        println!(
+            "recreated {} (empty); dropped {} chunk(s) that lived there; kept {} chunk(s) on the \
+             other path(s)",
+            list.join(", "),
+            report.dropped,
+            report.kept
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 

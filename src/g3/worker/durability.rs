@@ -237,6 +237,12 @@ impl Worker {
             .unwrap_or_else(|| "no checkpoint failed".into())
     }
 
+    /// Publishes the journal's length (after an append).
+    pub(super) fn note_journal_len(&self) {
+        let len = self.journal.as_ref().map_or(0, |j| j.len());
+        self.sh.metrics.journal_bytes.store(len, Ordering::Relaxed);
+    }
+
     /// Publishes the journal's state to the metrics and health.
     pub(super) fn publish_journal_state(&self) {
         let m = &self.sh.metrics;

@@ -105,6 +105,7 @@ impl Worker {
                     self.publish_journal_state();
                 }
             }
+            self.note_journal_len();
             self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
         }
         let m = &self.sh.metrics;

@@ -88,6 +88,7 @@ impl Worker {
                 }
                 None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
             };
+            self.note_journal_len();
             if let Err(e) = res {
                 self.publish_journal_state();
                 let mut guard = self.sh.index.lock();
@@ -230,6 +231,7 @@ impl Worker {
             }
             (true, None, None) => Some(Error::new(ErrorKind::Closed, "G3 journal is not open")),
         };
+        self.note_journal_len();
         if let Some(e) = &journal_err {
             self.publish_journal_state();
             for a in jobs.iter_mut() {

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use crate::config::KvtierConfig;
 use crate::contract::job::{JobId, Medium, OffloadPolicy, OffloadingEvent, RequestContext};
-use crate::contract::secondary::SecondaryTier;
+use crate::contract::secondary::{SecondaryTier, TierHealth};
 use crate::error::{Error, ErrorKind, Result};
 use crate::hash::{FastMap, FastSet};
 use crate::key::ChunkKey;
@@ -597,6 +597,14 @@ impl TieringManager {
     pub fn metrics_text(&mut self) -> String {
         self.refresh_metrics();
         self.metrics.registry.render()
+    }
+
+    /// Each secondary tier's health, with its label (`1:nvme`), in config order.
+    pub fn health(&self) -> Vec<(String, TierHealth)> {
+        self.tiers
+            .iter()
+            .map(|t| (t.label.clone(), t.tier.health()))
+            .collect()
     }
 }
 
