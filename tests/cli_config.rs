@@ -122,7 +122,7 @@ fn invalid_configs_exit_2_with_one_line() {
         ("syntax.toml", "cpu_bytes_to_use = = 1\n", "invalid TOML"),
         (
             "marks.toml",
-            "cpu_bytes_to_use = 4096\n[[secondary_tiers]]\ntype = \"x\"\nlocality = \"REMOTE\"\nbackpressure = { low_water_s = 0.2 }\n",
+            "cpu_bytes_to_use = 4096\n[[secondary_tiers]]\ntype = \"x\"\nlocality = \"REMOTE\"\nbackpressure = { backpressure_cls = \"EMABackpressureDetector\", low_water_s = 0.2 }\n",
             "low_water_s must be <= high_water_s",
         ),
     ] {

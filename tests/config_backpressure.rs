@@ -1,11 +1,15 @@
 //! Back-pressure configuration: merge precedence (top level, then tier, field by field),
 //! configured vs unconfigured tiers, tier-type-aware presets, defaults and validation.
+//! (`tests/python/test_backpressure_vs_vllm.py` checks the same merge against vLLM's own code.)
 
 mod common;
 
 use common::{bp_of, err, notes_of, ok, with_tiers};
 use kvtier::config::backpressure::{LOCAL_PRESET, NETWORK_PRESET};
 use serde_json::json;
+
+/// The detector class a configured tier must name.
+const CLS: &str = "EMABackpressureDetector";
 
 #[test]
 fn neither_source_leaves_tier_unconfigured() {
@@ -30,7 +34,8 @@ fn top_level_only_applies_to_every_tier() {
 fn tier_only_configures_only_that_tier() {
     let v = with_tiers(
         None,
-        json!([{"type": "custom", "backpressure": {"cooldown_s": 0.5}}, {"type": "custom"}]),
+        json!([{"type": "custom", "backpressure": {"backpressure_cls": CLS, "cooldown_s": 0.5}},
+               {"type": "custom"}]),
     );
     let c = ok(v);
     assert_eq!(
@@ -65,9 +70,34 @@ fn tier_fields_override_top_level_field_by_field() {
 }
 
 #[test]
-fn explicit_empty_dict_configures_tier_with_presets() {
-    let v = with_tiers(None, json!([{"type": "custom", "backpressure": {}}]));
-    let bp = bp_of(v.clone(), 0).unwrap();
+fn a_configured_tier_needs_a_detector_class() {
+    // vLLM's factory raises ValueError without backpressure_cls; so does kvtier.
+    for bp in [json!({}), json!(null), json!({"alpha": 0.2})] {
+        let e = err(with_tiers(
+            None,
+            json!([{"type": "custom", "backpressure": bp}]),
+        ));
+        assert_eq!(
+            e.context_value("key"),
+            Some("secondary_tiers[0].backpressure.backpressure_cls"),
+            "{e}"
+        );
+    }
+    // From the top level is enough, also for a tier whose own key is null.
+    let v = with_tiers(
+        Some(json!({"backpressure_cls": CLS})),
+        json!([{"type": "custom", "backpressure": null}]),
+    );
+    assert!(bp_of(v, 0).is_some());
+}
+
+#[test]
+fn detector_class_alone_configures_tier_with_presets() {
+    let v = with_tiers(
+        None,
+        json!([{"type": "custom", "backpressure": {"backpressure_cls": CLS}}]),
+    );
+    let bp = bp_of(v, 0).unwrap();
     assert_eq!(
         bp.backpressure_cls.as_deref(),
         Some("EMABackpressureDetector")
@@ -80,18 +110,13 @@ fn explicit_empty_dict_configures_tier_with_presets() {
     assert_eq!(bp.decay_half_life_s, Some(2.0));
     assert_eq!(bp.cooldown_s, Some(1.0));
     assert_eq!(bp.failure_threshold, None, "not a storage tier type");
-    let notes = notes_of(v);
-    assert!(
-        notes.iter().any(|n| n.contains("backpressure_cls missing")),
-        "{notes:?}"
-    );
 }
 
 #[test]
 fn empty_top_level_dict_configures_nothing() {
     let v = with_tiers(
         Some(json!({})),
-        json!([{"type": "nvme"}, {"type": "nvme", "backpressure": {}}]),
+        json!([{"type": "nvme"}, {"type": "nvme", "backpressure": {"backpressure_cls": CLS}}]),
     );
     let c = ok(v.clone());
     assert_eq!(c.secondary_tiers[0].backpressure, None);
@@ -107,9 +132,9 @@ fn empty_top_level_dict_configures_nothing() {
 fn remote_locality_and_obj_type_get_network_preset() {
     let v = with_tiers(
         None,
-        json!([{"type": "custom", "locality": "REMOTE", "backpressure": {}},
-               {"type": "obj", "backpressure": {}},
-               {"type": "custom", "locality": "LOCAL", "backpressure": {}}]),
+        json!([{"type": "custom", "locality": "REMOTE", "backpressure": {"backpressure_cls": CLS}},
+               {"type": "obj", "backpressure": {"backpressure_cls": CLS}},
+               {"type": "custom", "locality": "LOCAL", "backpressure": {"backpressure_cls": CLS}}]),
     );
     let c = ok(v);
     let marks = |i: usize| {
@@ -141,15 +166,24 @@ fn storage_tier_types_get_failure_threshold() {
         ("obj", Some(3)),
         ("custom", None),
     ] {
-        let v = with_tiers(None, json!([{"type": ty, "backpressure": {}}]));
+        let v = with_tiers(
+            None,
+            json!([{"type": ty, "backpressure": {"backpressure_cls": CLS}}]),
+        );
         assert_eq!(bp_of(v, 0).unwrap().failure_threshold, want, "{ty}");
+        // An explicit null means "no failure trip" and is not replaced by the default.
+        let v = with_tiers(
+            None,
+            json!([{"type": ty, "backpressure": {"backpressure_cls": CLS, "failure_threshold": null}}]),
+        );
+        assert_eq!(bp_of(v, 0).unwrap().failure_threshold, None, "{ty}");
     }
 }
 
 #[test]
 fn explicit_values_are_never_overwritten_by_presets() {
     let v = with_tiers(
-        Some(json!({"failure_threshold": 7, "low_water_s": 0.3})),
+        Some(json!({"backpressure_cls": CLS, "failure_threshold": 7, "low_water_s": 0.3})),
         json!([{"type": "nvme", "locality": "REMOTE",
                 "backpressure": {"high_water_s": 0.4, "alpha": 1.0, "warmup_completions": 0,
                                  "cooldown_s": 0, "decay_half_life_s": 9}}]),
@@ -168,7 +202,7 @@ fn explicit_values_are_never_overwritten_by_presets() {
 fn water_mark_conflict_names_both_origins() {
     let v = with_tiers(
         None,
-        json!([{"type": "nvme", "backpressure": {"high_water_s": 0.001}}]),
+        json!([{"type": "nvme", "backpressure": {"backpressure_cls": CLS, "high_water_s": 0.001}}]),
     );
     let e = err(v);
     assert_eq!(
@@ -193,7 +227,7 @@ fn backpressure_ranges_and_types() {
         ("failure_threshold", json!(0)),
         ("high_water_s", json!(0)),
         ("low_water_s", json!(-0.1)),
-        ("decay_half_life_s", json!(0)),
+        ("decay_half_life_s", json!("2")),
         ("cooldown_s", json!(-1)),
         ("warmup_completions", json!(2.5)),
         ("alpha", json!("0.2")),
@@ -206,12 +240,38 @@ fn backpressure_ranges_and_types() {
         );
         assert!(e.context_value("found").is_some(), "{e}");
     }
-    let e = err(with_tiers(
-        None,
-        json!([{"type": "x", "backpressure": null}]),
-    ));
-    assert!(e.to_string().contains("use {}"), "{e}");
+    let e = err(with_tiers(None, json!([{"type": "x", "backpressure": []}])));
+    assert!(e.to_string().contains("or null"), "{e}");
     err(with_tiers(Some(json!([])), json!([])));
+}
+
+#[test]
+fn values_vllm_gives_a_meaning() {
+    // A top-level null contributes nothing (the tier has no detector).
+    assert_eq!(
+        bp_of(with_tiers(Some(json!(null)), json!([{"type": "x"}])), 0),
+        None
+    );
+    // decay_half_life_s <= 0: no idle decay; policy_cls "" or null: the default policy.
+    for (decay, policy) in [(json!(0), json!("")), (json!(-3.5), json!(null))] {
+        let v = with_tiers(
+            Some(
+                json!({"backpressure_cls": CLS, "decay_half_life_s": decay, "policy_cls": policy}),
+            ),
+            json!([{"type": "x"}]),
+        );
+        let bp = bp_of(v.clone(), 0).unwrap();
+        assert_eq!(bp.decay_half_life_s, decay.as_f64());
+        let cfg = ok(v);
+        let params =
+            kvtier::tiering::backpressure::DetectorParams::for_tier(&cfg.secondary_tiers[0])
+                .unwrap()
+                .unwrap();
+        assert_eq!(
+            params.policy,
+            kvtier::tiering::backpressure::PolicyKind::Throttled
+        );
+    }
 }
 
 #[test]
@@ -242,7 +302,7 @@ fn class_names_are_checked() {
 fn p2p_tier_refuses_backpressure() {
     ok(with_tiers(None, json!([{"type": "p2p"}])));
     let e = err(with_tiers(
-        Some(json!({"alpha": 0.2})),
+        Some(json!({"backpressure_cls": CLS, "alpha": 0.2})),
         json!([{"type": "p2p"}]),
     ));
     assert!(e.to_string().contains("p2p"), "{e}");
@@ -290,13 +350,14 @@ mod model {
         })
     }
 
-    /// Expected resolution, or `None` for "unconfigured", or `Err(())` for "rejected".
+    /// Expected resolution, or `None` for "unconfigured", or `Err(part of the message)` for
+    /// "rejected".
     fn expected(
         top: &Option<Map<String, Value>>,
         tier: &Option<Map<String, Value>>,
         ty: &str,
         remote: bool,
-    ) -> Result<Option<BackpressureConfig>, ()> {
+    ) -> Result<Option<BackpressureConfig>, &'static str> {
         let mut merged = Map::new();
         for src in [top, tier].into_iter().flatten() {
             for (k, v) in src {
@@ -305,6 +366,9 @@ mod model {
         }
         if merged.is_empty() && tier.is_none() {
             return Ok(None);
+        }
+        if !merged.contains_key("backpressure_cls") {
+            return Err("backpressure_cls");
         }
         let (high, low) = if remote || ty == "obj" {
             (0.05, 0.01)
@@ -333,7 +397,7 @@ mod model {
             failure_threshold: n("failure_threshold").or(if storage { Some(3) } else { None }),
         };
         if bp.low_water_s > bp.high_water_s {
-            return Err(());
+            return Err("low_water_s must be <= high_water_s");
         }
         Ok(Some(bp))
     }
@@ -354,9 +418,9 @@ mod model {
             let got = config::from_value(v).map(|c| c.secondary_tiers[0].backpressure.clone());
             match expected(&top, &tier, ty, remote) {
                 Ok(want) => prop_assert_eq!(got.map_err(|e| e.to_string()), Ok(want)),
-                Err(()) => {
-                    let e = got.expect_err("low > high must be rejected");
-                    prop_assert!(e.to_string().contains("low_water_s must be <= high_water_s"));
+                Err(part) => {
+                    let e = got.expect_err("must be rejected");
+                    prop_assert!(e.to_string().contains(part), "{}", e);
                 }
             }
         }

@@ -168,15 +168,15 @@ fn config_merge_results_reach_the_detector_unchanged() {
             r#""backpressure": {"backpressure_cls": "EMABackpressureDetector", "high_water_s": 0.2, "low_water_s": 0.05, "failure_threshold": 5},"#,
         ),
         cfg_json(
-            r#"{"type": "memory", "locality": "REMOTE", "backpressure": {}}"#,
+            r#"{"type": "memory", "locality": "REMOTE", "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}"#,
             "",
         ),
         cfg_json(
-            r#"{"type": "memory", "backpressure": {"policy_cls": "vllm.v1.kv_offload.tiering.backpressure.DropStorePolicy", "warmup_completions": 2, "cooldown_s": 0.5, "decay_half_life_s": 4.0}}"#,
+            r#"{"type": "memory", "backpressure": {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "vllm.v1.kv_offload.tiering.backpressure.DropStorePolicy", "warmup_completions": 2, "cooldown_s": 0.5, "decay_half_life_s": 4.0}}"#,
             "",
         ),
         cfg_json(
-            r#"{"type": "memory"}, {"type": "memory", "backpressure": {"high_water_s": 0.03}}"#,
+            r#"{"type": "memory"}, {"type": "memory", "backpressure": {"backpressure_cls": "EMABackpressureDetector", "high_water_s": 0.03}}"#,
             "",
         ),
     ];

@@ -5,10 +5,20 @@
 //! 1. start from the top-level `backpressure` dict;
 //! 2. overlay the tier's own `backpressure` dict field by field (tier values win);
 //! 3. the tier is configured only if a source contributed a field or the tier has an explicit
-//!    `backpressure` key (even `{}`); otherwise it gets no detector and never drops stores;
-//! 4. for a configured tier, fill only the missing keys: water marks from the NETWORK preset
-//!    (`locality` REMOTE, or an `obj` tier) or the LOCAL preset, `failure_threshold = 3` for
-//!    storage tier types (`fs`, `obj`, and kvtier's `nvme`), then the detector's own defaults.
+//!    `backpressure` key (even `{}` or `null`); otherwise it gets no detector and never drops
+//!    stores;
+//! 4. a configured tier must name its detector (`backpressure_cls`, from either dict): vLLM's
+//!    factory raises `ValueError` without it, and so does kvtier;
+//! 5. fill only the missing keys: water marks from the NETWORK preset (`locality` REMOTE, or an
+//!    `obj` tier) or the LOCAL preset, `failure_threshold = 3` for storage tier types (`fs`,
+//!    `obj`, and kvtier's `nvme`), then the detector's own defaults.
+//!
+//! Values keep vLLM's meanings where vLLM gives them one: a top-level `backpressure: null` is no
+//! contribution, `failure_threshold: null` means no failure trip (and is not replaced by the
+//! tier type's 3), `decay_half_life_s <= 0` means no idle decay, `policy_cls: ""` or `null` the
+//! default policy. Nonsense vLLM accepts (negative water marks or cooldown, non-integer counts,
+//! booleans or `null` for numbers) is refused with the key path: `docs/configuration.md`
+//! lists these deviations.
 //!
 //! Every field remembers where its value came from, so a conflict (`low_water_s` above
 //! `high_water_s`) names both sources.
@@ -22,7 +32,7 @@ use super::model::BackpressureConfig;
 use crate::contract::job::Locality;
 use crate::error::{Error, Result};
 
-/// The detector class kvtier implements (and the default when `backpressure_cls` is missing).
+/// The detector class kvtier implements (required once a tier has back-pressure, as in vLLM).
 pub const DETECTOR_CLS: &str = "EMABackpressureDetector";
 /// The default drop policy (vLLM's default too).
 pub const DEFAULT_POLICY_CLS: &str = "ThrottledDropPolicy";
@@ -99,6 +109,8 @@ enum FieldValue {
     Text(String),
     Real(f64),
     Count(u32),
+    /// An explicit `null` (`failure_threshold`: no trip; class names: not given).
+    Null,
 }
 
 /// One field with the place its value came from (a key path, a preset or a default).
@@ -136,7 +148,7 @@ impl Overlay {
         let obj = v.as_object().ok_or_else(|| {
             fields::type_error(
                 path,
-                "an object (use {} to enable back-pressure with the presets, or omit the key)",
+                "an object such as {\"backpressure_cls\": \"EMABackpressureDetector\"}, or null",
                 v,
             )
         })?;
@@ -146,11 +158,19 @@ impl Overlay {
             let (key, value) = match k.as_str() {
                 "backpressure_cls" => (
                     "backpressure_cls",
-                    FieldValue::Text(class_name(&p, v, &[DETECTOR_CLS])?.into()),
+                    match v {
+                        Value::Null => FieldValue::Null,
+                        _ => FieldValue::Text(class_name(&p, v, &[DETECTOR_CLS])?.into()),
+                    },
                 ),
+                // vLLM instantiates a policy only for a truthy name: "" and null mean default.
                 "policy_cls" => (
                     "policy_cls",
-                    FieldValue::Text(class_name(&p, v, &POLICY_CLASSES)?.into()),
+                    match v {
+                        Value::Null => FieldValue::Null,
+                        Value::String(s) if s.is_empty() => FieldValue::Null,
+                        _ => FieldValue::Text(class_name(&p, v, &POLICY_CLASSES)?.into()),
+                    },
                 ),
                 "high_water_s" => (
                     "high_water_s",
@@ -173,7 +193,11 @@ impl Overlay {
                 ),
                 "decay_half_life_s" => (
                     "decay_half_life_s",
-                    FieldValue::Real(positive(&p, v, "a number of seconds > 0")?),
+                    FieldValue::Real(fields::number(
+                        &p,
+                        v,
+                        "a number of seconds (<= 0: no idle decay)",
+                    )?),
                 ),
                 "cooldown_s" => (
                     "cooldown_s",
@@ -181,7 +205,15 @@ impl Overlay {
                 ),
                 "failure_threshold" => (
                     "failure_threshold",
-                    FieldValue::Count(fields::integer_u32(&p, v, 1, "an integer >= 1")?),
+                    match v {
+                        Value::Null => FieldValue::Null,
+                        _ => FieldValue::Count(fields::integer_u32(
+                            &p,
+                            v,
+                            1,
+                            "an integer >= 1, or null for no failure trip",
+                        )?),
+                    },
                 ),
                 _ => return Err(fields::unknown_key(path, k, &BACKPRESSURE_KEYS)),
             };
@@ -246,14 +278,6 @@ fn non_negative(path: &str, v: &Value, expected: &str) -> Result<f64> {
     }
 }
 
-/// What the merge decided for one tier, besides the config itself.
-#[derive(Debug, Default)]
-pub(crate) struct MergeNotes {
-    /// `backpressure_cls` was missing after the merge and kvtier filled the default (vLLM
-    /// would raise `ValueError`).
-    pub(crate) filled_detector_cls: bool,
-}
-
 /// Merges the top-level overlay and the tier's own `backpressure` (if the key is present) for
 /// the tier at `tier_path`, fills presets and defaults, and validates the result.
 /// Returns `None` when the tier has no back-pressure configuration.
@@ -263,12 +287,13 @@ pub(crate) fn resolve_for_tier(
     tier_path: &str,
     tier_type: &str,
     locality: Option<Locality>,
-) -> Result<(Option<BackpressureConfig>, MergeNotes)> {
-    let mut notes = MergeNotes::default();
+) -> Result<Option<BackpressureConfig>> {
+    let bp_path = join(tier_path, "backpressure");
     let tier_key_present = tier_entry.contains_key("backpressure");
     let tier_overlay = match tier_entry.get("backpressure") {
-        Some(v) => Some(Overlay::parse(&join(tier_path, "backpressure"), v)?),
-        None => None,
+        // vLLM merges only truthy dicts; the key alone still configures the tier.
+        None | Some(Value::Null) => None,
+        Some(v) => Some(Overlay::parse(&bp_path, v)?),
     };
     let mut merged = Overlay::default();
     for source in [top, tier_overlay.as_ref()].into_iter().flatten() {
@@ -277,7 +302,15 @@ pub(crate) fn resolve_for_tier(
         }
     }
     if merged.is_empty() && !tier_key_present {
-        return Ok((None, notes));
+        return Ok(None);
+    }
+    if merged.text("backpressure_cls").is_none() {
+        return Err(Error::config(
+            join(&bp_path, "backpressure_cls"),
+            "required once a tier has back-pressure settings (vLLM's factory refuses them \
+             without a detector class too); set it in this tier's backpressure or the top-level one",
+        )
+        .with("expected", DETECTOR_CLS));
     }
 
     let preset = preset_for(tier_type, locality);
@@ -299,15 +332,7 @@ pub(crate) fn resolve_for_tier(
             &format!("default for {tier_type} tiers"),
         );
     }
-    if !merged.fields.contains_key("backpressure_cls") {
-        notes.filled_detector_cls = true;
-    }
     let dflt = "detector default";
-    merged.fill(
-        "backpressure_cls",
-        FieldValue::Text(DETECTOR_CLS.into()),
-        dflt,
-    );
     merged.fill(
         "policy_cls",
         FieldValue::Text(DEFAULT_POLICY_CLS.into()),
@@ -356,5 +381,5 @@ pub(crate) fn resolve_for_tier(
         cooldown_s: merged.real("cooldown_s"),
         failure_threshold: merged.count("failure_threshold"),
     };
-    Ok((Some(config), notes))
+    Ok(Some(config))
 }

@@ -45,11 +45,13 @@ pub struct BackpressureConfig {
     pub alpha: Option<f64>,
     /// Completions collected before the EMA starts (default 10).
     pub warmup_completions: Option<u32>,
-    /// Idle decay half-life in seconds (default 2.0).
+    /// Idle decay half-life in seconds (default 2.0; `<= 0`: no idle decay).
     pub decay_half_life_s: Option<f64>,
     /// Cooldown after pressure clears, in seconds (default 1.0).
     pub cooldown_s: Option<f64>,
-    /// Consecutive failed stores that trip pressure (kvtier storage tiers: 3).
+    /// Consecutive failed stores that trip pressure; `None`: failures never trip. The merge
+    /// has already applied the tier type's default (3 for `fs`, `obj` and kvtier's `nvme`),
+    /// so `None` here is either a non-storage tier or an explicit `null`.
     pub failure_threshold: Option<u32>,
 }
 

@@ -214,8 +214,9 @@ fn resolve_extra(
         (a, b) => a.or(b),
     };
 
+    // vLLM merges only a truthy top-level dict: `null` contributes nothing.
     let top_bp = match obj.get("backpressure") {
-        None => None,
+        None | Some(Value::Null) => None,
         Some(v) => Some(Overlay::parse(&path("backpressure"), v)?),
     };
     let tiers_path = path("secondary_tiers");
@@ -232,7 +233,7 @@ fn resolve_extra(
     };
     let mut secondary_tiers = Vec::with_capacity(tier_values.len());
     for (i, v) in tier_values.iter().enumerate() {
-        secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref(), notes)?);
+        secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref())?);
     }
 
     if let Some(top) = &top_bp
@@ -346,7 +347,6 @@ fn resolve_tier(
     v: &Value,
     tiers_path: &str,
     top_bp: Option<&Overlay>,
-    notes: &mut Vec<String>,
 ) -> Result<TierConfig> {
     let tier_path = index(tiers_path, i);
     let entry = fields::object(&tier_path, v)?;
@@ -386,15 +386,8 @@ fn resolve_tier(
         }
         params.insert(k.clone(), v.clone());
     }
-    let (backpressure, bp_notes) =
+    let backpressure =
         backpressure::resolve_for_tier(top_bp, entry, &tier_path, &tier_type, locality)?;
-    if bp_notes.filled_detector_cls {
-        notes.push(format!(
-            "{tier_path}.backpressure: backpressure_cls missing after the merge; kvtier uses \
-             {} (vLLM requires the key and would reject this configuration)",
-            backpressure::DETECTOR_CLS
-        ));
-    }
 
     Ok(TierConfig {
         index: i,

@@ -156,8 +156,9 @@ impl TierConfig {
 impl BackpressureConfig {
     /// The rules of a tier's back-pressure settings, as vLLM's `EMABackpressureDetector`
     /// checks them: known detector and policy classes, `0 < alpha <= 1`,
-    /// `0 <= low_water_s <= high_water_s`, `failure_threshold >= 1`, `decay_half_life_s > 0`
-    /// and `cooldown_s >= 0`. Unset fields are not checked (they take valid defaults).
+    /// `0 <= low_water_s <= high_water_s`, `failure_threshold >= 1` and `cooldown_s >= 0`
+    /// (`decay_half_life_s <= 0` is vLLM's "no idle decay"). Unset fields are not checked (they
+    /// take valid defaults).
     /// `tier_path` is the tier's key path (`secondary_tiers[0]`); errors name
     /// `<tier_path>.backpressure.<key>`.
     pub fn validate(&self, tier_path: &str) -> Result<()> {
@@ -208,13 +209,19 @@ impl BackpressureConfig {
         if self.failure_threshold == Some(0) {
             return Err(Error::config(key("failure_threshold"), "must be >= 1").with("found", "0"));
         }
-        let decay_ok = self.decay_half_life_s.is_none_or(|d| d > 0.0);
-        let cooldown_ok = self.cooldown_s.is_none_or(|c| c >= 0.0);
-        if !(decay_ok && cooldown_ok) {
-            return Err(Error::config(
-                key("decay_half_life_s"),
-                "decay_half_life_s must be > 0 and cooldown_s >= 0",
-            ));
+        // decay_half_life_s <= 0 means no idle decay, as in vLLM; only NaN is refused.
+        if let Some(d) = self.decay_half_life_s
+            && d.is_nan()
+        {
+            return Err(
+                Error::config(key("decay_half_life_s"), "must be a number").with("found", "NaN")
+            );
+        }
+        if let Some(c) = self.cooldown_s
+            && (c.is_nan() || c < 0.0)
+        {
+            return Err(Error::config(key("cooldown_s"), "must be >= 0 seconds")
+                .with("found", c.to_string()));
         }
         Ok(())
     }
@@ -289,6 +296,13 @@ mod tests {
             (
                 BackpressureConfig {
                     cooldown_s: Some(-1.0),
+                    ..Default::default()
+                },
+                "cooldown_s",
+            ),
+            (
+                BackpressureConfig {
+                    decay_half_life_s: Some(f64::NAN),
                     ..Default::default()
                 },
                 "decay_half_life_s",

@@ -95,9 +95,10 @@ impl DetectorParams {
     }
 
     /// Resolves a merged config for a tier: missing water marks come from the tier-aware preset
-    /// (NETWORK for `REMOTE` locality or type `obj`, else LOCAL), `failure_threshold` defaults
-    /// to 3 only for `fs` / `obj` (vLLM's rule; kvtier's config layer sets it for its own
-    /// storage tiers), every other missing field takes vLLM's default. Validates like vLLM.
+    /// (NETWORK for `REMOTE` locality or type `obj`, else LOCAL), every other missing field
+    /// takes vLLM's default, and `failure_threshold` is taken as given (the config merge
+    /// already filled the tier type's default; `None` means failures never trip). Validates
+    /// with [`BackpressureConfig::validate`].
     pub fn resolve(
         cfg: &BackpressureConfig,
         tier_type: &str,
@@ -105,12 +106,11 @@ impl DetectorParams {
         key_path: &str,
     ) -> Result<Self> {
         let network = locality == Some(Locality::Remote) || tier_type == "obj";
-        let default_failure = matches!(tier_type, "fs" | "obj").then_some(3);
         let policy = match cfg.policy_cls.as_deref() {
             Some("DropStorePolicy") => PolicyKind::DropAll,
             _ => PolicyKind::Throttled,
         };
-        let d = DetectorParams::preset(network, policy, cfg.failure_threshold.or(default_failure));
+        let d = DetectorParams::preset(network, policy, cfg.failure_threshold);
         let p = DetectorParams {
             high_water_s: cfg.high_water_s.unwrap_or(d.high_water_s),
             low_water_s: cfg.low_water_s.unwrap_or(d.low_water_s),
@@ -168,7 +168,7 @@ impl ThrottledDropPolicy {
         if high <= 0.0 {
             return 1.0;
         }
-        let overshoot = (ema - high).max(0.0) / high;
+        let overshoot = py_max(0.0, ema - high) / high;
         (overshoot / self.ramp_factor).min(1.0)
     }
 
@@ -219,26 +219,46 @@ pub enum Transition {
 }
 
 /// `EMABackpressureDetector` with its drop policy and drop counters.
+///
+/// The state machine is vLLM 0.33.0's, step for step (checked against vLLM's own code by
+/// `tests/python/test_backpressure_vs_vllm.py`): the same fields, updated in the same order,
+/// with the same floating-point operations, so the EMA and every decision are bit-for-bit
+/// those vLLM computes for the same completions at the same times.
 #[derive(Debug)]
 pub struct EmaDetector {
     params: DetectorParams,
     name: String,
     clock: Arc<dyn Clock>,
     policy: Policy,
+    /// Samples of the warm-up completions (`_warmup_samples`).
     samples: Vec<f64>,
+    /// Completions since creation or reset (`_completions`).
     completions: u64,
-    warmed_up: bool,
     ema: f64,
     under_pressure: bool,
     failure_tripped: bool,
     healthy_streak: u32,
     consecutive_failures: u32,
+    /// When pressure last cleared (`_pressure_cleared_at`; vLLM's 0.0 is `None`).
     pressure_cleared_at: Option<Instant>,
     cooldown_calls: u64,
+    /// When the EMA was last updated or decayed (`_last_update`; vLLM's 0.0 is `None`).
     last_update: Option<Instant>,
     stores_dropped: u64,
     blocks_dropped: u64,
     transitions: Vec<Transition>,
+}
+
+/// `0.5 ** exponent` as CPython computes it: C `pow(0.5, exponent)`. The base is opaque to the
+/// optimizer: with a constant base LLVM rewrites `powf` into `exp2(-exponent)` in optimized
+/// builds, which rounds differently from `pow` for about 0.1 % of exponents (1 ulp).
+fn half_pow(exponent: f64) -> f64 {
+    std::hint::black_box(0.5f64).powf(exponent)
+}
+
+/// Python's `max(a, b)` for floats: `b` only if `b > a`.
+fn py_max(a: f64, b: f64) -> f64 {
+    if b > a { b } else { a }
 }
 
 impl EmaDetector {
@@ -255,7 +275,6 @@ impl EmaDetector {
             policy,
             samples: Vec::new(),
             completions: 0,
-            warmed_up: false,
             ema: 0.0,
             under_pressure: false,
             failure_tripped: false,
@@ -316,7 +335,12 @@ impl EmaDetector {
         self.on_store_completed(elapsed, num_bytes);
     }
 
-    /// One completed store: `elapsed` for `num_bytes` bytes.
+    /// One completed store: `elapsed` for `num_bytes` bytes (`num_bytes == 0` is ignored, as
+    /// [`EmaDetector::update`] ignores it in vLLM).
+    ///
+    /// The first `warmup_completions` completions only collect samples; the last of them sets
+    /// the EMA to their mean. Every later one folds in with `alpha` and then decides pressure
+    /// (above high water), recovery (below low water, starting the cooldown) or neither.
     pub fn on_store_completed(&mut self, elapsed: Duration, num_bytes: u64) {
         if num_bytes == 0 {
             return;
@@ -325,24 +349,24 @@ impl EmaDetector {
         let s_per_mib = elapsed.as_secs_f64() / (num_bytes as f64 / MIB);
         self.consecutive_failures = 0;
         self.completions += 1;
-        self.last_update = Some(now);
-        if !self.warmed_up {
+        let warmup = u64::from(self.params.warmup_completions);
+        if self.completions <= warmup {
             self.samples.push(s_per_mib);
-            if self.samples.len() >= self.params.warmup_completions as usize {
-                self.ema = self.samples.iter().sum::<f64>() / self.samples.len().max(1) as f64;
-                self.samples = Vec::new();
-                self.warmed_up = true;
+            if self.completions == warmup {
+                // Python's sum(): left to right from 0.
+                let sum = self.samples.iter().fold(0.0, |acc, x| acc + x);
+                self.ema = sum / self.samples.len() as f64;
+                self.last_update = Some(now);
             }
-            if self.params.warmup_completions > 0 {
-                return;
-            }
-        } else {
-            self.ema = self.params.alpha * s_per_mib + (1.0 - self.params.alpha) * self.ema;
+            return;
         }
+        let alpha = self.params.alpha;
+        self.ema = alpha * s_per_mib + (1.0 - alpha) * self.ema;
+        self.last_update = Some(now);
         if self.ema > self.params.high_water_s {
             self.set_pressure(true);
-            self.healthy_streak = 0;
             self.pressure_cleared_at = None;
+            self.healthy_streak = 0;
         } else if self.ema < self.params.low_water_s {
             if self.under_pressure {
                 self.pressure_cleared_at = Some(now);
@@ -356,33 +380,48 @@ impl EmaDetector {
         }
     }
 
-    /// One failed store. Only counts with a failure threshold.
+    /// One failed store. Only counts with a failure threshold: after that many in a row the
+    /// EMA is raised to [`FAILURE_EMA_FACTOR`] times high water and pressure starts (during
+    /// warm-up too); idle decay later lets a probe store through.
     pub fn on_store_failed(&mut self) {
         let Some(threshold) = self.params.failure_threshold else {
             return;
         };
-        self.healthy_streak = 0;
         self.consecutive_failures = self.consecutive_failures.saturating_add(1);
-        if self.consecutive_failures >= threshold {
-            self.ema = self.ema.max(FAILURE_EMA_FACTOR * self.params.high_water_s);
-            self.failure_tripped = true;
-            self.pressure_cleared_at = None;
-            self.last_update = Some(self.clock.now());
-            self.set_pressure(true);
+        self.healthy_streak = 0;
+        if self.consecutive_failures < threshold {
+            return;
         }
+        self.ema = py_max(self.ema, self.params.high_water_s * FAILURE_EMA_FACTOR);
+        self.last_update = Some(self.clock.now());
+        self.set_pressure(true);
+        self.failure_tripped = true;
+        self.pressure_cleared_at = None;
+    }
+
+    /// `ema *= 0.5 ** (dt / half_life)` for the time since the last update; nothing when no
+    /// time passed or `decay_half_life_s <= 0` (decay disabled).
+    fn apply_idle_decay(&mut self, now: Instant) {
+        let dt = match self.last_update {
+            Some(last) => now.saturating_duration_since(last).as_secs_f64(),
+            // vLLM's "never" is time 0.0: any real clock is far past it. Unreachable while
+            // under pressure (every way into pressure sets the update time).
+            None => f64::INFINITY,
+        };
+        let half_life = self.params.decay_half_life_s;
+        if dt <= 0.0 || half_life <= 0.0 {
+            return;
+        }
+        self.ema *= half_pow(dt / half_life);
+        self.last_update = Some(now);
     }
 
     /// Refreshes pressure (applying idle decay) and returns it.
     pub fn is_under_pressure(&mut self) -> bool {
-        if self.under_pressure && (self.warmed_up || self.failure_tripped) {
+        let warmed_up = self.completions >= u64::from(self.params.warmup_completions);
+        if self.under_pressure && (warmed_up || self.failure_tripped) {
             let now = self.clock.now();
-            if let Some(last) = self.last_update {
-                let dt = now.saturating_duration_since(last).as_secs_f64();
-                if dt > 0.0 {
-                    self.ema *= 0.5f64.powf(dt / self.params.decay_half_life_s);
-                }
-            }
-            self.last_update = Some(now);
+            self.apply_idle_decay(now);
             if self.ema < self.params.low_water_s {
                 self.set_pressure(false);
                 self.failure_tripped = false;
@@ -393,10 +432,16 @@ impl EmaDetector {
         self.under_pressure
     }
 
-    /// The store gate, called with the number of keys of the store.
+    /// vLLM's `is_healthy`: not under pressure after enough fast completions in a row.
+    fn is_healthy(&self) -> bool {
+        !self.under_pressure && self.healthy_streak >= HEALTHY_THRESHOLD
+    }
+
+    /// The store gate, called with the number of keys of the store: healthy -> store; within
+    /// the cooldown after pressure cleared -> every second call dropped; else the policy.
     pub fn should_store(&mut self, num_blocks: usize) -> StoreDecision {
         let under = self.is_under_pressure();
-        if !under && self.healthy_streak >= HEALTHY_THRESHOLD {
+        if self.is_healthy() {
             return StoreDecision::Store;
         }
         if !under && let Some(cleared) = self.pressure_cleared_at {
@@ -409,10 +454,12 @@ impl EmaDetector {
                 }
             }
         }
+        // The policies ask the detector again (vLLM's `policy.should_store(detector)`).
+        let pressured = self.is_under_pressure();
         let high = self.params.high_water_s;
         let store = match &mut self.policy {
-            Policy::Throttled(p) => p.should_store(under, self.ema, high),
-            Policy::DropAll(_) => !under,
+            Policy::Throttled(p) => p.should_store(pressured, self.ema, high),
+            Policy::DropAll(_) => !pressured,
         };
         if store {
             StoreDecision::Store
@@ -432,9 +479,9 @@ impl EmaDetector {
         self.blocks_dropped = blocks;
     }
 
-    /// Whether the last completion or failure put the detector past warm-up.
+    /// Whether the warm-up completions have all been seen (the EMA is seeded).
     pub fn is_warmed_up(&self) -> bool {
-        self.warmed_up
+        self.completions >= u64::from(self.params.warmup_completions)
     }
 
     fn count_drop(&mut self, num_blocks: usize) {

@@ -213,8 +213,10 @@ fn resolve_fills_presets_only_where_missing_and_validates() {
     assert_eq!(p.policy, PolicyKind::Throttled);
     let p = DetectorParams::resolve(&empty, "nvme", Some(Locality::Remote), "t").unwrap();
     assert_eq!((p.high_water_s, p.low_water_s), NETWORK_WATER_MARKS);
+    // The tier type's failure threshold is the config merge's to fill (tests/config_*);
+    // resolve takes the merged value as given.
     let p = DetectorParams::resolve(&empty, "obj", None, "t").unwrap();
-    assert_eq!((p.high_water_s, p.failure_threshold), (0.050, Some(3)));
+    assert_eq!((p.high_water_s, p.failure_threshold), (0.050, None));
     let explicit = BackpressureConfig {
         backpressure_cls: Some(DETECTOR_CLASS.into()),
         policy_cls: Some("DropStorePolicy".into()),

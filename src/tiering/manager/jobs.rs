@@ -132,20 +132,15 @@ impl TieringManager {
             self.contract_error(e.with("tier", label));
         }
         let s = self.metrics.tiers[t];
+        let bytes = job.keys.len() as u64 * self.row_stride;
+        self.feed_detector(t, &job, &r, bytes);
         if r.success {
-            let bytes = job.keys.len() as u64 * self.row_stride;
             self.metrics.registry.inc(s.write_bytes, bytes as f64);
             if let Some(tt) = r.transfer_time {
                 self.metrics.add_transfer_time(t, false, tt.as_secs_f64());
             }
-            if let Some(d) = &mut self.tiers[t].detector {
-                d.update(job.submit_time, r.transfer_bytes.unwrap_or(bytes));
-            }
         } else {
             self.metrics.registry.inc(s.cascade_failures, 1.0);
-            if let Some(d) = &mut self.tiers[t].detector {
-                d.on_store_failed();
-            }
             log::warn!(
                 "store job {} to tier {} failed: {}",
                 r.job_id,
@@ -158,5 +153,35 @@ impl TieringManager {
         let slot = &mut self.tiers[t];
         slot.active_cascades = slot.active_cascades.saturating_sub(1);
         slot.cascade_rows = slot.cascade_rows.saturating_sub(job.keys.len());
+    }
+
+    /// vLLM's `_update_backpressure`, call for call: the pressure state is refreshed (idle
+    /// decay, which may clear pressure and start the cooldown) *before* the completion or
+    /// failure is folded in, and again after; a change is logged (`row_bytes` stands in for a
+    /// missing `transfer_bytes`).
+    fn feed_detector(&mut self, t: usize, job: &ActiveJob, r: &JobResult, row_bytes: u64) {
+        let slot = &mut self.tiers[t];
+        let Some(d) = &mut slot.detector else {
+            return;
+        };
+        let label = &slot.label;
+        let was = d.is_under_pressure();
+        if r.success {
+            d.update(job.submit_time, r.transfer_bytes.unwrap_or(row_bytes));
+        } else {
+            d.on_store_failed();
+        }
+        if d.is_under_pressure() != was {
+            let state = if d.is_under_pressure() {
+                "activated"
+            } else {
+                "cleared"
+            };
+            log::info!(
+                "Tier {label} back-pressure {state} (store_latency_ema {}, consecutive_store_failures {})",
+                d.ema(),
+                d.consecutive_failures()
+            );
+        }
     }
 }
