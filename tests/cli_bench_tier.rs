@@ -258,3 +258,56 @@ fn bench_user_mistakes_exit_2_with_one_line() {
     let out = kvtier(&["frobnicate"]);
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// `kvtier bench --tier fs`: kvtier's fs tier and vLLM's approach (and fio where installed) in
+/// one run on one directory, every chunk of both verified, the sides' fresh directories
+/// removed afterwards; one-line exit-2 errors for options that do not fit.
+#[test]
+fn bench_fs_tier_beside_vllms_approach() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let p = parent.path().to_str().unwrap();
+    let fio = std::process::Command::new("fio")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let mut args = vec![
+        "bench", "--tier", "fs", "--path", p, "--bytes", "16MiB", "--rounds", "2", "--json",
+    ];
+    if fio {
+        args.push("--fio");
+    } else {
+        kvtier::skip_test!("fio is not installed: the fio side of the fs bench is not run");
+    }
+    let out = kvtier(&args);
+    let v = json(&out);
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["chunks"], 8);
+    let sides = v["sides"].as_array().unwrap();
+    assert_eq!(sides.len(), if fio { 3 } else { 2 });
+    for s in sides {
+        let rounds = s["rounds"].as_array().unwrap();
+        assert_eq!(rounds.len(), 2, "{s}");
+        for r in rounds {
+            assert!(r["store_bytes_per_sec"].as_f64().unwrap() > 0.0, "{s}");
+            assert!(r["load_files_per_sec"].as_f64().unwrap() > 0.0, "{s}");
+            let want = if s["side"] == "fio" { 0 } else { 8 };
+            assert_eq!(r["chunks_verified"], want, "{s}: fio checks nothing");
+        }
+    }
+    assert_eq!(sides[0]["side"], "kvtier");
+    assert_eq!(sides[1]["side"], "vllm");
+    assert_eq!(
+        std::fs::read_dir(parent.path()).unwrap().count(),
+        0,
+        "every side's directory is removed"
+    );
+    assert_exit_2_one_line(
+        &kvtier(&["bench", "--tier", "fs", "--path", p, "--path", "/tmp"]),
+        "--tier fs takes one directory",
+    );
+    assert_exit_2_one_line(&kvtier(&["bench", "--fio"]), "--tier fs only");
+    assert_exit_2_one_line(
+        &kvtier(&["bench", "--tier", "fs", "--path", p, "--rounds", "0"]),
+        "--rounds",
+    );
+}

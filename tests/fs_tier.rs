@@ -569,3 +569,27 @@ fn fsync_always_and_uring_round_trip() {
     t.shutdown().unwrap();
     let _ = XATTR_NAME;
 }
+
+#[test]
+fn a_file_removed_by_another_host_fails_that_load_and_becomes_a_miss() {
+    let d = tmp();
+    let r = region(8);
+    let mut t = open(config(d.path(), 64), &r);
+    assert!(store(&mut t, &r, 1, &[1, 2, 3]).success);
+    let rq = req("r");
+    // Known from the store: a HIT, a promise another host can break.
+    assert_eq!(t.lookup(&key(2), &rq), LookupResult::Hit);
+    std::fs::remove_file(t.mapper().file_path(&key(2)).unwrap()).unwrap();
+    let res = load(&mut t, &r, 2, &[1, 2, 3]);
+    assert!(!res.success);
+    assert_eq!(res.successful_keys, Some(vec![key(1), key(3)]));
+    assert!(
+        res.error.as_ref().unwrap().to_string().contains("is gone"),
+        "{res:?}"
+    );
+    assert!(row_is(&r, 0, 1) && row_is(&r, 2, 3));
+    assert_eq!(metric(&t, "fs_missing_files"), 1.0);
+    // No longer known, and the failed load turned the verdict into a MISS.
+    assert_eq!(resolve(&mut t, 2, &rq), LookupResult::Miss);
+    t.shutdown().unwrap();
+}

@@ -13,13 +13,17 @@
 //! * [`tier`]: the stack the bench runs on (primary, one G3 tier, the manager).
 //! * [`phases`]: fill, store, load, verify. [`data`]: each chunk's deterministic bytes.
 //! * [`report`]: the `--json` schema and the human table.
+//! * [`fs_tier`]: `--tier fs`: the same phases on an fs tier, in rounds beside
+//!   [`vllm_fs`] (vLLM's fs tier approach, mirrored) and optionally fio.
 
 pub mod data;
+pub mod fs_tier;
 pub mod gds;
 pub mod phases;
 pub mod plan;
 pub mod report;
 pub mod tier;
+pub mod vllm_fs;
 
 use std::process::ExitCode;
 
@@ -45,6 +49,7 @@ use crate::key::ChunkKey;
   kvtier bench --path /mnt/nvme0 --path /mnt/nvme1 --bytes 16GiB
   kvtier bench --layout layouts/qwen3-32b.toml --tp 2 --blocks-per-chunk 4
   kvtier bench --bytes 256MiB --keep --json      # keep the tier for `kvtier tier inspect`
+  kvtier bench --tier fs --path /mnt/shared --bytes 512MiB --fio   # fs tier vs vLLM's approach vs fio
 
 The tier gets a new sub-directory in each --path (one slab each), removed afterwards unless
 --keep. Exits 1 if any stored byte does not come back intact.")]
@@ -77,11 +82,32 @@ pub struct BenchArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// The tier: `nvme` (G3 slab files) or `fs` (one file per chunk in one --path, as on a
+    /// shared file system, measured in rounds beside vLLM's fs tier approach).
+    #[arg(long, value_enum, default_value = "nvme")]
+    pub tier: BenchTierKind,
+    /// With --tier fs: rounds, each running every side once (the side that goes first
+    /// alternates); the report gives each side's medians. Default 3.
+    #[arg(long, value_name = "N")]
+    pub rounds: Option<u32>,
+    /// With --tier fs: also run fio's one-file-per-chunk profiles (fio-profiles/fs-store.fio,
+    /// fs-load.fio: 16 threads, O_DIRECT, the raw ceiling) in every round.
+    #[arg(long)]
+    pub fio: bool,
     /// Instead: chunks in GPU memory stored and loaded by GPUDirect Storage and, from the same
     /// GPU buffers, by the CPU path (GPU -> pinned row -> O_DIRECT), every byte verified; one
     /// table of GB/s. Needs a build with `--features gds` and a GPU.
     #[arg(long)]
     pub gds: bool,
+}
+
+/// Which tier `kvtier bench` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchTierKind {
+    /// The G3 NVMe tier (slab files).
+    Nvme,
+    /// The fs tier (one file per chunk).
+    Fs,
 }
 
 /// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
@@ -93,6 +119,15 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
 fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     if args.gds {
         return gds::run(&args);
+    }
+    if args.tier == BenchTierKind::Fs {
+        return fs_tier::run(&args);
+    }
+    if args.fio || args.rounds.is_some() {
+        return Err(crate::error::Error::config(
+            if args.fio { "--fio" } else { "--rounds" },
+            "applies to --tier fs only (the nvme tier is compared with fio by `kvtier fio-compare`)",
+        ));
     }
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
@@ -106,6 +141,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
         namespace,
         keep: args.keep,
+        fs_fields: None,
     })?;
     let seed = run_seed();
     let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
@@ -169,7 +205,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
 }
 
 /// A seed that differs between runs (so a kept tier never makes a later run look good).
-fn run_seed() -> u64 {
+pub(crate) fn run_seed() -> u64 {
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)

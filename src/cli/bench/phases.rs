@@ -187,13 +187,22 @@ impl PhaseSteps for LoadSteps {
         let req = request("load", batch);
         m.on_new_request(&req);
         for key in keys {
-            // The first secondary HIT starts a promotion (HitPending); RETRY only while
-            // the index recovers, which a fresh tier never does.
-            if m.lookup(key, &req) == LookupResult::Retry {
-                return Err(Error::new(
-                    ErrorKind::Internal,
-                    "the G3 tier answered RETRY on a freshly formatted tier",
-                ));
+            // The first secondary HIT starts a promotion (HitPending). RETRY: the G3 tier
+            // while it recovers (a fresh tier never does), an fs tier while it checks a file
+            // it does not know; ask again after the step ends, as a scheduler would.
+            let deadline = Instant::now() + STALL_LIMIT;
+            while m.lookup(key, &req) == LookupResult::Retry {
+                if Instant::now() > deadline {
+                    return Err(Error::new(
+                        ErrorKind::Internal,
+                        format!(
+                            "the tier answered RETRY for {} s; its lookups never resolved",
+                            STALL_LIMIT.as_secs()
+                        ),
+                    ));
+                }
+                m.on_schedule_end(&ScheduleEndContext::default())?;
+                std::thread::sleep(POLL_INTERVAL);
             }
         }
         Ok(())

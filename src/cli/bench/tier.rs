@@ -1,14 +1,16 @@
 //! The stack `kvtier bench` runs on: a primary region and tier, one G3 tier on fresh
-//! directories, and the tiering manager over them (no back-pressure: the bench must store
-//! every chunk it later verifies).
+//! directories (or, with `--tier fs`, one fs tier in a fresh directory), and the tiering
+//! manager over them (no back-pressure: the bench must store every chunk it later verifies).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::EvictionPolicyKind;
+use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::{FsyncPolicy, G3Info, G3Tier, G3TierConfig};
+use crate::fs::{FsTier, FsTierConfig};
+use crate::g3::{FsyncPolicy, G3Tier, G3TierConfig};
 use crate::io::IoEngineKind;
 use crate::primary::PrimaryTier;
 use crate::region::PrimaryRegion;
@@ -35,6 +37,9 @@ pub struct TierOptions {
     pub namespace: [u8; 32],
     /// Keep the directories when done.
     pub keep: bool,
+    /// `Some`: an fs tier (in the first directory) named by these vLLM FileMapper fields,
+    /// instead of a G3 tier.
+    pub fs_fields: Option<serde_json::Value>,
 }
 
 /// Facts for the report.
@@ -54,7 +59,9 @@ pub struct BenchTier {
     /// The manager the bench drives.
     pub manager: TieringManager,
     dirs: Vec<tempfile::TempDir>,
-    info: G3Info,
+    engine: String,
+    /// Whether each tier directory uses O_DIRECT.
+    direct: Vec<bool>,
     keep: bool,
 }
 
@@ -75,6 +82,52 @@ impl BenchTier {
         let row = usize::try_from(opts.row_stride)
             .map_err(|_| Error::config("--layout", "row stride too large"))?;
         let region = Arc::new(PrimaryRegion::create(rows, row)?);
+        let (tier, engine, direct): (Box<dyn SecondaryTier>, String, Vec<bool>) =
+            match &opts.fs_fields {
+                Some(fields) => {
+                    let mut cfg = FsTierConfig::new(dirs[0].path(), opts.capacity);
+                    cfg.max_bytes_in_flight = opts.max_bytes_in_flight;
+                    cfg.io_engine = opts.io_engine;
+                    let tier = FsTier::open(
+                        cfg,
+                        region.clone(),
+                        fields.clone(),
+                        opts.namespace,
+                        "1:fs".to_string(),
+                        None,
+                    )?;
+                    let (engine, direct) = (tier.info().engine.clone(), tier.info().direct_io);
+                    (Box::new(tier), engine, vec![direct])
+                }
+                None => {
+                    let tier = Self::open_g3(opts, &dirs, region.clone())?;
+                    let info = tier.info().clone();
+                    (Box::new(tier), info.engine, info.direct_io)
+                }
+            };
+        let primary = PrimaryTier::new(region, EvictionPolicyKind::Lru, false);
+        let manager = TieringManager::with_tiers(
+            primary,
+            vec![TierSpec {
+                tier,
+                backpressure: None,
+            }],
+            ManagerOptions::default(),
+        )?;
+        Ok(BenchTier {
+            manager,
+            dirs,
+            engine,
+            direct,
+            keep: opts.keep,
+        })
+    }
+
+    fn open_g3(
+        opts: &TierOptions,
+        dirs: &[tempfile::TempDir],
+        region: Arc<PrimaryRegion>,
+    ) -> Result<G3Tier> {
         let mut cfg = G3TierConfig::new(
             dirs.iter().map(|d| d.path().to_path_buf()).collect(),
             opts.capacity,
@@ -84,41 +137,20 @@ impl BenchTier {
         cfg.idle.linger = opts.idle_linger;
         // Stores are reported once their data and index records are durable (the default).
         cfg.fsync = FsyncPolicy::Always;
-        let tier = G3Tier::open(
-            cfg,
-            region.clone(),
-            opts.namespace,
-            "1:nvme".to_string(),
-            None,
-        )?;
+        let tier = G3Tier::open(cfg, region, opts.namespace, "1:nvme".to_string(), None)?;
         if !tier.wait_recovered(Duration::from_secs(60)) {
             return Err(Error::new(
                 ErrorKind::Internal,
                 "the fresh G3 tier did not finish opening its index within 60 s",
             ));
         }
-        let info = tier.info().clone();
-        let primary = PrimaryTier::new(region, EvictionPolicyKind::Lru, false);
-        let manager = TieringManager::with_tiers(
-            primary,
-            vec![TierSpec {
-                tier: Box::new(tier),
-                backpressure: None,
-            }],
-            ManagerOptions::default(),
-        )?;
-        Ok(BenchTier {
-            manager,
-            dirs,
-            info,
-            keep: opts.keep,
-        })
+        Ok(tier)
     }
 
     /// The tier's directories, engine and direct-I/O mode.
     pub fn facts(&self) -> TierFacts {
-        let direct = self.info.direct_io.iter().filter(|d| **d).count();
-        let direct_io = if direct == self.info.direct_io.len() {
+        let direct = self.direct.iter().filter(|d| **d).count();
+        let direct_io = if direct == self.direct.len() {
             "direct (O_DIRECT)"
         } else if direct == 0 {
             "buffered"
@@ -127,7 +159,7 @@ impl BenchTier {
         };
         TierFacts {
             dirs: self.dirs.iter().map(|d| d.path().to_path_buf()).collect(),
-            io_engine: self.info.engine.clone(),
+            io_engine: self.engine.clone(),
             direct_io: direct_io.to_string(),
         }
     }

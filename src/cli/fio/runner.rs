@@ -136,20 +136,38 @@ pub fn fio_version() -> Result<String> {
 
 /// Runs fio once and returns what it measured. `scratch` holds the job and report files.
 pub fn run_fio(run: &FioRun, scratch: &Path) -> Result<FioReport> {
-    let job_path = scratch.join(format!("{}.fio", run.profile.name()));
-    std::fs::write(&job_path, run.profile.job_file())
-        .map_err(|e| Error::io("write fio job file", &job_path, e))?;
-    let report_path = scratch.join(format!("{}.json", run.profile.name()));
     let files: Vec<String> = run.files.iter().map(|f| f.display().to_string()).collect();
+    run_job_file(
+        run.profile.name(),
+        run.profile.job_file(),
+        &[
+            ("KVTIER_FIO_FILE", files.join(":")),
+            ("KVTIER_FIO_SIZE", run.size.to_string()),
+            ("KVTIER_FIO_BS", run.block_size.to_string()),
+            ("KVTIER_FIO_IODEPTH", run.iodepth.to_string()),
+        ],
+        scratch,
+    )
+}
+
+/// Runs the fio job file `job_text` (saved as `<name>.fio` in `scratch`) with `env` and returns
+/// what it measured; the JSON report goes to `<name>.json` there.
+pub fn run_job_file(
+    name: &str,
+    job_text: &str,
+    env: &[(&str, String)],
+    scratch: &Path,
+) -> Result<FioReport> {
+    let job_path = scratch.join(format!("{name}.fio"));
+    std::fs::write(&job_path, job_text)
+        .map_err(|e| Error::io("write fio job file", &job_path, e))?;
+    let report_path = scratch.join(format!("{name}.json"));
     let bin = fio_binary();
     let out = Command::new(&bin)
         .arg("--output-format=json")
         .arg(format!("--output={}", report_path.display()))
         .arg(&job_path)
-        .env("KVTIER_FIO_FILE", files.join(":"))
-        .env("KVTIER_FIO_SIZE", run.size.to_string())
-        .env("KVTIER_FIO_BS", run.block_size.to_string())
-        .env("KVTIER_FIO_IODEPTH", run.iodepth.to_string())
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .output()
         .map_err(|e| {
             Error::new(
@@ -159,12 +177,13 @@ pub fn run_fio(run: &FioRun, scratch: &Path) -> Result<FioReport> {
         })?;
     if !out.status.success() {
         let stderr = String::from_utf8_lossy(&out.stderr);
+        let vars: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
         return Err(Error::new(
             ErrorKind::Io,
             format!(
-                "fio failed ({}) on {}: {}",
+                "fio failed ({}) running {name} with {}: {}",
                 out.status,
-                files.join(":"),
+                vars.join(" "),
                 stderr.trim()
             ),
         ));
