@@ -548,8 +548,15 @@ fn an_unresolved_lookup_times_out_as_a_miss() {
     let rq = req("r");
     // Never flushed: the check never runs, as if the file system hung.
     assert_eq!(t.lookup(&key(1), &rq), LookupResult::Retry);
+    assert_eq!(
+        t.health().state,
+        kvtier::contract::secondary::HealthState::Ok
+    );
     std::thread::sleep(Duration::from_millis(40));
     assert_eq!(t.lookup(&key(1), &rq), LookupResult::Miss);
+    let h = t.health();
+    assert_eq!(h.state, kvtier::contract::secondary::HealthState::Degraded);
+    assert!(h.problems[0].contains("timed out"), "{h:?}");
     t.shutdown().unwrap();
 }
 

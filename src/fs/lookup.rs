@@ -167,6 +167,7 @@ impl AsyncLookup {
             Some(r) => Some(r),
             None if state.asked.elapsed() > self.timeout => {
                 m.lookup_timeouts.fetch_add(1, Ordering::Relaxed);
+                *m.last_lookup_timeout.lock() = Some(Instant::now());
                 Some(false)
             }
             None => {

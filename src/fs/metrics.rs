@@ -82,6 +82,10 @@ pub struct FsMetrics {
     pub engine_fallback: Mutex<Option<String>>,
     /// How files are published (`noreplace`, `link`, `rename`).
     pub publish_mode: Mutex<&'static str>,
+    /// When a lookup last timed out (for health).
+    pub last_lookup_timeout: Mutex<Option<std::time::Instant>>,
+    /// Why the tier serves nothing any more (its engine stopped), if so.
+    pub failed: Mutex<Option<String>>,
 }
 
 fn get(a: &AtomicU64) -> f64 {

@@ -19,7 +19,7 @@ use crate::contract::job::{
     JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
 use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
-use crate::contract::secondary::{SecondaryTier, TierMetric};
+use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
 use crate::fs::chunk_file::{DirCache, PublishMode, probe_publish};
@@ -40,6 +40,9 @@ use crate::region::PrimaryRegion;
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands and the lookup
 /// and scan threads' reports.
 const CONTROL_SLACK: usize = 64;
+
+/// How long a lookup timeout keeps the tier degraded.
+const HEALTH_WINDOW: Duration = Duration::from_secs(60);
 
 /// Longest a lookup waits for the catalog lock before it asks the verdict cache instead.
 const LOOKUP_LOCK_WAIT: Duration = Duration::from_micros(100);
@@ -487,6 +490,41 @@ impl SecondaryTier for FsTier {
 
     fn metrics(&self) -> Vec<TierMetric> {
         self.sh.metrics.sample(self.capacity)
+    }
+
+    fn health(&self) -> TierHealth {
+        let m = &self.sh.metrics;
+        let mut h = TierHealth::default();
+        if let Some(why) = m.failed.lock().as_ref() {
+            h.add(
+                HealthState::Failed,
+                format!("the fs tier serves nothing: {why}"),
+            );
+        }
+        let failures = m.eviction_failures.load(Ordering::Relaxed);
+        if failures > 0 {
+            h.add(
+                HealthState::Degraded,
+                format!(
+                    "{failures} chunk file(s) could not be removed: capacity_bytes may be exceeded"
+                ),
+            );
+        }
+        if m.last_lookup_timeout
+            .lock()
+            .is_some_and(|t| t.elapsed() < HEALTH_WINDOW)
+        {
+            h.add(
+                HealthState::Degraded,
+                format!(
+                    "existence checks timed out in the last {} s (is {} hanging?); lookups \
+                     answer MISS meanwhile",
+                    HEALTH_WINDOW.as_secs(),
+                    self.info.base_path.display()
+                ),
+            );
+        }
+        h
     }
 }
 

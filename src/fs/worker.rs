@@ -766,6 +766,7 @@ impl Worker {
             "fs tier {}: the I/O engine stopped; failing transfers in flight",
             self.tier_id
         );
+        *self.sh.metrics.failed.lock() = Some("its I/O engine stopped".to_string());
         let tags: Vec<u64> = self.moving.keys().copied().collect();
         for tag in tags {
             self.completion(IoCompletion {
