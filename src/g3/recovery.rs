@@ -309,24 +309,10 @@ pub fn recover(
         }
     }
     let base_seq = base.and_then(|b| ckpts[b].seq());
-    // Journals continuing the base (or a later checkpoint), oldest first; a journal whose
-    // header is damaged is most likely the current one, and goes last.
-    let from = base_seq.unwrap_or(0);
     journals.sort_by_key(|j| j.seq().map_or(u64::MAX, |s| s));
-    let (use_journals, folded): (Vec<&Found>, Vec<&Found>) = journals
-        .iter()
-        .partition(|j| j.seq().is_none_or(|s| s >= from));
-    for j in folded {
-        log::info!(
-            "G3 journal {} continues checkpoint {} and predates checkpoint {from}; already \
-             folded in",
-            rd.dir.file_path(j.name).display(),
-            j.seq().unwrap_or(0)
-        );
-    }
     // Damaged checkpoints newer than the base: their readable records are needed when no
     // journal continues the base (the records between the base and them exist nowhere else).
-    let continued = use_journals.iter().any(|j| j.seq() == base_seq);
+    let continued = journals.iter().any(|j| j.seq() == base_seq);
     let mut newer_damaged: Vec<usize> = damaged
         .iter()
         .copied()
@@ -343,6 +329,23 @@ pub fn recover(
         newer_damaged.truncate(1);
     }
     newer_damaged.sort_by_key(|&i| ckpts[i].seq().map_or(u64::MAX, |s| s));
+    // Journals continuing the base (or a later checkpoint), oldest first; a journal whose
+    // header is damaged is most likely the current one, and goes last. Without an intact
+    // checkpoint, the damaged one used as the base decides (when its header is readable).
+    let from = base_seq
+        .or_else(|| newer_damaged.first().and_then(|&i| ckpts[i].seq()))
+        .unwrap_or(0);
+    let (use_journals, folded): (Vec<&Found>, Vec<&Found>) = journals
+        .iter()
+        .partition(|j| j.seq().is_none_or(|s| s >= from));
+    for j in folded {
+        log::info!(
+            "G3 journal {} continues checkpoint {} and predates checkpoint {from}; already \
+             folded in",
+            rd.dir.file_path(j.name).display(),
+            j.seq().unwrap_or(0)
+        );
+    }
     for &i in &newer_damaged {
         rd.stream(&ckpts[i], &mut index, &mut replay)?;
         rd.warn(format!(
