@@ -272,7 +272,9 @@ pub fn recover(
     ckpts.sort_by_key(|c| std::cmp::Reverse(c.seq().map_or(0, |s| s + 1)));
 
     // The base: the newest intact checkpoint.
-    let mut index = rd.fresh_index();
+    // (An index is allocated only for what is read into it: its slot table is written whole
+    // when it is made, hundreds of MB for millions of slots.)
+    let mut index: Option<Index> = None;
     let mut replay = Replay::default();
     let mut base: Option<usize> = None;
     let mut damaged: Vec<usize> = Vec::new();
@@ -292,7 +294,7 @@ pub fn recover(
         };
         match problem {
             None => {
-                index = ix;
+                index = Some(ix);
                 replay = rp;
                 base = Some(i);
                 break;
@@ -346,6 +348,7 @@ pub fn recover(
             j.seq().unwrap_or(0)
         );
     }
+    let mut index = index.unwrap_or_else(|| rd.fresh_index());
     for &i in &newer_damaged {
         rd.stream(&ckpts[i], &mut index, &mut replay)?;
         rd.warn(format!(
