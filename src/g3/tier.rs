@@ -456,7 +456,9 @@ impl SecondaryTier for G3Tier {
         }
         if let (Some(iv), Some(age)) = (self.checkpoint_interval, m.checkpoint_age())
             && m.journal_bytes.load(Relaxed) > crate::g3::record::FILE_HEADER_SIZE as u64
-            && age > iv.saturating_mul(2) + std::time::Duration::from_secs(60)
+            && age
+                > iv.saturating_mul(2)
+                    .saturating_add(std::time::Duration::from_secs(60))
         {
             h.add(
                 HealthState::Degraded,
