@@ -141,7 +141,7 @@ fn throughput(dir: &Path, c: &Case) -> Measured {
     let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
     let slab_dir = tempfile::tempdir_in(dir).expect("tempdir");
     let mut cfg = G3TierConfig::new(vec![slab_dir.path().to_path_buf()], (rows * stride) as u64);
-    cfg.max_bytes_in_flight = c.in_flight;
+    cfg.max_bytes_in_flight = Some(c.in_flight);
     cfg.fsync = FsyncPolicy::Never;
     let bytes = (rows * stride) as f64;
     let (mut sg, mut sc, mut lg, mut lc) = (vec![], vec![], vec![], vec![]);

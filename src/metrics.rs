@@ -3,8 +3,14 @@
 //! Each [`Registry`] is owned by whoever records into it (the tiering manager owns one); there
 //! is no global registry. Families are declared once with their label names (and buckets for
 //! histograms); a series is resolved once to a [`SeriesId`] so that hot paths update it in O(1).
-//! Counters are rendered as `<name>_total` under `# TYPE <name> counter`, as the Python
-//! `prometheus_client` used by vLLM does, so dashboards written for vLLM keep working.
+//! Counters are exposed as `<name>_total`, their `# HELP` and `# TYPE` lines included
+//! (`# TYPE <name>_total counter`), exactly as the Python `prometheus_client` that vLLM exports
+//! its metrics with writes them, so dashboards and queries written for vLLM keep working and
+//! every parser sees each sample under its declared type. A counter declared as `x_total` is
+//! the family `x` (`prometheus_client` strips the suffix the same way). Histograms are
+//! `<name>_bucket` (cumulative, `le` last, `+Inf` included), `<name>_count`, `<name>_sum`.
+//! `prometheus_client`'s `_created` gauges (a series' creation time) are not written, as vLLM
+//! does not write them when it serves several API processes.
 
 use std::fmt::Write as _;
 
@@ -110,6 +116,10 @@ impl Registry {
         kind: MetricKind,
         label_names: &[&str],
     ) -> Result<FamilyId> {
+        let name = match kind {
+            MetricKind::Counter => name.strip_suffix("_total").unwrap_or(name),
+            _ => name,
+        };
         let full = format!("{}{name}", self.prefix);
         if let Some(i) = self.families.iter().position(|f| f.name == full) {
             let f = &self.families[i];
@@ -125,6 +135,20 @@ impl Registry {
             return Err(Error::new(
                 ErrorKind::Contract,
                 format!("invalid metric or label name in {full} {label_names:?}"),
+            ));
+        }
+        let exposed = exposed_names(&full, &kind);
+        if let Some(other) = self.families.iter().find(|f| {
+            exposed_names(&f.name, &f.kind)
+                .iter()
+                .any(|n| exposed.contains(n))
+        }) {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "metric {full} would expose a series named like one of {} ({:?})",
+                    other.name, exposed
+                ),
             ));
         }
         if let MetricKind::Histogram(b) = &kind
@@ -254,52 +278,39 @@ impl Registry {
     pub fn render(&self) -> String {
         let mut out = String::with_capacity(256 * self.families.len());
         for f in &self.families {
-            let _ = writeln!(out, "# HELP {} {}", f.name, escape_help(&f.help));
-            let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind.type_name());
+            // A counter's metadata carries its sample name, `_total` included.
+            let exposed = match f.kind {
+                MetricKind::Counter => format!("{}_total", f.name),
+                _ => f.name.clone(),
+            };
+            let _ = writeln!(out, "# HELP {exposed} {}", escape_help(&f.help));
+            let _ = writeln!(out, "# TYPE {exposed} {}", f.kind.type_name());
+            let plain = label_order(&f.label_names, false);
+            let with_le = label_order(&f.label_names, true);
             for s in &f.series {
+                let labels = (&f.label_names[..], &s.labels[..]);
                 match &f.kind {
-                    MetricKind::Counter => {
-                        let name = format!("{}_total", f.name);
-                        sample(&mut out, &name, &f.label_names, &s.labels, None, s.value);
-                    }
-                    MetricKind::Gauge => {
-                        sample(&mut out, &f.name, &f.label_names, &s.labels, None, s.value);
+                    MetricKind::Counter | MetricKind::Gauge => {
+                        sample(&mut out, &exposed, &plain, labels, None, s.value);
                     }
                     MetricKind::Histogram(bounds) => {
                         let bucket = format!("{}_bucket", f.name);
                         let mut cumulative = 0u64;
-                        for (b, c) in bounds.iter().zip(&s.bucket_counts) {
+                        let counts = s.bucket_counts.iter().map(|c| {
                             cumulative += c;
+                            cumulative
+                        });
+                        for (b, c) in bounds.iter().zip(counts) {
                             let le = fmt_value(*b);
                             let le = Some(le.as_str());
-                            sample(
-                                &mut out,
-                                &bucket,
-                                &f.label_names,
-                                &s.labels,
-                                le,
-                                cumulative as f64,
-                            );
+                            sample(&mut out, &bucket, &with_le, labels, le, c as f64);
                         }
                         let inf = Some("+Inf");
-                        sample(
-                            &mut out,
-                            &bucket,
-                            &f.label_names,
-                            &s.labels,
-                            inf,
-                            s.count as f64,
-                        );
-                        let (sum, count) = (format!("{}_sum", f.name), format!("{}_count", f.name));
-                        sample(
-                            &mut out,
-                            &count,
-                            &f.label_names,
-                            &s.labels,
-                            None,
-                            s.count as f64,
-                        );
-                        sample(&mut out, &sum, &f.label_names, &s.labels, None, s.value);
+                        sample(&mut out, &bucket, &with_le, labels, inf, s.count as f64);
+                        let count = format!("{}_count", f.name);
+                        sample(&mut out, &count, &plain, labels, None, s.count as f64);
+                        let sum = format!("{}_sum", f.name);
+                        sample(&mut out, &sum, &plain, labels, None, s.value);
                     }
                 }
             }
@@ -308,31 +319,50 @@ impl Registry {
     }
 }
 
+/// The sample names a family exposes (two families may not share one).
+fn exposed_names(name: &str, kind: &MetricKind) -> Vec<String> {
+    match kind {
+        MetricKind::Counter => vec![format!("{name}_total")],
+        MetricKind::Gauge => vec![name.to_string()],
+        MetricKind::Histogram(_) => ["_bucket", "_count", "_sum"]
+            .iter()
+            .map(|suffix| format!("{name}{suffix}"))
+            .collect(),
+    }
+}
+
+/// The order a family's labels are written in: sorted by name, as `prometheus_client` writes
+/// them; `None` stands for a histogram bucket's `le`.
+fn label_order(names: &[String], with_le: bool) -> Vec<Option<usize>> {
+    let mut order: Vec<Option<usize>> = (0..names.len()).map(Some).collect();
+    if with_le {
+        order.push(None);
+    }
+    order.sort_by_key(|i| i.map_or("le", |i| names[i].as_str()));
+    order
+}
+
 fn sample(
     out: &mut String,
     name: &str,
-    names: &[String],
-    values: &[String],
+    order: &[Option<usize>],
+    (names, values): (&[String], &[String]),
     le: Option<&str>,
     v: f64,
 ) {
     out.push_str(name);
-    if !names.is_empty() || le.is_some() {
-        out.push('{');
-        let mut first = true;
-        for (n, val) in names.iter().zip(values) {
-            if !first {
-                out.push(',');
-            }
-            first = false;
-            let _ = write!(out, "{n}=\"{}\"", escape_label(val));
-        }
-        if let Some(le) = le {
-            if !first {
-                out.push(',');
-            }
-            let _ = write!(out, "le=\"{le}\"");
-        }
+    let mut first = true;
+    for i in order {
+        let (n, val) = match (*i, le) {
+            (Some(i), _) => (names[i].as_str(), escape_label(&values[i])),
+            (None, Some(le)) => ("le", le.to_string()),
+            (None, None) => continue,
+        };
+        out.push(if first { '{' } else { ',' });
+        first = false;
+        let _ = write!(out, "{n}=\"{val}\"");
+    }
+    if !first {
         out.push('}');
     }
     let _ = writeln!(out, " {}", fmt_value(v));
@@ -431,19 +461,19 @@ mod tests {
         }
         let text = r.render();
         let want = "\
-# HELP kvtier:read_bytes Bytes read.
-# TYPE kvtier:read_bytes counter
+# HELP kvtier:read_bytes_total Bytes read.
+# TYPE kvtier:read_bytes_total counter
 kvtier:read_bytes_total{tier=\"1:memory\"} 4096.0
 # HELP kvtier:usage Use \\\\ \"x\"\\nok
 # TYPE kvtier:usage gauge
 kvtier:usage 0.25
 # HELP kvtier:lat Latency.
 # TYPE kvtier:lat histogram
-kvtier:lat_bucket{tier=\"1:a\\\"b\",result=\"success\",le=\"0.1\"} 1.0
-kvtier:lat_bucket{tier=\"1:a\\\"b\",result=\"success\",le=\"1.0\"} 2.0
-kvtier:lat_bucket{tier=\"1:a\\\"b\",result=\"success\",le=\"+Inf\"} 3.0
-kvtier:lat_count{tier=\"1:a\\\"b\",result=\"success\"} 3.0
-kvtier:lat_sum{tier=\"1:a\\\"b\",result=\"success\"} 5.55
+kvtier:lat_bucket{le=\"0.1\",result=\"success\",tier=\"1:a\\\"b\"} 1.0
+kvtier:lat_bucket{le=\"1.0\",result=\"success\",tier=\"1:a\\\"b\"} 2.0
+kvtier:lat_bucket{le=\"+Inf\",result=\"success\",tier=\"1:a\\\"b\"} 3.0
+kvtier:lat_count{result=\"success\",tier=\"1:a\\\"b\"} 3.0
+kvtier:lat_sum{result=\"success\",tier=\"1:a\\\"b\"} 5.55
 ";
         assert_eq!(text, want);
         assert_eq!(r.value("read_bytes", &["1:memory"]), Some(4096.0));
@@ -487,7 +517,18 @@ kvtier:lat_sum{tier=\"1:a\\\"b\",result=\"success\"} 5.55
                 .is_err()
         );
         assert!(r.family("bad-name", "", MetricKind::Gauge, &[]).is_err());
+        // `x_total` is the counter `x`; a gauge or histogram may not expose `x_total` again.
+        assert_eq!(
+            r.family("x_total", "", MetricKind::Counter, &["tier"])
+                .unwrap(),
+            f
+        );
+        assert!(r.family("x_total", "", MetricKind::Gauge, &[]).is_err());
+        let h = MetricKind::Histogram(vec![1.0]);
+        r.family("lat", "", h.clone(), &[]).unwrap();
+        assert!(r.family("lat_count", "", MetricKind::Gauge, &[]).is_err());
+        assert!(r.family("lat_sum", "", MetricKind::Counter, &[]).is_ok());
         assert!(r.series(f, &[]).is_err(), "label count mismatch");
-        assert_eq!(r.family_names(), vec!["vllm:x"]);
+        assert_eq!(r.family_names(), vec!["vllm:x", "vllm:lat", "vllm:lat_sum"]);
     }
 }

@@ -28,8 +28,8 @@ const VALID: &str = r#"{
   "secondary_tiers": [
     {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "4GiB",
      "backpressure": {"high_water_s": 0.02}},
-    {"type": "custom", "locality": "REMOTE"},
-    {"type": "plain"}
+    {"type": "memory", "locality": "REMOTE"},
+    {"type": "memory"}
   ]
 }"#;
 
@@ -42,7 +42,10 @@ fn valid_json_prints_resolved_config_with_merged_backpressure() {
     assert_eq!(v["format"], "json");
     assert_eq!(v["config"]["cpu_bytes_to_use"], 100u64 << 20);
     assert_eq!(v["cpu_bytes_to_use_human"], "100 MiB");
-    assert_eq!(v["geometry"], Value::Null);
+    // Rows sized as serve sizes them: Llama-3.1-8B at TP 1, 2 MiB per block, 2 blocks.
+    assert_eq!(v["rows_from"], "meta-llama/Llama-3.1-8B-Instruct at --tp 1");
+    assert_eq!(v["geometry"]["row_stride"], 4u64 << 20);
+    assert_eq!(v["geometry"]["num_chunks"], 25);
     let tiers = &v["config"]["secondary_tiers"];
     // Tier 0: tier value wins, top-level alpha inherited, LOCAL low mark, nvme failure threshold.
     assert_eq!(tiers[0]["backpressure"]["high_water_s"], 0.02);
@@ -122,7 +125,7 @@ fn invalid_configs_exit_2_with_one_line() {
         ("syntax.toml", "cpu_bytes_to_use = = 1\n", "invalid TOML"),
         (
             "marks.toml",
-            "cpu_bytes_to_use = 4096\n[[secondary_tiers]]\ntype = \"x\"\nlocality = \"REMOTE\"\nbackpressure = { backpressure_cls = \"EMABackpressureDetector\", low_water_s = 0.2 }\n",
+            "cpu_bytes_to_use = 4096\n[[secondary_tiers]]\ntype = \"memory\"\nlocality = \"REMOTE\"\nbackpressure = { backpressure_cls = \"EMABackpressureDetector\", low_water_s = 0.2 }\n",
             "low_water_s must be <= high_water_s",
         ),
     ] {
@@ -192,14 +195,21 @@ fn documented_examples_are_valid_and_equivalent() {
 }
 
 #[test]
-fn nvme_tier_keys_are_validated_by_the_g3_parser() {
+fn nvme_tier_keys_are_validated_by_the_g3_parser_and_unknown_types_refused() {
     let dir = tempfile::tempdir().unwrap();
     let good = r#"{"cpu_bytes_to_use": "1GiB", "secondary_tiers": [
-        {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "8GiB"}, {"type": "custom", "x": 1}]}"#;
+        {"type": "nvme", "paths": ["/mnt/a"], "capacity_bytes": "8GiB"}, {"type": "memory"}]}"#;
     let out = check(&write(dir.path(), "good.json", good), &[]);
     let v = json(&out);
     assert_eq!(v["tier_params"][0]["validated"], true);
-    assert_eq!(v["tier_params"][1]["validated"], false);
+    assert_eq!(v["tier_params"][1]["validated"], true);
+    // A type kvtier cannot build is refused, as serve refuses it.
+    let custom = good.replace(r#"{"type": "memory"}"#, r#"{"type": "custom", "x": 1}"#);
+    let out = check(&write(dir.path(), "custom.json", &custom), &[]);
+    assert_user_error(
+        &out,
+        "secondary_tiers[1].type: unknown secondary tier type \"custom\"",
+    );
 
     let typo = good.replace("capacity_bytes", "capacity_byte");
     let out = check(&write(dir.path(), "typo.json", &typo), &[]);
@@ -216,7 +226,10 @@ fn one_config_holds_an_nvme_and_an_fs_tier_each_checked_by_its_parser() {
     let out = check(&write(dir.path(), "good.json", good), &[]);
     let v = json(&out);
     assert_eq!(v["tier_params"][1]["validated"], true);
-    assert_eq!(v["tier_params"][1]["by"], "the fs tier parser");
+    assert_eq!(
+        v["tier_params"][1]["by"],
+        "kvtier's fs tier rules, for rows of 2 MiB"
+    );
     let bad = good.replace("\"root_dir\"", "\"rootdir\"");
     let out = check(&write(dir.path(), "bad.json", &bad), &[]);
     assert_user_error(&out, "secondary_tiers[1].rootdir");

@@ -214,8 +214,10 @@ fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("text/plain; version=0.0.4"), "{head}");
     for name in VLLM_TIERING_METRICS {
+        // (A counter's metadata lines carry its sample name, `_total` included.)
         assert!(
-            body.contains(&format!("# TYPE vllm:{name} ")),
+            body.contains(&format!("# TYPE vllm:{name} "))
+                || body.contains(&format!("# TYPE vllm:{name}_total counter")),
             "missing vllm:{name} in\n{body}"
         );
     }

@@ -394,7 +394,7 @@ fn a_failed_write_fails_its_key_and_leaves_no_file() {
     let d = tmp();
     let r = region(8);
     let mut cfg = config(d.path(), 64);
-    cfg.max_bytes_in_flight = STRIDE as u64; // one at a time: op numbers follow key order
+    cfg.max_bytes_in_flight = Some(STRIDE as u64); // one at a time: op numbers follow key order
     let mut t = open_faulty(cfg, &r, FaultPlan::new().eio_on(2));
     let res = store(&mut t, &r, 1, &[1, 2, 3]);
     assert!(!res.success);
@@ -423,7 +423,7 @@ fn a_short_or_corrupted_read_fails_its_key_never_returns_wrong_bytes() {
     t.shutdown().unwrap();
     drop(t);
     let mut cfg = config(d.path(), 64);
-    cfg.max_bytes_in_flight = STRIDE as u64;
+    cfg.max_bytes_in_flight = Some(STRIDE as u64);
     // Read 1 comes back short; read 3 gets a bit flipped in memory after the read.
     let plan = FaultPlan::new().short_on(1, 4096).flip_bit(3, 100, 3);
     let mut t = open_faulty(cfg, &r, plan);
@@ -491,7 +491,7 @@ fn drain_waits_for_started_jobs_and_cancels_queued_ones() {
     let d = tmp();
     let r = region(64);
     let mut cfg = config(d.path(), 1024);
-    cfg.max_bytes_in_flight = STRIDE as u64;
+    cfg.max_bytes_in_flight = Some(STRIDE as u64);
     let mut t = open(cfg, &r);
     for j in 0..16u64 {
         let keys: Vec<u64> = (j * 4..j * 4 + 4).collect();

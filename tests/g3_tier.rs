@@ -236,7 +236,7 @@ fn drain_finishes_started_jobs_and_cancels_queued_ones() {
     let d = tmpdir();
     let r = region(8);
     let mut cfg = config(&[d.path()], 8);
-    cfg.max_bytes_in_flight = STRIDE as u64; // one row at a time
+    cfg.max_bytes_in_flight = Some(STRIDE as u64); // one row at a time
     let factory: kvtier::g3::EngineFactory = Box::new(|k, reg, files, opts| {
         FaultyEngine::wrap_handle(
             open_engine(k, reg, files, opts)?,
@@ -286,7 +286,7 @@ fn round_trip_with_every_engine() {
         let r = region(4);
         let mut cfg = config(&[d.path()], 8);
         cfg.io_engine = kind;
-        cfg.max_bytes_in_flight = 2 * STRIDE as u64;
+        cfg.max_bytes_in_flight = Some(2 * STRIDE as u64);
         let mut t = match G3Tier::open(
             cfg,
             r.clone(),

@@ -106,8 +106,8 @@ fn simulation_against_a_real_g3_tier() {
     let text = sim.m.metrics_text();
     for want in [
         "kvtier:g3_checksum_failures_total{tier=\"1:nvme\"} 0.0",
-        "kvtier:g3_direct_io{tier=\"1:nvme\",path=\"0\"}",
-        "kvtier:g3_engine_info{tier=\"1:nvme\",engine=",
+        "kvtier:g3_direct_io{path=\"0\",tier=\"1:nvme\"}",
+        "kvtier:g3_engine_info{engine=",
         "kvtier:kv_offload_tiering_write_bytes_total{tier=\"1:nvme\"}",
     ] {
         assert!(text.contains(want), "missing {want:?}");

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::canonical::{LayoutDescriptor, default_layout};
 use crate::cli::size::parse_size;
+use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
 
@@ -59,13 +60,27 @@ impl PathArgs {
 }
 
 /// `--max-bytes-in-flight SIZE`: the cap on bytes of I/O in flight (an `nvme` tier's
-/// `max_bytes_in_flight`; rows in flight = this / row size, at least one).
+/// `max_bytes_in_flight`, under the same rule: [`crate::config::in_flight`]).
 #[derive(Debug, Clone, Copy, clap::Args)]
 pub struct InFlightArgs {
-    /// Cap on bytes of I/O in flight (the nvme tier's max_bytes_in_flight); the depth in rows
-    /// is this divided by the row size.
-    #[arg(long, default_value = "64MiB", value_parser = parse_size, value_name = "SIZE")]
-    pub max_bytes_in_flight: u64,
+    /// Cap on bytes of I/O in flight (the nvme tier's max_bytes_in_flight), at least one row;
+    /// the depth in rows is this divided by the row size. Default: 64 MiB, or one row when a
+    /// row is larger.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub max_bytes_in_flight: Option<u64>,
+}
+
+impl InFlightArgs {
+    /// How errors name the flag: with the config key it sets.
+    pub const KEY: &'static str = "--max-bytes-in-flight (the nvme tier's max_bytes_in_flight)";
+
+    /// The cap for rows of `row_stride` bytes, by the one rule of `max_bytes_in_flight`: the
+    /// flag's value if it holds a row (else a config error naming the flag and the key), or
+    /// max(64 MiB, one row) without the flag.
+    pub fn for_row(&self, row_stride: u64) -> Result<u64> {
+        check_max_bytes_in_flight(Self::KEY, self.max_bytes_in_flight, Some(row_stride))?;
+        Ok(max_bytes_in_flight(self.max_bytes_in_flight, row_stride))
+    }
 }
 
 /// Parses an `--io-engine` value.

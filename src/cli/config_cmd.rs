@@ -11,12 +11,14 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
+use crate::cli::args::ModelArgs;
 use crate::cli::output::print_json;
+use crate::cli::serve::{ServePlan, check_tiers, in_file};
 use crate::cli::size::{format_size, parse_size};
-use crate::config::{self, Format, KvtierConfig, TierConfig};
+use crate::config::{self, Format, KvtierConfig};
 use crate::error::Result;
-use crate::g3::G3TierConfig;
 use crate::geometry::ChunkGeometry;
+use crate::tiering::factory::TierFactory;
 
 /// `kvtier config ...`.
 #[derive(Debug, Args)]
@@ -39,9 +41,13 @@ pub struct CheckArgs {
     /// The configuration file (`.json` or `.toml`): vLLM's `kv_connector_extra_config`, or a
     /// whole `kv_transfer_config` containing it.
     pub file: PathBuf,
-    /// One worker's KV bytes per GPU block (bytes or a size such as `2MiB`); with it the chunk
-    /// geometry is derived and printed.
-    #[arg(long, value_parser = parse_size)]
+    /// The model the rows are sized for, as `kvtier serve` takes it (default Llama-3.1-8B,
+    /// TP 1).
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// One worker's KV bytes per GPU block (bytes or a size such as `2MiB`), instead of
+    /// `--layout` and `--tp`.
+    #[arg(long, value_parser = parse_size, conflicts_with_all = ["layout", "tp"])]
     pub bytes_per_block: Option<u64>,
     /// Copies of each block in a row: 1 for a replicated layout or TP1, else the local world
     /// size.
@@ -59,44 +65,21 @@ struct CheckReport<'a> {
     valid: bool,
     cpu_bytes_to_use_human: String,
     config: &'a KvtierConfig,
-    geometry: Option<ChunkGeometry>,
+    /// What sized the rows: the layout and TP, or `--bytes-per-block`.
+    rows_from: String,
+    geometry: ChunkGeometry,
     tier_params: Vec<TierParamsCheck>,
     notes: &'a [String],
 }
 
-/// Whether a tier's type-specific keys (`params`) were validated, and by what.
+/// A tier whose type, keys and values were checked, and by what.
 #[derive(Serialize)]
 struct TierParamsCheck {
     index: usize,
     #[serde(rename = "type")]
     tier_type: String,
     validated: bool,
-    by: &'static str,
-}
-
-/// Validates a tier's type-specific keys with the tier's own parser and rules, where kvtier
-/// has them; with the chunk geometry known, the rules that depend on the row stride too.
-fn check_tier_params(tier: &TierConfig, row_stride: Option<u64>) -> Result<TierParamsCheck> {
-    let (validated, by) = match tier.tier_type.as_str() {
-        "nvme" => {
-            G3TierConfig::from_tier(tier)?.validate(&tier.key_path(), row_stride)?;
-            (true, "the nvme (G3) tier parser")
-        }
-        "fs" => {
-            crate::fs::FsTierConfig::from_tier(tier)?.validate(&tier.key_path(), row_stride)?;
-            (true, "the fs tier parser")
-        }
-        _ => (
-            false,
-            "nothing: kvtier has no tier of this type; vLLM's factory checks it",
-        ),
-    };
-    Ok(TierParamsCheck {
-        index: tier.index,
-        tier_type: tier.tier_type.clone(),
-        validated,
-        by,
-    })
+    by: String,
 }
 
 /// Runs `kvtier config ...`.
@@ -110,24 +93,47 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
     let format = Format::from_path(&args.file)?;
     let resolved = config::load_resolved(&args.file)?;
     let cfg = &resolved.config;
-    let geometry = match args.bytes_per_block {
-        None => None,
+    let (geometry, rows_from) = match args.bytes_per_block {
+        None => {
+            let layout = args.model.load()?;
+            let plan =
+                ServePlan::new(cfg, &layout, args.model.tp).map_err(|e| in_file(&args.file, e))?;
+            let from = format!("{} at --tp {}", layout.model_name, args.model.tp);
+            (plan.geometry, from)
+        }
         Some(bytes_per_block) => {
-            Some(cfg.geometry(bytes_per_block, args.copies, args.gpu_block_size)?)
+            let geometry = cfg.geometry(bytes_per_block, args.copies, args.gpu_block_size)?;
+            check_tiers(cfg, &TierFactory::with_builtins(), geometry.row_stride)
+                .map_err(|e| config::error_in_file(&args.file, e))?;
+            let from = format!(
+                "--bytes-per-block {} x --copies {}",
+                format_size(bytes_per_block),
+                args.copies
+            );
+            (geometry, from)
         }
     };
     let tier_params = cfg
         .secondary_tiers
         .iter()
-        .map(|t| check_tier_params(t, geometry.map(|g| g.row_stride)))
-        .collect::<Result<Vec<_>>>()
-        .map_err(|e| config::error_in_file(&args.file, e))?;
+        .map(|t| TierParamsCheck {
+            index: t.index,
+            tier_type: t.tier_type.clone(),
+            validated: true,
+            by: format!(
+                "kvtier's {} tier rules, for rows of {}",
+                t.tier_type,
+                format_size(geometry.row_stride)
+            ),
+        })
+        .collect();
     let report = CheckReport {
         file: args.file.display().to_string(),
         format: format.as_str(),
         valid: true,
         cpu_bytes_to_use_human: format_size(cfg.cpu_bytes_to_use),
         config: cfg,
+        rows_from,
         geometry,
         tier_params,
         notes: &resolved.notes,

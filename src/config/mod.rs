@@ -4,6 +4,7 @@
 //! * [`model`]: the resolved (validated) types every other module consumes.
 //! * [`size`]: human byte sizes (`"64GiB"`).
 //! * [`backpressure`]: the field-by-field back-pressure merge, presets and defaults.
+//! * [`in_flight`]: the one rule of every tier's `max_bytes_in_flight`.
 //! * `validate`: one `validate` per resolved type ([`KvtierConfig::validate`],
 //!   [`TierConfig::validate`], [`BackpressureConfig::validate`]), the value rules every way
 //!   in runs (the parser runs them after it has checked the shape of the tree).
@@ -15,6 +16,7 @@
 
 pub mod backpressure;
 mod fields;
+pub mod in_flight;
 pub mod model;
 mod parse;
 pub mod size;

@@ -7,13 +7,15 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::TierConfig;
+use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 use crate::config::size::parse_size;
 use crate::error::{Error, Result};
 use crate::g3::DirectIoMode;
 use crate::io::IoEngineKind;
 
-/// Default cap on bytes moving between the primary and chunk files at once.
-pub const DEFAULT_MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
+/// Default cap on bytes moving between the primary and chunk files at once (unless a row is
+/// larger: [`crate::config::in_flight`]).
+pub use crate::config::in_flight::DEFAULT_MAX_BYTES_IN_FLIGHT;
 /// Default number of threads for the blocking per-file steps (open, xattr, rename, close),
 /// as many as vLLM's fs tier has threads of each kind.
 pub const DEFAULT_IO_THREADS: usize = 16;
@@ -84,8 +86,9 @@ pub struct FsTierConfig {
     pub root_dir: PathBuf,
     /// Bytes of chunk files this process keeps under `root_dir` before it evicts.
     pub capacity_bytes: u64,
-    /// Cap on bytes of chunk transfers in progress (stores and loads together).
-    pub max_bytes_in_flight: u64,
+    /// Cap on bytes of chunk transfers in progress (stores and loads together); `None` (the
+    /// key not set): max(64 MiB, one row). See [`FsTierConfig::max_bytes_in_flight_for`].
+    pub max_bytes_in_flight: Option<u64>,
     /// Which I/O engine moves the bytes.
     pub io_engine: IoEngineKind,
     /// Whether O_DIRECT is mandatory (`auto` by default here: buffered with a warning).
@@ -133,7 +136,7 @@ impl FsTierConfig {
         FsTierConfig {
             root_dir: root_dir.into(),
             capacity_bytes,
-            max_bytes_in_flight: DEFAULT_MAX_BYTES_IN_FLIGHT,
+            max_bytes_in_flight: None,
             io_engine: IoEngineKind::Auto,
             direct_io: DirectIoMode::Auto,
             fsync: FsSync::Never,
@@ -190,7 +193,7 @@ impl FsTierConfig {
         };
         let mut cfg = FsTierConfig::new(root_dir, capacity_bytes);
         if let Some(v) = p.get("max_bytes_in_flight") {
-            cfg.max_bytes_in_flight = size(v, &kp("max_bytes_in_flight"))?;
+            cfg.max_bytes_in_flight = Some(size(v, &kp("max_bytes_in_flight"))?);
         }
         if let Some(v) = p.get("io_engine") {
             cfg.io_engine = match choice(v, &kp("io_engine"), &["auto", "uring", "psync"])? {
@@ -239,6 +242,12 @@ impl FsTierConfig {
         Ok(cfg)
     }
 
+    /// The cap on bytes in flight for rows of `row_stride` bytes: `max_bytes_in_flight`, or
+    /// max(64 MiB, one row) when it is not set.
+    pub fn max_bytes_in_flight_for(&self, row_stride: u64) -> u64 {
+        max_bytes_in_flight(self.max_bytes_in_flight, row_stride)
+    }
+
     /// The rules of every value, however the configuration was built (parser, code); with the
     /// row stride known (`Some`), also that the capacity holds at least one chunk file. Errors
     /// name `<key_prefix>.<key>` (just `<key>` for an empty prefix).
@@ -266,14 +275,14 @@ impl FsTierConfig {
                 "expected a directory path string, found \"\"",
             ));
         }
-        for (key, v) in [
-            ("capacity_bytes", self.capacity_bytes),
-            ("max_bytes_in_flight", self.max_bytes_in_flight),
-        ] {
-            if v == 0 {
-                return Err(Error::config(kp(key), "must be > 0"));
-            }
+        if self.capacity_bytes == 0 {
+            return Err(Error::config(kp("capacity_bytes"), "must be > 0"));
         }
+        check_max_bytes_in_flight(
+            &kp("max_bytes_in_flight"),
+            self.max_bytes_in_flight,
+            row_stride,
+        )?;
         range("io_threads", self.io_threads as u64, 1, MAX_THREADS as u64)?;
         range(
             "lookup_threads",
@@ -389,7 +398,7 @@ mod tests {
         })))
         .unwrap();
         assert_eq!(c.root_dir, PathBuf::from("/shared/kv"));
-        assert_eq!(c.max_bytes_in_flight, 8 << 20);
+        assert_eq!(c.max_bytes_in_flight, Some(8 << 20));
         assert_eq!(c.io_engine, IoEngineKind::Psync);
         assert_eq!(c.direct_io, DirectIoMode::Required);
         assert_eq!(c.fsync, FsSync::Always);

@@ -194,7 +194,8 @@ impl FsTier {
             );
         }
         let rows_in_flight =
-            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight, stride).min(4096) as u32;
+            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight_for(stride), stride).min(4096)
+                as u32;
         let opts = EngineOptions {
             queue_depth: rows_in_flight,
             psync_threads: cfg.io_threads,
@@ -239,7 +240,7 @@ impl FsTier {
         let engine = handle.engine;
         let started = Worker::spawn_pool(WorkerInit {
             sh: sh.clone(),
-            max_bytes_in_flight: cfg.max_bytes_in_flight,
+            max_bytes_in_flight: cfg.max_bytes_in_flight_for(stride),
             io_threads: cfg.io_threads,
             tier_id: tier_id.clone(),
             locality,

@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 use crate::config::model::TierConfig;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};
 
-/// Default cap on bytes moving between the primary and the slabs at once.
-pub const DEFAULT_MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
+/// Default cap on bytes moving between the primary and the slabs at once (unless a row is
+/// larger: [`crate::config::in_flight`]).
+pub use crate::config::in_flight::DEFAULT_MAX_BYTES_IN_FLIGHT;
 /// Default number of jobs that may wait in the tier's queue before new ones fail fast.
 pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
 /// Largest `max_queued_jobs` (the job channels preallocate one slot per queued job).
@@ -103,8 +105,9 @@ pub struct G3TierConfig {
     pub paths: Vec<PathBuf>,
     /// Total capacity over all paths, split evenly, rounded down to whole slots.
     pub capacity_bytes: u64,
-    /// Cap on bytes of I/O submitted and not yet completed.
-    pub max_bytes_in_flight: u64,
+    /// Cap on bytes of I/O submitted and not yet completed; `None` (the key not set):
+    /// max(64 MiB, one row). See [`G3TierConfig::max_bytes_in_flight_for`].
+    pub max_bytes_in_flight: Option<u64>,
     /// Which I/O engine moves the bytes.
     pub io_engine: IoEngineKind,
     /// Whether O_DIRECT is mandatory.
@@ -132,7 +135,7 @@ impl G3TierConfig {
         G3TierConfig {
             paths,
             capacity_bytes,
-            max_bytes_in_flight: DEFAULT_MAX_BYTES_IN_FLIGHT,
+            max_bytes_in_flight: None,
             io_engine: IoEngineKind::Auto,
             direct_io: DirectIoMode::Required,
             fsync: FsyncPolicy::Always,
@@ -191,7 +194,7 @@ impl G3TierConfig {
         };
         let mut cfg = G3TierConfig::new(paths, capacity_bytes.unwrap_or(0));
         if let Some(v) = tc.params.get("max_bytes_in_flight") {
-            cfg.max_bytes_in_flight = size_value(v, &kp("max_bytes_in_flight"))?;
+            cfg.max_bytes_in_flight = Some(size_value(v, &kp("max_bytes_in_flight"))?);
         }
         if let Some(v) = tc.params.get("io_engine") {
             cfg.io_engine = match str_value(v, &kp("io_engine"))? {
@@ -273,7 +276,8 @@ impl G3TierConfig {
     ///
     /// Errors name `<key_prefix>.<key>` (`secondary_tiers[2].max_queued_jobs`; the bare key
     /// for an empty prefix). With the primary's `row_stride` known, the capacity is checked
-    /// too: at least one slot per path and fewer than 2^32 - 1 slots in all.
+    /// too: at least one slot per path and fewer than 2^32 - 1 slots in all; and
+    /// `max_bytes_in_flight` holds at least one row ([`crate::config::in_flight`]).
     pub fn validate(&self, key_prefix: &str, row_stride: Option<u64>) -> Result<()> {
         let kp = |k: &str| {
             if key_prefix.is_empty() {
@@ -291,9 +295,11 @@ impl G3TierConfig {
                 "expected a directory path string, found \"\"",
             ));
         }
-        if self.max_bytes_in_flight == 0 {
-            return Err(Error::config(kp("max_bytes_in_flight"), "must be > 0"));
-        }
+        check_max_bytes_in_flight(
+            &kp("max_bytes_in_flight"),
+            self.max_bytes_in_flight,
+            row_stride,
+        )?;
         let floor = self.checkpoint_journal_bytes.max(MIN_MAX_JOURNAL_BYTES);
         if self.max_journal_bytes < floor {
             return Err(Error::config(
@@ -344,6 +350,14 @@ impl G3TierConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl G3TierConfig {
+    /// The cap on bytes in flight for rows of `row_stride` bytes: `max_bytes_in_flight`, or
+    /// max(64 MiB, one row) when it is not set.
+    pub fn max_bytes_in_flight_for(&self, row_stride: u64) -> u64 {
+        max_bytes_in_flight(self.max_bytes_in_flight, row_stride)
     }
 }
 
@@ -465,7 +479,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.paths, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
         assert_eq!(c.capacity_bytes, 1 << 30);
-        assert_eq!(c.max_bytes_in_flight, 1 << 20);
+        assert_eq!(c.max_bytes_in_flight, Some(1 << 20));
         assert_eq!(c.io_engine, IoEngineKind::Psync);
         assert_eq!(c.direct_io, DirectIoMode::Auto);
         assert_eq!(c.fsync, FsyncPolicy::Never);
@@ -487,7 +501,8 @@ mod tests {
         let d =
             G3TierConfig::from_tier(&tier(json!({"paths": "/x", "capacity_bytes": 8192}))).unwrap();
         assert_eq!(d.direct_io, DirectIoMode::Required);
-        assert_eq!(d.max_bytes_in_flight, DEFAULT_MAX_BYTES_IN_FLIGHT);
+        assert_eq!(d.max_bytes_in_flight, None);
+        assert_eq!(d.max_bytes_in_flight_for(4096), DEFAULT_MAX_BYTES_IN_FLIGHT);
     }
 
     #[test]

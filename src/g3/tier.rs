@@ -139,7 +139,8 @@ impl G3Tier {
         );
         let all_direct = set.files.iter().all(|f| f.direct);
         let per_flight =
-            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight, row_stride).min(4096) as u32;
+            ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight_for(row_stride), row_stride)
+                .min(4096) as u32;
         let opts = EngineOptions {
             queue_depth: per_flight.max(crate::io::uring::DEFAULT_QUEUE_DEPTH.min(per_flight * 2)),
             o_direct: all_direct,

@@ -59,10 +59,16 @@ impl TierBuildContext {
 pub type TierConstructor =
     Arc<dyn Fn(&TierConfig, &TierBuildContext) -> Result<Box<dyn SecondaryTier>> + Send + Sync>;
 
-/// Maps tier type names to constructors.
+/// A tier type's configuration rules: its keys and values for rows of `row_stride` bytes,
+/// checked without touching a path (what `kvtier config check` and `kvtier serve` both run
+/// before anything is allocated).
+pub type TierCheck = Arc<dyn Fn(&TierConfig, u64) -> Result<()> + Send + Sync>;
+
+/// Maps tier type names to constructors and configuration rules.
 #[derive(Clone)]
 pub struct TierFactory {
     ctors: BTreeMap<String, TierConstructor>,
+    checks: BTreeMap<String, TierCheck>,
 }
 
 impl std::fmt::Debug for TierFactory {
@@ -84,6 +90,7 @@ impl TierFactory {
     pub fn empty() -> Self {
         TierFactory {
             ctors: BTreeMap::new(),
+            checks: BTreeMap::new(),
         }
     }
 
@@ -91,8 +98,14 @@ impl TierFactory {
     pub fn with_builtins() -> Self {
         let mut f = Self::empty();
         f.register("memory", Arc::new(build_memory_tier));
+        f.register_check(
+            "memory",
+            Arc::new(|cfg, _| check_memory_tier(cfg).map(drop)),
+        );
         f.register("nvme", Arc::new(build_nvme_tier));
+        f.register_check("nvme", Arc::new(check_nvme_tier));
         f.register("fs", Arc::new(build_fs_tier));
+        f.register_check("fs", Arc::new(check_fs_tier));
         f
     }
 
@@ -101,36 +114,61 @@ impl TierFactory {
         self.ctors.insert(tier_type.to_string(), ctor);
     }
 
+    /// Adds (or replaces) the configuration rules of a registered type, run by
+    /// [`TierFactory::check`] and before every [`TierFactory::create`].
+    pub fn register_check(&mut self, tier_type: &str, check: TierCheck) {
+        self.checks.insert(tier_type.to_string(), check);
+    }
+
+    /// Checks one tier's configuration for rows of `row_stride` bytes without building it:
+    /// a type the factory does not know is an error naming `secondary_tiers[i].type` (with
+    /// the closest known type); a known type's keys and values are checked by its rules.
+    /// `kvtier serve` and `kvtier config check` both run this, so they accept the same
+    /// configurations.
+    pub fn check(&self, cfg: &TierConfig, row_stride: u64) -> Result<()> {
+        if !self.ctors.contains_key(&cfg.tier_type) {
+            return Err(self.unknown_type(cfg));
+        }
+        match self.checks.get(&cfg.tier_type) {
+            Some(check) => check(cfg, row_stride),
+            None => Ok(()),
+        }
+    }
+
+    fn unknown_type(&self, cfg: &TierConfig) -> Error {
+        let mut e = Error::config(
+            format!("{}.type", cfg.key_path()),
+            format!("unknown secondary tier type {:?}", cfg.tier_type),
+        )
+        .with("expected", self.types().join(", "))
+        .with("found", cfg.tier_type.clone());
+        if let Some(best) = self
+            .types()
+            .into_iter()
+            .filter(|t| strsim::levenshtein(t, &cfg.tier_type) <= 2)
+            .min_by_key(|t| strsim::levenshtein(t, &cfg.tier_type))
+        {
+            e = e.with("did_you_mean", best);
+        }
+        e
+    }
+
     /// The registered type names.
     pub fn types(&self) -> Vec<&str> {
         self.ctors.keys().map(String::as_str).collect()
     }
 
-    /// Builds the tier of `cfg.tier_type`.
+    /// Builds the tier of `cfg.tier_type`, after [`TierFactory::check`] with the region's
+    /// row stride.
     pub fn create(
         &self,
         cfg: &TierConfig,
         ctx: &TierBuildContext,
     ) -> Result<Box<dyn SecondaryTier>> {
+        self.check(cfg, ctx.region.row_stride() as u64)?;
         match self.ctors.get(&cfg.tier_type) {
             Some(ctor) => ctor(cfg, ctx),
-            None => {
-                let mut e = Error::config(
-                    format!("{}.type", cfg.key_path()),
-                    format!("unknown secondary tier type {:?}", cfg.tier_type),
-                )
-                .with("expected", self.types().join(", "))
-                .with("found", cfg.tier_type.clone());
-                if let Some(best) = self
-                    .types()
-                    .into_iter()
-                    .filter(|t| strsim::levenshtein(t, &cfg.tier_type) <= 2)
-                    .min_by_key(|t| strsim::levenshtein(t, &cfg.tier_type))
-                {
-                    e = e.with("did_you_mean", best);
-                }
-                Err(e)
-            }
+            None => Err(self.unknown_type(cfg)),
         }
     }
 }
@@ -146,6 +184,18 @@ fn param_u64(cfg: &TierConfig, key: &str) -> Result<Option<u64>> {
             .with("found", v.to_string())
         }),
     }
+}
+
+/// The rules of an `nvme` tier's params for rows of `row_stride` bytes
+/// ([`G3TierConfig::from_tier`] and [`G3TierConfig::validate`]).
+pub fn check_nvme_tier(cfg: &TierConfig, row_stride: u64) -> Result<()> {
+    G3TierConfig::from_tier(cfg)?.validate(&cfg.key_path(), Some(row_stride))
+}
+
+/// The rules of an `fs` tier's params for rows of `row_stride` bytes
+/// ([`FsTierConfig::from_tier`] and [`FsTierConfig::validate`]).
+pub fn check_fs_tier(cfg: &TierConfig, row_stride: u64) -> Result<()> {
+    FsTierConfig::from_tier(cfg)?.validate(&cfg.key_path(), Some(row_stride))
 }
 
 /// Builds an `nvme` tier ([`G3Tier`]) from its params (see `docs/g3.md`).
@@ -187,12 +237,9 @@ pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn
     Ok(Box::new(tier))
 }
 
-/// Builds a `memory` tier. Keys: `capacity_chunks` (optional), `latency_us` (optional,
-/// simulated per-job latency on its thread).
-pub fn build_memory_tier(
-    cfg: &TierConfig,
-    ctx: &TierBuildContext,
-) -> Result<Box<dyn SecondaryTier>> {
+/// A `memory` tier's params: `capacity_chunks` (optional, at least 1), `latency_us`
+/// (optional, simulated per-job latency on its thread).
+pub fn check_memory_tier(cfg: &TierConfig) -> Result<(Option<usize>, Duration)> {
     const KNOWN: [&str; 2] = ["capacity_chunks", "latency_us"];
     if let Some(k) = cfg.params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(Error::config(
@@ -201,10 +248,29 @@ pub fn build_memory_tier(
         )
         .with("expected", KNOWN.join(", ")));
     }
+    let capacity = match param_u64(cfg, "capacity_chunks")? {
+        Some(0) => {
+            return Err(Error::config(
+                format!("{}.capacity_chunks", cfg.key_path()),
+                "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        Some(c) => Some(usize::try_from(c).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let latency = Duration::from_micros(param_u64(cfg, "latency_us")?.unwrap_or(0));
+    Ok((capacity, latency))
+}
+
+/// Builds a `memory` tier (keys: [`check_memory_tier`]).
+pub fn build_memory_tier(
+    cfg: &TierConfig,
+    ctx: &TierBuildContext,
+) -> Result<Box<dyn SecondaryTier>> {
+    let (capacity_chunks, latency) = check_memory_tier(cfg)?;
     let mut opts = MemoryTierOptions::new(ctx.tier_label.clone());
     opts.locality = cfg.locality;
-    opts.capacity_chunks = param_u64(cfg, "capacity_chunks")?.map(|c| c as usize);
-    let latency = Duration::from_micros(param_u64(cfg, "latency_us")?.unwrap_or(0));
+    opts.capacity_chunks = capacity_chunks;
     opts.mode = ExecMode::Threaded { latency };
     Ok(Box::new(MemoryTier::start(ctx.region.clone(), opts)?))
 }

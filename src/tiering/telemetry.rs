@@ -155,14 +155,20 @@ impl TieringMetrics {
             MetricKind::Counter,
             tier,
         )?;
-        let read_time = r.family(READ_TIME, "Total time spent reading from secondary tiers into the primary tier, in seconds, labeled by tier.", MetricKind::Counter, tier)?;
+        let read_time_help = format!(
+            "Total time spent reading from secondary tiers into the primary tier, in seconds, \
+             labeled by tier. Tiers that do not report per-job transfer time have no series \
+             here. Use {}{PROMOTION_LATENCY} for tier-independent promotion timing.",
+            r.prefix()
+        );
+        let read_time = r.family(READ_TIME, &read_time_help, MetricKind::Counter, tier)?;
         let write_bytes = r.family(
             WRITE_BYTES,
             "Total bytes written from the primary tier to secondary tiers, labeled by tier.",
             MetricKind::Counter,
             tier,
         )?;
-        let write_time = r.family(WRITE_TIME, "Total time spent writing from the primary tier to secondary tiers, in seconds, labeled by tier.", MetricKind::Counter, tier)?;
+        let write_time = r.family(WRITE_TIME, "Total time spent writing from the primary tier to secondary tiers, in seconds, labeled by tier. Tiers that do not report per-job transfer time have no series here.", MetricKind::Counter, tier)?;
         let pfail = r.family(
             PROMOTION_JOB_FAILURES,
             "Number of failed secondary-tier promotion jobs, labeled by tier.",
@@ -202,7 +208,7 @@ impl TieringMetrics {
             MetricKind::Gauge,
             tier,
         )?;
-        let lat = r.family(PROMOTION_LATENCY, "Histogram of promotion job latency from job creation to completion processed, including tier queueing and failed attempts, labeled by tier and result, in seconds.", h(&PROMOTION_LATENCY_BUCKETS), &["tier", "result"])?;
+        let lat = r.family(PROMOTION_LATENCY, "Histogram of per-job latency for secondary-tier promotion attempts, measured from job creation until the tiering manager observes completion so that tier queueing is included, labeled by tier and result, in seconds. Includes failed attempts.", h(&PROMOTION_LATENCY_BUCKETS), &["tier", "result"])?;
         let ema = r.family(
             BACKPRESSURE_STORE_LATENCY_EMA,
             "Exponential moving average of store latency for back-pressure detection, in s/MiB.",
@@ -223,19 +229,24 @@ impl TieringMetrics {
         )?;
         let cpu = r.family(
             CPU_CACHE_USAGE_PERC,
-            "Fraction of primary-tier rows in use (being written or pinned).",
+            // vLLM's own documentation of these three (cpu/spec.py), word for word.
+            "Fraction of CPU KV-cache space currently pinned by active transfers (0.0 = idle, \
+             1.0 = saturated). Sustained high values indicate transfers (stores or promotions) \
+             may be dropped due to insufficient capacity.",
             MetricKind::Gauge,
             &[],
         )?;
         let cpu_w = r.family(
             CPU_CACHE_WRITE_USAGE_PERC,
-            "Fraction of primary-tier rows being written.",
+            "Fraction of CPU KV-cache space currently pinned by in-flight stores that have not \
+             yet completed (0.0 = idle, 1.0 = saturated).",
             MetricKind::Gauge,
             &[],
         )?;
         let cpu_r = r.family(
             CPU_CACHE_READ_USAGE_PERC,
-            "Fraction of primary-tier rows pinned for reading.",
+            "Fraction of CPU KV-cache space currently pinned by in-flight loads that have not \
+             yet completed (0.0 = idle, 1.0 = saturated).",
             MetricKind::Gauge,
             &[],
         )?;

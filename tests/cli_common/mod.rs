@@ -72,3 +72,33 @@ pub fn send_signal(child: &Child, signal: libc::c_int) {
     let rc = unsafe { libc::kill(child.id() as libc::pid_t, signal) };
     assert_eq!(rc, 0);
 }
+
+/// Starts `kvtier serve` with `args` (stdout and stderr piped) and reads the bound address
+/// (`host:port`) from its first stdout line.
+pub fn start_serve(args: &[&str]) -> (Child, String) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = command(&["serve"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn kvtier serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout"))
+        .read_line(&mut line)
+        .expect("read the first line of kvtier serve");
+    let addr = line
+        .trim()
+        .strip_prefix("kvtier serve: listening on http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .map(str::to_string);
+    match addr {
+        Some(addr) => (child, addr),
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("unexpected first line of kvtier serve: {line:?}")
+        }
+    }
+}

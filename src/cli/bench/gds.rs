@@ -166,7 +166,7 @@ mod gpu {
             usize::try_from(chunks).map_err(|_| Error::config("--bytes", "too many rows"))?;
         let region = Arc::new(PrimaryRegion::create(rows, stride as usize)?);
         let mut cfg = G3TierConfig::new(vec![dir.path().to_path_buf()], 2 * chunks * stride);
-        cfg.max_bytes_in_flight = args.in_flight.max_bytes_in_flight;
+        cfg.max_bytes_in_flight = Some(plan.max_bytes_in_flight);
         cfg.io_engine = args.io_engine;
         cfg.fsync = FsyncPolicy::Never;
         cfg.gds = GdsMode::Required;
@@ -218,7 +218,7 @@ mod gpu {
             tier.direct_slots()?,
             rplan.clone(),
             src_t.clone(),
-            args.in_flight.max_bytes_in_flight,
+            plan.max_bytes_in_flight,
         )?;
         let t = Instant::now();
         let r = src_path.store(1, &gchunks(&gkey));
@@ -263,7 +263,7 @@ mod gpu {
             tier.direct_slots()?,
             rplan.clone(),
             dst_t.clone(),
-            args.in_flight.max_bytes_in_flight,
+            plan.max_bytes_in_flight,
         )?;
         let t = Instant::now();
         let r = dst_path.load(3, &gchunks(&gkey));
@@ -344,7 +344,7 @@ mod gpu {
             chunks,
             format_size(stride),
             format_size(total),
-            format_size(args.in_flight.max_bytes_in_flight)
+            format_size(plan.max_bytes_in_flight)
         );
         println!("| path | store GB/s | load GB/s |");
         println!("|---|---:|---:|");

@@ -136,7 +136,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         capacity: plan.capacity,
         row_stride: plan.row_stride,
         primary_rows: plan.chunks,
-        max_bytes_in_flight: args.in_flight.max_bytes_in_flight,
+        max_bytes_in_flight: plan.max_bytes_in_flight,
         io_engine: args.io_engine,
         idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
         namespace,
@@ -172,7 +172,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         tier: TierReport {
             paths: facts.dirs,
             capacity_bytes: plan.capacity,
-            max_bytes_in_flight: args.in_flight.max_bytes_in_flight,
+            max_bytes_in_flight: plan.max_bytes_in_flight,
             io_engine: facts.io_engine,
             direct_io: facts.direct_io,
             kept,

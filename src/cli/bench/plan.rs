@@ -19,6 +19,8 @@ pub(crate) struct Plan {
     pub(crate) chunks_per_job: usize,
     pub(crate) window_jobs: usize,
     pub(crate) capacity: u64,
+    /// The tier's cap on bytes in flight ([`crate::config::in_flight`]).
+    pub(crate) max_bytes_in_flight: u64,
 }
 
 impl Plan {
@@ -60,21 +62,11 @@ impl Plan {
             }
             None => chunks.div_ceil(n_paths) * n_paths * row_stride,
         };
-        // The bench sizes its jobs from the rows in flight, so it wants at least one whole
-        // row in the budget (the tier itself would move one row at a time).
-        let rows_in_flight = ChunkGeometry::rows_in(args.in_flight.max_bytes_in_flight, row_stride);
-        if rows_in_flight == 0 {
-            return Err(Error::config(
-                "--max-bytes-in-flight",
-                format!(
-                    "{} is less than one row ({})",
-                    format_size(args.in_flight.max_bytes_in_flight),
-                    format_size(row_stride)
-                ),
-            ));
-        }
+        // The tier's rule (at least one row; max(64 MiB, one row) without the flag).
+        let max_bytes_in_flight = args.in_flight.for_row(row_stride)?;
         check_memory(chunks * row_stride, mem_available())?;
-        let rows_in_flight = rows_in_flight as usize;
+        let rows_in_flight = ChunkGeometry::rows_in_flight(max_bytes_in_flight, row_stride);
+        let rows_in_flight = usize::try_from(rows_in_flight).unwrap_or(usize::MAX);
         // A job is a batch of chunks (one request's chunks in one step); keep about twice the
         // tier's byte budget outstanding so the device never idles between polls.
         let chunks_per_job = (rows_in_flight / 4).clamp(1, 16);
@@ -87,6 +79,7 @@ impl Plan {
             chunks_per_job,
             window_jobs,
             capacity,
+            max_bytes_in_flight,
         })
     }
 
@@ -154,6 +147,24 @@ mod tests {
         assert_eq!(p.chunks_per_job, 1);
         let covered: Vec<u64> = p.batches().into_iter().flatten().collect();
         assert_eq!(covered, (0..10).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn max_bytes_in_flight_follows_the_tier_rule() {
+        // Not set: 64 MiB, or one row when a row is larger (64 blocks: 128 MiB rows).
+        assert_eq!(plan(&[]).unwrap().max_bytes_in_flight, 64 << 20);
+        let p = plan(&["--blocks-per-chunk", "64", "--bytes", "128MiB"]).unwrap();
+        assert_eq!(p.max_bytes_in_flight, 128 << 20);
+        assert_eq!(p.chunks_per_job, 1);
+        // Below one row: the flag and the key it sets, the value, the row size.
+        let e = plan(&["--max-bytes-in-flight", "1MiB"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        let s = e.to_string();
+        assert!(
+            s.contains("--max-bytes-in-flight (the nvme tier's max_bytes_in_flight)")
+                && s.contains("1 MiB is less than one row (2 MiB)"),
+            "{s}"
+        );
     }
 
     #[test]

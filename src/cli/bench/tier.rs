@@ -86,7 +86,7 @@ impl BenchTier {
             match &opts.fs_fields {
                 Some(fields) => {
                     let mut cfg = FsTierConfig::new(dirs[0].path(), opts.capacity);
-                    cfg.max_bytes_in_flight = opts.max_bytes_in_flight;
+                    cfg.max_bytes_in_flight = Some(opts.max_bytes_in_flight);
                     cfg.io_engine = opts.io_engine;
                     let tier = FsTier::open(
                         cfg,
@@ -132,7 +132,7 @@ impl BenchTier {
             dirs.iter().map(|d| d.path().to_path_buf()).collect(),
             opts.capacity,
         );
-        cfg.max_bytes_in_flight = opts.max_bytes_in_flight;
+        cfg.max_bytes_in_flight = Some(opts.max_bytes_in_flight);
         cfg.io_engine = opts.io_engine;
         cfg.idle.linger = opts.idle_linger;
         // Stores are reported once their data and index records are durable (the default).

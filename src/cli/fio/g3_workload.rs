@@ -102,7 +102,7 @@ impl G3Workload {
                 self.shape.dirs.clone(),
                 self.shape.bytes_per_path * self.shape.dirs.len() as u64,
             );
-            cfg.max_bytes_in_flight = u64::from(depth) * self.shape.row_size;
+            cfg.max_bytes_in_flight = Some(u64::from(depth) * self.shape.row_size);
             cfg.io_engine = self.shape.engine;
             cfg.fsync = FsyncPolicy::Never;
             let namespace = crate::g3::geometry_namespace(self.region.row_stride());

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use crate::cli::args::InFlightArgs;
 use crate::cli::fio::runner::Profile;
 use crate::cli::fio::{FioCompareArgs, KvtierSide};
 use crate::cli::size::format_size;
@@ -64,10 +65,10 @@ impl Plan {
             Some(0) => return Err(Error::config("--iodepth", "must be at least 1")),
             Some(d) => d,
             None => u32::try_from(ChunkGeometry::rows_in_flight(
-                args.in_flight.max_bytes_in_flight,
+                args.in_flight.for_row(args.row_size)?,
                 args.row_size,
             ))
-            .map_err(|_| Error::config("--max-bytes-in-flight", "too large"))?,
+            .map_err(|_| Error::config(InFlightArgs::KEY, "too large"))?,
         };
         if args.pairs == 0 {
             return Err(Error::config("--pairs", "must be at least 1"));

@@ -53,53 +53,106 @@ pub struct ServeArgs {
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let cfg = crate::config::load(&args.config)?;
     let layout = args.model.load()?;
-    let manager =
-        build_manager(&cfg, &layout, args.model.tp, &args.metrics_prefix).map_err(|e| {
-            if e.kind() != ErrorKind::IncompatibleLayout {
-                return e;
-            }
-            // Say which inputs make the namespace and how to format a tier that matches.
-            Error::new(
-                ErrorKind::IncompatibleLayout,
-                format!(
-                    "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
+    // Every rule first (the ones `config check` runs too), then the address: a mistake in
+    // either is found before the region is allocated and the slabs created.
+    let plan =
+        ServePlan::new(&cfg, &layout, args.model.tp).map_err(|e| in_file(&args.config, e))?;
+    crate::metrics::Registry::new(args.metrics_prefix.as_str())
+        .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
+    let listener = http::bind(&args.metrics_addr)?;
+    let manager = build_manager(&cfg, &layout, &plan, &args.metrics_prefix).map_err(|e| {
+        if e.kind() != ErrorKind::IncompatibleLayout {
+            return e;
+        }
+        // Say which inputs make the namespace and how to format a tier that matches.
+        Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
                  canonical_layout = {} in {}: format the tier to match (`kvtier tier format \
                  PATH... --capacity SIZE --layout FILE --tp N --blocks-per-chunk N{}`)",
-                    e.message(),
-                    layout.model_name,
-                    args.model.tp,
-                    cfg.canonical_layout,
-                    args.config.display(),
-                    if cfg.canonical_layout {
-                        " --canonical"
-                    } else {
-                        ""
-                    }
-                ),
-            )
-        })?;
-    serve_until_signal(&args.metrics_addr, Box::new(ManagerService { manager }))?;
+                e.message(),
+                layout.model_name,
+                args.model.tp,
+                cfg.canonical_layout,
+                args.config.display(),
+                if cfg.canonical_layout {
+                    " --canonical"
+                } else {
+                    ""
+                }
+            ),
+        )
+    })?;
+    serve_until_signal(listener, Box::new(ManagerService { manager }))?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// Sizes the region from the layout and config, and builds the manager with `nvme` tiers that
-/// carry the layout's namespace and `fs` tiers named by its vLLM FileMapper fields.
+/// What `serve` derives from the configuration and the model before it allocates anything,
+/// and every rule it applies to a configuration: [`ServePlan::new`] is also what `kvtier
+/// config check` runs, so the two accept the same files.
+#[derive(Debug, Clone)]
+pub struct ServePlan {
+    /// GPU blocks per chunk (`blocks_per_chunk`, or `block_size` over the layout's tokens per
+    /// block).
+    pub blocks_per_chunk: u32,
+    /// The inputs of the storage namespace.
+    pub params: NamespaceParams,
+    /// The primary region: row stride, rows, bytes.
+    pub geometry: ChunkGeometry,
+}
+
+impl ServePlan {
+    /// Sizes the region for `layout` at `tp` and checks every secondary tier against it with
+    /// the tier factory's rules ([`TierFactory::check`]: a known type, its keys, its values
+    /// for this row size: capacity of at least one row, `max_bytes_in_flight` of at least one
+    /// row, ...). Touches no path and allocates nothing.
+    pub fn new(cfg: &KvtierConfig, layout: &LayoutDescriptor, tp: u32) -> Result<Self> {
+        let blocks_per_chunk = cfg.chunk.blocks_per_chunk(Some(layout.tokens_per_block))?;
+        let params = NamespaceParams::new(layout, tp, blocks_per_chunk, cfg.canonical_layout)
+            .map_err(|e| Error::config("--tp", e.message().to_string()))?;
+        let copies = if params.replicated_layout { 1 } else { tp };
+        let geometry = ChunkGeometry::derive(
+            layout.worker_kv_bytes_per_block(tp)?,
+            copies,
+            blocks_per_chunk,
+            cfg.cpu_bytes_to_use,
+        )?;
+        geometry.region_dims()?;
+        check_tiers(cfg, &TierFactory::with_builtins(), geometry.row_stride)?;
+        Ok(ServePlan {
+            blocks_per_chunk,
+            params,
+            geometry,
+        })
+    }
+}
+
+/// A plan error names the configuration file unless it is about a flag (`--tp`).
+pub fn in_file(config: &std::path::Path, e: Error) -> Error {
+    if e.context_value("key").is_some_and(|k| k.starts_with("--")) {
+        e
+    } else {
+        crate::config::error_in_file(config, e)
+    }
+}
+
+/// Every secondary tier of `cfg` against `factory`'s rules for rows of `row_stride` bytes.
+pub fn check_tiers(cfg: &KvtierConfig, factory: &TierFactory, row_stride: u64) -> Result<()> {
+    cfg.secondary_tiers
+        .iter()
+        .try_for_each(|tier| factory.check(tier, row_stride))
+}
+
+/// Allocates the region of `plan` and builds the manager with `nvme` tiers that carry the
+/// layout's namespace and `fs` tiers named by its vLLM FileMapper fields.
 pub fn build_manager(
     cfg: &KvtierConfig,
     layout: &LayoutDescriptor,
-    tp: u32,
+    plan: &ServePlan,
     metrics_prefix: &str,
 ) -> Result<TieringManager> {
-    let blocks_per_chunk = cfg.chunk.blocks_per_chunk(Some(layout.tokens_per_block))?;
-    let params = NamespaceParams::new(layout, tp, blocks_per_chunk, cfg.canonical_layout)
-        .map_err(|e| Error::config("--tp", e.message().to_string()))?;
-    let copies = if params.replicated_layout { 1 } else { tp };
-    let geometry = ChunkGeometry::derive(
-        layout.worker_kv_bytes_per_block(tp)?,
-        copies,
-        blocks_per_chunk,
-        cfg.cpu_bytes_to_use,
-    )?;
+    let geometry = &plan.geometry;
     let (rows, stride) = geometry.region_dims()?;
     check_region_memory(geometry.region_bytes, crate::cli::memory::mem_available())?;
     log::info!(
@@ -108,12 +161,12 @@ pub fn build_manager(
         format_size(geometry.region_bytes)
     );
     let region = Arc::new(PrimaryRegion::create(rows, stride)?);
-    let namespace = namespace_digest(layout, &params);
+    let namespace = namespace_digest(layout, &plan.params);
     let factory = TierFactory::with_builtins();
     let opts = ManagerOptions {
         metrics_prefix: metrics_prefix.to_string(),
         namespace: Some(namespace),
-        file_mapper_fields: Some(VllmDigestFields::from_descriptor(layout, &params).to_json()),
+        file_mapper_fields: Some(VllmDigestFields::from_descriptor(layout, &plan.params).to_json()),
         ..ManagerOptions::default()
     };
     TieringManager::from_config(cfg, region, &factory, opts)

@@ -5,6 +5,7 @@
 //! collect finished work and renders the metrics; the signal wait blocks (no polling loop).
 
 use std::io::Write;
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -12,7 +13,7 @@ use parking_lot::Mutex;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
-use crate::cli::serve::http::{CheckHealth, MetricsServer, RenderMetrics};
+use crate::cli::serve::http::{CheckHealth, Limits, MetricsServer, RenderMetrics};
 use crate::error::{Error, ErrorKind, Result};
 
 /// What `serve` runs: something that renders metrics and shuts down cleanly.
@@ -30,10 +31,10 @@ pub trait Service: Send {
     fn shutdown(&mut self) -> Result<()>;
 }
 
-/// Serves `service` on `addr` until SIGTERM or SIGINT, then shuts it down. Prints
-/// `kvtier serve: listening on http://ADDR` on stdout once the endpoint is up (tests and
-/// scripts read the address from it).
-pub fn serve_until_signal(addr: &str, service: Box<dyn Service>) -> Result<()> {
+/// Serves `service` on `listener` (bound by [`crate::cli::serve::http::bind`]) until SIGTERM
+/// or SIGINT, then shuts it down. Prints `kvtier serve: listening on http://ADDR/metrics` on
+/// stdout once the endpoint is up (tests and scripts read the address from it).
+pub fn serve_until_signal(listener: TcpListener, service: Box<dyn Service>) -> Result<()> {
     // Register the handlers before announcing the address, so a signal sent right after the
     // announcement is never lost.
     let mut signals = Signals::new([SIGTERM, SIGINT]).map_err(|e| {
@@ -58,7 +59,7 @@ pub fn serve_until_signal(addr: &str, service: Box<dyn Service>) -> Result<()> {
             service.lock().health()
         })
     };
-    let server = MetricsServer::start(addr, render, health)?;
+    let server = MetricsServer::start_with(listener, render, health, Limits::default())?;
     println!(
         "kvtier serve: listening on http://{}/metrics",
         server.local_addr()

@@ -411,7 +411,7 @@ impl Worker {
     /// Submits queued operations while the byte budget allows, starting queued jobs as their
     /// turn comes.
     fn pump(&mut self) {
-        let cap = self.cfg.max_bytes_in_flight;
+        let cap = self.cfg.max_bytes_in_flight_for(self.set.row_stride());
         let mut batch = std::mem::take(&mut self.batch);
         loop {
             if let Some(op) = self.ops.front() {
