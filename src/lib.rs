@@ -19,12 +19,15 @@
 //!     file-per-chunk tier for shared file systems (vLLM `fs` tier compatible), which reuses
 //!     a few of G3's pieces.
 //! 11. [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
-//! 12. [`cli`]: the `kvtier` command line.
+//! 12. [`embed`]: the front door: one [`Builder`] from a configuration to a running manager or
+//!     a single tier (used by `kvtier serve`, `kvtier bench` and the Python package).
+//! 13. [`cli`]: the `kvtier` command line.
 
 pub mod canonical;
 pub mod cli;
 pub mod config;
 pub mod contract;
+pub mod embed;
 pub mod error;
 pub mod fs;
 pub mod g3;
@@ -37,8 +40,14 @@ pub mod primary;
 pub mod region;
 pub mod tiering;
 
+pub use config::KvtierConfig;
+pub use contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
+pub use contract::secondary::SecondaryTier;
+pub use embed::Builder;
 pub use error::{Error, ErrorKind, Result};
 pub use key::ChunkKey;
+pub use region::PrimaryRegion;
+pub use tiering::manager::TieringManager;
 
 /// Reports that a test is skipped because this machine lacks a capability (io_uring, fio,
 /// a mount, a privilege). The line goes straight to the process's stderr, bypassing the test

@@ -46,6 +46,7 @@ const LAYERS: &[&[&str]] = &[
     &["primary"],
     &["g3", "fs"],
     &["tiering"],
+    &["embed"],
     &["cli"],
 ];
 

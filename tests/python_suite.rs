@@ -6,15 +6,19 @@
 //!    installed (reinstalled only when that file changes);
 //! 2. the vLLM sources: `tests/python/fetch_vllm.py` (wheel cache outside the checkout,
 //!    `$KVTIER_CACHE_DIR` or `~/.cache/kvtier`);
-//! 3. `pytest tests/python` with `KVTIER_REPLAY` (the `kvtier-replay` driver), `KVTIER_BIN`
+//! 3. the Python package `python/` built into a wheel with maturin (pinned in
+//!    `requirements.txt`) and installed into the venv (in the workspace's target directory with
+//!    the features this test was built with, so it links the kvtier library cargo has just
+//!    built);
+//! 4. `pytest tests/python` with `KVTIER_REPLAY` (the `kvtier-replay` driver), `KVTIER_BIN`
 //!    (the `kvtier` CLI) and `KVTIER_VLLM_SRC` set.
 //!
 //! Without Python (3.11 or newer, with `venv`) or a reachable package index on the first run,
 //! the test skips with a printed reason, unless `KVTIER_REQUIRE_PYTHON_TESTS=1` (set by
 //! `.ci/run`), which turns every such skip into a failure. `PYTEST_ADDOPTS` passes options
-//! through (`PYTEST_ADDOPTS="-k backpressure -x"`). To add a step (e.g. building the Python
-//! package into the venv), add a function like [`install_requirements`] and call it from
-//! [`python_suite`] before [`run_pytest`]. See `tests/python/README.md`.
+//! through (`PYTEST_ADDOPTS="-k backpressure -x"`). To add a step, add a function like
+//! [`build_package`] and call it from [`python_suite`] before [`run_pytest`]. See
+//! `tests/python/README.md`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -175,6 +179,83 @@ fn fetch_vllm(venv: &Venv) -> Result<PathBuf, StepError> {
     }
 }
 
+/// The workspace's target directory (`target/`), where cargo has just built kvtier.
+fn target_dir() -> PathBuf {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    tmp.parent().map_or(tmp.clone(), Path::to_path_buf)
+}
+
+/// Builds `python/` into a wheel with maturin and installs it into the venv (`import kvtier`
+/// then finds it), as `pip install ./python` would, without leaving anything in the source
+/// tree. A build failure is a real failure; only a missing maturin is "this machine cannot".
+fn build_package(venv: &Venv) -> Result<(), StepError> {
+    let maturin = venv.dir.join("bin").join("maturin");
+    if !maturin.exists() {
+        return Err(StepError::Unavailable(format!(
+            "{} is missing (tests/python/requirements.txt installs it)",
+            maturin.display()
+        )));
+    }
+    let wheels = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-wheel");
+    let _ = std::fs::remove_dir_all(&wheels);
+    // The same kvtier features as this test binary, so cargo reuses that build of the library.
+    let mut features = Vec::new();
+    if cfg!(feature = "gds") {
+        features.push("gds");
+    }
+    if cfg!(feature = "internals") {
+        features.push("internals");
+    }
+    let mut cmd = Command::new(&maturin);
+    cmd.args(["build", "--quiet", "--manifest-path"])
+        .arg(repo_root().join("python").join("Cargo.toml"))
+        .arg("--interpreter")
+        .arg(venv.python())
+        .arg("--out")
+        .arg(&wheels)
+        // A local test build: no manylinux audit (the wheel is installed here only).
+        .args(["--compatibility", "linux"])
+        .env("CARGO_TARGET_DIR", target_dir())
+        .current_dir(repo_root());
+    if !features.is_empty() {
+        cmd.arg("--features").arg(features.join(","));
+    }
+    let out = run(&mut cmd).map_err(|e| StepError::Failed(format!("maturin: {e}")))?;
+    if !out.status.success() {
+        return Err(StepError::Failed(format!(
+            "maturin build (python/) failed:\n{}",
+            tail(&out, 40)
+        )));
+    }
+    let wheel = std::fs::read_dir(&wheels)
+        .ok()
+        .and_then(|mut d| d.find_map(|e| e.ok().map(|e| e.path())))
+        .ok_or_else(|| {
+            StepError::Failed(format!("maturin left no wheel in {}", wheels.display()))
+        })?;
+    let out = run(Command::new(venv.python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--force-reinstall",
+        ])
+        .arg(&wheel))
+    .map_err(|e| StepError::Failed(format!("pip: {e}")))?;
+    if !out.status.success() {
+        return Err(StepError::Failed(format!(
+            "pip install {} failed:\n{}",
+            wheel.display(),
+            tail(&out, 20)
+        )));
+    }
+    Ok(())
+}
+
 /// Runs pytest on `tests/python`; the output is shown in full on failure.
 fn run_pytest(venv: &Venv, vllm_src: &Path) -> Result<String, String> {
     let out = run(Command::new(venv.python())
@@ -227,6 +308,11 @@ fn python_suite() {
         Err(StepError::Unavailable(reason)) => return unavailable(&reason),
         Err(StepError::Failed(msg)) => panic!("{msg}"),
     };
+    match build_package(&venv) {
+        Ok(()) => {}
+        Err(StepError::Unavailable(reason)) => return unavailable(&reason),
+        Err(StepError::Failed(msg)) => panic!("{msg}"),
+    }
     match run_pytest(&venv, &vllm_src) {
         Ok(summary) => note(&format!("pytest tests/python: {summary}")),
         Err(msg) => panic!("{msg}"),

@@ -71,6 +71,20 @@ impl KvLayout {
         format!("v{CANONICAL_FORMAT_VERSION}-{family}")
     }
 
+    /// The layout of vLLM's `KVCacheLayout` member `name` (`LBNHC` is NHD, `LBHNC` is HND), as
+    /// vLLM reports it in `OffloadingConfig.kv_cache_layout`.
+    pub fn from_vllm_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "LBNHC" => KvLayout::Nhd,
+            "LBHNC" => KvLayout::Hnd,
+            "LHBNC" => KvLayout::Lhbnc,
+            "BLHNC" => KvLayout::Blhnc,
+            "BLNHC" => KvLayout::Blnhc,
+            "BHLNC" => KvLayout::Bhlnc,
+            _ => return None,
+        })
+    }
+
     /// Whether canonical mappings can be certified for this layout.
     pub fn is_certifiable(self) -> bool {
         matches!(self, KvLayout::Nhd | KvLayout::Hnd)

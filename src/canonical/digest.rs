@@ -13,14 +13,15 @@ use std::fmt::Write as _;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
-use crate::canonical::descriptor::{CANONICAL_FORMAT_VERSION, LayoutDescriptor};
+use crate::canonical::descriptor::{CANONICAL_FORMAT_VERSION, KvLayout, LayoutDescriptor};
 use crate::error::{Error, ErrorKind, Result};
 
 /// Version of kvtier's namespace field set; bump when its meaning changes.
 pub const NAMESPACE_VERSION: u32 = 1;
 
 /// One offloaded KV-cache group as the vLLM digest lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KvCacheGroupFields {
     /// DCP-adjusted tokens per block.
     pub tokens_per_block: u32,
@@ -373,4 +374,229 @@ pub fn check_namespace(what: &str, stored: &[u8; 32], current: &[u8; 32]) -> Res
     )
     .with("expected", hex::encode(current))
     .with("found", hex::encode(stored)))
+}
+
+/// What vLLM's scheduler knows about the bytes it offloads (its normalised `OffloadingConfig`
+/// and the row stride of the region it sized): the inputs of the namespace of a tier that vLLM
+/// drives, where kvtier sees no layout descriptor (the Python package's `KvtierTier` reads
+/// them from the `offloading_spec` vLLM passes). Field names follow `OffloadingConfig`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VllmSpecFields {
+    /// `config.model.name`.
+    pub model_name: String,
+    /// `config.model.dtype` (the KV cache dtype, as vLLM prints it).
+    pub dtype: String,
+    /// `config.cache.tokens_per_hash`.
+    pub tokens_per_hash: u32,
+    /// `config.cache.blocks_per_chunk` (vLLM's tiers pass it as `blocks_per_file`).
+    pub blocks_per_chunk: u32,
+    /// `config.parallel.tp_size`.
+    pub tp_size: u32,
+    /// `config.parallel.pp_size`.
+    pub pp_size: u32,
+    /// `config.parallel.pcp_size`.
+    pub pcp_size: u32,
+    /// `config.parallel.dcp_size`.
+    pub dcp_size: u32,
+    /// `config.parallel.world_size`.
+    pub world_size: u32,
+    /// `config.parallel.is_parallelism_agnostic` (vLLM's static portability claim).
+    pub is_parallelism_agnostic: bool,
+    /// `config.groups`: tokens per block and layer names of each offloaded group.
+    pub kv_cache_groups: Vec<KvCacheGroupFields>,
+    /// `config.replicated_layout` (one copy per row instead of one per worker).
+    pub replicated_layout: bool,
+    /// `config.canonical_layout`.
+    pub canonical_layout: bool,
+    /// `config.kv_cache_layout`: the `KVCacheLayout` member name (`LBNHC`, `LBHNC`, ...).
+    pub kv_cache_layout: Option<String>,
+    /// `config.worker_kv_bytes_per_block`.
+    pub worker_kv_bytes_per_block: u64,
+    /// The region's row stride (`primary_kv_view.strides[0]`).
+    pub row_stride: u64,
+}
+
+impl VllmSpecFields {
+    /// Parses the JSON object the Python package sends (every field required). Errors name
+    /// the field.
+    pub fn from_json(text: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| {
+            Error::new(
+                ErrorKind::Config,
+                format!("invalid vLLM offloading fields: {e}"),
+            )
+        })
+    }
+
+    /// Whether vLLM collapses the storage namespace over topologies: fs, obj and p2p ask for
+    /// it and vLLM grants it for a portable or replicated configuration (contract §8.4).
+    pub fn parallel_agnostic(&self) -> bool {
+        self.is_parallelism_agnostic || self.replicated_layout
+    }
+
+    /// `canonical_format_id(kv_cache_layout)` when the canonical layout is on.
+    fn canonical_format(&self) -> Result<Option<String>> {
+        if !self.canonical_layout {
+            return Ok(None);
+        }
+        let name = self.kv_cache_layout.as_deref().ok_or_else(|| {
+            Error::config(
+                "kv_cache_layout",
+                "canonical_layout is on but vLLM reported no KV cache layout",
+            )
+        })?;
+        let layout = KvLayout::from_vllm_name(name).ok_or_else(|| {
+            Error::config("kv_cache_layout", "not a vLLM 0.33 KVCacheLayout member")
+                .with("found", name.to_string())
+                .with("expected", "LBHNC, LBNHC, LHBNC, BLHNC, BLNHC or BHLNC")
+        })?;
+        Ok(Some(layout.canonical_format_id()))
+    }
+
+    /// The fields of vLLM's own `FileMapper` digest for these inputs, as its fs tier builds
+    /// them (`FileMapper.from_offloading_spec(..., parallel_agnostic=True)`).
+    pub fn vllm_digest_fields(&self) -> Result<VllmDigestFields> {
+        let agnostic = self.parallel_agnostic();
+        Ok(VllmDigestFields {
+            model_name: self.model_name.clone(),
+            tokens_per_hash: self.tokens_per_hash,
+            blocks_per_file: self.blocks_per_chunk,
+            tp_size: self.tp_size,
+            pp_size: self.pp_size,
+            pcp_size: self.pcp_size,
+            dcp_size: self.dcp_size,
+            dtype: self.dtype.clone(),
+            kv_cache_groups: self.kv_cache_groups.clone(),
+            parallel_agnostic: agnostic,
+            replicated_layout: agnostic && self.replicated_layout,
+            canonical_format: self.canonical_format()?,
+        })
+    }
+
+    /// kvtier's namespace field object for these inputs: vLLM's fields and digest, plus what
+    /// vLLM leaves out: the KV cache layout (on the direct path too), the storage kind, the
+    /// row stride and, unless the rows are canonical and portable over topologies, the
+    /// topology itself (TP, PP, PCP, DCP, world size and bytes per worker block).
+    pub fn namespace_fields(&self) -> Result<Value> {
+        let (vllm_hex, vllm_fields) = vllm_digest(&self.vllm_digest_fields()?);
+        let mut m = Map::new();
+        m.insert("kvtier_namespace_version".into(), json!(NAMESPACE_VERSION));
+        m.insert("source".into(), json!("vllm_offloading_config"));
+        m.insert("vllm_fields".into(), vllm_fields);
+        m.insert("vllm_digest".into(), json!(vllm_hex));
+        m.insert("kv_cache_layout".into(), json!(self.kv_cache_layout));
+        m.insert("row_stride".into(), json!(self.row_stride));
+        let storage = if self.canonical_layout {
+            "canonical"
+        } else {
+            "direct"
+        };
+        m.insert("storage".into(), json!(storage));
+        if let Some(format) = self.canonical_format()? {
+            m.insert("canonical_format".into(), json!(format));
+            m.insert(
+                "canonical_format_version".into(),
+                json!(CANONICAL_FORMAT_VERSION),
+            );
+        }
+        if !(self.canonical_layout && self.parallel_agnostic()) {
+            m.insert(
+                "topology".into(),
+                json!({
+                    "tp": self.tp_size, "pp": self.pp_size, "pcp": self.pcp_size,
+                    "dcp": self.dcp_size, "world_size": self.world_size,
+                    "worker_kv_bytes_per_block": self.worker_kv_bytes_per_block,
+                }),
+            );
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// sha256 of [`VllmSpecFields::namespace_fields`] serialised like vLLM's digest: what the
+    /// tier's slab superblocks carry.
+    pub fn namespace_digest(&self) -> Result<[u8; 32]> {
+        let text = python_json_dumps(&self.namespace_fields()?);
+        Ok(Sha256::digest(text.as_bytes()).into())
+    }
+}
+
+#[cfg(test)]
+mod vllm_spec_tests {
+    use super::*;
+
+    fn fields(tp: u32, canonical: bool, agnostic: bool) -> VllmSpecFields {
+        VllmSpecFields {
+            model_name: "org/model".into(),
+            dtype: "bfloat16".into(),
+            tokens_per_hash: 16,
+            blocks_per_chunk: 4,
+            tp_size: tp,
+            pp_size: 1,
+            pcp_size: 1,
+            dcp_size: 1,
+            world_size: tp,
+            is_parallelism_agnostic: agnostic,
+            kv_cache_groups: vec![KvCacheGroupFields {
+                tokens_per_block: 16,
+                layer_names: vec!["l.0".into(), "l.1".into()],
+            }],
+            replicated_layout: false,
+            canonical_layout: canonical,
+            kv_cache_layout: Some("LBNHC".into()),
+            worker_kv_bytes_per_block: 65536 / u64::from(tp),
+            row_stride: 262_144,
+        }
+    }
+
+    #[test]
+    fn canonical_portable_rows_share_one_namespace_over_tp_sizes() {
+        let a = fields(1, true, true).namespace_digest().unwrap();
+        let b = fields(4, true, true).namespace_digest().unwrap();
+        assert_eq!(a, b);
+        let v = fields(4, true, true).namespace_fields().unwrap();
+        assert!(v.get("topology").is_none());
+        assert_eq!(v["canonical_format"], "v1-nhd");
+    }
+
+    #[test]
+    fn direct_rows_and_other_layouts_get_their_own_namespace() {
+        // vLLM collapses the direct path for exactly split heads; kvtier keeps the topology.
+        let a = fields(1, false, true).namespace_digest().unwrap();
+        let b = fields(2, false, true).namespace_digest().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(
+            vllm_digest(&fields(1, false, true).vllm_digest_fields().unwrap()).0,
+            vllm_digest(&fields(2, false, true).vllm_digest_fields().unwrap()).0
+        );
+        let mut hnd = fields(1, false, true);
+        hnd.kv_cache_layout = Some("LBHNC".into());
+        assert_ne!(a, hnd.namespace_digest().unwrap());
+        let mut canonical_hnd = fields(1, true, true);
+        canonical_hnd.kv_cache_layout = Some("LBHNC".into());
+        assert_eq!(
+            canonical_hnd.namespace_fields().unwrap()["canonical_format"],
+            "v1-hnd"
+        );
+        canonical_hnd.kv_cache_layout = Some("XYZ".into());
+        let e = canonical_hnd.namespace_digest().unwrap_err();
+        assert_eq!(e.context_value("key"), Some("kv_cache_layout"));
+    }
+
+    #[test]
+    fn the_python_packages_json_is_read_strictly() {
+        let text = serde_json::json!({
+            "model_name": "m", "dtype": "float16", "tokens_per_hash": 16, "blocks_per_chunk": 1,
+            "tp_size": 1, "pp_size": 1, "pcp_size": 1, "dcp_size": 1, "world_size": 1,
+            "is_parallelism_agnostic": false,
+            "kv_cache_groups": [{"tokens_per_block": 16, "layer_names": ["a"]}],
+            "replicated_layout": false, "canonical_layout": false, "kv_cache_layout": null,
+            "worker_kv_bytes_per_block": 4096, "row_stride": 4096
+        });
+        let f = VllmSpecFields::from_json(&text.to_string()).unwrap();
+        assert!(!f.vllm_digest_fields().unwrap().parallel_agnostic);
+        let mut extra = text.clone();
+        extra["surprise"] = serde_json::json!(1);
+        assert!(VllmSpecFields::from_json(&extra.to_string()).is_err());
+    }
 }

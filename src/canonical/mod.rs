@@ -22,7 +22,9 @@ pub mod tiling;
 pub mod validate;
 
 pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
-pub use digest::{NamespaceParams, VllmDigestFields, namespace_digest, vllm_digest};
+pub use digest::{
+    NamespaceParams, VllmDigestFields, VllmSpecFields, namespace_digest, vllm_digest,
+};
 pub use gather::{ByteCopy, Direction, RowPlan, gather, scatter};
 pub use mapping::{
     CanonicalPageMapping, CopyRun, LayerMapping, MappingKind, ParallelConfig, canonical_page_ids,

@@ -13,9 +13,10 @@ use serde::Serialize;
 
 use crate::cli::args::ModelArgs;
 use crate::cli::output::print_json;
-use crate::cli::serve::{ServePlan, check_tiers, in_file};
+use crate::cli::serve::{check_tiers, in_file};
 use crate::cli::size::{format_size, parse_size};
 use crate::config::{self, Format, KvtierConfig};
+use crate::embed::Builder;
 use crate::error::Result;
 use crate::geometry::ChunkGeometry;
 use crate::tiering::factory::TierFactory;
@@ -96,8 +97,10 @@ fn check(args: CheckArgs) -> Result<ExitCode> {
     let (geometry, rows_from) = match args.bytes_per_block {
         None => {
             let layout = args.model.load()?;
-            let plan =
-                ServePlan::new(cfg, &layout, args.model.tp).map_err(|e| in_file(&args.file, e))?;
+            let plan = Builder::new(cfg.clone())
+                .layout(layout.clone(), args.model.tp)
+                .plan()
+                .map_err(|e| in_file(&args.file, e))?;
             let from = format!("{} at --tp {}", layout.model_name, args.model.tp);
             (plan.geometry, from)
         }

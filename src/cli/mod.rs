@@ -11,7 +11,7 @@
 //! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
 //!   `kvtier layout show|check`, `kvtier version`.
 //! * [`args`]: the argument groups and flag parsers several commands share; [`output`],
-//!   [`size`], [`stats`], [`memory`], [`interrupt`], [`logger`], [`sigpipe`]: what every
+//!   [`size`], [`stats`], [`interrupt`], [`logger`], [`sigpipe`]: what every
 //!   command uses.
 //!
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
@@ -24,7 +24,6 @@ pub mod fio;
 pub mod interrupt;
 pub mod layout_cmd;
 pub mod logger;
-pub mod memory;
 pub mod output;
 pub mod serve;
 pub mod sigpipe;

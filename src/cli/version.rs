@@ -8,7 +8,10 @@ use crate::error::Result;
 
 /// Every cargo feature of the crate, and whether this build has it. A feature added to
 /// `Cargo.toml` is added here too.
-pub const BUILD_FEATURES: [(&str, bool); 1] = [("gds", cfg!(feature = "gds"))];
+pub const BUILD_FEATURES: [(&str, bool); 2] = [
+    ("gds", cfg!(feature = "gds")),
+    ("internals", cfg!(feature = "internals")),
+];
 
 /// The report, one `key: value` line each.
 pub fn report() -> String {

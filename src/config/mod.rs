@@ -31,6 +31,7 @@ use crate::error::{Error, ErrorKind, Result};
 pub use model::{BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
 pub use parse::{
     KVTIER_KEYS, ResolvedConfig, TIER_COMMON_KEYS, VLLM_OWNED_KEYS, WRAPPER_KEYS, resolve,
+    resolve_tier_entry,
 };
 pub use size::ByteSize;
 

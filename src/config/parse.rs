@@ -124,6 +124,16 @@ pub fn resolve(value: &Value) -> Result<ResolvedConfig> {
     Ok(ResolvedConfig { config, notes })
 }
 
+/// Resolves one `secondary_tiers` entry on its own, with the key paths of position `index`
+/// (`secondary_tiers[index].paths`): for an embedder that is handed one tier's keys at a
+/// time, as vLLM's factory hands them to an out-of-tree tier. No top-level back-pressure is
+/// merged in (vLLM has already turned the merged dict into its own detector).
+pub fn resolve_tier_entry(index: usize, entry: &Value) -> Result<TierConfig> {
+    let tier = resolve_tier(index, entry, "secondary_tiers", None)?;
+    tier.validate()?;
+    Ok(tier)
+}
+
 fn engine_id(path: &str, v: &Value) -> Result<String> {
     let s = fields::string(path, v)?;
     check_engine_id(path, s)?;

@@ -155,4 +155,17 @@ pub trait SecondaryTier: Send {
     fn health(&self) -> TierHealth {
         TierHealth::default()
     }
+
+    /// Whether lookups can answer HIT or MISS yet: false while the tier is still opening (a
+    /// persistent tier recovering its index answers RETRY meanwhile).
+    fn ready(&self) -> bool {
+        true
+    }
+
+    /// Static facts about the tier, as (label name, value) pairs, for vLLM's
+    /// `vllm:kv_offload_config_info` series and for reports. Never `tier` (the manager adds
+    /// it); the names are fixed for a tier type.
+    fn config_info(&self) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
 }

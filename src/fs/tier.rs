@@ -493,6 +493,19 @@ impl SecondaryTier for FsTier {
         self.sh.metrics.sample(self.capacity)
     }
 
+    fn config_info(&self) -> Vec<(&'static str, String)> {
+        let direct = if self.info.direct_io {
+            "direct"
+        } else {
+            "buffered"
+        };
+        vec![
+            ("kvtier_io_engine", self.info.engine.clone()),
+            ("kvtier_direct_io", direct.to_string()),
+            ("kvtier_fs_digest", self.info.digest.clone()),
+        ]
+    }
+
     fn health(&self) -> TierHealth {
         let m = &self.sh.metrics;
         let mut h = TierHealth::default();

@@ -25,6 +25,19 @@ pub struct PathStatus {
     pub lost: Mutex<Option<String>>,
 }
 
+/// A metric's name, help, kind and label names ([`G3Metrics::descriptors`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricDescriptor {
+    /// Name without prefix, e.g. `g3_checksum_failures`.
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// Counter or gauge.
+    pub kind: TierMetricKind,
+    /// Label names, in the order samples carry them.
+    pub label_names: Vec<&'static str>,
+}
+
 /// Counters and gauges of one tier.
 #[derive(Debug, Default)]
 pub struct G3Metrics {
@@ -117,6 +130,29 @@ impl G3Metrics {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
         Some(std::time::Duration::from_millis(now.saturating_sub(ms)))
+    }
+
+    /// Every metric a G3 tier reports, with its label names: for a host that declares its
+    /// metrics before any tier exists (vLLM's `build_metric_definitions`, in processes that
+    /// never open a tier). Per-path metrics appear once, labelled `path`.
+    pub fn descriptors() -> Vec<MetricDescriptor> {
+        let one_path = PathStatus {
+            direct: true,
+            fs_type: String::new(),
+            poisoned: Default::default(),
+            problem: Default::default(),
+            lost: Default::default(),
+        };
+        Self::default()
+            .sample(std::slice::from_ref(&one_path))
+            .into_iter()
+            .map(|m| MetricDescriptor {
+                name: m.name,
+                help: m.help,
+                kind: m.kind,
+                label_names: m.labels.iter().map(|(k, _)| *k).collect(),
+            })
+            .collect()
     }
 
     /// Samples every metric.

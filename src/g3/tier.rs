@@ -27,6 +27,16 @@ use crate::io::{EngineHandle, EngineOptions, IoEngineKind, open_engine};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
 
+/// The label names of [`SecondaryTier::config_info`] for a G3 tier, in order.
+pub const CONFIG_INFO_KEYS: [&str; 6] = [
+    "kvtier_io_engine",
+    "kvtier_direct_io",
+    "kvtier_paths",
+    "kvtier_slots",
+    "kvtier_slot_bytes",
+    "kvtier_namespace",
+];
+
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands.
 const CONTROL_SLACK: usize = 16;
 
@@ -76,6 +86,8 @@ pub struct G3Tier {
     info: G3Info,
     /// Duplicates of the slabs' data descriptors, for [`G3Tier::direct_slots`].
     direct_files: Arc<Vec<File>>,
+    /// The namespace digest the slabs carry.
+    namespace: [u8; 32],
 }
 
 impl std::fmt::Debug for G3Tier {
@@ -180,6 +192,7 @@ impl G3Tier {
             checkpoint_error: Mutex::new(None),
             journal_problem: Mutex::new(None),
             final_checkpoint_error: Mutex::new(None),
+            events: std::sync::atomic::AtomicBool::new(true),
         });
         // Bounded channels keep their slots in one preallocated ring: an unbounded channel
         // allocates a block every 31 messages on the sending (scheduler) thread and frees it on
@@ -227,12 +240,19 @@ impl G3Tier {
             checkpoint_interval: cfg.checkpoint_interval,
             info,
             direct_files,
+            namespace,
         })
     }
 
     /// Facts about the open tier.
     pub fn info(&self) -> &G3Info {
         &self.info
+    }
+
+    /// Whether stored/removed events are recorded for [`SecondaryTier::take_events`] (on after
+    /// [`G3Tier::open`]). Turn them off when nobody drains them: the queue would only grow.
+    pub fn set_events_enabled(&self, enabled: bool) {
+        self.shared.events.store(enabled, Ordering::Relaxed);
     }
 
     /// A handle for another data path (GPUDirect Storage) to move rows into and out of this
@@ -467,6 +487,30 @@ impl SecondaryTier for G3Tier {
             );
         }
         h
+    }
+
+    fn ready(&self) -> bool {
+        self.is_recovered()
+    }
+
+    fn config_info(&self) -> Vec<(&'static str, String)> {
+        let direct = self.info.direct_io.iter().filter(|d| **d).count();
+        let direct_io = if direct == self.info.direct_io.len() {
+            "direct"
+        } else if direct == 0 {
+            "buffered"
+        } else {
+            "mixed"
+        };
+        let values = [
+            self.info.engine.clone(),
+            direct_io.to_string(),
+            self.info.slab_paths.len().to_string(),
+            self.info.total_slots.to_string(),
+            self.info.row_stride.to_string(),
+            hex::encode(self.namespace),
+        ];
+        CONFIG_INFO_KEYS.into_iter().zip(values).collect()
     }
 }
 

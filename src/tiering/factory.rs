@@ -1,7 +1,10 @@
 //! The tier factory: a tier type name (`secondary_tiers[i].type`) -> a constructor.
 //!
-//! Built in: `nvme` ([`G3Tier`], kvtier's NVMe slab tier), `fs` ([`FsTier`], one file per
-//! chunk on a shared file system) and `memory` ([`MemoryTier`], for tests and examples). Tests and embedders can register more with [`TierFactory::register`].
+//! Built in: `nvme` ([`G3Tier`], kvtier's NVMe slab tier; also under the name
+//! [`VLLM_TIER_CLASS`], so that the `secondary_tiers` entry vLLM loads from the Python package
+//! means the same tier to `kvtier serve`), `fs` ([`FsTier`], one file per chunk on a shared
+//! file system) and `memory` ([`MemoryTier`], for tests and examples). Tests and embedders
+//! can register more with [`TierFactory::register`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -17,6 +20,11 @@ use crate::g3::{G3Tier, G3TierConfig, geometry_namespace};
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
 use crate::tiering::memory_tier::{ExecMode, MemoryTier, MemoryTierOptions};
+
+/// The class name of kvtier's tier in the Python package (`kvtier.vllm.KvtierTier`): vLLM's
+/// factory takes the entry's `type` as the class name, so a `secondary_tiers` entry
+/// `{"type": "KvtierTier", "module_path": "kvtier.vllm", ...}` is an `nvme` tier here.
+pub const VLLM_TIER_CLASS: &str = "KvtierTier";
 
 /// What a constructor gets besides its own config entry.
 #[derive(Debug, Clone)]
@@ -34,6 +42,10 @@ pub struct TierBuildContext {
     /// vLLM's FileMapper fields of the model (`FileMapper.get_run_config()`), which name an
     /// `fs` tier's folder. `None`: no `fs` tier can be built.
     pub file_mapper_fields: Option<Value>,
+    /// Whether the tier records stored/removed events for
+    /// [`SecondaryTier::take_events`](crate::contract::secondary::SecondaryTier::take_events)
+    /// (off unless someone drains them: an undrained event queue only grows).
+    pub events: bool,
 }
 
 impl TierBuildContext {
@@ -45,6 +57,7 @@ impl TierBuildContext {
             tier_label,
             namespace: None,
             file_mapper_fields: None,
+            events: false,
         }
     }
 
@@ -106,6 +119,8 @@ impl TierFactory {
         f.register_check("nvme", Arc::new(check_nvme_tier));
         f.register("fs", Arc::new(build_fs_tier));
         f.register_check("fs", Arc::new(check_fs_tier));
+        f.register(VLLM_TIER_CLASS, Arc::new(build_nvme_tier));
+        f.register_check(VLLM_TIER_CLASS, Arc::new(check_nvme_tier));
         f
     }
 
@@ -209,6 +224,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
         ctx.tier_label.clone(),
         cfg.locality,
     )?;
+    tier.set_events_enabled(ctx.events);
     Ok(Box::new(tier))
 }
 

@@ -4,8 +4,8 @@
 
 use crate::canonical::{LayoutDescriptor, NamespaceParams};
 use crate::cli::bench::BenchArgs;
-use crate::cli::memory::mem_available;
 use crate::cli::size::format_size;
+use crate::embed::mem_available;
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 

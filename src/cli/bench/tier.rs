@@ -1,20 +1,18 @@
 //! The stack `kvtier bench` runs on: a primary region and tier, one G3 tier on fresh
 //! directories (or, with `--tier fs`, one fs tier in a fresh directory), and the tiering
-//! manager over them (no back-pressure: the bench must store every chunk it later verifies).
+//! manager over them, built by the library's [`Builder`] from a configuration in the config
+//! file's shape (no back-pressure: the bench must store every chunk it later verifies).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::EvictionPolicyKind;
-use crate::contract::secondary::SecondaryTier;
+use crate::config::{EvictionPolicyKind, KvtierConfig, TierConfig};
+use crate::embed::Builder;
 use crate::error::{Error, ErrorKind, Result};
-use crate::fs::{FsTier, FsTierConfig};
-use crate::g3::{FsyncPolicy, G3Tier, G3TierConfig};
 use crate::io::IoEngineKind;
-use crate::primary::PrimaryTier;
 use crate::region::PrimaryRegion;
-use crate::tiering::manager::{ManagerOptions, TierSpec, TieringManager};
+use crate::tiering::manager::TieringManager;
 
 /// How to build the stack.
 #[derive(Debug, Clone)]
@@ -59,14 +57,13 @@ pub struct BenchTier {
     /// The manager the bench drives.
     pub manager: TieringManager,
     dirs: Vec<tempfile::TempDir>,
-    engine: String,
-    /// Whether each tier directory uses O_DIRECT.
-    direct: Vec<bool>,
+    /// The tier's `config_info` (engine, direct I/O, ...).
+    info: Vec<(&'static str, String)>,
     keep: bool,
 }
 
 impl BenchTier {
-    /// Makes the directories, opens the G3 tier there and builds the manager.
+    /// Makes the directories and builds the manager with the tier there.
     pub fn open(opts: &TierOptions) -> Result<Self> {
         let parents = crate::cli::args::path_dirs(&opts.parent_dirs)?;
         let mut dirs = Vec::with_capacity(parents.len());
@@ -82,85 +79,83 @@ impl BenchTier {
         let row = usize::try_from(opts.row_stride)
             .map_err(|_| Error::config("--layout", "row stride too large"))?;
         let region = Arc::new(PrimaryRegion::create(rows, row)?);
-        let (tier, engine, direct): (Box<dyn SecondaryTier>, String, Vec<bool>) =
-            match &opts.fs_fields {
-                Some(fields) => {
-                    let mut cfg = FsTierConfig::new(dirs[0].path(), opts.capacity);
-                    cfg.max_bytes_in_flight = Some(opts.max_bytes_in_flight);
-                    cfg.io_engine = opts.io_engine;
-                    let tier = FsTier::open(
-                        cfg,
-                        region.clone(),
-                        fields.clone(),
-                        opts.namespace,
-                        "1:fs".to_string(),
-                        None,
-                    )?;
-                    let (engine, direct) = (tier.info().engine.clone(), tier.info().direct_io);
-                    (Box::new(tier), engine, vec![direct])
-                }
-                None => {
-                    let tier = Self::open_g3(opts, &dirs, region.clone())?;
-                    let info = tier.info().clone();
-                    (Box::new(tier), info.engine, info.direct_io)
-                }
-            };
-        let primary = PrimaryTier::new(region, EvictionPolicyKind::Lru, false);
-        let manager = TieringManager::with_tiers(
-            primary,
-            vec![TierSpec {
-                tier,
-                backpressure: None,
-            }],
-            ManagerOptions::default(),
-        )?;
+        let io_engine = match opts.io_engine {
+            IoEngineKind::Auto => "auto",
+            IoEngineKind::Uring => "uring",
+            IoEngineKind::Psync => "psync",
+        };
+        let paths: Vec<String> = dirs
+            .iter()
+            .map(|d| d.path().display().to_string())
+            .collect();
+        let (tier_type, params) = match &opts.fs_fields {
+            Some(_) => (
+                "fs",
+                serde_json::json!({
+                    "root_dir": paths[0],
+                    "capacity_bytes": opts.capacity,
+                    "max_bytes_in_flight": opts.max_bytes_in_flight,
+                    "io_engine": io_engine,
+                }),
+            ),
+            // Stores are reported once their data and index records are durable (the default).
+            None => (
+                "nvme",
+                serde_json::json!({
+                    "paths": paths,
+                    "capacity_bytes": opts.capacity,
+                    "max_bytes_in_flight": opts.max_bytes_in_flight,
+                    "io_engine": io_engine,
+                    "idle_linger_ms": u64::try_from(opts.idle_linger.as_millis()).unwrap_or(u64::MAX),
+                    "fsync": "always",
+                }),
+            ),
+        };
+        let mut tier = TierConfig::new(0, tier_type);
+        tier.params = params.as_object().cloned().unwrap_or_default();
+        let mut cfg = KvtierConfig::new(region.len() as u64);
+        cfg.eviction_policy = EvictionPolicyKind::Lru;
+        cfg.secondary_tiers = vec![tier];
+        let mut builder = Builder::new(cfg).region(region).namespace(opts.namespace);
+        if let Some(fields) = &opts.fs_fields {
+            builder = builder.file_mapper_fields(fields.clone());
+        }
+        let manager = builder.build()?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !manager.tier(0).is_some_and(|t| t.ready()) {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::new(
+                    ErrorKind::Internal,
+                    "the fresh tier did not finish opening its index within 60 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let info = manager.tier(0).map(|t| t.config_info()).unwrap_or_default();
         Ok(BenchTier {
             manager,
             dirs,
-            engine,
-            direct,
+            info,
             keep: opts.keep,
         })
     }
 
-    fn open_g3(
-        opts: &TierOptions,
-        dirs: &[tempfile::TempDir],
-        region: Arc<PrimaryRegion>,
-    ) -> Result<G3Tier> {
-        let mut cfg = G3TierConfig::new(
-            dirs.iter().map(|d| d.path().to_path_buf()).collect(),
-            opts.capacity,
-        );
-        cfg.max_bytes_in_flight = Some(opts.max_bytes_in_flight);
-        cfg.io_engine = opts.io_engine;
-        cfg.idle.linger = opts.idle_linger;
-        // Stores are reported once their data and index records are durable (the default).
-        cfg.fsync = FsyncPolicy::Always;
-        let tier = G3Tier::open(cfg, region, opts.namespace, "1:nvme".to_string(), None)?;
-        if !tier.wait_recovered(Duration::from_secs(60)) {
-            return Err(Error::new(
-                ErrorKind::Internal,
-                "the fresh G3 tier did not finish opening its index within 60 s",
-            ));
-        }
-        Ok(tier)
-    }
-
     /// The tier's directories, engine and direct-I/O mode.
     pub fn facts(&self) -> TierFacts {
-        let direct = self.direct.iter().filter(|d| **d).count();
-        let direct_io = if direct == self.direct.len() {
-            "direct (O_DIRECT)"
-        } else if direct == 0 {
-            "buffered"
-        } else {
-            "mixed"
+        let info = |key: &str| {
+            self.info
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map_or_else(String::new, |(_, v)| v.clone())
+        };
+        let direct_io = match info("kvtier_direct_io").as_str() {
+            "direct" => "direct (O_DIRECT)".to_string(),
+            other => other.to_string(),
         };
         TierFacts {
             dirs: self.dirs.iter().map(|d| d.path().to_path_buf()).collect(),
-            io_engine: self.engine.clone(),
-            direct_io: direct_io.to_string(),
+            io_engine: info("kvtier_io_engine"),
+            direct_io,
         }
     }
 

@@ -1,29 +1,26 @@
 //! `kvtier serve`: runs the tiering manager with the configured tiers behind a metrics
 //! endpoint until SIGTERM or Ctrl-C, then drains, checkpoints and exits 0.
 //!
-//! The region is sized like vLLM sizes it: the layout (default Llama-3.1-8B) and TP give the
-//! bytes per GPU block, the config gives `blocks_per_chunk` (or `block_size`) and
-//! `cpu_bytes_to_use`; `nvme` tiers get the layout's namespace digest for their superblocks.
+//! The manager comes from the library's [`Builder`]: the region is sized like vLLM sizes it
+//! (the layout, default Llama-3.1-8B, and TP give the bytes per GPU block, the config gives
+//! `blocks_per_chunk` or `block_size` and `cpu_bytes_to_use`), `nvme` tiers get the layout's
+//! namespace digest for their superblocks and `fs` tiers its vLLM FileMapper fields.
 
 pub mod http;
 pub mod service;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, VllmDigestFields, namespace_digest};
 use crate::cli::args::ModelArgs;
 use crate::cli::serve::http::DEFAULT_METRICS_ADDR;
 use crate::cli::serve::service::{Service, serve_until_signal};
-use crate::cli::size::format_size;
 use crate::config::KvtierConfig;
 use crate::contract::secondary::{HealthState, TierHealth};
+use crate::embed::Builder;
 use crate::error::{Error, ErrorKind, Result};
-use crate::geometry::ChunkGeometry;
-use crate::region::PrimaryRegion;
 use crate::tiering::factory::TierFactory;
-use crate::tiering::manager::{ManagerOptions, TieringManager};
+use crate::tiering::manager::TieringManager;
 
 /// Arguments of `kvtier serve`.
 #[derive(Debug, clap::Args)]
@@ -55,12 +52,14 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let layout = args.model.load()?;
     // Every rule first (the ones `config check` runs too), then the address: a mistake in
     // either is found before the region is allocated and the slabs created.
-    let plan =
-        ServePlan::new(&cfg, &layout, args.model.tp).map_err(|e| in_file(&args.config, e))?;
+    let builder = Builder::new(cfg.clone())
+        .layout(layout.clone(), args.model.tp)
+        .metrics_prefix(&args.metrics_prefix);
+    builder.plan().map_err(|e| in_file(&args.config, e))?;
     crate::metrics::Registry::new(args.metrics_prefix.as_str())
         .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
     let listener = http::bind(&args.metrics_addr)?;
-    let manager = build_manager(&cfg, &layout, &plan, &args.metrics_prefix).map_err(|e| {
+    let manager = builder.build().map_err(|e| {
         if e.kind() != ErrorKind::IncompatibleLayout {
             return e;
         }
@@ -88,46 +87,6 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What `serve` derives from the configuration and the model before it allocates anything,
-/// and every rule it applies to a configuration: [`ServePlan::new`] is also what `kvtier
-/// config check` runs, so the two accept the same files.
-#[derive(Debug, Clone)]
-pub struct ServePlan {
-    /// GPU blocks per chunk (`blocks_per_chunk`, or `block_size` over the layout's tokens per
-    /// block).
-    pub blocks_per_chunk: u32,
-    /// The inputs of the storage namespace.
-    pub params: NamespaceParams,
-    /// The primary region: row stride, rows, bytes.
-    pub geometry: ChunkGeometry,
-}
-
-impl ServePlan {
-    /// Sizes the region for `layout` at `tp` and checks every secondary tier against it with
-    /// the tier factory's rules ([`TierFactory::check`]: a known type, its keys, its values
-    /// for this row size: capacity of at least one row, `max_bytes_in_flight` of at least one
-    /// row, ...). Touches no path and allocates nothing.
-    pub fn new(cfg: &KvtierConfig, layout: &LayoutDescriptor, tp: u32) -> Result<Self> {
-        let blocks_per_chunk = cfg.chunk.blocks_per_chunk(Some(layout.tokens_per_block))?;
-        let params = NamespaceParams::new(layout, tp, blocks_per_chunk, cfg.canonical_layout)
-            .map_err(|e| Error::config("--tp", e.message().to_string()))?;
-        let copies = if params.replicated_layout { 1 } else { tp };
-        let geometry = ChunkGeometry::derive(
-            layout.worker_kv_bytes_per_block(tp)?,
-            copies,
-            blocks_per_chunk,
-            cfg.cpu_bytes_to_use,
-        )?;
-        geometry.region_dims()?;
-        check_tiers(cfg, &TierFactory::with_builtins(), geometry.row_stride)?;
-        Ok(ServePlan {
-            blocks_per_chunk,
-            params,
-            geometry,
-        })
-    }
-}
-
 /// A plan error names the configuration file unless it is about a flag (`--tp`).
 pub fn in_file(config: &std::path::Path, e: Error) -> Error {
     if e.context_value("key").is_some_and(|k| k.starts_with("--")) {
@@ -142,52 +101,6 @@ pub fn check_tiers(cfg: &KvtierConfig, factory: &TierFactory, row_stride: u64) -
     cfg.secondary_tiers
         .iter()
         .try_for_each(|tier| factory.check(tier, row_stride))
-}
-
-/// Allocates the region of `plan` and builds the manager with `nvme` tiers that carry the
-/// layout's namespace and `fs` tiers named by its vLLM FileMapper fields.
-pub fn build_manager(
-    cfg: &KvtierConfig,
-    layout: &LayoutDescriptor,
-    plan: &ServePlan,
-    metrics_prefix: &str,
-) -> Result<TieringManager> {
-    let geometry = &plan.geometry;
-    let (rows, stride) = geometry.region_dims()?;
-    check_region_memory(geometry.region_bytes, crate::cli::memory::mem_available())?;
-    log::info!(
-        "primary region: {rows} rows of {} ({})",
-        format_size(geometry.row_stride),
-        format_size(geometry.region_bytes)
-    );
-    let region = Arc::new(PrimaryRegion::create(rows, stride)?);
-    let namespace = namespace_digest(layout, &plan.params);
-    let factory = TierFactory::with_builtins();
-    let opts = ManagerOptions {
-        metrics_prefix: metrics_prefix.to_string(),
-        namespace: Some(namespace),
-        file_mapper_fields: Some(VllmDigestFields::from_descriptor(layout, &plan.params).to_json()),
-        ..ManagerOptions::default()
-    };
-    TieringManager::from_config(cfg, region, &factory, opts)
-}
-
-/// The primary region is pre-faulted when it is created, so a `cpu_bytes_to_use` larger than
-/// the memory available would push the machine into swap or the OOM killer instead of failing:
-/// refuse it up front (a user mistake, exit 2).
-fn check_region_memory(region_bytes: u64, available: Option<u64>) -> Result<()> {
-    match available {
-        Some(avail) if region_bytes > avail => Err(Error::config(
-            "cpu_bytes_to_use",
-            format!(
-                "the primary region needs {} (pre-faulted at start), but only {} of memory is \
-                 available; lower cpu_bytes_to_use",
-                format_size(region_bytes),
-                format_size(avail)
-            ),
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// The manager as a [`Service`]: a scrape collects finished jobs, then renders.
@@ -281,18 +194,5 @@ mod tests {
             Err("failed\ntier 2:nvme: index recovery failed\n".to_string())
         );
         assert_eq!(health_body(&[]), Ok("ok\n".to_string()));
-    }
-
-    #[test]
-    fn a_region_larger_than_available_memory_is_a_config_error() {
-        let e = check_region_memory(64 << 30, Some(22 << 30)).unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Config);
-        let s = e.to_string();
-        assert!(
-            s.contains("cpu_bytes_to_use") && s.contains("64 GiB"),
-            "{s}"
-        );
-        assert!(check_region_memory(1 << 30, Some(22 << 30)).is_ok());
-        assert!(check_region_memory(1 << 40, None).is_ok());
     }
 }

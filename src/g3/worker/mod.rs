@@ -85,6 +85,8 @@ pub(crate) struct Shared {
     pub journal_problem: Mutex<Option<String>>,
     /// Why the final checkpoint at shutdown failed, if it did.
     pub final_checkpoint_error: Mutex<Option<String>>,
+    /// Whether stored/removed events are recorded (see `G3Tier::set_events_enabled`).
+    pub events: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -651,6 +653,9 @@ impl Worker {
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
+        if !self.sh.events.load(Ordering::Relaxed) {
+            return;
+        }
         let _ = self.events_tx.send(OffloadingEvent {
             keys,
             medium: Medium::Storage,

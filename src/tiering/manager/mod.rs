@@ -48,7 +48,8 @@ pub struct ManagerOptions {
     pub metrics_prefix: String,
     /// Time source for job stamps, latencies and back-pressure.
     pub clock: Arc<dyn Clock>,
-    /// Whether the primary emits stored/removed events.
+    /// Whether the primary and the tiers built from the configuration record stored/removed
+    /// events ([`TieringManager::take_events`] drains them).
     pub enable_events: bool,
     /// Storage namespace digest handed to persistent tiers (`None`: geometry namespace).
     pub namespace: Option<[u8; 32]>,
@@ -198,6 +199,7 @@ impl TieringManager {
                     TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
                 ctx.namespace = opts.namespace;
                 ctx.file_mapper_fields = opts.file_mapper_fields.clone();
+                ctx.events = opts.enable_events;
                 factory.create(tc, &ctx).map(|t| (t, p))
             });
             match step {

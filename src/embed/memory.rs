@@ -1,4 +1,4 @@
-//! What the machine has to offer a command that sizes a memory region up front.
+//! What the machine has to offer a builder (or command) that sizes a memory region up front.
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes.
 pub fn mem_available() -> Option<u64> {

@@ -1,0 +1,437 @@
+//! `kvtier._native`: the native half of the Python package. `kvtier.vllm.KvtierTier` (pure
+//! Python, vLLM's `SecondaryTierManager`) forwards every call here; this module adopts vLLM's
+//! primary region in place and runs kvtier's G3 tier over it, built by the library's
+//! [`kvtier::Builder`].
+//!
+//! Every method that may wait (a lock, the index, I/O, a drain) runs with the GIL released, so
+//! the rest of the Python process keeps running.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kvtier::canonical::VllmSpecFields;
+use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
+use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
+use kvtier::g3::metrics::G3Metrics;
+use kvtier::tiering::factory::VLLM_TIER_CLASS;
+use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
+
+pyo3::create_exception!(
+    kvtier._native,
+    ConfigError,
+    PyValueError,
+    "A configuration or path kvtier cannot use (the message names the key or path)."
+);
+pyo3::create_exception!(
+    kvtier._native,
+    KvtierError,
+    PyRuntimeError,
+    "kvtier failed (I/O, a tier that is shut down, an internal error)."
+);
+
+fn to_py(e: Error) -> PyErr {
+    match e.kind() {
+        ErrorKind::Config
+        | ErrorKind::InvalidPath
+        | ErrorKind::IncompatibleLayout
+        | ErrorKind::Misaligned
+        | ErrorKind::Unsupported
+        | ErrorKind::Locked => ConfigError::new_err(e.to_string()),
+        _ => KvtierError::new_err(e.to_string()),
+    }
+}
+
+/// kvtier's log lines (a path falling back to buffered I/O, a failed checkpoint) on stderr,
+/// `kvtier: LEVEL message`, at `$KVTIER_LOG` (`error`, `warn` (default), `info`, `debug`).
+struct StderrLogger {
+    level: log::LevelFilter,
+}
+
+impl log::Log for StderrLogger {
+    fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+        metadata.level() <= self.level
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        if self.enabled(record.metadata()) {
+            use std::io::Write as _;
+            let line = format!("kvtier: {} {}\n", record.level(), record.args());
+            let _ = std::io::stderr().write_all(line.as_bytes());
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+/// Installs [`StderrLogger`] unless the process already has a `log` logger.
+fn install_logger() {
+    let level = std::env::var("KVTIER_LOG")
+        .ok()
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(log::LevelFilter::Warn);
+    static INSTALLED: std::sync::Once = std::sync::Once::new();
+    INSTALLED.call_once(|| {
+        let logger: &'static StderrLogger = Box::leak(Box::new(StderrLogger { level }));
+        if log::set_logger(logger).is_ok() {
+            log::set_max_level(level);
+        }
+    });
+}
+
+/// Lookup answers as small integers (`kvtier.vllm` maps them to vLLM's `LookupResult`).
+const MISS: u8 = 0;
+const HIT: u8 = 1;
+const RETRY: u8 = 2;
+
+/// One finished job: `(job_id, success, successful_keys, transfer_time_s, transfer_bytes,
+/// error)`.
+type JobTuple<'py> = (
+    u64,
+    bool,
+    Option<Vec<Bound<'py, PyBytes>>>,
+    Option<f64>,
+    Option<u64>,
+    Option<String>,
+);
+
+/// One metric sample: `(name, kind, labels, value)`.
+type MetricTuple = (String, &'static str, Vec<(String, String)>, f64);
+
+/// A G3 tier over vLLM's primary region.
+#[pyclass(frozen, module = "kvtier._native", name = "Tier")]
+struct Tier {
+    tier: Mutex<Option<Box<dyn SecondaryTier>>>,
+    /// The Python object that holds vLLM's buffer exported (a ctypes view of the region):
+    /// kept until the tier has stopped, so the mapping outlives every transfer.
+    anchor: Mutex<Option<Py<PyAny>>>,
+    /// Context for lookups (the G3 tier ignores the request).
+    req: RequestContext,
+    num_rows: usize,
+    vllm_digest: String,
+    namespace: String,
+}
+
+impl Tier {
+    fn with_tier<T>(&self, f: impl FnOnce(&mut dyn SecondaryTier) -> T) -> PyResult<T> {
+        let mut guard = self.tier.lock();
+        match guard.as_mut() {
+            Some(t) => Ok(f(t.as_mut())),
+            None => Err(KvtierError::new_err("the kvtier tier is shut down")),
+        }
+    }
+
+    fn job(
+        &self,
+        job_id: u64,
+        keys: &[Bound<'_, PyBytes>],
+        chunk_ids: &[u8],
+        load: bool,
+    ) -> PyResult<TransferJob> {
+        if chunk_ids.len() != keys.len() * 4 {
+            return Err(PyValueError::new_err(format!(
+                "job {job_id}: {} keys but {} bytes of int32 chunk ids",
+                keys.len(),
+                chunk_ids.len()
+            )));
+        }
+        let rows = chunk_ids
+            .chunks_exact(4)
+            .map(|b| {
+                let id = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                u32::try_from(id)
+                    .ok()
+                    .filter(|&r| (r as usize) < self.num_rows)
+                    .ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "job {job_id}: chunk id {id} is not a row of the primary region \
+                             (0..{})",
+                            self.num_rows
+                        ))
+                    })
+            })
+            .collect::<PyResult<Vec<u32>>>()?;
+        Ok(TransferJob {
+            job_id,
+            keys: keys.iter().map(|k| ChunkKey::new(k.as_bytes())).collect(),
+            chunk_ids: rows,
+            is_promotion: load,
+            req_id: self.req.req_id.clone(),
+            submit_time: Instant::now(),
+        })
+    }
+}
+
+#[pymethods]
+impl Tier {
+    /// Adopts `length` bytes at `base` (rows of `row_stride` bytes) and opens
+    /// `secondary_tiers[tier_index]` (`tier_entry`: the entry as JSON) over them, namespaced by
+    /// `spec` (JSON of kvtier's `VllmSpecFields`). `anchor` must keep the memory mapped until
+    /// [`Tier::shutdown`] has returned.
+    #[new]
+    #[pyo3(signature = (base, length, row_stride, anchor, tier_entry, tier_index, spec, events))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        base: usize,
+        length: usize,
+        row_stride: usize,
+        anchor: Py<PyAny>,
+        tier_entry: &str,
+        tier_index: usize,
+        spec: &str,
+        events: bool,
+    ) -> PyResult<Self> {
+        if row_stride == 0 || !length.is_multiple_of(row_stride) {
+            return Err(ConfigError::new_err(format!(
+                "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
+            )));
+        }
+        install_logger();
+        let num_rows = length / row_stride;
+        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
+        if spec.row_stride != row_stride as u64 {
+            return Err(ConfigError::new_err(format!(
+                "the view's row stride {row_stride} differs from the spec's {}",
+                spec.row_stride
+            )));
+        }
+        let namespace = spec.namespace_digest().map_err(to_py)?;
+        let vllm_digest =
+            kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
+        let entry: serde_json::Value = serde_json::from_str(tier_entry)
+            .map_err(|e| ConfigError::new_err(format!("invalid tier entry: {e}")))?;
+        let tier_config = kvtier::config::resolve_tier_entry(tier_index, &entry).map_err(to_py)?;
+        if tier_config.tier_type != VLLM_TIER_CLASS {
+            return Err(ConfigError::new_err(format!(
+                "secondary_tiers[{tier_index}].type: expected {VLLM_TIER_CLASS:?}, found {:?}",
+                tier_config.tier_type
+            )));
+        }
+        let tier = py
+            .detach(move || {
+                // SAFETY: `anchor` holds vLLM's buffer exported, so `length` bytes at `base`
+                // stay mapped and unmoved; this object keeps `anchor` until the tier (and
+                // with it every clone of the region's `Arc` held by its I/O engine) has
+                // stopped, and never drops it when stopping failed.
+                let region =
+                    unsafe { PrimaryRegion::adopt(base as *mut u8, row_stride, num_rows) }?;
+                Builder::for_tier(tier_config)
+                    .region(Arc::new(region))
+                    .namespace(namespace)
+                    .events(events)
+                    .build_tier(tier_index)
+            })
+            .map_err(to_py)?;
+        Ok(Tier {
+            tier: Mutex::new(Some(tier)),
+            anchor: Mutex::new(Some(anchor)),
+            req: RequestContext::new("kvtier.vllm"),
+            num_rows,
+            vllm_digest,
+            namespace: hex::encode(namespace),
+        })
+    }
+
+    /// 0 = MISS, 1 = HIT, 2 = RETRY (also while the index recovers).
+    fn lookup(&self, py: Python<'_>, key: &[u8]) -> PyResult<u8> {
+        let key = ChunkKey::new(key);
+        py.detach(|| {
+            self.with_tier(|t| match t.lookup(&key, &self.req) {
+                LookupResult::Hit => HIT,
+                LookupResult::Retry | LookupResult::HitPending => RETRY,
+                LookupResult::Miss => MISS,
+            })
+        })
+    }
+
+    /// Queues a store job (rows -> slots); `chunk_ids` are the job's int32 row ids, little
+    /// endian (`numpy.ndarray.tobytes()`).
+    fn submit_store(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: Vec<Bound<'_, PyBytes>>,
+        chunk_ids: &[u8],
+    ) -> PyResult<()> {
+        let job = self.job(job_id, &keys, chunk_ids, false)?;
+        py.detach(|| self.with_tier(|t| t.submit_store(job)))
+    }
+
+    /// Queues a load job (slots -> rows), like [`Tier::submit_store`].
+    fn submit_load(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: Vec<Bound<'_, PyBytes>>,
+        chunk_ids: &[u8],
+    ) -> PyResult<()> {
+        let job = self.job(job_id, &keys, chunk_ids, true)?;
+        py.detach(|| self.with_tier(|t| t.submit_load(job)))
+    }
+
+    /// Every job finished since the last call, once each.
+    fn get_finished_jobs<'py>(&self, py: Python<'py>) -> PyResult<Vec<JobTuple<'py>>> {
+        let results: Vec<JobResult> = py.detach(|| self.with_tier(|t| t.get_finished_jobs()))?;
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                let keys = r
+                    .successful_keys
+                    .map(|ks| ks.iter().map(|k| PyBytes::new(py, k.as_bytes())).collect());
+                (
+                    r.job_id,
+                    r.success,
+                    keys,
+                    r.transfer_time.map(|d| d.as_secs_f64()),
+                    r.transfer_bytes,
+                    r.error.map(|e| e.to_string()),
+                )
+            })
+            .collect())
+    }
+
+    /// True while jobs are outstanding.
+    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.with_tier(|t| t.has_pending_work()))
+    }
+
+    /// True once lookups answer HIT or MISS (the index has been recovered).
+    fn ready(&self, py: Python<'_>) -> PyResult<bool> {
+        py.detach(|| self.with_tier(|t| t.ready()))
+    }
+
+    /// Stored / removed events since the last call: `(keys, removed)` pairs.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool)>> {
+        let events = py.detach(|| self.with_tier(|t| t.take_events()))?;
+        Ok(events
+            .into_iter()
+            .map(|e| {
+                let keys = e
+                    .keys
+                    .iter()
+                    .map(|k| PyBytes::new(py, k.as_bytes()))
+                    .collect();
+                (keys, e.removed)
+            })
+            .collect())
+    }
+
+    /// Blocks (GIL released) until every submitted job has completed or failed.
+    fn drain_jobs(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.with_tier(|t| t.drain_jobs()))
+    }
+
+    /// Drains, writes the checkpoint and stops the tier's threads (GIL released); then lets go
+    /// of the region. On an error the region stays anchored (I/O may still reference it) and
+    /// the error is raised. A second call does nothing.
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let result = py.detach(|| {
+            let mut guard = self.tier.lock();
+            let Some(tier) = guard.as_mut() else {
+                return Ok(());
+            };
+            tier.shutdown()?;
+            // The worker has joined: no I/O references the region any more.
+            guard.take();
+            Ok(())
+        });
+        result.map_err(to_py)?;
+        if self.tier.lock().is_none() {
+            drop(self.anchor.lock().take());
+        }
+        Ok(())
+    }
+
+    /// The tier's metrics now: `(name, kind, labels, value)`, kind `counter` or `gauge`.
+    fn metrics(&self, py: Python<'_>) -> PyResult<Vec<MetricTuple>> {
+        let samples = py.detach(|| self.with_tier(|t| t.metrics()))?;
+        Ok(samples
+            .into_iter()
+            .map(|m| {
+                (
+                    m.name.to_string(),
+                    kind_name(m.kind),
+                    m.labels
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), v))
+                        .collect(),
+                    m.value,
+                )
+            })
+            .collect())
+    }
+
+    /// The tier's static facts: `(label name, value)` pairs.
+    fn config_info(&self, py: Python<'_>) -> PyResult<Vec<(String, String)>> {
+        let info = py.detach(|| self.with_tier(|t| t.config_info()))?;
+        Ok(info.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+    }
+
+    /// vLLM's own digest of these inputs (`FileMapper`, 12 hex digits).
+    #[getter]
+    fn vllm_digest(&self) -> String {
+        self.vllm_digest.clone()
+    }
+
+    /// kvtier's namespace digest (64 hex digits), which the slab superblocks carry.
+    #[getter]
+    fn namespace(&self) -> String {
+        self.namespace.clone()
+    }
+}
+
+fn kind_name(kind: TierMetricKind) -> &'static str {
+    match kind {
+        TierMetricKind::Counter => "counter",
+        TierMetricKind::Gauge => "gauge",
+    }
+}
+
+/// Every metric a tier reports: `(name, help, kind, label names)`, without opening one.
+#[pyfunction]
+fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'static str>)> {
+    G3Metrics::descriptors()
+        .into_iter()
+        .map(|d| (d.name, d.help, kind_name(d.kind), d.label_names))
+        .collect()
+}
+
+/// The label names of [`Tier::config_info`], without opening a tier.
+#[pyfunction]
+fn config_info_keys() -> Vec<&'static str> {
+    kvtier::g3::tier::CONFIG_INFO_KEYS.to_vec()
+}
+
+/// `(vllm_digest, kvtier_namespace_hex, namespace_fields_json)` for a spec (JSON of
+/// `VllmSpecFields`), without opening a tier.
+#[pyfunction]
+fn namespace_of(spec: &str) -> PyResult<(String, String, String)> {
+    let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
+    let (vllm, _) = kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?);
+    let fields = spec.namespace_fields().map_err(to_py)?;
+    let digest = spec.namespace_digest().map_err(to_py)?;
+    Ok((vllm, hex::encode(digest), fields.to_string()))
+}
+
+/// kvtier's version.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Tier>()?;
+    m.add_function(wrap_pyfunction!(metric_descriptors, m)?)?;
+    m.add_function(wrap_pyfunction!(config_info_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(namespace_of, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add("ConfigError", m.py().get_type::<ConfigError>())?;
+    m.add("KvtierError", m.py().get_type::<KvtierError>())?;
+    Ok(())
+}
