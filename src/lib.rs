@@ -1,5 +1,44 @@
 //! kvtier: a storage engine for LLM KV cache outside GPU memory.
 //!
+//! # Embedding
+//! [`Builder`] turns a configuration (a file, a JSON or TOML string, or a typed
+//! [`KvtierConfig`]) into a running [`TieringManager`], or into a single [`SecondaryTier`] over
+//! a region the embedder owns (vLLM's, adopted in place with [`PrimaryRegion::adopt`]: that is
+//! what the Python package `python/` does). The scheduler side then calls the manager; every
+//! call returns in microseconds, and I/O runs on kvtier's own threads.
+//!
+//! ```no_run
+//! use kvtier::{Builder, ChunkKey, LookupResult, RequestContext, ScheduleEndContext};
+//!
+//! # fn main() -> kvtier::Result<()> {
+//! // `secondary_tiers: [{"type": "nvme", "paths": [...], "capacity_bytes": "1TiB"}]`
+//! let layout = kvtier::canonical::LayoutDescriptor::load("layouts/llama-3.1-8b.toml")?;
+//! let mut manager = Builder::from_file("kvtier.json")?.layout(layout, 1).build()?;
+//!
+//! let req = RequestContext::new("request-1");
+//! manager.on_new_request(&req);
+//! match manager.lookup(&ChunkKey::new(b"block hash"), &req) {
+//!     LookupResult::Hit => { /* prepare_load, copy the row to the GPU, complete_load */ }
+//!     // A promotion from a secondary tier started: ask again after the step ends.
+//!     LookupResult::HitPending => {}
+//!     // Not known yet, e.g. an NVMe tier still recovering its index after a restart.
+//!     LookupResult::Retry => {}
+//!     LookupResult::Miss => { /* compute, then prepare_store / complete_store */ }
+//! }
+//! manager.on_schedule_end(&ScheduleEndContext::default())?;
+//! manager.on_request_finished(&req);
+//! manager.shutdown()?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! **Lookups answer RETRY while an index recovers.** A persistent (`nvme`) tier opens at once
+//! and rebuilds its index from its last checkpoint and journal on its own I/O thread; until
+//! that is done its `lookup` (and so the manager's) answers RETRY, never a wrong MISS or HIT.
+//! With the default `checkpoint_journal_bytes` (64 MiB of journal at most) that takes
+//! milliseconds to about a second ([`embed`] has the details; the `g3_recovery_seconds`
+//! metric shows it). `examples/store_evict_load.rs` stores, evicts and loads a chunk.
+//!
 //! # Layers
 //! The modules form layers; each imports only from its own layer or the ones below it, and
 //! no two modules of one folder import each other (`tests/architecture.rs` checks both on
@@ -47,7 +86,7 @@ pub use embed::Builder;
 pub use error::{Error, ErrorKind, Result};
 pub use key::ChunkKey;
 pub use region::PrimaryRegion;
-pub use tiering::manager::TieringManager;
+pub use tiering::manager::{ScheduleEndContext, TieringManager};
 
 /// Reports that a test is skipped because this machine lacks a capability (io_uring, fio,
 /// a mount, a privilege). The line goes straight to the process's stderr, bypassing the test

@@ -43,7 +43,7 @@ pub struct TierBuildContext {
     /// `fs` tier's folder. `None`: no `fs` tier can be built.
     pub file_mapper_fields: Option<Value>,
     /// Whether the tier records stored/removed events for
-    /// [`SecondaryTier::take_events`](crate::contract::secondary::SecondaryTier::take_events)
+    /// [`SecondaryTier::take_events`]
     /// (off unless someone drains them: an undrained event queue only grows).
     pub events: bool,
 }

@@ -369,3 +369,12 @@ def test_vllms_factory_resolves_the_class_by_module_path():
     assert cls.tolerates_off_thread_polling is False
     keys = cls.config_info_keys({})
     assert "tier" not in keys and keys
+
+
+def test_docs_vllm_md_describes_every_metric_the_tier_reports():
+    from kvtier import _native
+
+    docs = (HERE.parents[1] / "docs" / "vllm.md").read_text()
+    missing = [n for n, *_ in _native.metric_descriptors() if f"`vllm:kvtier_{n}`" not in docs]
+    assert not missing, f"docs/vllm.md does not describe {missing}"
+    assert all(f"`{k}`" in docs for k in _native.config_info_keys())
