@@ -60,25 +60,63 @@
 //! 11. [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! 12. [`embed`]: the front door: one [`Builder`] from a configuration to a running manager or
 //!     a single tier (used by `kvtier serve`, `kvtier bench` and the Python package).
-//! 13. [`cli`]: the `kvtier` command line.
+//! 13. `cli`: the `kvtier` command line (private; the binary calls [`run_cli`]).
+//!
+//! # What is public
+//! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`],
+//! [`contract`], [`region`], [`key`], [`error`]) and what outside tools need to compare kvtier
+//! with other implementations: the primary tier ([`primary`]), the tiering manager with its
+//! injectable clock and back-pressure detector ([`tiering`]), the canonical mapping
+//! ([`canonical`]), with the row [`geometry`] and the [`metrics`] registry their signatures
+//! use. The engine's inner modules (`g3`, `fs`, `io`, `hash`) are public only with the cargo
+//! feature `internals`, which kvtier's own integration tests and the `kvtier-replay` driver
+//! use; they are not a stable API. The command line's items are private to the crate.
 
+// The public face: what an embedder builds with (`embed`, `config`, `contract`, `region`,
+// `key`, `error`) and what outside tools compare with other implementations (the primary tier,
+// the manager with its injectable clock and back-pressure detector in `tiering`, the canonical
+// mapping in `canonical`), plus the row geometry and the metrics registry their signatures use.
 pub mod canonical;
-pub mod cli;
 pub mod config;
 pub mod contract;
 pub mod embed;
 pub mod error;
-pub mod fs;
-pub mod g3;
 pub mod geometry;
-pub mod hash;
-pub mod io;
 pub mod key;
 pub mod metrics;
 pub mod primary;
 pub mod region;
 pub mod tiering;
 
+// The engine's inner modules: public only with the `internals` feature (kvtier's own
+// integration tests, the `kvtier-replay` driver and other tools that look inside; not a stable
+// API). The command line is private in every build; the binary enters it through `run_cli`.
+mod cli;
+#[cfg(feature = "internals")]
+pub mod fs;
+#[cfg(not(feature = "internals"))]
+#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
+pub(crate) mod fs;
+#[cfg(feature = "internals")]
+pub mod g3;
+#[cfg(not(feature = "internals"))]
+#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
+pub(crate) mod g3;
+#[cfg(feature = "internals")]
+pub mod hash;
+#[cfg(not(feature = "internals"))]
+#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
+pub(crate) mod hash;
+#[cfg(feature = "internals")]
+pub mod io;
+#[cfg(not(feature = "internals"))]
+#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
+pub(crate) mod io;
+
+/// Runs the `kvtier` command line (the `kvtier` binary's `main`).
+pub use cli::main as run_cli;
+/// The cargo features of this build and whether each is on (`kvtier version` prints them).
+pub use cli::version::BUILD_FEATURES;
 pub use config::KvtierConfig;
 pub use contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 pub use contract::secondary::SecondaryTier;

@@ -1,5 +1,5 @@
 //! The `kvtier` binary: see `kvtier --help`.
 
 fn main() -> std::process::ExitCode {
-    kvtier::cli::main()
+    kvtier::run_cli()
 }

@@ -51,10 +51,7 @@ fn version_reports_build_features_and_engines() {
     // Every feature in Cargo.toml is reported, as built in exactly when this build has it.
     let declared = manifest_features(&manifest);
     assert!(!declared.is_empty(), "Cargo.toml declares features");
-    let listed: Vec<&str> = kvtier::cli::version::BUILD_FEATURES
-        .iter()
-        .map(|(n, _)| *n)
-        .collect();
+    let listed: Vec<&str> = kvtier::BUILD_FEATURES.iter().map(|(n, _)| *n).collect();
     assert_eq!(
         listed, declared,
         "BUILD_FEATURES must list Cargo.toml's features"

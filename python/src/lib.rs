@@ -17,7 +17,6 @@ use pyo3::types::PyBytes;
 use kvtier::canonical::VllmSpecFields;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
-use kvtier::g3::metrics::G3Metrics;
 use kvtier::tiering::factory::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
@@ -395,7 +394,8 @@ fn kind_name(kind: TierMetricKind) -> &'static str {
 /// Every metric a tier reports: `(name, help, kind, label names)`, without opening one.
 #[pyfunction]
 fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'static str>)> {
-    G3Metrics::descriptors()
+    kvtier::embed::tier_metric_descriptors(VLLM_TIER_CLASS)
+        .unwrap_or_default()
         .into_iter()
         .map(|d| (d.name, d.help, kind_name(d.kind), d.label_names))
         .collect()
@@ -404,7 +404,9 @@ fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'
 /// The label names of [`Tier::config_info`], without opening a tier.
 #[pyfunction]
 fn config_info_keys() -> Vec<&'static str> {
-    kvtier::g3::tier::CONFIG_INFO_KEYS.to_vec()
+    kvtier::embed::tier_config_info_keys(VLLM_TIER_CLASS)
+        .unwrap_or_default()
+        .to_vec()
 }
 
 /// `(vllm_digest, kvtier_namespace_hex, namespace_fields_json)` for a spec (JSON of

@@ -92,6 +92,21 @@ impl TierHealth {
     }
 }
 
+/// What a tier type reports, without a tier: a metric's name, help, kind and label names
+/// (for a host that declares metrics before any tier exists, such as vLLM's
+/// `build_metric_definitions`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricDescriptor {
+    /// Name without prefix, e.g. `g3_checksum_failures`.
+    pub name: &'static str,
+    /// Help text.
+    pub help: &'static str,
+    /// Counter or gauge.
+    pub kind: TierMetricKind,
+    /// Label names, in the order samples carry them.
+    pub label_names: Vec<&'static str>,
+}
+
 /// A secondary tier: holds chunks outside the primary and moves whole rows to and from it.
 pub trait SecondaryTier: Send {
     /// The tier's type name (`"nvme"`, `"memory"`), used in the metric label `<i+1>:<type>`.

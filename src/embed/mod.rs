@@ -30,12 +30,12 @@ pub use memory::mem_available;
 
 use crate::canonical::{LayoutDescriptor, NamespaceParams, VllmDigestFields, namespace_digest};
 use crate::config::{self, KvtierConfig, TierConfig};
-use crate::contract::secondary::SecondaryTier;
+use crate::contract::secondary::{MetricDescriptor, SecondaryTier};
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
-use crate::tiering::factory::{TierBuildContext, TierConstructor, TierFactory};
+use crate::tiering::factory::{TierBuildContext, TierConstructor, TierFactory, VLLM_TIER_CLASS};
 use crate::tiering::manager::{ManagerOptions, TieringManager, tier_label};
 
 /// What the builder derives from the configuration and the model before it allocates
@@ -335,6 +335,22 @@ struct Resolved {
     region: Arc<PrimaryRegion>,
     namespace: Option<[u8; 32]>,
     file_mapper_fields: Option<serde_json::Value>,
+}
+
+/// The metrics a tier of `tier_type` reports (`nvme`, or [`VLLM_TIER_CLASS`], the same
+/// tier), without opening one: `None` for a type that declares none up front.
+pub fn tier_metric_descriptors(tier_type: &str) -> Option<Vec<MetricDescriptor>> {
+    is_nvme(tier_type).then(crate::g3::metrics::G3Metrics::descriptors)
+}
+
+/// The label names of [`SecondaryTier::config_info`] for a tier of `tier_type`, without
+/// opening one.
+pub fn tier_config_info_keys(tier_type: &str) -> Option<&'static [&'static str]> {
+    is_nvme(tier_type).then_some(&crate::g3::tier::CONFIG_INFO_KEYS[..])
+}
+
+fn is_nvme(tier_type: &str) -> bool {
+    tier_type == "nvme" || tier_type == VLLM_TIER_CLASS
 }
 
 /// The primary region is pre-faulted when it is created, so a `cpu_bytes_to_use` larger than

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::contract::secondary::{TierMetric, TierMetricKind};
+use crate::contract::secondary::{MetricDescriptor, TierMetric, TierMetricKind};
 
 /// Per-path facts fixed at open, plus its health.
 #[derive(Debug)]
@@ -23,19 +23,6 @@ pub struct PathStatus {
     /// Set when the slab is no longer what its path names (deleted, replaced, unmounted):
     /// what is written to it would not be found by a restart.
     pub lost: Mutex<Option<String>>,
-}
-
-/// A metric's name, help, kind and label names ([`G3Metrics::descriptors`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MetricDescriptor {
-    /// Name without prefix, e.g. `g3_checksum_failures`.
-    pub name: &'static str,
-    /// Help text.
-    pub help: &'static str,
-    /// Counter or gauge.
-    pub kind: TierMetricKind,
-    /// Label names, in the order samples carry them.
-    pub label_names: Vec<&'static str>,
 }
 
 /// Counters and gauges of one tier.

@@ -48,11 +48,6 @@ impl Profile {
             Profile::Mixed => include_str!("../../../fio-profiles/mixed.fio"),
         }
     }
-
-    /// Whether the profile reads, so the file must hold written data first.
-    pub fn reads(self) -> bool {
-        matches!(self, Profile::Load | Profile::Mixed)
-    }
 }
 
 /// One fio run's parameters.

@@ -110,6 +110,7 @@ impl MetricsServer {
     /// Binds `addr` (`host:port`; port 0 picks a free port) and starts serving with the
     /// default [`Limits`]. A bad or busy address is a user error ([`ErrorKind::Config`])
     /// naming the address.
+    #[cfg(test)]
     pub fn start(addr: &str, render: RenderMetrics, health: CheckHealth) -> Result<Self> {
         Self::start_with(bind(addr)?, render, health, Limits::default())
     }
