@@ -34,6 +34,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::size::format_size_human;
 
 /// Row alignment: the page size, and the alignment O_DIRECT needs. Every row of the primary
 /// region is aligned to it in address and length, every G3 slot (one row) in file offset and
@@ -102,8 +103,10 @@ impl ChunkGeometry {
         let num_chunks = Self::rows_in(cpu_bytes_to_use, row_stride);
         if num_chunks == 0 {
             return Err(geometry_error(format!(
-                "chunk geometry: cpu_bytes_to_use ({cpu_bytes_to_use} bytes) holds no chunk of \
-                 {row_stride} bytes; raise cpu_bytes_to_use or lower blocks_per_chunk"
+                "chunk geometry: cpu_bytes_to_use ({}) holds no chunk of {}; raise \
+                 cpu_bytes_to_use or lower blocks_per_chunk",
+                format_size_human(cpu_bytes_to_use),
+                format_size_human(row_stride)
             ))
             .with("row_stride", row_stride.to_string()));
         }

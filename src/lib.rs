@@ -44,7 +44,7 @@
 //! no two modules of one folder import each other (`tests/architecture.rs` checks both on
 //! every test run and prints the import graph with `-- --nocapture`). From the bottom:
 //!
-//! 1. [`error`], [`key`], [`hash`]: the vocabulary every layer speaks.
+//! 1. [`error`], [`key`], [`hash`], [`size`]: the vocabulary every layer speaks.
 //! 2. [`geometry`]: the one place that turns sizes into rows (row stride, row alignment,
 //!    rows for a byte budget, slots per file).
 //! 3. [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
@@ -63,9 +63,9 @@
 //! 13. `cli`: the `kvtier` command line (private; the binary calls [`run_cli`]).
 //!
 //! # What is public
-//! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`],
-//! [`contract`], [`region`], [`key`], [`error`]) and what outside tools need to compare kvtier
-//! with other implementations: the primary tier ([`primary`]), the tiering manager with its
+//! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`] and
+//! the byte [`size`]s it reads, [`contract`], [`region`], [`key`], [`error`]) and what outside
+//! tools need to compare kvtier with other implementations: the primary tier ([`primary`]), the tiering manager with its
 //! injectable clock and back-pressure detector ([`tiering`]), the canonical mapping
 //! ([`canonical`]), with the row [`geometry`] and the [`metrics`] registry their signatures
 //! use. The engine's inner modules (`g3`, `fs`, `io`, `hash`) are public only with the cargo
@@ -86,6 +86,7 @@ pub mod key;
 pub mod metrics;
 pub mod primary;
 pub mod region;
+pub mod size;
 pub mod tiering;
 
 // The engine's inner modules: public only with the `internals` feature (kvtier's own

@@ -35,7 +35,7 @@ use std::path::{Path, PathBuf};
 /// * `tiering`: the manager tying the tiers together.
 /// * `cli`: the command line.
 const LAYERS: &[&[&str]] = &[
-    &["error", "key", "hash"],
+    &["error", "key", "hash", "size"],
     &["geometry"],
     &["metrics"],
     &["region"],

@@ -5,7 +5,7 @@ mod cli_common;
 use std::path::Path;
 use std::process::Output;
 
-use cli_common::{assert_success, command, fio_installed, kvtier, stderr};
+use cli_common::{assert_exit_2_one_line, assert_success, command, fio_installed, kvtier, stderr};
 
 /// fio-compare on `dir` with 4 MiB per side in 1 MiB rows, depth 1, one pair.
 fn small_compare(dir: &str, extra: &[&str]) -> Output {
@@ -36,6 +36,33 @@ fn missing_fio_says_how_to_install_and_fails() {
     let err = stderr(&out);
     assert!(err.contains("apt-get install fio"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
+/// A mistake in the arguments is reported as such on a machine without fio (issue 20 item 10):
+/// the arguments are checked first.
+#[test]
+fn argument_mistakes_are_reported_before_fio_is_looked_for() {
+    let no_fio = |args: &[&str]| {
+        command(args)
+            .env("KVTIER_FIO_BIN", "/nonexistent/fio")
+            .output()
+            .unwrap()
+    };
+    let out = no_fio(&["fio-compare", "--path", "/nonexistent/kvtier-dir"]);
+    assert_exit_2_one_line(&out, "/nonexistent/kvtier-dir");
+    let out = no_fio(&["fio-compare", "--row-size", "1000"]);
+    assert_exit_2_one_line(&out, "--row-size");
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    let out = no_fio(&["fio-compare", "--path", d, "--iodepth", "0"]);
+    assert_exit_2_one_line(&out, "--iodepth");
+    // Correct arguments: then the missing fio is the error.
+    let out = no_fio(&["fio-compare", "--path", d, "--size", "4MiB"]);
+    assert!(
+        stderr(&out).contains("apt-get install fio"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

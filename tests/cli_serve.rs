@@ -4,13 +4,13 @@
 
 mod cli_common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
-use cli_common::{assert_exit_2_one_line, assert_success, command, kvtier, send_signal};
+use cli_common::{assert_exit_2_one_line, assert_success, kvtier, send_signal, start_serve};
 
 fn write_config(dir: &Path) -> std::path::PathBuf {
     let tier = dir.join("tier");
@@ -37,30 +37,6 @@ fn get(addr: &str, path: &str) -> (String, String) {
     s.read_to_string(&mut out).unwrap();
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
     (head.to_string(), body.to_string())
-}
-
-/// Starts `kvtier serve` and reads the bound address from its first stdout line.
-fn start(args: &[&str]) -> (Child, String) {
-    let mut child = command(&["serve"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("kvtier serve: listening on http://")
-        .and_then(|s| s.strip_suffix("/metrics"))
-        .unwrap_or_else(|| {
-            let _ = child.kill();
-            panic!("unexpected first line: {line:?}")
-        })
-        .to_string();
-    (child, addr)
 }
 
 fn wait_with_timeout(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
@@ -110,7 +86,7 @@ fn a_tier_that_cannot_recover_is_unhealthy() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let cfg = write_config(dir.path());
     let tier = dir.path().join("tier");
-    let (mut child, addr) = start(&[
+    let (mut child, addr) = start_serve(&[
         "--config",
         cfg.to_str().unwrap(),
         "--metrics-addr",
@@ -121,7 +97,7 @@ fn a_tier_that_cannot_recover_is_unhealthy() {
     let ckpt = tier.join("kvtier-g3.checkpoint");
     std::fs::remove_file(&ckpt).unwrap();
     std::fs::create_dir(&ckpt).unwrap();
-    let (mut child, addr) = start(&[
+    let (mut child, addr) = start_serve(&[
         "--config",
         cfg.to_str().unwrap(),
         "--metrics-addr",
@@ -157,7 +133,7 @@ fn a_failed_final_checkpoint_fails_serve() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let cfg = write_config(dir.path());
     let tier = dir.path().join("tier");
-    let (mut child, addr) = start(&[
+    let (mut child, addr) = start_serve(&[
         "--config",
         cfg.to_str().unwrap(),
         "--metrics-addr",
@@ -200,7 +176,7 @@ const VLLM_TIERING_METRICS: [&str; 19] = [
 fn serves_vllm_metrics_and_stops_cleanly_on_sigterm() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let cfg = write_config(dir.path());
-    let (mut child, addr) = start(&[
+    let (mut child, addr) = start_serve(&[
         "--config",
         cfg.to_str().unwrap(),
         "--metrics-addr",
@@ -331,7 +307,7 @@ fn a_formatted_tier_is_served_by_the_default_config() {
     let fmt = kvtier(&["tier", "format", tier, "--capacity", "16MiB", "--yes"]);
     assert_success(&fmt);
 
-    let (mut child, addr) = start(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
     let (head, _) = get(&addr, "/healthz");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     send_signal(&child, libc::SIGTERM);

@@ -83,6 +83,24 @@ impl InFlightArgs {
     }
 }
 
+/// A configuration rule's error about `key` for a value the user gave as `flag`: the message
+/// names both (`--capacity (capacity_bytes): ...`). Other errors pass unchanged.
+pub fn name_flag(e: Error, key: &str, flag: &str) -> Error {
+    if e.kind() != ErrorKind::Config || e.context_value("key") != Some(key) {
+        return e;
+    }
+    let both = format!("{flag} ({key})");
+    let rest = e
+        .message()
+        .strip_prefix(&format!("{key}: "))
+        .unwrap_or(e.message());
+    let mut out = Error::new(ErrorKind::Config, format!("{both}: {rest}"));
+    for (k, v) in e.context() {
+        out = out.with(k, if *k == "key" { both.clone() } else { v.clone() });
+    }
+    out
+}
+
 /// Parses an `--io-engine` value.
 pub fn parse_engine(s: &str) -> std::result::Result<IoEngineKind, String> {
     match s.to_ascii_lowercase().as_str() {
@@ -149,6 +167,22 @@ pub(crate) fn parse_for_test<A: clap::Args + clap::FromArgMatches>(argv: &[&str]
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flag_is_named_with_the_key_it_sets() {
+        let e = name_flag(
+            Error::config("capacity_bytes", "1 MiB holds no slot").with("found", "1"),
+            "capacity_bytes",
+            "--capacity",
+        );
+        assert_eq!(
+            e.to_string(),
+            "--capacity (capacity_bytes): 1 MiB holds no slot (found: 1)"
+        );
+        assert_eq!(e.context_value("key"), Some("--capacity (capacity_bytes)"));
+        let other = name_flag(Error::config("paths", "x"), "capacity_bytes", "--capacity");
+        assert_eq!(other.to_string(), "paths: x");
+    }
 
     #[test]
     fn engine_names() {

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 
+use crate::cli::output::errln;
 use crate::error::{Error, ErrorKind, Result};
 
 static INTERRUPTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
@@ -42,7 +43,7 @@ pub fn run_interruptible(command: impl FnOnce() -> Result<ExitCode>) -> Result<E
     catch();
     match command() {
         Err(e) if e.kind() == ErrorKind::Cancelled => {
-            eprintln!("kvtier: error: {e}");
+            errln!("kvtier: error: {e}");
             Ok(ExitCode::from(EXIT_INTERRUPTED))
         }
         other => other,

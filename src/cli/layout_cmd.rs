@@ -13,7 +13,8 @@ use crate::canonical::{
     LayerMapping, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks, prepare_canonical,
     verify_tiling,
 };
-use crate::cli::output::print_json;
+use crate::cli::args::name_flag;
+use crate::cli::output::{outln, print_json};
 use crate::error::{Error, ErrorKind, Result};
 
 /// `kvtier layout ...`
@@ -73,7 +74,8 @@ pub fn run(args: LayoutArgs) -> Result<ExitCode> {
 /// The `show` report as JSON (the `--json` output).
 pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
     let cfg = ParallelConfig::tp(args.tp, args.rank);
-    let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)?;
+    let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)
+        .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
     let (layers, plan_bytes) = if args.canonical {
         let shared = static_portability_claim(desc, args.tp, args.tp, true);
         let prepared = prepare_canonical(desc, &cfg, args.blocks_per_chunk, shared)?;
@@ -152,19 +154,19 @@ fn show(args: &ShowArgs) -> Result<ExitCode> {
     if args.json {
         print_json(&report)?;
     } else {
-        print_text(&report);
+        print_text(&report)?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_text(r: &Value) {
+fn print_text(r: &Value) -> Result<()> {
     let s = |k: &str| match &r[k] {
         Value::String(s) => s.clone(),
         Value::Null => "-".into(),
         v => v.to_string(),
     };
-    println!("layout      {} ({})", s("model_name"), s("file"));
-    println!(
+    outln!("layout      {} ({})", s("model_name"), s("file"))?;
+    outln!(
         "geometry    {} layers, {} attention, {}, {} tokens/block, {} {}",
         s("num_layers"),
         s("attention"),
@@ -172,38 +174,38 @@ fn print_text(r: &Value) {
         s("tokens_per_block"),
         s("kv_layout"),
         s("kv_split")
-    );
+    )?;
     let mode = if r["canonical"] == json!(true) {
         "canonical"
     } else {
         "direct"
     };
-    println!(
+    outln!(
         "parallel    TP {} rank {} ({mode} layout)",
         s("tp"),
         s("rank")
-    );
-    println!(
+    )?;
+    outln!(
         "bytes       {} per rank per block, {} canonical per block",
         s("worker_kv_bytes_per_block"),
         s("canonical_bytes_per_block")
-    );
-    println!(
+    )?;
+    outln!(
         "row         stride {} for {} blocks per chunk (canonical stride {}, replicated {})",
         s("row_stride"),
         s("blocks_per_chunk"),
         s("canonical_row_stride"),
         s("replicated_layout")
-    );
-    println!("portable    {}", s("all_layers_portable"));
+    )?;
+    outln!("portable    {}", s("all_layers_portable"))?;
     if let Some([a, b]) = r["direct_row_range"]
         .as_array()
         .map(|v| [v[0].clone(), v[1].clone()])
     {
-        println!(
+        outln!(
             "direct      rank {} stores its whole page at row bytes [{a}, {b}); the canonical mappings below apply only with --canonical",
             s("rank")
-        );
+        )?;
     }
     // Consecutive layers with identical mappings are printed once.
     let layers = r["layers"].as_array().cloned().unwrap_or_default();
@@ -223,7 +225,7 @@ fn print_text(r: &Value) {
         }
         let l = &layers[i];
         let runs = l["runs"].as_array().map_or(0, |r| r.len());
-        println!(
+        outln!(
             "layers {i}-{j}  {} page {} -> canonical {}, {runs} run(s), writers {} (index {}), agnostic {}{}",
             l["kind"].as_str().unwrap_or("?"),
             l["local_page_size_bytes"],
@@ -235,9 +237,9 @@ fn print_text(r: &Value) {
                 .as_str()
                 .map(|r| format!(" ({r})"))
                 .unwrap_or_default()
-        );
+        )?;
         for run in l["runs"].as_array().into_iter().flatten() {
-            println!(
+            outln!(
                 "    local {} -> canonical {}: {} x {} B (strides {} / {})",
                 run["local_offset"],
                 run["canonical_offset"],
@@ -245,12 +247,12 @@ fn print_text(r: &Value) {
                 run["fragment_size"],
                 run["local_stride"],
                 run["canonical_stride"]
-            );
+            )?;
         }
         i = j + 1;
     }
-    println!("vllm_digest {}", s("vllm_digest"));
-    println!("namespace   {}", s("namespace"));
+    outln!("vllm_digest {}", s("vllm_digest"))?;
+    outln!("namespace   {}", s("namespace"))
 }
 
 /// Checks one descriptor at every TP in {1, 2, 4, 8} it allows; returns those TP sizes.
@@ -293,15 +295,15 @@ fn check(dir: &Path) -> Result<ExitCode> {
         match check_file(f) {
             Ok(tps) => {
                 let tps: Vec<String> = tps.iter().map(u32::to_string).collect();
-                println!("ok    {} (TP {})", f.display(), tps.join(", "));
+                outln!("ok    {} (TP {})", f.display(), tps.join(", "))?;
             }
             Err(e) => {
                 failed += 1;
-                println!("FAIL  {}: {e}", f.display());
+                outln!("FAIL  {}: {e}", f.display())?;
             }
         }
     }
-    println!("{} descriptor(s), {failed} failed", files.len());
+    outln!("{} descriptor(s), {failed} failed", files.len())?;
     Ok(if failed == 0 {
         ExitCode::SUCCESS
     } else {

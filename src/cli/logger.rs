@@ -3,6 +3,7 @@
 //! The level comes from `KVTIER_LOG` (`error`, `warn` (default), `info`, `debug`, `trace`,
 //! `off`).
 
+use crate::cli::output::errln;
 use log::{Level, LevelFilter, Log, Metadata, Record};
 
 struct StderrLogger;
@@ -23,7 +24,7 @@ impl Log for StderrLogger {
             Level::Debug => "debug",
             Level::Trace => "trace",
         };
-        eprintln!("kvtier: {level}: {}", record.args());
+        errln!("kvtier: {level}: {}", record.args());
     }
 
     fn flush(&self) {}
@@ -31,23 +32,33 @@ impl Log for StderrLogger {
 
 static LOGGER: StderrLogger = StderrLogger;
 
-/// The level named by `KVTIER_LOG`, or `warn`.
-pub fn level_from_env(value: Option<&str>) -> LevelFilter {
+/// The level named by `KVTIER_LOG` (`warn` when unset or empty), or `None` for a value that
+/// names no level.
+pub fn level_from_env(value: Option<&str>) -> Option<LevelFilter> {
     match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
-        Some("off") => LevelFilter::Off,
-        Some("error") => LevelFilter::Error,
-        Some("info") => LevelFilter::Info,
-        Some("debug") => LevelFilter::Debug,
-        Some("trace") => LevelFilter::Trace,
-        _ => LevelFilter::Warn,
+        None | Some("") | Some("warn") | Some("warning") => Some(LevelFilter::Warn),
+        Some("off") => Some(LevelFilter::Off),
+        Some("error") => Some(LevelFilter::Error),
+        Some("info") => Some(LevelFilter::Info),
+        Some("debug") => Some(LevelFilter::Debug),
+        Some("trace") => Some(LevelFilter::Trace),
+        Some(_) => None,
     }
 }
 
-/// Installs the logger (once; later calls do nothing).
+/// Installs the logger (once; later calls do nothing). A `KVTIER_LOG` that names no level is
+/// said in a warning, and the level stays `warn`.
 pub fn init() {
-    let level = level_from_env(std::env::var("KVTIER_LOG").ok().as_deref());
+    let value = std::env::var_os("KVTIER_LOG").map(|v| v.to_string_lossy().into_owned());
+    let level = level_from_env(value.as_deref());
     if log::set_logger(&LOGGER).is_ok() {
-        log::set_max_level(level);
+        log::set_max_level(level.unwrap_or(LevelFilter::Warn));
+        if level.is_none() {
+            log::warn!(
+                "KVTIER_LOG={:?} is not a level (off, error, warn, info, debug, trace); using warn",
+                value.unwrap_or_default()
+            );
+        }
     }
 }
 
@@ -57,9 +68,9 @@ mod tests {
 
     #[test]
     fn levels() {
-        assert_eq!(level_from_env(None), LevelFilter::Warn);
-        assert_eq!(level_from_env(Some("DEBUG")), LevelFilter::Debug);
-        assert_eq!(level_from_env(Some("off")), LevelFilter::Off);
-        assert_eq!(level_from_env(Some("nonsense")), LevelFilter::Warn);
+        assert_eq!(level_from_env(None), Some(LevelFilter::Warn));
+        assert_eq!(level_from_env(Some("DEBUG")), Some(LevelFilter::Debug));
+        assert_eq!(level_from_env(Some("off")), Some(LevelFilter::Off));
+        assert_eq!(level_from_env(Some("nonsense")), None);
     }
 }

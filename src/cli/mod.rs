@@ -15,7 +15,8 @@
 //!   command uses.
 //!
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
-//! unreadable or invalid config, tier locked by another process, layout mismatch).
+//! unreadable or invalid config, tier locked by another process, layout mismatch), decided
+//! for every command by [`is_user_error`].
 
 pub mod args;
 pub mod bench;
@@ -36,6 +37,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::cli::output::errln;
 use crate::error::{Error, ErrorKind};
 
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
@@ -51,8 +53,9 @@ use crate::error::{Error, ErrorKind};
   kvtier tier inspect /mnt/nvme0 /mnt/nvme1     # what a tier holds
   kvtier serve --config kvtier.json             # /metrics on 127.0.0.1:9464
 
-Exit codes: 0 success, 1 kvtier failed (I/O error, bytes that did not verify), 2 your input
-(bad path or option, unreadable config, tier locked by another process, layout mismatch)."
+Exit codes: 0 success, 1 kvtier failed (I/O error, bytes that did not verify, stdout not
+writable), 2 your input (bad option; a path missing, not readable or writable, or holding a
+file that is not kvtier's; invalid config; tier locked by another process; layout mismatch)."
 )]
 pub struct Cli {
     /// The command to run.
@@ -81,23 +84,32 @@ pub enum Command {
     Layout(layout_cmd::LayoutArgs),
 }
 
-/// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1).
+/// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1), the same for every
+/// command: a path the user named that kvtier may not read or write (`EACCES`, `EPERM`,
+/// `EROFS`), that does not exist, or that holds something other than a kvtier file (a bad
+/// magic) is the user's input; a kvtier file that fails its checks (CRC) or I/O that fails
+/// is kvtier's.
 pub fn is_user_error(e: &Error) -> bool {
-    matches!(
-        e.kind(),
-        ErrorKind::Config
-            | ErrorKind::InvalidPath
-            | ErrorKind::Locked
-            | ErrorKind::IncompatibleLayout
-            | ErrorKind::Misaligned
-            | ErrorKind::NoSpace
-            | ErrorKind::Unsupported
-    )
+    let denied = e
+        .raw_os_error()
+        .or_else(|| e.context_value("errno").and_then(|n| n.parse().ok()))
+        .is_some_and(|n| [libc::EACCES, libc::EPERM, libc::EROFS].contains(&n));
+    denied
+        || matches!(
+            e.kind(),
+            ErrorKind::Config
+                | ErrorKind::InvalidPath
+                | ErrorKind::Locked
+                | ErrorKind::IncompatibleLayout
+                | ErrorKind::Misaligned
+                | ErrorKind::NoSpace
+                | ErrorKind::Unsupported
+        )
 }
 
 /// Prints an error as one line on stderr and maps it to the exit code.
 pub fn report(e: &Error) -> ExitCode {
-    eprintln!("kvtier: error: {e}");
+    errln!("kvtier: error: {e}");
     if is_user_error(e) {
         ExitCode::from(2)
     } else {
@@ -115,7 +127,7 @@ fn parse_error(e: clap::Error) -> ExitCode {
     ) {
         e.exit();
     }
-    eprintln!("kvtier: error: {}", one_line(&e.render().to_string()));
+    errln!("kvtier: error: {}", one_line(&e.render().to_string()));
     ExitCode::from(2)
 }
 

@@ -1,7 +1,7 @@
 //! Output helpers shared by the commands: aligned text tables, `--json` printing, and progress
 //! bars that only appear when stderr is a terminal.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -73,6 +73,52 @@ impl Table {
     }
 }
 
+/// `print!` for the commands: writes to stdout and returns an error instead of panicking when
+/// stdout cannot take it (`kvtier version > /dev/full`: an I/O error, exit 1). A pipe closed
+/// by its reader still ends a command through `SIGPIPE` ([`crate::cli::sigpipe`]).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::output::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// `println!` for the commands, returning an error like [`out!`].
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::output::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+/// `eprintln!` for the commands: a stderr that cannot be written (closed, full) loses the
+/// line instead of panicking (there is nowhere else to say it).
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::cli::output::write_stderr(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+pub(crate) use {errln, out, outln};
+
+/// Writes to stderr, ignoring a failure (see [`errln!`]).
+pub fn write_stderr(text: std::fmt::Arguments<'_>) {
+    let _ = std::io::stderr().lock().write_fmt(text);
+}
+
+/// Writes to stdout and flushes; a failure (a full disk, a closed descriptor) is an
+/// [`ErrorKind::Io`] error that says so.
+pub fn write_stdout(text: std::fmt::Arguments<'_>) -> Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_fmt(text)
+        .and_then(|()| stdout.flush())
+        .map_err(stdout_error)
+}
+
+/// The error for a failed write to stdout.
+pub fn stdout_error(e: std::io::Error) -> Error {
+    Error::new(ErrorKind::Io, format!("cannot write to stdout: {e}")).with_source(e)
+}
+
 /// Prints `value` as pretty JSON on stdout.
 pub fn print_json<T: Serialize + ?Sized>(value: &T) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| {
@@ -81,7 +127,7 @@ pub fn print_json<T: Serialize + ?Sized>(value: &T) -> Result<()> {
             format!("cannot encode JSON output: {e}"),
         )
     })?;
-    println!("{text}");
+    outln!("{text}")?;
     Ok(())
 }
 

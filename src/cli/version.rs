@@ -4,6 +4,7 @@
 
 use std::process::ExitCode;
 
+use crate::cli::output::out;
 use crate::error::Result;
 
 /// Every cargo feature of the crate, and whether this build has it. A feature added to
@@ -45,6 +46,6 @@ pub fn report() -> String {
 
 /// Runs `kvtier version`.
 pub fn run() -> Result<ExitCode> {
-    print!("{}", report());
+    out!("{}", report())?;
     Ok(ExitCode::SUCCESS)
 }

@@ -10,8 +10,8 @@
 //! The tier configurations' `validate` functions call [`check_max_bytes_in_flight`]; the
 //! tiers and the commands size their queues with [`max_bytes_in_flight`].
 
-use crate::config::size::format_size_human;
 use crate::error::{Error, Result};
+use crate::size::format_size_human;
 
 /// The cap when `max_bytes_in_flight` is not set, unless one row is larger.
 pub const DEFAULT_MAX_BYTES_IN_FLIGHT: u64 = 64 << 20;
@@ -59,7 +59,7 @@ pub fn check_max_bytes_in_flight(
         key,
         format!(
             "{} is less than {row}: a tier moves whole rows, so it needs at least one in \
-             flight (leave the key out for max(64 MiB, one row))",
+             flight (without it: max(64 MiB, one row))",
             format_size_human(value)
         ),
     )

@@ -12,6 +12,7 @@ use crate::config::size::parse_size;
 use crate::error::{Error, Result};
 use crate::g3::DirectIoMode;
 use crate::io::IoEngineKind;
+use crate::size::format_size_human;
 
 /// Default cap on bytes moving between the primary and chunk files at once (unless a row is
 /// larger: [`crate::config::in_flight`]).
@@ -311,8 +312,9 @@ impl FsTierConfig {
             return Err(Error::config(
                 kp("capacity_bytes"),
                 format!(
-                    "{} holds no chunk file of {stride} bytes (one row)",
-                    self.capacity_bytes
+                    "{} holds no chunk file of {} (one row)",
+                    format_size_human(self.capacity_bytes),
+                    format_size_human(stride)
                 ),
             ));
         }

@@ -274,6 +274,15 @@ pub fn list_keys(paths: &[PathBuf]) -> Result<Vec<KeyEntry>> {
 
 /// Reads every indexed slot and checks its CRC. Takes the slab locks.
 pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
+    verify_with_progress(paths, &mut |_, _| {})
+}
+
+/// [`verify`], calling `progress(checked, total)` after each stored chunk (for a progress bar;
+/// `total` is known once the index is recovered).
+pub fn verify_with_progress(
+    paths: &[PathBuf],
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<VerifyReport> {
     let set = open_existing(paths, Access::ReadLocked)?;
     let rec = set.recover()?;
     let stride = set.sb().row_stride;
@@ -289,7 +298,10 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
         .collect::<Result<Vec<_>>>()?;
     let mut buf = AlignedBuf::new(stride as usize)?;
     let mut report = VerifyReport::default();
-    for e in rec.index.entries_lru_first() {
+    let entries = rec.index.entries_lru_first();
+    let total = entries.len() as u64;
+    for e in entries {
+        progress(report.checked, total);
         report.checked += 1;
         let (file, off) = slot_location(u64::from(e.slot), n, stride);
         match readers[file].read_exact_at(buf.as_mut_slice(), off) {
@@ -319,6 +331,7 @@ pub fn verify(paths: &[PathBuf]) -> Result<VerifyReport> {
             }),
         }
     }
+    progress(report.checked, total);
     Ok(report)
 }
 

@@ -11,6 +11,7 @@ use crate::config::model::TierConfig;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};
+use crate::size::{count, format_size_human};
 
 /// Default cap on bytes moving between the primary and the slabs at once (unless a row is
 /// larger: [`crate::config::in_flight`]).
@@ -305,9 +306,9 @@ impl G3TierConfig {
             return Err(Error::config(
                 kp("max_journal_bytes"),
                 format!(
-                    "must be at least checkpoint_journal_bytes and 64 KiB ({floor} bytes), \
-                     found {}",
-                    self.max_journal_bytes
+                    "must be at least checkpoint_journal_bytes and 64 KiB ({}), found {}",
+                    format_size_human(floor),
+                    format_size_human(self.max_journal_bytes)
                 ),
             ));
         }
@@ -337,8 +338,10 @@ impl G3TierConfig {
             return Err(Error::config(
                 kp("capacity_bytes"),
                 format!(
-                    "{} holds no slot of {row_stride} bytes on each of {n} path(s)",
-                    self.capacity_bytes
+                    "{} holds no slot of {} on each of {}",
+                    format_size_human(self.capacity_bytes),
+                    format_size_human(row_stride),
+                    count(n as u64, "path")
                 ),
             ));
         }
@@ -346,7 +349,10 @@ impl G3TierConfig {
         if total >= u64::from(u32::MAX) {
             return Err(Error::config(
                 kp("capacity_bytes"),
-                format!("{total} slots of {row_stride} bytes exceed the 2^32 - 1 slot limit"),
+                format!(
+                    "{total} slots of {} exceed the 2^32 - 1 slot limit",
+                    format_size_human(row_stride)
+                ),
             ));
         }
         Ok(())

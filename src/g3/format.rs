@@ -83,8 +83,10 @@ impl Superblock {
             ));
         }
         if b[0..8] != SLAB_MAGIC {
+            // Another file under kvtier's name: the path given is wrong (the user's input,
+            // like a path that is not a directory), not a kvtier file that was damaged.
             return Err(Error::new(
-                ErrorKind::Corrupt,
+                ErrorKind::InvalidPath,
                 format!("{what}: not a kvtier G3 slab (bad magic)"),
             )
             .with("expected", hex::encode(SLAB_MAGIC))
@@ -284,7 +286,7 @@ mod tests {
         bad[0] = b'X';
         assert_eq!(
             Superblock::decode(&bad, "t").unwrap_err().kind(),
-            ErrorKind::Corrupt
+            ErrorKind::InvalidPath
         );
         let mut bad = good;
         bad[20] ^= 1;

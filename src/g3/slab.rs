@@ -22,6 +22,7 @@ use crate::g3::format::{
     read_at_most, slab_file_len,
 };
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+use crate::size::{count, format_size_human};
 
 /// Name of the slab file created in each path.
 pub const SLAB_FILE_NAME: &str = "kvtier-g3.slab";
@@ -435,8 +436,10 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
         return Err(Error::new(
             ErrorKind::Config,
             format!(
-                "capacity_bytes {} holds no slot of {} bytes on each of {n} path(s)",
-                spec.capacity_bytes, spec.row_stride
+                "capacity_bytes {} holds no slot of {} on each of {}",
+                format_size_human(spec.capacity_bytes),
+                format_size_human(spec.row_stride),
+                count(n as u64, "path")
             ),
         ));
     }

@@ -29,7 +29,7 @@ use crate::cli::bench::plan::Plan;
 use crate::cli::bench::tier::{BenchTier, TierOptions};
 use crate::cli::bench::vllm_fs::{VLLM_THREADS, VllmFsMirror};
 use crate::cli::fio::runner::{fio_version, run_job_file};
-use crate::cli::output::{Table, print_json};
+use crate::cli::output::{Table, errln, out, print_json};
 use crate::cli::size::format_size;
 use crate::cli::stats::median;
 use crate::error::{Error, Result};
@@ -158,7 +158,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
                 _ => fio_round(parent, &plan)?,
             };
             if progress {
-                eprintln!(
+                errln!(
                     "round {}/{rounds} {}: store {:.2} GB/s, load {:.2} GB/s",
                     round + 1,
                     sides[s].side,
@@ -193,12 +193,12 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     if args.json {
         print_json(&report)?;
     } else {
-        print!("{}", render(&report, rounds));
+        out!("{}", render(&report, rounds))?;
     }
     if ok {
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!("kvtier: error: chunks did not load back intact (see chunks_verified)");
+        errln!("kvtier: error: chunks did not load back intact (see chunks_verified)");
         Ok(ExitCode::from(1))
     }
 }

@@ -39,6 +39,7 @@ mod gpu {
     use super::{BenchArgs, Error, ErrorKind, Result};
     use crate::canonical::{Direction, RowPlan, derive_mappings, namespace_digest};
     use crate::cli::bench::plan::Plan;
+    use crate::cli::output::{errln, outln};
     use crate::cli::size::format_size;
     use crate::contract::job::TransferJob;
     use crate::contract::secondary::SecondaryTier;
@@ -207,7 +208,7 @@ mod gpu {
                     [at as usize..(at + len) as usize];
                 if got != want {
                     mismatches.set(mismatches.get() + 1);
-                    eprintln!("kvtier: MISMATCH {what}: chunk {c} layer {l}");
+                    errln!("kvtier: MISMATCH {what}: chunk {c} layer {l}");
                 }
             }
             Ok(())
@@ -252,7 +253,7 @@ mod gpu {
                 )[off..off + len];
                 if &local[at..at + len] != want {
                     mismatches.set(mismatches.get() + 1);
-                    eprintln!("kvtier: MISMATCH GDS store -> CPU load: chunk {c} layer {l}");
+                    errln!("kvtier: MISMATCH GDS store -> CPU load: chunk {c} layer {l}");
                 }
                 at += len;
             }
@@ -328,7 +329,7 @@ mod gpu {
         let r = dst_path.load(6, &gchunks(&ckey));
         if !r.success {
             mismatches.set(mismatches.get() + 1);
-            eprintln!("kvtier: CPU store -> GDS load failed: {:?}", r.error);
+            errln!("kvtier: CPU store -> GDS load failed: {:?}", r.error);
         }
         for c in 0..chunks {
             verify("CPU store -> GDS load", &dst, c)?;
@@ -337,7 +338,7 @@ mod gpu {
         tier.shutdown()?;
         // SAFETY: pinned above; every copy has finished.
         unsafe { dev.unpin_host(region.base_ptr()) }.map_err(gds_error)?;
-        println!(
+        outln!(
             "kvtier bench --gds: {} ({}), {} chunks of {} ({}), {} in flight, cuFile mode {mode}",
             dev.describe(),
             plan.layout.model_name,
@@ -345,24 +346,24 @@ mod gpu {
             format_size(stride),
             format_size(total),
             format_size(plan.max_bytes_in_flight)
-        );
-        println!("| path | store GB/s | load GB/s |");
-        println!("|---|---:|---:|");
-        println!(
+        )?;
+        outln!("| path | store GB/s | load GB/s |")?;
+        outln!("|---|---:|---:|")?;
+        outln!(
             "| GDS (GPU <-> slot, cuFile) | {:.2} | {:.2} |",
             gbps(total, gds_store),
             gbps(total, gds_load)
-        );
-        println!(
+        )?;
+        outln!(
             "| CPU path (GPU <-> pinned row <-> O_DIRECT) | {:.2} | {:.2} |",
             gbps(total, cpu_store),
             gbps(total, cpu_load)
-        );
-        println!(
+        )?;
+        outln!(
             "| CPU load of GDS-stored slots (slot -> row) | | {:.2} |",
             gbps(total, cpu_load_of_gds)
-        );
-        println!("byte mismatches: {}", mismatches.get());
+        )?;
+        outln!("byte mismatches: {}", mismatches.get())?;
         Ok(if mismatches.get() == 0 {
             ExitCode::SUCCESS
         } else {

@@ -36,8 +36,8 @@ use crate::cli::bench::phases::{
 use crate::cli::bench::plan::Plan;
 use crate::cli::bench::report::{BenchReport, LayoutReport, TierReport, render};
 use crate::cli::bench::tier::{BenchTier, TierOptions};
-use crate::cli::output::print_json;
-use crate::cli::size::parse_size;
+use crate::cli::output::{display_paths, errln, out, print_json};
+use crate::cli::size::{format_size, parse_size};
 use crate::error::Result;
 use crate::io::IoEngineKind;
 use crate::key::ChunkKey;
@@ -143,6 +143,20 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         keep: args.keep,
         fs_fields: None,
     })?;
+    if args.path.paths.is_empty() {
+        // The user named no directory: say where the slabs go, before the long part starts.
+        errln!(
+            "kvtier bench: writing {} of slabs in {} (the system temp dir; --path DIR to choose \
+             another; {})",
+            format_size(plan.capacity),
+            display_paths(&tier.facts().dirs),
+            if args.keep {
+                "kept at the end (--keep)"
+            } else {
+                "removed at the end"
+            }
+        );
+    }
     let seed = run_seed();
     let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
     let batches = plan.batches();
@@ -188,12 +202,12 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     if args.json {
         print_json(&report)?;
     } else {
-        print!("{}", render(&report));
+        out!("{}", render(&report))?;
     }
     if report.ok {
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!(
+        errln!(
             "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
             plan.chunks - verified,
             plan.chunks,

@@ -8,6 +8,7 @@ use crate::cli::size::format_size;
 use crate::embed::mem_available;
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
+use crate::size::count;
 
 /// Everything derived from the arguments before anything runs.
 #[derive(Debug)]
@@ -51,10 +52,12 @@ impl Plan {
                     return Err(Error::config(
                         "--capacity",
                         format!(
-                            "{} holds {slots} rows of {} over {n_paths} path(s), but --bytes \
-                             needs {chunks}; raise --capacity or lower --bytes",
+                            "{} holds {} of {} over {}, but --bytes needs {chunks}; raise \
+                             --capacity or lower --bytes",
                             format_size(c),
-                            format_size(row_stride)
+                            count(slots, "row"),
+                            format_size(row_stride),
+                            count(n_paths, "path")
                         ),
                     ));
                 }

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::cli::output::Table;
 use crate::cli::size::{format_gbps, format_size};
+use crate::size::count;
 
 /// Timing of one direction.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -90,8 +91,8 @@ pub struct BenchReport {
 /// The human report.
 pub fn render(r: &BenchReport) -> String {
     let mut out = format!(
-        "kvtier bench: {} chunks of {} ({}, TP {}, {} tokens per chunk) = {}\n",
-        r.chunks,
+        "kvtier bench: {} of {} ({}, TP {}, {} tokens per chunk) = {}\n",
+        count(r.chunks, "chunk"),
         format_size(r.layout.row_stride),
         r.layout.model,
         r.layout.tp,

@@ -32,7 +32,7 @@ use crate::cli::fio::plan::Plan;
 use crate::cli::fio::plot::{Panel, render_svg};
 use crate::cli::fio::report::{DepthPoint, ProfileComparison, render_report};
 use crate::cli::fio::runner::{FioRun, Profile};
-use crate::cli::output::{display_paths, print_json, progress_bar};
+use crate::cli::output::{display_paths, out, outln, print_json, progress_bar};
 use crate::cli::size::{format_size, parse_size};
 use crate::cli::stats::median;
 use crate::error::{Error, ErrorKind, Result};
@@ -105,8 +105,10 @@ pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
 }
 
 fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
-    let fio_version = runner::fio_version()?;
+    // The arguments first (paths, sizes, depth, plot folder), then fio: a mistake is reported
+    // as such on a machine without fio too.
     let plan = Plan::from_args(&args)?;
+    let fio_version = runner::fio_version()?;
     let cleanup = Cleanup {
         files: plan.all_files(),
         dirs: plan.g3_dirs.clone(),
@@ -201,9 +203,9 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
     if args.json {
         print_json(&results)?;
     } else {
-        print!("{}", render_report(&plan, &results, &fio_version));
+        out!("{}", render_report(&plan, &results, &fio_version))?;
         if let Some(svg_path) = &args.plot {
-            println!("plot: {}", svg_path.display());
+            outln!("plot: {}", svg_path.display())?;
         }
     }
     Ok(ExitCode::SUCCESS)

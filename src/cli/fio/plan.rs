@@ -9,6 +9,7 @@ use crate::cli::fio::{FioCompareArgs, KvtierSide};
 use crate::cli::size::format_size;
 use crate::error::{Error, Result};
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+use crate::size::count;
 
 /// How the files are prepared, in the words the report uses (engine side).
 pub const FILE_STATE: &str = "preallocated with fallocate and written in full once before the \
@@ -55,8 +56,9 @@ impl Plan {
             return Err(Error::config(
                 "--size",
                 format!(
-                    "{} over {n} path(s) is less than one {} row per path",
+                    "{} over {} is less than one {} row per path",
                     format_size(args.size),
+                    count(n, "path"),
                     format_size(args.row_size)
                 ),
             ));

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 
+use crate::cli::output::{errln, outln};
 use crate::cli::serve::http::{CheckHealth, Limits, MetricsServer, RenderMetrics};
 use crate::error::{Error, ErrorKind, Result};
 
@@ -60,10 +61,10 @@ pub fn serve_until_signal(listener: TcpListener, service: Box<dyn Service>) -> R
         })
     };
     let server = MetricsServer::start_with(listener, render, health, Limits::default())?;
-    println!(
+    outln!(
         "kvtier serve: listening on http://{}/metrics",
         server.local_addr()
-    );
+    )?;
     let _ = std::io::stdout().flush();
 
     let signal = signals.forever().next();
@@ -73,11 +74,11 @@ pub fn serve_until_signal(listener: TcpListener, service: Box<dyn Service>) -> R
         Some(SIGINT) => "SIGINT",
         _ => "a signal",
     };
-    eprintln!("kvtier serve: {name} received: draining jobs and writing checkpoints");
+    errln!("kvtier serve: {name} received: draining jobs and writing checkpoints");
     let result = service.lock().shutdown();
     server.stop();
     if result.is_ok() {
-        eprintln!("kvtier serve: stopped cleanly");
+        errln!("kvtier serve: stopped cleanly");
     }
     result
 }

@@ -9,13 +9,17 @@ use serde::Serialize;
 
 use crate::canonical::{NamespaceParams, namespace_digest};
 use crate::cli::args::RowArgs;
-use crate::cli::output::{Table, display_paths, print_json};
+use crate::cli::args::name_flag;
+use crate::cli::output::{
+    Table, display_paths, errln, out, outln, print_json, progress_bar, stdout_error,
+};
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::DirectIoMode;
 use crate::g3::admin::{self, FormatOptions, SlabReport};
 use crate::g3::journal::CHECKPOINT_FILE_NAME;
 use crate::g3::slab::SLAB_FILE_NAME;
+use crate::g3::{DirectIoMode, G3TierConfig};
+use crate::size::count;
 
 /// `kvtier tier`.
 #[derive(Debug, clap::Args)]
@@ -139,8 +143,12 @@ pub fn run(args: TierArgs) -> Result<ExitCode> {
 
 fn format(a: FormatArgs) -> Result<ExitCode> {
     let layout = a.row.model.load()?;
-    let params =
-        NamespaceParams::new(&layout, a.row.model.tp, a.row.blocks_per_chunk, a.canonical)?;
+    let params = NamespaceParams::new(&layout, a.row.model.tp, a.row.blocks_per_chunk, a.canonical)
+        .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
+    // The nvme tier's own capacity rule, for the row this format is for.
+    G3TierConfig::new(a.paths.clone(), a.capacity)
+        .validate("", Some(params.row_stride))
+        .map_err(|e| name_flag(e, "capacity_bytes", "--capacity"))?;
     let existing: Vec<PathBuf> = a
         .paths
         .iter()
@@ -165,14 +173,14 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         },
     )?;
     if !a.json {
-        println!(
-            "formatted {} path(s) for {} (TP {}, {} block(s) per chunk, {} layout)",
-            a.paths.len(),
+        outln!(
+            "formatted {} for {} (TP {}, {} per chunk, {} layout)",
+            count(a.paths.len() as u64, "path"),
             layout.model_name,
             a.row.model.tp,
-            a.row.blocks_per_chunk,
+            count(u64::from(a.row.blocks_per_chunk), "block"),
             if a.canonical { "canonical" } else { "direct" }
-        );
+        )?;
     }
     print_inspect(&InspectOutput::new(&report, &a.paths), a.json)
 }
@@ -216,7 +224,7 @@ fn print_inspect(out: &InspectOutput<'_>, json: bool) -> Result<ExitCode> {
     if json {
         print_json(out)?;
     } else {
-        print!("{}", render_inspect(out));
+        out!("{}", render_inspect(out))?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -227,9 +235,9 @@ fn render_inspect(o: &InspectOutput<'_>) -> String {
     if let Some(first) = r.files.first() {
         let sb = &first.superblock;
         s.push_str(&format!(
-            "stripe set {} ({} path(s)), format v{}, created {}\n",
+            "stripe set {} ({}), format v{}, created {}\n",
             hex::encode(sb.set_uuid),
-            sb.path_count,
+            count(u64::from(sb.path_count), "path"),
             sb.version,
             utc_time(sb.created_unix_s)
         ));
@@ -273,16 +281,23 @@ fn render_inspect(o: &InspectOutput<'_>) -> String {
 }
 
 fn verify(a: PathsArgs) -> Result<ExitCode> {
-    let report = admin::verify(&a.paths)?;
+    // Reading every stored chunk back takes a while on a large tier: a bar on a terminal.
+    let bar = progress_bar(0, "verify", !a.json);
+    let report = admin::verify_with_progress(&a.paths, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let report = report?;
     if a.json {
         print_json(&report)?;
     } else {
-        println!(
-            "checked {} stored chunk(s): {} ok, {} bad",
-            report.checked,
+        outln!(
+            "checked {}: {} ok, {} bad",
+            count(report.checked, "stored chunk"),
             report.ok,
             report.bad.len()
-        );
+        )?;
         if !report.bad.is_empty() {
             let mut t = Table::new(["key", "slot", "expected crc", "found"]);
             for b in &report.bad {
@@ -297,16 +312,21 @@ fn verify(a: PathsArgs) -> Result<ExitCode> {
                     },
                 ]);
             }
-            print!("{}", t.render());
+            out!("{}", t.render())?;
         }
     }
     if report.bad.is_empty() {
         Ok(ExitCode::SUCCESS)
     } else {
-        eprintln!(
-            "kvtier: error: {} of {} stored chunk(s) failed their CRC check",
+        errln!(
+            "kvtier: error: {} of {} failed {} CRC check",
             report.bad.len(),
-            report.checked
+            count(report.checked, "stored chunk"),
+            if report.bad.len() == 1 {
+                "its"
+            } else {
+                "their"
+            }
         );
         Ok(ExitCode::from(1))
     }
@@ -317,14 +337,13 @@ fn ls(a: PathsArgs) -> Result<ExitCode> {
     if a.json {
         print_json(&keys)?;
     } else {
-        let stdout = std::io::stdout();
-        let mut out = stdout.lock();
+        // Buffered: a tier lists millions of keys. A closed pipe (`| head`) ends the process
+        // through SIGPIPE; any other failure to write is an error.
+        let mut out = std::io::BufWriter::new(std::io::stdout().lock());
         for k in &keys {
-            // A closed pipe (`| head`) ends the listing quietly.
-            if writeln!(out, "{}", k.key).is_err() {
-                break;
-            }
+            writeln!(out, "{}", k.key).map_err(stdout_error)?;
         }
+        out.flush().map_err(stdout_error)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -333,13 +352,13 @@ fn clear(a: ClearArgs) -> Result<ExitCode> {
     if !a.yes {
         let report = admin::inspect(&a.paths)?;
         confirm(&format!(
-            "clearing forgets all {} stored chunk(s) in {}",
-            report.entries,
+            "clearing forgets all {} in {}",
+            count(report.entries as u64, "stored chunk"),
             display_paths(&a.paths)
         ))?;
     }
     admin::clear(&a.paths)?;
-    println!("cleared {}", display_paths(&a.paths));
+    outln!("cleared {}", display_paths(&a.paths))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -348,23 +367,22 @@ fn repair(a: PathsArgs) -> Result<ExitCode> {
     if a.json {
         print_json(&report)?;
     } else if report.recreated.is_empty() {
-        println!(
+        outln!(
             "the stripe set in {} is complete; nothing to repair",
             display_paths(&a.paths)
-        );
+        )?;
     } else {
         let list: Vec<String> = report
             .recreated
             .iter()
             .map(|p| p.display().to_string())
             .collect();
-        println!(
-            "recreated {} (empty); dropped {} chunk(s) that lived there; kept {} chunk(s) on the \
-             other path(s)",
+        outln!(
+            "recreated {} (empty); dropped {} that lived there; kept {} on the other paths",
             list.join(", "),
-            report.dropped,
-            report.kept
-        );
+            count(report.dropped as u64, "chunk"),
+            count(report.kept as u64, "chunk")
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }
