@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Fetch vLLM's Python sources for the differential tests (stdlib only).
 
-Downloads the pinned vLLM wheel (``vllm-wheel.toml``) with pip into
-``$KVTIER_CACHE_DIR/wheels`` (default ``~/.cache/kvtier/wheels``), checks its sha256
-against the hash PyPI publishes (recorded in ``vllm-wheel.toml``), and unpacks only the
-``vllm/**/*.py`` sources and the ``.dist-info`` metadata into
-``$KVTIER_CACHE_DIR/vllm-<version>-py-<sha12>/``. Both steps reuse what is already
-there, so only the first run needs the package index. Nothing of vLLM is written into
+Downloads the pinned vLLM wheel (``vllm-wheel.toml``, about 340 MB) with pip, checks its
+sha256 against the hash PyPI publishes (recorded in ``vllm-wheel.toml``), and unpacks only
+the ``vllm/**/*.py`` sources and the ``.dist-info`` metadata (about 60 MB) into
+``$KVTIER_CACHE_DIR/vllm-<version>-py-<sha12>/`` (default cache ``~/.cache/kvtier``). The
+wheel is downloaded into ``/dev/shm`` when that has room (memory, not disk: CI machines may
+have little disk), else into ``$KVTIER_CACHE_DIR/wheels``, and deleted once its sources are
+unpacked; a wheel already in ``$KVTIER_CACHE_DIR/wheels`` is used and kept. The unpacked tree
+is reused, so only the first run needs the package index. Nothing of vLLM is written into
 the checkout.
 
 Usage: ``python fetch_vllm.py [--cache-dir DIR] [--print-src]``. With ``--print-src`` the
@@ -85,20 +87,40 @@ def log(msg: str) -> None:
     print(f"fetch_vllm: {msg}", file=sys.stderr, flush=True)
 
 
-def ensure_wheel(cache: Path, pin: dict) -> Path:
-    """The verified wheel in ``cache/wheels``, downloaded with pip if absent."""
-    wheels = cache / "wheels"
-    wheel = wheels / pin["filename"]
-    if wheel.exists():
-        found = sha256_of(wheel)
+# Room the download needs in /dev/shm before it goes there: the wheel and some to spare.
+SHM_NEEDED_BYTES = 1 << 30
+
+
+def download_dir(cache: Path) -> Path:
+    """Where the wheel is downloaded: ``/dev/shm`` (memory) when it is a writable directory
+    with room, else ``cache/wheels`` on disk."""
+    shm = Path("/dev/shm")
+    try:
+        st = os.statvfs(shm)
+        if st.f_bavail * st.f_frsize >= SHM_NEEDED_BYTES and os.access(shm, os.W_OK):
+            return shm
+    except OSError:
+        pass
+    return cache / "wheels"
+
+
+@contextlib.contextmanager
+def verified_wheel(cache: Path, pin: dict):
+    """The verified wheel: the one kept in ``cache/wheels`` if there is one, else a fresh
+    download that is deleted when the block ends."""
+    kept = cache / "wheels" / pin["filename"]
+    if kept.exists():
+        found = sha256_of(kept)
         if found == pin["sha256"]:
-            return wheel
-        bad = wheel.with_name(wheel.name + f".sha256-{found[:12]}.rejected")
-        log(f"{wheel} has sha256 {found}, expected {pin['sha256']}; moved to {bad}")
-        wheel.replace(bad)
-    wheels.mkdir(parents=True, exist_ok=True)
-    log(f"downloading {pin['filename']} (about 340 MB, once) into {wheels}")
-    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
+            yield kept
+            return
+        bad = kept.with_name(kept.name + f".sha256-{found[:12]}.rejected")
+        log(f"{kept} has sha256 {found}, expected {pin['sha256']}; moved to {bad}")
+        kept.replace(bad)
+    where = download_dir(cache)
+    where.mkdir(parents=True, exist_ok=True)
+    log(f"downloading {pin['filename']} (about 340 MB, once) into {where}")
+    with tempfile.TemporaryDirectory(dir=where, prefix=".kvtier-vllm-download-") as tmp:
         req = Path(tmp) / "requirements.txt"
         req.write_text(f"vllm=={pin['version']} --hash=sha256:{pin['sha256']}\n")
         # The platform flags pick exactly the pinned file whatever this host is; the hash
@@ -107,7 +129,7 @@ def ensure_wheel(cache: Path, pin: dict) -> Path:
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--platform", "manylinux_2_28_x86_64", "--implementation", "cp",
             "--python-version", "3.11", "--abi", "abi3", "--require-hashes",
-            "--disable-pip-version-check", "--progress-bar", "off",
+            "--disable-pip-version-check", "--progress-bar", "off", "--no-cache-dir",
             "-r", str(req), "-d", tmp,
         ]
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -120,8 +142,7 @@ def ensure_wheel(cache: Path, pin: dict) -> Path:
         found = sha256_of(got)
         if found != pin["sha256"]:
             raise FetchError(f"downloaded {got.name} has sha256 {found}, expected {pin['sha256']}")
-        os.replace(got, wheel)
-    return wheel
+        yield got
 
 
 def _member_path(root: Path, name: str) -> Path:
@@ -182,8 +203,8 @@ def ensure(cache: Path | None = None) -> Path:
         marker = ready / COMPLETE_MARKER
         if marker.exists() and marker.read_text().strip() == pin["sha256"]:
             return ready
-        wheel = ensure_wheel(cache, pin)
-        return ensure_sources(cache, pin, wheel)
+        with verified_wheel(cache, pin) as wheel:
+            return ensure_sources(cache, pin, wheel)
 
 
 def main() -> int:
