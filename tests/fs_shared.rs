@@ -394,8 +394,16 @@ fn one_stores_the_other_loads(roots: &Roots) {
     assert_eq!(count(&rep, "ok"), 64, "{rep:?}");
     assert_eq!(count(&rep, "WRONG"), 0);
     // Every load checked the CRC record the other process set through its own path.
-    assert_eq!(rep.get("fs_files_loaded_verified"), Some(&vec![64]), "{rep:?}");
-    assert_eq!(rep.get("fs_files_loaded_unverified"), Some(&vec![0]), "{rep:?}");
+    assert_eq!(
+        rep.get("fs_files_loaded_verified"),
+        Some(&vec![64]),
+        "{rep:?}"
+    );
+    assert_eq!(
+        rep.get("fs_files_loaded_unverified"),
+        Some(&vec![0]),
+        "{rep:?}"
+    );
     assert_eq!(check_files(&roots.a, 0..64), (64, 0));
 }
 
