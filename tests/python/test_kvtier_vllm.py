@@ -341,6 +341,79 @@ def test_reset_cache_drains_kvtier_and_every_job_is_reported(tmp_path, engines):
     assert not e.tier().has_pending_work()
 
 
+class _Ticker:
+    """A Python thread that counts while it holds the GIL, sleeping (GIL released) 0.2 ms
+    between counts. With the interpreter's switch interval at 100 s the thread that holds the
+    GIL is never made to give it up, so the count moves during a call on another thread only
+    if that call released the GIL."""
+
+    def __init__(self):
+        import threading
+
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import time
+
+        while not self._stop.is_set():
+            self.count += 1
+            time.sleep(0.0002)
+
+    def __enter__(self):
+        self._interval = sys.getswitchinterval()
+        self._thread.start()
+        sys.setswitchinterval(100.0)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setswitchinterval(self._interval)
+        self._stop.set()
+        self._thread.join()
+
+    def ran_during(self, call) -> bool:
+        before = self.count
+        call()
+        return self.count != before
+
+
+def test_calls_that_wait_release_the_gil(tmp_path, engines, monkeypatch):
+    """Opening the tier (slab files, index recovery), drain_jobs and shutdown wait for kvtier's
+    disk and threads; the rest of the Python process keeps running meanwhile."""
+    from kvtier import _native
+
+    opened = []  # per tier opened: whether the ticker ran while the constructor waited
+    real_tier = _native.Tier
+
+    def tier_and_ticks(*args):  # the native constructor KvtierTier calls, observed
+        made = []
+        opened.append(ticker.ran_during(lambda: made.append(real_tier(*args))))
+        return made[0]
+
+    monkeypatch.setattr(_native, "Tier", tier_and_ticks)
+    released = {"open": False, "drain_jobs": False, "shutdown": False}
+    with _Ticker() as ticker:
+        # Each wait is milliseconds of fsync and thread hand-offs; a call that holds the GIL
+        # never lets the ticker move, so a few tries tell the two apart.
+        for attempt in range(20):
+            path = tmp_path / str(attempt)
+            path.mkdir()
+            e = open_engine(engines, extra_config(tier_entry(path)))
+            released["open"] |= opened[-1]
+            native = e.tier()._tier
+            req = e.request()
+            e.store([key(1000 * attempt + i) for i in range(8)], req)  # cascades: jobs queued
+            released["drain_jobs"] |= ticker.ran_during(native.drain_jobs)
+            e.settle()
+            e.finish(req)
+            released["shutdown"] |= ticker.ran_during(native.shutdown)
+            e.shutdown()
+            if all(released.values()):
+                break
+    assert all(released.values()), f"held the GIL while waiting: {released}"
+
+
 def test_importing_kvtier_vllm_is_cheap_and_starts_nothing():
     probe = r"""
 import json, os, sys, threading
