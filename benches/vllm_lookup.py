@@ -98,7 +98,12 @@ def measure(engines: dict, args) -> None:
             if LookupResult.RETRY not in answers:
                 break
             time.sleep(0.01)
-        assert all(tier.lookup(k, req) is LookupResult.HIT for k in hits), kind
+        lost = sum(tier.lookup(k, req) is not LookupResult.HIT for k in hits)
+        if lost:  # a store failed (a full disk, say): the figures would compare other work
+            raise SystemExit(
+                f"{kind}: {lost} of {len(hits)} stored keys do not answer HIT; see the tier's "
+                f"log above and the free space under {args.dir}"
+            )
         assert all(tier.lookup(k, req) is LookupResult.MISS for k in misses), kind
         e._bench_req = req
     for _ in range(args.rounds):
