@@ -209,7 +209,7 @@ fn namespace_differs_when_bytes_could_differ() {
     v.revision = Some("0e9e39f249a16976918f6564b8830bc894c89659".into());
     variants.push(("revision", v));
     let mut v = d.clone();
-    v.kv_split = Some(kvtier::canonical::KvSplit::Packed);
+    v.kv_split = Some(kvtier::canonical::KvSplit::Split);
     variants.push(("split/packed", v));
     for (what, v) in &variants {
         v.validate().unwrap();
@@ -254,11 +254,11 @@ fn namespace_known_answer_and_fields() {
 ///        "kv_cache_groups":[{"tokens_per_block":16,"layer_names":L}],"inference_engine":"vllm",
 ///        "canonical_format":"v1-nhd"};
 ///     f={"kvtier_namespace_version":1,"vllm_fields":v,"vllm_digest":"81b5c61c1522","attention":"gqa",
-///        "num_layers":32,"kv_cache_layout":"NHD","kv_split":"split","element_size":2,
+///        "num_layers":32,"kv_cache_layout":"NHD","kv_split":"packed","element_size":2,
 ///        "tokens_per_block":16,"num_kv_heads":8,"head_dim":128,"kv_lora_rank":None,
 ///        "qk_rope_head_dim":None,"canonical_page_bytes":65536,"row_stride":2097152,
 ///        "blocks_per_chunk":1,"storage":"canonical","canonical_format":"v1-nhd",
 ///        "canonical_format_version":1};
 ///     print(hashlib.sha256(json.dumps(f,sort_keys=True,separators=(",",":")).encode()).hexdigest())'
 const NAMESPACE_LLAMA_8B_CANONICAL_TP2: &str =
-    "79eb258b071667c08eb36895452158dc51efec33c62fa592b4bb916dcd0b1364";
+    "a58ce8dbc553070e1308fb53e44f339391c1e73929a710dc256e03b14fc8ef78";

@@ -93,12 +93,12 @@ fn impossible_descriptors_are_rejected_with_clear_errors() {
         "`{i}` exactly once",
     );
     rejects(
-        &LLAMA.replace("kv_split = \"split\"", ""),
+        &LLAMA.replace("kv_split = \"packed\"", ""),
         "kv_split",
         "is required",
     );
     rejects(
-        &LLAMA.replace("kv_split = \"split\"", "kv_split = \"latent\""),
+        &LLAMA.replace("kv_split = \"packed\"", "kv_split = \"latent\""),
         "kv_split",
         "MLA only",
     );

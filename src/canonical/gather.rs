@@ -432,8 +432,9 @@ mod tests {
         }
     }
 
-    /// Llama-3.1-8B's runs continue across halves, pages and layers: one strided copy per
-    /// rank (TP 1: one contiguous copy of the whole chunk), for load and for store.
+    /// Llama-3.1-8B's runs (packed K|V pages, as vLLM allocates them) continue across pages
+    /// and layers: one strided copy per rank of the rank's heads per token (TP 1: one
+    /// contiguous copy of the whole chunk), for load and for store.
     #[test]
     fn llama_plans_compile_to_one_copy() {
         let d = crate::canonical::default_layout();
@@ -445,7 +446,7 @@ mod tests {
             assert_eq!(ops[0].size * ops[0].count, plan.local_chunk_bytes as usize);
             assert_eq!(
                 ops[0].size,
-                if tp == 1 { 4 << 20 } else { 2048 / tp as usize }
+                if tp == 1 { 4 << 20 } else { 4096 / tp as usize }
             );
             assert_eq!(plan.compiled.store, vec![plan.compiled.load.clone()]);
         }

@@ -36,7 +36,7 @@ pub use validate::{CanonicalStatus, validate_canonical};
 /// The Llama-3.1-8B descriptor text (`layouts/llama-3.1-8b.toml`), embedded in the binary.
 pub const DEFAULT_LAYOUT_TOML: &str = include_str!("../../layouts/llama-3.1-8b.toml");
 
-/// The default layout (Llama-3.1-8B-Instruct, bf16, 16-token blocks, NHD split K/V): 2 MiB per
+/// The default layout (Llama-3.1-8B-Instruct, bf16, 16-token blocks, NHD, K|V packed): 2 MiB per
 /// block at TP 1. Used by `kvtier bench` when no layout is given.
 pub fn default_layout() -> LayoutDescriptor {
     match LayoutDescriptor::from_toml_str(DEFAULT_LAYOUT_TOML) {
