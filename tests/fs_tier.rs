@@ -600,3 +600,49 @@ fn a_file_removed_by_another_host_fails_that_load_and_becomes_a_miss() {
     assert_eq!(resolve(&mut t, 2, &rq), LookupResult::Miss);
     t.shutdown().unwrap();
 }
+
+/// Hosts that share `root_dir` probe it at the same time, and their engines often have the
+/// same pid (each in its own container). A probe named after the pid alone collides: the
+/// O_DIRECT probe's exclusive create fails (the tier refused to start: "does not accept new
+/// files") and the xattr probe truncated and removed the other host's file. Here files named
+/// as such a host's probes (this pid) are already there: the tier opens and leaves them be.
+#[test]
+fn probes_of_another_host_with_the_same_pid_neither_stop_nor_lose_anything() {
+    let d = tmp();
+    let r = region(2);
+    let pid = std::process::id();
+    // The O_DIRECT probe's names: pid and a per-process count (this binary's other tests
+    // open far fewer tiers than this).
+    for n in 0..1024 {
+        std::fs::write(d.path().join(format!(".kvtier-probe-{pid}-{n}")), b"").unwrap();
+    }
+    let data = kvtier::fs::FileMapper::new(d.path(), fields())
+        .unwrap()
+        .data_dir()
+        .to_path_buf();
+    std::fs::create_dir_all(&data).unwrap();
+    let theirs = data.join(format!(".kvtier-xattr-probe-{pid}"));
+    std::fs::write(&theirs, b"another host's probe").unwrap();
+    let t = FsTier::open(
+        config(d.path(), 4),
+        r.clone(),
+        fields(),
+        [0; 32],
+        "1:fs".into(),
+        None,
+    )
+    .unwrap();
+    drop(t);
+    assert_eq!(std::fs::read(&theirs).unwrap(), b"another host's probe");
+    let left = std::fs::read_dir(d.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(".kvtier-probe-")
+        })
+        .count();
+    assert_eq!(left, 1024, "the tier's own probe files are removed, the others kept");
+}

@@ -101,7 +101,7 @@ fn link_or_rename(a: &Path, b: &Path) -> PublishMode {
 }
 
 /// A random 64-bit suffix, unique within the process and unlikely to repeat across hosts.
-fn temp_suffix() -> u64 {
+pub(crate) fn temp_suffix() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     let seed = *SEED.get_or_init(|| {

@@ -111,8 +111,15 @@ impl CrcRecord {
 /// Whether user extended attributes work in `dir`: sets and reads back a record on a
 /// temporary file (removed afterwards). `Err` says why not (the filesystem refused it).
 pub fn probe_xattr(dir: &Path) -> std::result::Result<(), String> {
-    let path = dir.join(format!(".kvtier-xattr-probe-{}", std::process::id()));
-    let file = File::create(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    // Every host sharing the directory probes it: a name of its own (not just the pid, which
+    // hosts' containers often share), created exclusively.
+    let path = dir.join(format!(
+        ".kvtier-xattr-probe-{}-{:016x}",
+        std::process::id(),
+        crate::fs::chunk_file::temp_suffix()
+    ));
+    let file = File::create_new(&path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let rec = CrcRecord { crc: 1, len: 2 };
     let outcome = match rec.write_to(&file) {
         Err(e) => Err(format!(

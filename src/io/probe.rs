@@ -8,6 +8,7 @@
 //! filesystem type. [`probe_io_uring`] checks that a ring can be set up and runs a NOP.
 
 use std::fs::{File, OpenOptions};
+use std::hash::BuildHasher;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -158,13 +159,15 @@ fn check_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A new probe file in `dir`. Its name is unique across hosts: a directory shared through a
+/// distributed file system (the fs tier's `root_dir`) is probed by every host at start, and
+/// their engines often have the same pid (one per container), so the name adds a random part.
 fn create_probe_file(dir: &Path) -> Result<TempProbeFile> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let name = format!(
-        ".kvtier-probe-{}-{}",
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    );
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    let random = std::collections::hash_map::RandomState::new().hash_one((pid, n));
+    let name = format!(".kvtier-probe-{pid}-{n}-{random:016x}");
     let path = dir.join(name);
     match OpenOptions::new()
         .read(true)
