@@ -644,5 +644,8 @@ fn probes_of_another_host_with_the_same_pid_neither_stop_nor_lose_anything() {
                 .starts_with(".kvtier-probe-")
         })
         .count();
-    assert_eq!(left, 1024, "the tier's own probe files are removed, the others kept");
+    assert_eq!(
+        left, 1024,
+        "the tier's own probe files are removed, the others kept"
+    );
 }

@@ -118,8 +118,8 @@ pub fn probe_xattr(dir: &Path) -> std::result::Result<(), String> {
         std::process::id(),
         crate::fs::chunk_file::temp_suffix()
     ));
-    let file = File::create_new(&path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    let file =
+        File::create_new(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     let rec = CrcRecord { crc: 1, len: 2 };
     let outcome = match rec.write_to(&file) {
         Err(e) => Err(format!(
