@@ -13,11 +13,9 @@
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -58,7 +56,7 @@ pub enum Published {
 
 /// Picks the publish method that works in `dir` (trying them on scratch files there).
 pub fn probe_publish(dir: &Path) -> Result<PublishMode> {
-    let tag = temp_suffix();
+    let tag = sys::unique_suffix();
     let a = dir.join(format!(".kvtier-publish-probe-{tag:016x}-a"));
     let b = dir.join(format!(".kvtier-publish-probe-{tag:016x}-b"));
     let c = dir.join(format!(".kvtier-publish-probe-{tag:016x}-c"));
@@ -98,26 +96,6 @@ fn link_or_rename(a: &Path, b: &Path) -> PublishMode {
         Err(e) if e.raw_os_error() == Some(libc::EEXIST) => PublishMode::Link,
         _ => PublishMode::Rename,
     }
-}
-
-/// A random 64-bit suffix, unique within the process and unlikely to repeat across hosts.
-pub(crate) fn temp_suffix() -> u64 {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    let seed = *SEED.get_or_init(|| {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
-        h.finish()
-    });
-    // splitmix64 of seed + counter: distinct per call, spread over all 64 bits.
-    let mut z = seed.wrapping_add(
-        COUNTER
-            .fetch_add(1, Ordering::Relaxed)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15),
-    );
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Whether a file name is a temporary file of a store in progress (kvtier's or vLLM's, both
@@ -185,7 +163,11 @@ pub fn create_temp(
     let mut attempts = 0;
     loop {
         attempts += 1;
-        let tmp = PathBuf::from(format!("{}_{:016x}.tmp", dest.display(), temp_suffix()));
+        let tmp = PathBuf::from(format!(
+            "{}_{:016x}.tmp",
+            dest.display(),
+            sys::unique_suffix()
+        ));
         dirs.ensure(parent, made_dirs)
             .map_err(|e| io_err("create directory", parent, e))?;
         match open(&tmp) {

@@ -116,7 +116,7 @@ pub fn probe_xattr(dir: &Path) -> std::result::Result<(), String> {
     let path = dir.join(format!(
         ".kvtier-xattr-probe-{}-{:016x}",
         std::process::id(),
-        crate::fs::chunk_file::temp_suffix()
+        sys::unique_suffix()
     ));
     let file =
         File::create_new(&path).map_err(|e| format!("cannot create {}: {e}", path.display()))?;

@@ -1,10 +1,13 @@
 //! The system calls the `fs` tier needs beyond `std`, through rustix: extended attributes on
-//! an open file and `renameat2(RENAME_NOREPLACE)`, with `std::io::Error`s.
+//! an open file and `renameat2(RENAME_NOREPLACE)`, with `std::io::Error`s; and the random
+//! suffix of the names it creates in a shared directory.
 
 use std::ffi::CStr;
 use std::fs::File;
+use std::hash::{BuildHasher, Hasher};
 use std::io;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rustix::fs::{CWD, RenameFlags, XattrFlags};
 
@@ -35,6 +38,26 @@ pub(crate) fn is_unsupported(e: &io::Error) -> bool {
         e.raw_os_error(),
         Some(libc::ENOTSUP) | Some(libc::ENOSYS) | Some(libc::EINVAL) | Some(libc::EPERM)
     )
+}
+
+/// A random 64-bit suffix, unique within the process and unlikely to repeat across hosts.
+pub(crate) fn unique_suffix() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    // splitmix64 of seed + counter: distinct per call, spread over all 64 bits.
+    let mut z = seed.wrapping_add(
+        COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 #[cfg(test)]
