@@ -158,7 +158,7 @@ fn parallel_sizes_forced_to_one_only_when_agnostic() {
 fn ns(d: &LayoutDescriptor, tp: u32, canonical: bool, stride: Option<u64>) -> [u8; 32] {
     let mut p = NamespaceParams::new(d, tp, 2, canonical).unwrap();
     if let Some(s) = stride {
-        p.row_stride = s;
+        (p.row_stride, p.slot_bytes) = (s, s);
     }
     namespace_digest(d, &p)
 }
@@ -168,9 +168,10 @@ fn namespace_equal_across_tp_when_portable() {
     for (name, d) in all_layouts() {
         let stride = d.canonical_row_stride(2).unwrap();
         let tps = d.allowed_tp(&[1, 2, 4, 8]);
-        let first = ns(&d, tps[0], true, Some(stride));
+        // No override: the namespace names the canonical area, not vLLM's row.
+        let first = ns(&d, tps[0], true, None);
         for &tp in &tps[1..] {
-            assert_eq!(ns(&d, tp, true, Some(stride)), first, "{name} TP {tp}");
+            assert_eq!(ns(&d, tp, true, None), first, "{name} TP {tp}");
             // The direct path always names its topology, so it never matches another TP.
             assert_ne!(
                 ns(&d, tp, false, None),
@@ -184,6 +185,25 @@ fn namespace_equal_across_tp_when_portable() {
             "{name}: direct vs canonical"
         );
     }
+}
+
+/// Qwen2.5-3B holds 2 KV heads: at TP 4 and 8 vLLM's row (one copy per rank) is 2 and 4 times the
+/// canonical area, whose bytes are the same at every TP size; slots and namespace follow the
+/// canonical area.
+#[test]
+fn replicated_gqa_shares_one_namespace_with_slots_of_the_canonical_area() {
+    let d = layout("qwen2.5-3b.toml");
+    let canonical = d.canonical_row_stride(2).unwrap();
+    for tp in [1, 2, 4, 8] {
+        let p = NamespaceParams::new(&d, tp, 2, true).unwrap();
+        assert_eq!(p.slot_bytes, canonical, "TP {tp}");
+        let expected_row = canonical * u64::from((tp / 2).max(1));
+        assert_eq!(p.row_stride, expected_row, "TP {tp}");
+        assert_eq!(ns(&d, tp, true, None), ns(&d, 1, true, None), "TP {tp}");
+    }
+    // The direct layout stores whole rows, per topology.
+    let p = NamespaceParams::new(&d, 4, 2, false).unwrap();
+    assert_eq!(p.slot_bytes, p.row_stride);
 }
 
 #[test]

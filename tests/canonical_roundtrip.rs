@@ -8,7 +8,9 @@ mod canonical_support;
 
 use std::sync::Arc;
 
-use canonical_support::{all_layouts, encode_local_chunk, g3_transfer, open_g3, reduced};
+use canonical_support::{
+    all_layouts, encode_local_chunk, g3_transfer, open_g3, open_g3_slots, reduced,
+};
 use kvtier::canonical::digest::{NamespaceParams, check_namespace, namespace_digest};
 use kvtier::canonical::gather::direct_row_range;
 use kvtier::canonical::{
@@ -92,20 +94,44 @@ fn load_all_ranks(
 }
 
 /// The full matrix for one descriptor: every TP size stores its chunks (gathered into a primary
-/// row) into one G3 store opened under its own namespace; then every TP size reopens that same
-/// store (its namespace is equal: the layout is portable), loads every chunk into another row,
-/// scatters and compares.
+/// row of vLLM's size for that TP) into one G3 store opened under its own namespace, with slots
+/// of the canonical area; then every TP size reopens that same store (its namespace is equal:
+/// the layout is portable, and neither the namespace nor the slots depend on vLLM's row, which
+/// is twice the canonical area for Qwen2.5-3B at TP 4 and 8), loads every chunk into its own
+/// row, scatters and compares. Nothing here overrides a row stride or a namespace.
 fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
     let tps = desc.allowed_tp(&TPS);
     assert!(!tps.is_empty(), "{}: no TP size allowed", desc.model_name);
-    let stride = desc.canonical_row_stride(bpc).unwrap() as usize;
-    let region = Arc::new(PrimaryRegion::create(2, stride).unwrap());
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let slots = (tps.len() * chunks.len()) as u64;
-    let ns = |tp| {
-        let mut p = NamespaceParams::new(desc, tp, bpc, true).unwrap();
-        p.row_stride = stride as u64;
-        namespace_digest(desc, &p)
+    let params = |tp| NamespaceParams::new(desc, tp, bpc, true).unwrap();
+    let canonical_stride = desc.canonical_row_stride(bpc).unwrap();
+    for &tp in &tps {
+        let p = params(tp);
+        assert_eq!(
+            p.slot_bytes, canonical_stride,
+            "{} TP {tp}",
+            desc.model_name
+        );
+        assert_eq!(
+            namespace_digest(desc, &p),
+            namespace_digest(desc, &params(tps[0])),
+            "{} TP {tp}: one namespace for every TP size",
+            desc.model_name
+        );
+    }
+    // vLLM's row for `tp`, and the G3 tier's slots: the canonical area (a prefix of the row).
+    let open = |tp: u32| {
+        let p = params(tp);
+        let region = Arc::new(PrimaryRegion::create(2, p.row_stride as usize).unwrap());
+        let g3 = open_g3_slots(
+            dir.path(),
+            &region,
+            namespace_digest(desc, &p),
+            slots,
+            p.slot_prefix(),
+        );
+        (region, g3)
     };
     let key = |i: usize, c: usize| (i * chunks.len() + c) as u64;
     let canonical: Vec<Vec<u8>> = chunks
@@ -117,7 +143,8 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
         .map(|&tp| chunks.iter().map(|&c| shards(desc, tp, bpc, c)).collect())
         .collect();
     for (i, &tp_store) in tps.iter().enumerate() {
-        let mut g3 = open_g3(dir.path(), &region, ns(tp_store), slots).unwrap();
+        let (region, g3) = open(tp_store);
+        let mut g3 = g3.unwrap();
         for (c, &chunk) in chunks.iter().enumerate() {
             // SAFETY: this test is the only user of the region; no I/O is in flight.
             let row = unsafe { region.row_mut(0).unwrap() };
@@ -127,7 +154,8 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
         g3.shutdown().unwrap();
     }
     for (j, &tp_load) in tps.iter().enumerate() {
-        let mut g3 = open_g3(dir.path(), &region, ns(tp_load), slots).unwrap_or_else(|e| {
+        let (region, g3) = open(tp_load);
+        let mut g3 = g3.unwrap_or_else(|e| {
             panic!(
                 "{} TP {tp_load}: portable store refused: {e}",
                 desc.model_name
@@ -136,10 +164,18 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
         for (i, &tp_store) in tps.iter().enumerate() {
             for (c, expected) in by_tp[j].iter().enumerate() {
                 // SAFETY: as above.
-                unsafe { region.row_mut(1).unwrap() }.fill(0);
+                unsafe { region.row_mut(1).unwrap() }.fill(SENTINEL);
                 g3_transfer(&mut g3, key(i, c), 1, true);
                 // SAFETY: as above; the load has completed.
                 let row = unsafe { region.row(1).unwrap() };
+                // The transfer covers the slot (the canonical area's prefix of the row) only.
+                assert!(
+                    row[canonical_stride as usize..]
+                        .iter()
+                        .all(|&b| b == SENTINEL),
+                    "{} TP {tp_load}: a load wrote past the canonical area",
+                    desc.model_name
+                );
                 load_all_ranks(desc, tp_load, bpc, expected, row, tp_store);
             }
         }
@@ -203,7 +239,7 @@ fn direct_path_loads_only_under_the_same_topology() {
             .unwrap();
         let ns = |tp| {
             let mut p = NamespaceParams::new(&d, tp, bpc, false).unwrap();
-            p.row_stride = stride;
+            (p.row_stride, p.slot_bytes) = (stride, stride);
             namespace_digest(&d, &p)
         };
         let region = Arc::new(PrimaryRegion::create(2, stride as usize).unwrap());

@@ -260,8 +260,14 @@ pub struct NamespaceParams {
     pub tp: u32,
     /// Blocks per chunk (vLLM's `blocks_per_file`).
     pub blocks_per_chunk: u32,
-    /// Row stride of the primary rows (and G3 slots).
+    /// Row stride of the primary rows (vLLM's sizing).
     pub row_stride: u64,
+    /// Bytes of each row a persistent tier stores (its slot size): the canonical row stride
+    /// ([`LayoutDescriptor::canonical_row_stride`], the same at every TP size) for the
+    /// canonical layout, the whole row for the direct one. Enters the namespace as
+    /// `row_stride`. Smaller than `row_stride` only for GQA with replicated KV heads (vLLM
+    /// sizes the row for one copy per rank; the canonical area is its prefix).
+    pub slot_bytes: u64,
     /// Whether chunks are stored in the canonical layout.
     pub canonical: bool,
     /// Whether every layer's mapping is parallelism-agnostic (from validation).
@@ -273,7 +279,8 @@ pub struct NamespaceParams {
 impl NamespaceParams {
     /// Parameters for `desc` at TP `tp` with vLLM's row sizing: replicated layout for MLA
     /// (canonical, or direct with TP > 1), `row_stride` from [`LayoutDescriptor::vllm_row_stride`],
-    /// and portability from the descriptor's layout (certified layouts are portable).
+    /// `slot_bytes` the canonical row stride (canonical) or the row (direct), and portability
+    /// from the descriptor's layout (certified layouts are portable).
     pub fn new(
         desc: &LayoutDescriptor,
         tp: u32,
@@ -283,14 +290,38 @@ impl NamespaceParams {
         desc.check_tp(tp)?;
         let replicated_layout = desc.is_mla() && (canonical || tp > 1);
         let row_stride = desc.vllm_row_stride(tp, blocks_per_chunk, replicated_layout)?;
+        let slot_bytes = if canonical {
+            desc.canonical_row_stride(blocks_per_chunk)?
+        } else {
+            row_stride
+        };
+        if slot_bytes > row_stride {
+            return Err(Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "{}: canonical area ({slot_bytes} bytes) exceeds vLLM's row ({row_stride} bytes) at TP {tp}",
+                    desc.model_name
+                ),
+            ));
+        }
         Ok(NamespaceParams {
             tp,
             blocks_per_chunk,
             row_stride,
+            slot_bytes,
             canonical,
             all_layers_portable: canonical && desc.kv_layout.is_certifiable(),
             replicated_layout,
         })
+    }
+}
+
+impl NamespaceParams {
+    /// `slot_bytes` when a tier stores only a prefix of the row (the canonical area of a row
+    /// vLLM sizes larger: replicated GQA heads), else `None` (whole rows). What
+    /// [`crate::tiering::factory::TierBuildContext::slot_bytes`] takes.
+    pub fn slot_prefix(&self) -> Option<u64> {
+        (self.slot_bytes < self.row_stride).then_some(self.slot_bytes)
     }
 }
 
@@ -321,7 +352,9 @@ pub fn namespace_fields(desc: &LayoutDescriptor, params: &NamespaceParams) -> Va
         "canonical_page_bytes".into(),
         json!(desc.canonical_page_size()),
     );
-    m.insert("row_stride".into(), json!(params.row_stride));
+    // The bytes a tier stores per chunk (the canonical area for the canonical layout), so
+    // one namespace serves every TP size even where vLLM's row is larger (replicated GQA).
+    m.insert("row_stride".into(), json!(params.slot_bytes));
     m.insert("blocks_per_chunk".into(), json!(params.blocks_per_chunk));
     let storage = if params.canonical {
         "canonical"

@@ -12,6 +12,10 @@
 //! 5. [`RowPlan`] with [`gather`](fn@gather) / [`scatter`] ([`gather`](mod@gather)): move bytes between a
 //!    rank's local chunk and the canonical area of a primary row.
 //! 6. [`digest::vllm_digest`] and [`digest::namespace_digest`]: what storage is keyed by.
+//!
+//! Where kvtier sees the engine's tensors, [`check_views`] ([`views`]) derives the page
+//! encoding from their shapes and strides and refuses a descriptor that claims another;
+//! [`prepare_canonical_from_views`] does it before preparing.
 
 mod copy;
 pub mod descriptor;
@@ -20,6 +24,7 @@ pub mod gather;
 pub mod mapping;
 pub mod tiling;
 pub mod validate;
+pub mod views;
 
 pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
 pub use digest::{
@@ -32,6 +37,7 @@ pub use mapping::{
 };
 pub use tiling::verify_tiling;
 pub use validate::{CanonicalStatus, validate_canonical};
+pub use views::{EncodingSource, LayerView, PageEncoding, check_views};
 
 /// The Llama-3.1-8B descriptor text (`layouts/llama-3.1-8b.toml`), embedded in the binary.
 pub const DEFAULT_LAYOUT_TOML: &str = include_str!("../../layouts/llama-3.1-8b.toml");
@@ -56,6 +62,10 @@ pub struct PreparedCanonical {
     pub status: CanonicalStatus,
     /// This rank's gather / scatter plan.
     pub plan: RowPlan,
+    /// The page encoding the plan assumes.
+    pub encoding: PageEncoding,
+    /// Where it came from: the descriptor, or the layers' views (checked).
+    pub encoding_source: EncodingSource,
 }
 
 /// Derives every rank's mappings for `cfg`, verifies tiling, validates this rank's layers (with
@@ -82,7 +92,27 @@ pub fn prepare_canonical(
         mappings,
         status,
         plan,
+        encoding: PageEncoding::of_descriptor(desc),
+        encoding_source: EncodingSource::Descriptor,
     })
+}
+
+/// [`prepare_canonical`] for a caller that holds the engine's KV-cache tensors: the page
+/// encoding is derived from this rank's layer `views` and checked against the descriptor
+/// first ([`check_views`]), so a descriptor that misdescribes the tensors is refused instead
+/// of scattering bytes to the wrong place.
+pub fn prepare_canonical_from_views(
+    desc: &LayoutDescriptor,
+    cfg: &ParallelConfig,
+    blocks_per_chunk: u32,
+    namespace_shared: bool,
+    views: &[LayerView],
+) -> crate::Result<PreparedCanonical> {
+    let encoding = check_views(desc, cfg.tp, views)?;
+    let mut prepared = prepare_canonical(desc, cfg, blocks_per_chunk, namespace_shared)?;
+    prepared.encoding = encoding;
+    prepared.encoding_source = EncodingSource::Views;
+    Ok(prepared)
 }
 
 #[cfg(test)]

@@ -10,12 +10,14 @@ use crate::canonical::digest::{self, NamespaceParams, VllmDigestFields};
 use crate::canonical::gather::direct_row_range;
 use crate::canonical::validate::static_portability_claim;
 use crate::canonical::{
-    LayerMapping, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks, prepare_canonical,
-    verify_tiling,
+    EncodingSource, LayerMapping, LayerView, LayoutDescriptor, PageEncoding, ParallelConfig,
+    RowPlan, check_views, derive_all_ranks, prepare_canonical, verify_tiling,
 };
 use crate::cli::args::name_flag;
+use crate::cli::layout_vllm;
 use crate::cli::output::{outln, print_json};
 use crate::error::{Error, ErrorKind, Result};
+use crate::size::count;
 
 /// `kvtier layout ...`
 #[derive(Debug, Args)]
@@ -30,7 +32,8 @@ pub struct LayoutArgs {
 pub enum LayoutCommand {
     /// Print per-layer mappings, portability, row stride and both digests for one descriptor.
     Show(ShowArgs),
-    /// Validate every descriptor (`*.toml`) in a folder at TP 1, 2, 4 and 8.
+    /// Validate every descriptor (`*.toml`) in a folder at TP 1, 2, 4 and 8, and compare its
+    /// mappings with vLLM 0.33.0's own code when the vLLM sources are cached.
     Check(CheckArgs),
 }
 
@@ -54,6 +57,11 @@ pub struct ShowArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// The layers' KV-cache views at this TP size (JSON: a list of `{"shape", "stride",
+    /// "element_size"}` in layer order, strides in elements): the page encoding is derived
+    /// from them and checked against the descriptor instead of taken from it.
+    #[arg(long, value_name = "FILE")]
+    pub views: Option<PathBuf>,
 }
 
 /// `kvtier layout check DIR`
@@ -74,6 +82,26 @@ pub fn run(args: LayoutArgs) -> Result<ExitCode> {
 /// The `show` report as JSON (the `--json` output).
 pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
     let cfg = ParallelConfig::tp(args.tp, args.rank);
+    let (encoding, source) = match &args.views {
+        Some(file) => {
+            let text =
+                std::fs::read_to_string(file).map_err(|e| Error::io("read views", file, e))?;
+            let views: Vec<LayerView> = serde_json::from_str(&text).map_err(|e| {
+                Error::config(
+                    "--views",
+                    format!(
+                        "{}: expected a JSON list of {{\"shape\", \"stride\", \"element_size\"}}, one per layer: {e}",
+                        file.display()
+                    ),
+                )
+            })?;
+            (check_views(desc, args.tp, &views)?, EncodingSource::Views)
+        }
+        None => (
+            PageEncoding::of_descriptor(desc),
+            EncodingSource::Descriptor,
+        ),
+    };
     let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)
         .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
     let (layers, plan_bytes) = if args.canonical {
@@ -121,7 +149,14 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
             let r = direct_row_range(rank_bytes, slot);
             [r.start, r.end]
         }),
+        "page_encoding": {
+            "kv_layout": encoding.kv_layout.as_str(),
+            "kv_split": encoding.kv_split.as_str(),
+            "source": source.as_str(),
+            "views_file": args.views.as_ref().map(|f| f.display().to_string()),
+        },
         "row_stride": params.row_stride,
+        "slot_bytes": params.slot_bytes,
         "canonical_row_stride": desc.canonical_row_stride(args.blocks_per_chunk)?,
         "replicated_layout": params.replicated_layout,
         "all_layers_portable": args.canonical && params.all_layers_portable,
@@ -197,6 +232,20 @@ fn print_text(r: &Value) -> Result<()> {
         s("canonical_row_stride"),
         s("replicated_layout")
     )?;
+    let page = &r["page_encoding"];
+    let from = match page["views_file"].as_str() {
+        Some(f) => format!("derived from the views in {f}, which agree with the descriptor"),
+        None => {
+            "from the descriptor's kv_split and kv_layout; no KV-cache views checked: --views FILE"
+                .into()
+        }
+    };
+    outln!(
+        "page        {} {} ({from})",
+        page["kv_split"].as_str().unwrap_or("?"),
+        page["kv_layout"].as_str().unwrap_or("?")
+    )?;
+    outln!("slots       {} bytes stored per chunk", s("slot_bytes"))?;
     outln!("portable    {}", s("all_layers_portable"))?;
     if let Some([a, b]) = r["direct_row_range"]
         .as_array()
@@ -277,6 +326,29 @@ pub fn check_file(path: &Path) -> Result<Vec<u32>> {
     Ok(tps)
 }
 
+/// kvtier's canonical answer for `path` at every TP size in `tps`, for the vLLM comparison.
+fn subject(path: &Path, tps: &[u32]) -> Result<layout_vllm::Subject> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("read layout", path, e))?;
+    let desc = LayoutDescriptor::from_toml_str(&text)?;
+    let mut answers = Vec::new();
+    for &tp in tps {
+        let shared = static_portability_claim(&desc, tp, tp, true);
+        let prepared = prepare_canonical(&desc, &ParallelConfig::tp(tp, 0), 1, shared)?;
+        let ranks: Vec<Value> = (0u32..)
+            .zip(&prepared.mappings)
+            .map(|(rank, layers)| {
+                json!({"rank": rank, "layers": layers.iter().map(layer_json).collect::<Vec<_>>()})
+            })
+            .collect();
+        answers.push((tp, json!({ "ranks": ranks })));
+    }
+    Ok(layout_vllm::Subject {
+        file: path.to_path_buf(),
+        text,
+        answers,
+    })
+}
+
 fn check(dir: &Path) -> Result<ExitCode> {
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io("read layout folder", dir, e))?;
     let mut files: Vec<PathBuf> = entries
@@ -291,15 +363,47 @@ fn check(dir: &Path) -> Result<ExitCode> {
         ));
     }
     let mut failed = 0;
+    let mut subjects = Vec::new();
     for f in &files {
-        match check_file(f) {
-            Ok(tps) => {
+        match check_file(f).and_then(|tps| subject(f, &tps).map(|s| (tps, s))) {
+            Ok((tps, s)) => {
                 let tps: Vec<String> = tps.iter().map(u32::to_string).collect();
                 outln!("ok    {} (TP {})", f.display(), tps.join(", "))?;
+                subjects.push(s);
             }
             Err(e) => {
                 failed += 1;
                 outln!("FAIL  {}: {e}", f.display())?;
+            }
+        }
+    }
+    if !subjects.is_empty() {
+        let version = layout_vllm::VLLM_VERSION;
+        match layout_vllm::compare(&subjects) {
+            Ok(layout_vllm::Outcome::Ran {
+                compared,
+                differences,
+            }) => {
+                for d in &differences {
+                    outln!("FAIL  vLLM {version}: {d}")?;
+                }
+                outln!(
+                    "vLLM {version}: {compared} layer mappings of {} compared with vLLM's \
+                     derive_canonical_mappings over create_kv_cache_views views (every rank, \
+                     allowed TP of 1/2/4/8; byte oracle on the first and last layer): {} differ",
+                    count(subjects.len() as u64, "descriptor"),
+                    differences.len()
+                )?;
+                if !differences.is_empty() {
+                    failed += 1;
+                }
+            }
+            Ok(layout_vllm::Outcome::Skipped(why)) => {
+                outln!("vLLM {version} comparison skipped: {why}")?;
+            }
+            Err(e) => {
+                failed += 1;
+                outln!("FAIL  vLLM {version} comparison: {e}")?;
             }
         }
     }

@@ -24,6 +24,7 @@ pub mod config_cmd;
 pub mod fio;
 pub mod interrupt;
 pub mod layout_cmd;
+pub mod layout_vllm;
 pub mod logger;
 pub mod output;
 pub mod serve;

@@ -139,6 +139,14 @@ impl Builder {
         self
     }
 
+    /// Bytes of each row the slot tiers (`nvme`) store: a prefix of the row (default: what the
+    /// layout's namespace names, the canonical area for the canonical layout; without a
+    /// layout, the whole row). See [`TierBuildContext::slot_bytes`].
+    pub fn slot_bytes(mut self, bytes: u64) -> Self {
+        self.options.slot_bytes = Some(bytes);
+        self
+    }
+
     /// vLLM's `FileMapper` fields of the model (`FileMapper.get_run_config()`), which name an
     /// `fs` tier's folder (overrides the layout's).
     pub fn file_mapper_fields(mut self, fields: serde_json::Value) -> Self {
@@ -186,6 +194,7 @@ impl Builder {
         let mut options = self.options;
         options.namespace = resolved.namespace;
         options.file_mapper_fields = resolved.file_mapper_fields;
+        options.slot_bytes = resolved.slot_bytes;
         TieringManager::from_config(&self.config, resolved.region, &self.factory, options)
     }
 
@@ -216,6 +225,7 @@ impl Builder {
         let mut ctx = TierBuildContext::new(resolved.region, self.options.clock.clone(), label);
         ctx.namespace = resolved.namespace;
         ctx.file_mapper_fields = resolved.file_mapper_fields;
+        ctx.slot_bytes = resolved.slot_bytes;
         ctx.events = self.options.enable_events;
         self.factory.create(tc, &ctx)
     }
@@ -279,6 +289,7 @@ impl Builder {
                 region,
                 namespace: self.options.namespace,
                 file_mapper_fields: self.options.file_mapper_fields.clone(),
+                slot_bytes: self.options.slot_bytes,
             });
         };
         let layout = &model.layout;
@@ -294,6 +305,8 @@ impl Builder {
             .file_mapper_fields
             .clone()
             .or_else(|| Some(VllmDigestFields::from_descriptor(layout, &params).to_json()));
+        // Slot tiers store what the namespace names: the canonical area, or the whole row.
+        let slot_bytes = self.options.slot_bytes.or(params.slot_prefix());
         if let Some(region) = &self.region {
             if region.row_stride() as u64 != geometry.row_stride {
                 return Err(Error::new(
@@ -311,6 +324,7 @@ impl Builder {
                 region: region.clone(),
                 namespace,
                 file_mapper_fields,
+                slot_bytes,
             });
         }
         let (rows, stride) = geometry.region_dims()?;
@@ -326,6 +340,7 @@ impl Builder {
             region: Arc::new(PrimaryRegion::create(rows, stride)?),
             namespace,
             file_mapper_fields,
+            slot_bytes,
         })
     }
 }
@@ -335,6 +350,7 @@ struct Resolved {
     region: Arc<PrimaryRegion>,
     namespace: Option<[u8; 32]>,
     file_mapper_fields: Option<serde_json::Value>,
+    slot_bytes: Option<u64>,
 }
 
 /// The metrics a tier of `tier_type` reports (`nvme`, or [`VLLM_TIER_CLASS`], the same

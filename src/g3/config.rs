@@ -128,6 +128,11 @@ pub struct G3TierConfig {
     pub idle: IdlePolicy,
     /// GPUDirect Storage (`gds`).
     pub gds: GdsMode,
+    /// Bytes of each primary row the tier stores: a prefix of the row, so slots can be
+    /// smaller than rows. `None`: the whole row. Not a config key: the embedding sets it (a
+    /// canonical layout stores only its canonical area, which is shorter than vLLM's row for
+    /// GQA models with replicated KV heads; see docs/canonical.md).
+    pub slot_bytes: Option<u64>,
 }
 
 impl G3TierConfig {
@@ -146,7 +151,26 @@ impl G3TierConfig {
             max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
             idle: IdlePolicy::default(),
             gds: GdsMode::Off,
+            slot_bytes: None,
         }
+    }
+
+    /// Bytes per slot for primary rows of `row_stride` bytes: [`G3TierConfig::slot_bytes`]
+    /// when set (a positive multiple of 4096 no larger than the row), else the row.
+    pub fn slot_bytes_for(&self, row_stride: u64) -> Result<u64> {
+        let Some(slot) = self.slot_bytes else {
+            return Ok(row_stride);
+        };
+        let align = crate::geometry::ROW_ALIGNMENT as u64;
+        if slot == 0 || !slot.is_multiple_of(align) || slot > row_stride {
+            return Err(Error::config(
+                "slot_bytes",
+                format!(
+                    "must be a positive multiple of {align} no larger than the row ({row_stride}), found {slot}"
+                ),
+            ));
+        }
+        Ok(slot)
     }
 
     /// Parses and validates the tier's `params`. Unknown keys are errors naming
@@ -278,7 +302,8 @@ impl G3TierConfig {
     /// Errors name `<key_prefix>.<key>` (`secondary_tiers[2].max_queued_jobs`; the bare key
     /// for an empty prefix). With the primary's `row_stride` known, the capacity is checked
     /// too: at least one slot per path and fewer than 2^32 - 1 slots in all; and
-    /// `max_bytes_in_flight` holds at least one row ([`crate::config::in_flight`]).
+    /// `max_bytes_in_flight` holds at least one row ([`crate::config::in_flight`]). Slots are
+    /// [`G3TierConfig::slot_bytes_for`] the row.
     pub fn validate(&self, key_prefix: &str, row_stride: Option<u64>) -> Result<()> {
         let kp = |k: &str| {
             if key_prefix.is_empty() {
@@ -296,6 +321,7 @@ impl G3TierConfig {
                 "expected a directory path string, found \"\"",
             ));
         }
+        let row_stride = row_stride.map(|r| self.slot_bytes_for(r)).transpose()?;
         check_max_bytes_in_flight(
             &kp("max_bytes_in_flight"),
             self.max_bytes_in_flight,
@@ -591,6 +617,25 @@ mod tests {
         for (params, key) in cases {
             let e = G3TierConfig::from_tier(&tier(params.clone())).unwrap_err();
             assert_eq!(e.context_value("key"), Some(key), "{params}: {e}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod slot_bytes_tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_the_row_or_a_page_aligned_prefix_of_it() {
+        let mut cfg = G3TierConfig::new(vec![PathBuf::from("/tmp/x")], 1 << 30);
+        assert_eq!(cfg.slot_bytes_for(3 << 20).unwrap(), 3 << 20);
+        cfg.slot_bytes = Some(1 << 20);
+        assert_eq!(cfg.slot_bytes_for(3 << 20).unwrap(), 1 << 20);
+        cfg.validate("", Some(3 << 20)).unwrap();
+        for bad in [0, 1000, 4 << 20] {
+            cfg.slot_bytes = Some(bad);
+            let e = cfg.validate("", Some(3 << 20)).unwrap_err();
+            assert!(e.to_string().contains("slot_bytes"), "{e}");
         }
     }
 }

@@ -101,7 +101,7 @@ impl std::fmt::Debug for G3Tier {
 impl G3Tier {
     /// Opens (creating on first use) the slab files in `cfg.paths`, starts the I/O engine and
     /// the worker, which recovers the index in the background (lookups answer RETRY until it
-    /// is done). Slots are `region.row_stride()` bytes.
+    /// is done). Slots are `region.row_stride()` bytes, or the row's first `cfg.slot_bytes`.
     pub fn open(
         cfg: G3TierConfig,
         region: Arc<PrimaryRegion>,
@@ -128,8 +128,9 @@ impl G3Tier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
-        let row_stride = region.row_stride() as u64;
-        cfg.validate("", Some(row_stride))?;
+        cfg.validate("", Some(region.row_stride() as u64))?;
+        // Slots hold a prefix of each row (the whole row unless `slot_bytes` says less).
+        let row_stride = cfg.slot_bytes_for(region.row_stride() as u64)?;
         let gds = crate::g3::gds::status_at_open(cfg.gds, &cfg.paths)?;
         let spec = SlabSpec {
             row_stride,

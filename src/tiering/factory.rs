@@ -42,6 +42,11 @@ pub struct TierBuildContext {
     /// vLLM's FileMapper fields of the model (`FileMapper.get_run_config()`), which name an
     /// `fs` tier's folder. `None`: no `fs` tier can be built.
     pub file_mapper_fields: Option<Value>,
+    /// Bytes of each row a slot tier (`nvme`) stores: a prefix of the row (`None`: the whole
+    /// row). With the canonical layout this is the canonical area, which is shorter than
+    /// vLLM's row for GQA models with replicated KV heads (Qwen2.5-3B at TP 4 and 8), so the
+    /// slots and the namespace are the same at every TP size.
+    pub slot_bytes: Option<u64>,
     /// Whether the tier records stored/removed events for
     /// [`SecondaryTier::take_events`]
     /// (off unless someone drains them: an undrained event queue only grows).
@@ -57,6 +62,7 @@ impl TierBuildContext {
             tier_label,
             namespace: None,
             file_mapper_fields: None,
+            slot_bytes: None,
             events: false,
         }
     }
@@ -215,7 +221,8 @@ pub fn check_fs_tier(cfg: &TierConfig, row_stride: u64) -> Result<()> {
 
 /// Builds an `nvme` tier ([`G3Tier`]) from its params (see `docs/g3.md`).
 pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
-    let g3 = G3TierConfig::from_tier(cfg)?;
+    let mut g3 = G3TierConfig::from_tier(cfg)?;
+    g3.slot_bytes = ctx.slot_bytes;
     g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
     let tier = G3Tier::open(
         g3,

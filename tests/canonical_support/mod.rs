@@ -182,8 +182,20 @@ pub fn open_g3(
     namespace: [u8; 32],
     slots: u64,
 ) -> kvtier::Result<kvtier::g3::G3Tier> {
-    let mut cfg =
-        kvtier::g3::G3TierConfig::new(vec![dir.to_path_buf()], slots * region.row_stride() as u64);
+    open_g3_slots(dir, region, namespace, slots, None)
+}
+
+/// [`open_g3`] with slots of `slot_bytes` (a prefix of each row; `None`: the whole row).
+pub fn open_g3_slots(
+    dir: &std::path::Path,
+    region: &std::sync::Arc<kvtier::region::PrimaryRegion>,
+    namespace: [u8; 32],
+    slots: u64,
+    slot_bytes: Option<u64>,
+) -> kvtier::Result<kvtier::g3::G3Tier> {
+    let slot = slot_bytes.unwrap_or(region.row_stride() as u64);
+    let mut cfg = kvtier::g3::G3TierConfig::new(vec![dir.to_path_buf()], slots * slot);
+    cfg.slot_bytes = slot_bytes;
     cfg.io_engine = kvtier::io::IoEngineKind::Psync;
     cfg.fsync = kvtier::g3::FsyncPolicy::Never;
     let t = kvtier::g3::G3Tier::open(

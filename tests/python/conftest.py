@@ -2,7 +2,7 @@
 
 Order matters and is fixed here, before any test module imports vLLM:
 1. ``stubs/`` goes first on ``sys.path`` (the metadata-only ``torch``) and the placeholder
-   packages are registered (``STAND_INS``);
+   packages are registered (``kvtier_placeholders.VLLM_STAND_INS``);
 2. ``harness`` installs the switchable ``time.monotonic``;
 3. the vLLM sources: ``$KVTIER_VLLM_SRC`` (set by tests/python_suite.rs after its fetch
    step), else ``fetch_vllm.ensure()`` (downloads into the cache on first use).
@@ -22,28 +22,7 @@ sys.path.insert(0, str(HERE / "stubs"))
 
 import kvtier_placeholders  # noqa: E402
 
-#: Packages vLLM's scheduler-side modules import but never compute with (model loading,
-#: the OpenAI server, structured output, HTTP). They are placeholders, never installed.
-STAND_INS = (
-    "aiohttp",
-    "cloudpickle",
-    "cpuinfo",
-    "fastapi",
-    "huggingface_hub",
-    "llguidance",
-    "openai",
-    "openai_harmony",
-    "partial_json_parser",
-    "PIL",
-    "pybase64",
-    "requests",
-    "safetensors",
-    "transformers",
-    "urllib3",
-    "uvloop",
-    "xgrammar",
-)
-kvtier_placeholders.install(STAND_INS)
+kvtier_placeholders.install(kvtier_placeholders.VLLM_STAND_INS)
 
 import harness  # noqa: E402,F401  (installs the switchable clock before vLLM loads)
 

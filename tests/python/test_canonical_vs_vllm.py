@@ -22,17 +22,16 @@ the fix).
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 
-import numpy as np
 import pytest
 
 import harness
 import vllm_canonical as vc
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
-    _coalesce_runs,
-)
-from vllm.v1.kv_offload.base import CopyRun
 
 LAYOUT_DIR = harness.repo_root() / "layouts"
 MODELS = [vc.Model(p) for p in sorted(LAYOUT_DIR.glob("*.toml"))]
@@ -54,22 +53,9 @@ def kvtier_by_tp(model, tps=vc.TPS, **kw):
     return dict(zip(tps, results))
 
 
-def coalesced(runs):
-    return _coalesce_runs([CopyRun(**r) for r in runs])
-
-
 def first_difference(model, tp, rank, layer, vllm_m, kvtier_layer):
-    where = f"{model.path.name} TP {tp} rank {rank} layer {layer}"
-    if kvtier_layer["kind"] != "certified":
-        return f"{where}: kvtier {kvtier_layer['kind']} ({kvtier_layer['reason']}), vLLM certified"
-    for key in ("canonical_page_size_bytes", "local_page_size_bytes", "num_writers",
-                "writer_index", "parallelism_agnostic"):
-        if getattr(vllm_m, key) != kvtier_layer[key]:
-            return f"{where}: {key}: vLLM {getattr(vllm_m, key)} != kvtier {kvtier_layer[key]}"
-    ours = coalesced(kvtier_layer["runs"])
-    if tuple(vllm_m.runs) != ours:
-        return f"{where}: runs differ:\n  vLLM   {vllm_m.runs}\n  kvtier {ours}"
-    return None
+    return vc.layer_difference(f"{model.path.name} TP {tp} rank {rank} layer {layer}", vllm_m,
+                               kvtier_layer)
 
 
 def test_every_shipped_descriptor_is_compared():
@@ -84,47 +70,16 @@ def test_every_shipped_descriptor_is_compared():
 
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
-def test_runs_writers_and_page_sizes_equal_vllms(model):
-    answers = kvtier_by_tp(model, model.allowed_tps())
-    compared = 0
-    for tp, answer in answers.items():
-        assert "error" not in answer, answer
-        config = vc.kv_cache_config(model, tp)
-        views = vc.layer_views(model, tp, config)
-        for rank in range(tp):
-            theirs = vc.mappings(model, tp, rank, config, views)
-            assert sorted(theirs) == sorted(model.layers), "vLLM maps every layer"
-            ours = answer["ranks"][rank]["layers"]
-            assert [layer["layer_name"] for layer in ours] == model.layers
-            for layer in ours:
-                diff = first_difference(model, tp, rank, layer["layer_name"],
-                                        theirs[layer["layer_name"]], layer)
-                assert diff is None, diff
-                compared += 1
-    assert compared == len(model.layers) * sum(model.allowed_tps())
-
-
-def misplaced(model, tp, rank, layer, runs, local_views, tp1_views):
-    truth = vc.oracle(model, tp, rank, layer, local_views, tp1_views)
-    placed = vc.place(runs, truth.size)
-    return int(np.count_nonzero(placed != truth)), truth.size
-
-
-@pytest.mark.parametrize("model", MODELS, ids=IDS)
-def test_kvtier_puts_every_byte_where_the_views_say(model):
-    tp1_views = vc.layer_views(model, 1)
+def test_runs_writers_page_sizes_and_bytes_equal_vllms(model):
+    """Every rank's and layer's mapping equals vLLM's; on the first and last layer the byte
+    oracle finds every byte where the views say (``vllm_canonical.compare``)."""
+    total = 0
     for tp, answer in kvtier_by_tp(model, model.allowed_tps()).items():
-        local_views = vc.layer_views(model, tp)
-        for rank in range(tp):
-            layers = answer["ranks"][rank]["layers"]
-            for layer in (layers[0], layers[-1]):
-                name = layer["layer_name"]
-                wrong, total = misplaced(model, tp, rank, name, layer["runs"], local_views,
-                                         tp1_views)
-                assert wrong == 0, (
-                    f"{model.path.name} TP {tp} rank {rank} {name}: {wrong} of {total} bytes "
-                    f"land elsewhere than the views say"
-                )
+        assert "error" not in answer, answer
+        compared, differences = vc.compare(model, tp, answer)
+        assert not differences, "\n".join(differences[:5])
+        total += compared
+    assert total == len(model.layers) * sum(model.allowed_tps())
 
 
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
@@ -162,7 +117,7 @@ def test_the_oracle_refuses_the_split_description(model):
         right = total = 0
         for rank in range(tp):
             layer = answer["ranks"][rank]["layers"][0]
-            wrong, n = misplaced(model, tp, rank, layer["layer_name"], layer["runs"],
+            wrong, n = vc.misplaced(model, tp, rank, layer["layer_name"], layer["runs"],
                                  local_views, tp1_views)
             right, total = right + n - wrong, total + n
         assert right * shards == total, (model.path.name, tp, right, total)
@@ -170,3 +125,87 @@ def test_the_oracle_refuses_the_split_description(model):
             layer = answer["ranks"][0]["layers"][0]
             vllm_m = vc.mappings(model, tp, 0, views=local_views)[layer["layer_name"]]
             assert first_difference(split, tp, 0, layer["layer_name"], vllm_m, layer)
+
+
+def view_json(view):
+    return {"shape": list(view.shape), "stride": list(view.stride()),
+            "element_size": view.element_size()}
+
+
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+def test_kvtier_derives_the_page_from_vllms_views(model):
+    """Given the views vLLM's allocator creates, kvtier derives the page encoding from their
+    shapes and strides: the shipped descriptors are confirmed, the split descriptions
+    refused with an error naming the layer and what the tensors hold."""
+    queries, expect = [], []
+    for tp in model.allowed_tps():
+        views = vc.layer_views(model, tp)
+        as_json = [view_json(views[name]) for name in model.layers]
+        queries.append({**query(model, tp), "views": as_json})
+        expect.append((tp, True))
+        if not model.mla:
+            queries.append({**query(split_variant(model), tp), "views": as_json})
+            expect.append((tp, False))
+    for (tp, accepted), answer in zip(expect, ask_kvtier(queries)):
+        where = f"{model.path.name} TP {tp}"
+        if accepted:
+            assert "error" not in answer, (where, answer)
+            assert answer["page_encoding"] == {
+                "kv_layout": model.d["kv_layout"],
+                "kv_split": model.d.get("kv_split", "latent"),
+                "source": "views",
+            }, where
+        else:
+            assert answer.get("kind") == "incompatible_layout", (where, answer)
+            assert f"layer 0 ({model.layers[0]})" in answer["error"], answer["error"]
+            assert "holds a packed" in answer["error"], answer["error"]
+            assert 'kv_split = "split"' in answer["error"], answer["error"]
+
+
+def kvtier_cli(args, **env):
+    return subprocess.run([harness.kvtier_bin(), *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, check=False)
+
+
+def test_layout_check_runs_the_vllm_comparison(tmp_path, vllm_src):
+    """`kvtier layout check` compares with vLLM's code when it can, fails a descriptor vLLM
+    disagrees with, and says why when it cannot compare."""
+    qwen = next(m for m in MODELS if m.path.stem == "qwen2.5-3b")
+    llama = next(m for m in MODELS if m.path.stem == "llama-3.1-8b")
+    (tmp_path / "qwen.toml").write_text(qwen.text)
+    (tmp_path / "llama-split.toml").write_text(split_variant(llama).text)
+    out = kvtier_cli(["layout", "check", str(tmp_path)], KVTIER_PYTHON=sys.executable,
+                     KVTIER_VLLM_SRC=str(vllm_src))
+    assert out.returncode == 2, out.stdout + out.stderr
+    expected = len(qwen.layers) * 15 + len(llama.layers) * 15
+    assert f"vLLM 0.33.0: {expected} layer mappings of 2 descriptors compared" in out.stdout, (
+        out.stdout)
+    fails = [line for line in out.stdout.splitlines() if line.startswith("FAIL  vLLM 0.33.0: ")]
+    assert fails and all("llama-split.toml TP" in line for line in fails), out.stdout
+    assert not any("llama-split.toml TP 1 " in line for line in fails), "TP 1 is one copy"
+    (tmp_path / "llama-split.toml").unlink()
+    out = kvtier_cli(["layout", "check", str(tmp_path)], KVTIER_PYTHON=sys.executable,
+                     KVTIER_VLLM_SRC=str(vllm_src))
+    assert out.returncode == 0 and ": 0 differ" in out.stdout, out.stdout
+    out = kvtier_cli(["layout", "check", str(tmp_path)], KVTIER_VLLM_SRC=str(tmp_path / "none"))
+    assert out.returncode == 0, out.stdout
+    assert "vLLM 0.33.0 comparison skipped: KVTIER_VLLM_SRC=" in out.stdout, out.stdout
+
+
+def test_layout_show_names_the_page_encoding_and_its_source(tmp_path):
+    llama = next(m for m in MODELS if m.path.stem == "llama-3.1-8b")
+    out = kvtier_cli(["layout", "show", str(llama.path), "--tp", "2", "--canonical"])
+    assert out.returncode == 0, out.stderr
+    assert "page        packed NHD (from the descriptor's kv_split and kv_layout" in out.stdout
+    views = vc.layer_views(llama, 2)
+    f = tmp_path / "views.json"
+    f.write_text(json.dumps([view_json(views[n]) for n in llama.layers]))
+    out = kvtier_cli(["layout", "show", str(llama.path), "--tp", "2", "--canonical",
+                      "--views", str(f)])
+    assert out.returncode == 0, out.stderr
+    assert f"page        packed NHD (derived from the views in {f}" in out.stdout
+    split = tmp_path / "split.toml"
+    split.write_text(split_variant(llama).text)
+    out = kvtier_cli(["layout", "show", str(split), "--tp", "2", "--views", str(f)])
+    assert out.returncode != 0
+    assert "holds a packed NHD page" in out.stdout + out.stderr

@@ -105,11 +105,11 @@ class Model:
         )
 
 
-def kv_cache_config(model: Model, tp: int) -> KVCacheConfig:
+def kv_cache_config(model: Model, tp: int, num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     """One group, layer-outermost placement, strides from vLLM's ``compute_layout_strides``."""
     spec = model.spec(tp)
     n = len(model.layers)
-    layer_stride, block_stride, *_ = compute_layout_strides(spec, NUM_BLOCKS, n, model.layout)
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, n, model.layout)
     tensor = KVCacheTensor(
         size=layer_stride * n,
         layers=list(model.layers),
@@ -118,18 +118,21 @@ def kv_cache_config(model: Model, tp: int) -> KVCacheConfig:
     )
     replicas = tp if model.mla else max(1, tp // model.kv_heads)
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(list(model.layers), spec)],
         kv_tp_replicas=replicas,
     )
 
 
-def layer_views(model: Model, tp: int, config: KVCacheConfig | None = None) -> dict:
-    """``{layer_name: view}`` exactly as vLLM's allocator creates them (metadata only)."""
+def layer_views(model: Model, tp: int, config: KVCacheConfig | None = None,
+                raw=None) -> dict:
+    """``{layer_name: view}`` exactly as vLLM's allocator creates them: metadata only, or over
+    ``raw`` (``torch.frombuffer`` of a real buffer of the allocation's size)."""
     config = config or kv_cache_config(model, tp)
     (tensor,) = config.kv_cache_tensors
-    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    if raw is None:
+        raw = torch.zeros(tensor.size, dtype=torch.int8)
     spec = config.kv_cache_groups[0].kv_cache_spec
     views = create_kv_cache_views(raw, spec, config.num_blocks, model.layout, tensor)
     return dict(zip(tensor.layers, views))
@@ -249,3 +252,72 @@ def place(runs, local_page: int) -> np.ndarray:
             assert (out[lo:lo + size] == -1).all(), f"run {g} copies a byte twice"
             out[lo:lo + size] = np.arange(co, co + size)
     return out
+
+
+def coalesced(runs):
+    """kvtier's runs (dicts) coalesced by vLLM's own ``_coalesce_runs``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+        _coalesce_runs,
+    )
+    from vllm.v1.kv_offload.base import CopyRun
+
+    return _coalesce_runs([CopyRun(**r) for r in runs])
+
+
+def layer_difference(where: str, vllm_m, kvtier_layer: dict) -> str | None:
+    """None when kvtier's layer mapping equals vLLM's ``CanonicalPageMapping``, else the first
+    difference."""
+    if kvtier_layer["kind"] != "certified":
+        return f"{where}: kvtier {kvtier_layer['kind']} ({kvtier_layer['reason']}), vLLM certified"
+    for key in ("canonical_page_size_bytes", "local_page_size_bytes", "num_writers",
+                "writer_index", "parallelism_agnostic"):
+        if getattr(vllm_m, key) != kvtier_layer[key]:
+            return f"{where}: {key}: vLLM {getattr(vllm_m, key)} != kvtier {kvtier_layer[key]}"
+    ours = coalesced(kvtier_layer["runs"])
+    if tuple(vllm_m.runs) != ours:
+        return f"{where}: runs differ:\n  vLLM   {vllm_m.runs}\n  kvtier {ours}"
+    return None
+
+
+def misplaced(model: Model, tp: int, rank: int, layer: str, runs, local_views, tp1_views):
+    """(bytes the runs put elsewhere than the oracle says, bytes of the page)."""
+    truth = oracle(model, tp, rank, layer, local_views, tp1_views)
+    placed = place(runs, truth.size)
+    return int(np.count_nonzero(placed != truth)), truth.size
+
+
+def compare(model: Model, tp: int, answer: dict) -> tuple[int, list[str]]:
+    """kvtier's canonical answer for ``tp`` (``ranks[r].layers``, as ``kvtier-replay
+    canonical`` and ``kvtier layout check`` give it) against vLLM: every rank's and layer's
+    mapping, and the byte oracle on the first and last layer. Returns (layer mappings
+    compared, differences)."""
+    config = kv_cache_config(model, tp)
+    views = layer_views(model, tp, config)
+    tp1_views = layer_views(model, 1)
+    compared, differences = 0, []
+    for rank in range(tp):
+        theirs = mappings(model, tp, rank, config, views)
+        ours = answer["ranks"][rank]["layers"]
+        if [layer["layer_name"] for layer in ours] != model.layers or sorted(theirs) != sorted(
+            model.layers
+        ):
+            differences.append(f"{model.path.name} TP {tp} rank {rank}: layer lists differ")
+            continue
+        for layer in ours:
+            name = layer["layer_name"]
+            where = f"{model.path.name} TP {tp} rank {rank} layer {name}"
+            diff = layer_difference(where, theirs[name], layer)
+            compared += 1
+            if diff:
+                differences.append(diff)
+        for layer in (ours[0], ours[-1]):
+            if layer["kind"] != "certified":
+                continue
+            wrong, total = misplaced(model, tp, rank, layer["layer_name"], layer["runs"], views,
+                                     tp1_views)
+            if wrong:
+                differences.append(
+                    f"{model.path.name} TP {tp} rank {rank} {layer['layer_name']}: {wrong} of "
+                    f"{total} bytes land elsewhere than vLLM's views say"
+                )
+    return compared, differences

@@ -2,10 +2,14 @@
 //!
 //! Input: `{"queries": [query, ...]}`, each query
 //! `{"layout": "layouts/x.toml" | "layout_toml": "<text>", "tp": 4, "ranks": [0, 1] (default
-//! all), "blocks_per_chunk": 1, "canonical": true}`.
+//! all), "blocks_per_chunk": 1, "canonical": true, "views": [view, ...]}`, where the optional
+//! `views` are the layers' KV-cache tensors at that TP size, in layer order, each
+//! `{"shape": [...], "stride": [...] (elements), "element_size": 2}`: kvtier then derives the
+//! page encoding from them and refuses a descriptor that claims another (`check_views`).
 //!
 //! Output: `{"results": [result, ...]}`, each result
-//! `{"tp", "canonical", "row_stride", "all_layers_portable", "vllm_digest",
+//! `{"tp", "canonical", "row_stride", "slot_bytes", "page_encoding": {"kv_layout", "kv_split",
+//! "source"}, "all_layers_portable", "vllm_digest",
 //! "vllm_digest_fields", "namespace", "ranks": [{"rank", "layers": [layer, ...]}]}` where a layer
 //! is `{"layer_name", "kind", "reason", "canonical_page_size_bytes", "local_page_size_bytes",
 //! "num_writers", "writer_index", "parallelism_agnostic", "runs": [CopyRun, ...]}` with vLLM's
@@ -14,8 +18,8 @@
 use kvtier::canonical::digest::{self, NamespaceParams, VllmDigestFields};
 use kvtier::canonical::validate::static_portability_claim;
 use kvtier::canonical::{
-    LayerMapping, LayoutDescriptor, ParallelConfig, derive_all_ranks, prepare_canonical,
-    verify_tiling,
+    EncodingSource, LayerMapping, LayerView, LayoutDescriptor, PageEncoding, ParallelConfig,
+    check_views, derive_all_ranks, prepare_canonical, verify_tiling,
 };
 use serde_json::{Value, json};
 
@@ -57,7 +61,15 @@ fn query(q: &Value) -> Result<Value, String> {
             .collect::<Option<_>>()
             .ok_or("field \"ranks\" must hold ranks")?,
     };
-    let answer = descriptor(q)?.and_then(|desc| answer(&desc, tp, &ranks, bpc, canonical));
+    let views: Option<Vec<LayerView>> = match q.get("views") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            serde_json::from_value(v.clone())
+                .map_err(|e| format!("field \"views\" must be a list of views: {e}"))?,
+        ),
+    };
+    let answer =
+        descriptor(q)?.and_then(|desc| answer(&desc, tp, &ranks, bpc, canonical, views.as_deref()));
     Ok(answer.unwrap_or_else(|e| error_entry(&e)))
 }
 
@@ -67,7 +79,15 @@ fn answer(
     ranks: &[u32],
     bpc: u32,
     canonical: bool,
+    views: Option<&[LayerView]>,
 ) -> kvtier::Result<Value> {
+    let (encoding, source) = match views {
+        Some(views) => (check_views(desc, tp, views)?, EncodingSource::Views),
+        None => (
+            PageEncoding::of_descriptor(desc),
+            EncodingSource::Descriptor,
+        ),
+    };
     let mut params = NamespaceParams::new(desc, tp, bpc, canonical)?;
     let all: Vec<Vec<LayerMapping>> = if canonical {
         let shared = static_portability_claim(desc, tp, tp, true);
@@ -98,6 +118,12 @@ fn answer(
         "tp": tp,
         "canonical": canonical,
         "row_stride": params.row_stride,
+        "slot_bytes": params.slot_bytes,
+        "page_encoding": {
+            "kv_layout": encoding.kv_layout.as_str(),
+            "kv_split": encoding.kv_split.as_str(),
+            "source": source.as_str(),
+        },
         "all_layers_portable": canonical && params.all_layers_portable,
         "vllm_digest": vllm_hex,
         "vllm_digest_fields": vllm_fields,

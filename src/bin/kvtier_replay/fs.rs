@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
+use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::fs::{FsTier, FsTierConfig};
 use kvtier::g3::geometry_namespace;
@@ -27,7 +27,7 @@ use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
 use serde_json::{Value, json};
 
-use crate::json::{array, error_entry, field, string, uint};
+use crate::json::{array, error_entry, field, run_job, string, uint};
 
 /// How long one job or lookup may take before the scenario fails.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -191,36 +191,4 @@ fn counts(t: &FsTier) -> (u64, u64) {
         get("fs_files_loaded_verified"),
         get("fs_files_loaded_unverified"),
     )
-}
-
-fn run_job(
-    t: &mut FsTier,
-    id: u64,
-    keys: Vec<ChunkKey>,
-    rows: Vec<u32>,
-    load: bool,
-) -> Result<JobResult, String> {
-    let job = TransferJob {
-        job_id: id,
-        keys,
-        chunk_ids: rows,
-        is_promotion: load,
-        req_id: Arc::from("replay"),
-        submit_time: Instant::now(),
-    };
-    if load {
-        t.submit_load(job);
-    } else {
-        t.submit_store(job);
-    }
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(r) = t.get_finished_jobs().into_iter().find(|r| r.job_id == id) {
-            return Ok(r);
-        }
-        if Instant::now() > deadline {
-            return Err(format!("job {id} was not reported within {DEADLINE:?}"));
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }

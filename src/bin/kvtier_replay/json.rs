@@ -1,5 +1,11 @@
 //! Reading the driver's input: typed fields with errors that name the field.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvtier::contract::job::{JobResult, TransferJob};
+use kvtier::contract::secondary::SecondaryTier;
+use kvtier::key::ChunkKey;
 use serde_json::{Value, json};
 
 /// `value[key]` as an object field, required.
@@ -71,3 +77,40 @@ fn short(v: &Value) -> String {
         s
     }
 }
+
+/// Submits one store (`load == false`) or load job of `keys` to / from `rows` and waits for its
+/// result (at most [`JOB_DEADLINE`]).
+pub fn run_job(
+    t: &mut dyn SecondaryTier,
+    id: u64,
+    keys: Vec<ChunkKey>,
+    rows: Vec<u32>,
+    load: bool,
+) -> Result<JobResult, String> {
+    let job = TransferJob {
+        job_id: id,
+        keys,
+        chunk_ids: rows,
+        is_promotion: load,
+        req_id: Arc::from("replay"),
+        submit_time: Instant::now(),
+    };
+    if load {
+        t.submit_load(job);
+    } else {
+        t.submit_store(job);
+    }
+    let deadline = Instant::now() + JOB_DEADLINE;
+    loop {
+        if let Some(r) = t.get_finished_jobs().into_iter().find(|r| r.job_id == id) {
+            return Ok(r);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("job {id} was not reported within {JOB_DEADLINE:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// How long [`run_job`] waits for a job's result.
+pub const JOB_DEADLINE: Duration = Duration::from_secs(60);

@@ -7,6 +7,7 @@
 //! kvtier-replay canonical     < {"queries": [...]}     runs, writers and digests
 //! kvtier-replay backpressure  < {"scenarios": [...]}   detector, manager and config replays
 //! kvtier-replay fs            < {"scenarios": [...]}   the fs tier on a directory: paths, stores, loads
+//! kvtier-replay roundtrip     < {"dir", "steps": [...]} canonical chunks through a G3 tier by TP size
 //! ```
 //!
 //! Every subcommand answers `{"results": [...]}`, one entry per query or scenario; an entry
@@ -18,16 +19,19 @@ mod backpressure;
 mod canonical;
 mod fs;
 mod json;
+mod roundtrip;
 
 use std::io::Read as _;
 use std::process::ExitCode;
 
 use serde_json::Value;
 
-const USAGE: &str = "usage: kvtier-replay <canonical|backpressure|fs> < input.json > output.json
+const USAGE: &str =
+    "usage: kvtier-replay <canonical|backpressure|fs|roundtrip> < input.json > output.json
   canonical     canonical-layout runs, writers and digests for descriptors or layer views
   backpressure  back-pressure replays: detector events, manager feeds, config merges
-  fs            the fs tier on a directory: file paths, stores, lookups, loads";
+  fs            the fs tier on a directory: file paths, stores, lookups, loads
+  roundtrip     canonical chunks from rank files through a G3 tier, loaded at any TP size";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -35,6 +39,7 @@ fn main() -> ExitCode {
         Some("canonical") => canonical::run,
         Some("backpressure") => backpressure::run,
         Some("fs") => fs::run,
+        Some("roundtrip") => roundtrip::run,
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

@@ -251,6 +251,7 @@ fn kvtier_round(
         idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
         namespace,
         keep: args.keep,
+        slot_bytes: None,
         fs_fields: Some(fields.clone()),
     })?;
     let batches = plan.batches();

@@ -171,6 +171,7 @@ mod gpu {
         cfg.io_engine = args.io_engine;
         cfg.fsync = FsyncPolicy::Never;
         cfg.gds = GdsMode::Required;
+        cfg.slot_bytes = plan.params.slot_prefix();
         let ns = namespace_digest(&plan.layout, &plan.params);
         let mut tier = G3Tier::open(cfg, region.clone(), ns, "bench-gds".into(), None)?;
         tier.wait_recovered(Duration::from_secs(60));

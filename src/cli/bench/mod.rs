@@ -140,6 +140,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         io_engine: args.io_engine,
         idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
         namespace,
+        slot_bytes: plan.params.slot_prefix(),
         keep: args.keep,
         fs_fields: None,
     })?;

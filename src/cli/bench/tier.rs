@@ -33,6 +33,8 @@ pub struct TierOptions {
     pub idle_linger: std::time::Duration,
     /// Namespace digest for the slab superblocks.
     pub namespace: [u8; 32],
+    /// Bytes of each row a G3 slot holds (`None`: the whole row).
+    pub slot_bytes: Option<u64>,
     /// Keep the directories when done.
     pub keep: bool,
     /// `Some`: an fs tier (in the first directory) named by these vLLM FileMapper fields,
@@ -117,6 +119,9 @@ impl BenchTier {
         cfg.eviction_policy = EvictionPolicyKind::Lru;
         cfg.secondary_tiers = vec![tier];
         let mut builder = Builder::new(cfg).region(region).namespace(opts.namespace);
+        if let Some(bytes) = opts.slot_bytes {
+            builder = builder.slot_bytes(bytes);
+        }
         if let Some(fields) = &opts.fs_fields {
             builder = builder.file_mapper_fields(fields.clone());
         }

@@ -147,7 +147,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
         .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
     // The nvme tier's own capacity rule, for the row this format is for.
     G3TierConfig::new(a.paths.clone(), a.capacity)
-        .validate("", Some(params.row_stride))
+        .validate("", Some(params.slot_bytes))
         .map_err(|e| name_flag(e, "capacity_bytes", "--capacity"))?;
     let existing: Vec<PathBuf> = a
         .paths
@@ -166,7 +166,8 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
     let report = admin::format(
         &a.paths,
         &FormatOptions {
-            row_stride: params.row_stride,
+            // Slots of what the tier will store: the canonical area or the whole row.
+            row_stride: params.slot_bytes,
             capacity_bytes: a.capacity,
             namespace: namespace_digest(&layout, &params),
             direct_io: a.direct_io,

@@ -55,8 +55,12 @@ impl Worker {
                 )),
                 // SAFETY: the manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
-                None => unsafe { region.row(a.rows[i] as usize) }
-                    .map(|row| chunk_crc(a.keys[i].as_bytes(), row)),
+                None => unsafe { region.row(a.rows[i] as usize) }.map(|row| {
+                    chunk_crc(
+                        a.keys[i].as_bytes(),
+                        &row[..(stride as usize).min(row.len())],
+                    )
+                }),
             };
             match found {
                 Ok(found) if found == crc => loaded.push(a.keys[i].clone()),

@@ -492,6 +492,8 @@ impl Worker {
             self.prepare_store(&mut a);
         }
         let stride = self.set.row_stride();
+        // Slots may hold only a prefix of each row (`G3TierConfig::slot_bytes`).
+        let region_stride = self.engine.region().row_stride();
         for i in 0..n {
             if a.status[i] != KeyStatus::Pending {
                 continue;
@@ -508,7 +510,7 @@ impl Worker {
                 dir: if load { IoDir::Read } else { IoDir::Write },
                 file,
                 file_offset,
-                region_offset: a.rows[i] as usize * stride as usize,
+                region_offset: a.rows[i] as usize * region_stride,
                 len: stride as usize,
                 tag: job_tag(serial, i),
             });

@@ -113,19 +113,23 @@ impl Worker {
     /// the index only after the write completed (`flush_commits`).
     pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
         let region = self.engine.region();
+        let slot_bytes = self.set.row_stride() as usize;
         for op in batch.iter().filter(|op| op.dir == IoDir::Write) {
             let (serial, i) = crate::io::split_job_tag(op.tag);
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };
-            let (Some(&row), Some(Some((slot, _)))) = (a.rows.get(i), a.slots.get(i).copied())
+            let (Some(&row), Some(Some((slot_id, _)))) = (a.rows.get(i), a.slots.get(i).copied())
             else {
                 continue;
             };
             // SAFETY: the row is pinned (no writer) until the job is reported, and was
             // range-checked in `prepare_store`; O_DIRECT only reads it meanwhile.
             match unsafe { region.row(row as usize) } {
-                Ok(bytes) => a.slots[i] = Some((slot, chunk_crc(a.keys[i].as_bytes(), bytes))),
+                Ok(bytes) => {
+                    let stored = &bytes[..slot_bytes.min(bytes.len())];
+                    a.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))
+                }
                 // Unreachable after the range check; the key fails rather than journaling
                 // a CRC that was never computed.
                 Err(e) => a.fail(i, e),

@@ -55,6 +55,9 @@ pub struct ManagerOptions {
     pub namespace: Option<[u8; 32]>,
     /// vLLM's FileMapper fields of the model, handed to `fs` tiers (they name its folder).
     pub file_mapper_fields: Option<serde_json::Value>,
+    /// Bytes of each row persistent slot tiers store (`None`: the whole row); see
+    /// [`TierBuildContext::slot_bytes`].
+    pub slot_bytes: Option<u64>,
 }
 
 impl Default for ManagerOptions {
@@ -65,6 +68,7 @@ impl Default for ManagerOptions {
             enable_events: false,
             namespace: None,
             file_mapper_fields: None,
+            slot_bytes: None,
         }
     }
 }
@@ -199,6 +203,7 @@ impl TieringManager {
                     TierBuildContext::new(region.clone(), opts.clock.clone(), label.clone());
                 ctx.namespace = opts.namespace;
                 ctx.file_mapper_fields = opts.file_mapper_fields.clone();
+                ctx.slot_bytes = opts.slot_bytes;
                 ctx.events = opts.enable_events;
                 factory.create(tc, &ctx).map(|t| (t, p))
             });

@@ -25,6 +25,29 @@ import importlib.machinery
 import sys
 import types
 
+#: Packages vLLM's scheduler-side modules import but never compute with (model loading, the
+#: OpenAI server, structured output, HTTP). They are placeholders, never installed (the test
+#: set-up ``conftest.py`` and ``kvtier layout check`` install them).
+VLLM_STAND_INS = (
+    "aiohttp",
+    "cloudpickle",
+    "cpuinfo",
+    "fastapi",
+    "huggingface_hub",
+    "llguidance",
+    "openai",
+    "openai_harmony",
+    "partial_json_parser",
+    "PIL",
+    "pybase64",
+    "requests",
+    "safetensors",
+    "transformers",
+    "urllib3",
+    "uvloop",
+    "xgrammar",
+)
+
 #: Names of placeholder calls made so far (import-time registrations, mostly).
 CALLS: set[str] = set()
 
