@@ -79,6 +79,30 @@ fn bench_json_schema_and_every_chunk_verified() {
     assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 0);
 }
 
+/// Qwen2.5-3B at TP 4: vLLM's row (1152 KiB) is twice the canonical area the G3 slots hold;
+/// every chunk still verifies (the bench compares what the tier keeps: the row's prefix).
+#[test]
+fn replicated_gqa_rows_store_their_canonical_prefix_and_verify() {
+    let parent = tempfile::tempdir_in("/tmp").unwrap();
+    let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/qwen2.5-3b.toml");
+    let v = json(&kvtier(&[
+        "bench",
+        "--bytes",
+        "8MiB",
+        "--layout",
+        layout,
+        "--tp",
+        "4",
+        "--path",
+        parent.path().to_str().unwrap(),
+        "--json",
+    ]));
+    assert_eq!(v["ok"], true);
+    assert_eq!(v["layout"]["row_stride"], 2 * 589_824);
+    assert_eq!(v["chunks_verified"], v["chunks"]);
+    assert_eq!(v["chunks_mismatched"], 0);
+}
+
 #[test]
 fn a_wrong_byte_fails_the_bench_with_exit_1() {
     let parent = tempfile::tempdir_in("/tmp").unwrap();

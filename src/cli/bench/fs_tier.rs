@@ -261,7 +261,7 @@ fn kvtier_round(
     tier.manager.reset_cache()?;
     tier.manager.on_reset_flushed();
     let load = load_phase(&mut tier.manager, plan, keys, &batches, progress)?;
-    let (verified, _, _) = verify(&mut tier.manager, keys, seed, progress)?;
+    let (verified, _, _) = verify(&mut tier.manager, keys, seed, None, progress)?;
     let facts = tier.facts();
     tier.close()?;
     let (sb, sf) = rates(plan.chunks, plan.row_stride, store.seconds);

@@ -171,7 +171,13 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     if let Some(index) = corrupt_chunk_for_test()? {
         corrupt_loaded_chunk(&mut tier.manager, &keys, index)?;
     }
-    let (verified, mismatched, missing) = verify(&mut tier.manager, &keys, seed, progress)?;
+    let (verified, mismatched, missing) = verify(
+        &mut tier.manager,
+        &keys,
+        seed,
+        plan.params.slot_prefix(),
+        progress,
+    )?;
 
     let facts = tier.facts();
     let kept = tier.close()?;

@@ -350,11 +350,13 @@ fn phase_report(
     }
 }
 
-/// Pins every loaded row and compares it with the bytes stored under its key.
+/// Pins every loaded row and compares it with the bytes stored under its key (the first
+/// `stored_bytes` of it when the tier keeps only that prefix of each row).
 pub(crate) fn verify(
     manager: &mut TieringManager,
     keys: &[ChunkKey],
     seed: u64,
+    stored_bytes: Option<u64>,
     progress: bool,
 ) -> Result<(u64, u64, u64)> {
     let bar = progress_bar(keys.len() as u64, "verify", progress);
@@ -381,7 +383,10 @@ pub(crate) fn verify(
         // SAFETY: `prepare_load` pinned the row for reading: nobody writes it until
         // `complete_load`.
         let bytes = unsafe { region.row(row as usize)? };
-        match first_mismatch(bytes, seed, index as u64) {
+        // A tier that keeps a prefix of each row (slots of the canonical area) brings back
+        // only that prefix.
+        let stored = stored_bytes.map_or(bytes.len(), |n| (n as usize).min(bytes.len()));
+        match first_mismatch(&bytes[..stored], seed, index as u64) {
             None => verified += 1,
             Some(at) => {
                 mismatched += 1;
