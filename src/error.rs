@@ -43,6 +43,8 @@ pub enum ErrorKind {
     Contract,
     /// Something that should be impossible happened inside kvtier.
     Internal,
+    /// A peer is not allowed (its uid is not on the node service's allow list).
+    PermissionDenied,
 }
 
 impl ErrorKind {
@@ -65,7 +67,34 @@ impl ErrorKind {
             ErrorKind::InvalidPath => "invalid_path",
             ErrorKind::Contract => "contract",
             ErrorKind::Internal => "internal",
+            ErrorKind::PermissionDenied => "permission_denied",
         }
+    }
+
+    /// Every kind, in declaration order.
+    pub const ALL: [ErrorKind; 17] = [
+        ErrorKind::Config,
+        ErrorKind::Io,
+        ErrorKind::ShortIo,
+        ErrorKind::Misaligned,
+        ErrorKind::NoSpace,
+        ErrorKind::Checksum,
+        ErrorKind::Corrupt,
+        ErrorKind::Locked,
+        ErrorKind::IncompatibleLayout,
+        ErrorKind::Unsupported,
+        ErrorKind::Poisoned,
+        ErrorKind::Closed,
+        ErrorKind::Cancelled,
+        ErrorKind::InvalidPath,
+        ErrorKind::Contract,
+        ErrorKind::Internal,
+        ErrorKind::PermissionDenied,
+    ];
+
+    /// The kind named `name` ([`ErrorKind::as_str`]), if any.
+    pub fn from_name(name: &str) -> Option<ErrorKind> {
+        ErrorKind::ALL.into_iter().find(|k| k.as_str() == name)
     }
 }
 

@@ -84,6 +84,7 @@ pub mod error;
 pub mod geometry;
 pub mod key;
 pub mod metrics;
+pub mod node;
 pub mod primary;
 pub mod region;
 pub mod size;

@@ -33,6 +33,9 @@ enum Backing {
     Memfd { fd: OwnedFd },
     /// Memory owned by someone else (e.g. vLLM's shared offload region); never unmapped here.
     Adopted,
+    /// Another process's shared file (its `/dev/shm` region or a memfd it passed over a
+    /// socket) mapped `MAP_SHARED` here ([`PrimaryRegion::map_shared_file`]); unmapped on drop.
+    SharedFile,
 }
 
 /// A page-aligned region of rows. Shared between threads behind an `Arc`.
@@ -149,6 +152,69 @@ impl PrimaryRegion {
         })
     }
 
+    /// Maps `num_rows * row_stride` bytes of another process's shared file (vLLM's
+    /// `/dev/shm/vllm_offload_<engine_id>.mmap`, or a memfd passed over a Unix socket)
+    /// `MAP_SHARED`, read and write, from file offset 0, so that rows written here are the
+    /// owner's rows. The file must already be that large (a shorter file is refused: touching
+    /// a page beyond its end would be `SIGBUS`). Nothing is pre-faulted; the mapping is
+    /// removed when the region is dropped (after every I/O engine holding it has stopped).
+    ///
+    /// The owner must not shrink the file while it is mapped here (a tmpfs file cannot be
+    /// sealed); the node service only maps files of peers on its uid allow list.
+    pub fn map_shared_file(fd: &impl AsFd, num_rows: usize, row_stride: usize) -> Result<Self> {
+        let len = check_geometry(row_stride, num_rows)?;
+        let st = rustix::fs::fstat(fd).map_err(|e| {
+            Error::new(ErrorKind::Io, "fstat of the region file failed")
+                .with_source(std::io::Error::from(e))
+        })?;
+        let file_type = rustix::fs::FileType::from_raw_mode(st.st_mode);
+        if file_type != rustix::fs::FileType::RegularFile {
+            return Err(Error::new(
+                ErrorKind::InvalidPath,
+                format!("the region file is a {file_type:?}, not a regular file"),
+            ));
+        }
+        let size = u64::try_from(st.st_size).unwrap_or(0);
+        if size < len as u64 {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "the region file holds {size} bytes, fewer than the {num_rows} rows of \
+                     {row_stride} bytes ({len} bytes) registered"
+                ),
+            ));
+        }
+        // SAFETY: a fresh mapping at an address of the kernel's choosing of `len` bytes of a
+        // file at least that long; nothing else refers to the new range.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::NoSpace,
+                format!("cannot map the region file ({len} bytes)"),
+            )
+            .with_source(std::io::Error::from(e))
+        })?;
+        let base = NonNull::new(ptr.cast::<u8>())
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "mmap returned a null address"))?;
+        Ok(PrimaryRegion {
+            base,
+            row_stride,
+            num_rows,
+            backing: Backing::SharedFile,
+            prefault: PrefaultMethod::None,
+            huge_pages: false,
+        })
+    }
+
     fn prefault_pages(&self) -> PrefaultMethod {
         // SAFETY: the range is exactly our own mapping.
         let populated = unsafe {
@@ -226,7 +292,7 @@ impl PrimaryRegion {
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
             Backing::Memfd { fd } => Some(fd.as_fd()),
-            Backing::Adopted => None,
+            Backing::Adopted | Backing::SharedFile => None,
         }
     }
 
@@ -277,9 +343,10 @@ impl PrimaryRegion {
 
 impl Drop for PrimaryRegion {
     fn drop(&mut self) {
-        if let Backing::Memfd { .. } = self.backing {
-            // SAFETY: we mapped exactly this range in `create` and no one holds the region any
-            // more (it is dropped only when the last `Arc` goes, engines included).
+        if let Backing::Memfd { .. } | Backing::SharedFile = self.backing {
+            // SAFETY: we mapped exactly this range in `create` or `map_shared_file` and no one
+            // holds the region any more (it is dropped only when the last `Arc` goes, engines
+            // included).
             if let Err(e) = unsafe { rustix::mm::munmap(self.base.as_ptr().cast(), self.len()) } {
                 log::error!("munmap of the primary region failed: {e}");
             }
@@ -328,6 +395,26 @@ mod tests {
                 .kind(),
             ErrorKind::Config
         );
+    }
+
+    #[test]
+    fn a_shared_file_maps_the_owners_rows_and_a_short_file_is_refused() {
+        let owner = PrimaryRegion::create(4, 4096).unwrap();
+        let fd = owner.fd().unwrap().try_clone_to_owned().unwrap();
+        let mapped = PrimaryRegion::map_shared_file(&fd, 4, 4096).unwrap();
+        assert!(!mapped.is_owned());
+        assert_ne!(mapped.base_ptr(), owner.base_ptr());
+        // SAFETY: this test is the only user of both views of the file.
+        unsafe {
+            owner.row_mut(2).unwrap().fill(0x5A);
+            assert!(mapped.row(2).unwrap().iter().all(|&b| b == 0x5A));
+            mapped.row_mut(1).unwrap().fill(0xC3);
+            assert!(owner.row(1).unwrap().iter().all(|&b| b == 0xC3));
+        }
+        drop(mapped);
+        let err = PrimaryRegion::map_shared_file(&fd, 5, 4096).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(err.message().contains("16384 bytes"), "{err}");
     }
 
     #[test]

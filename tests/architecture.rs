@@ -33,6 +33,8 @@ use std::path::{Path, PathBuf};
 /// * `g3`, `fs`: the G3 NVMe tier; the file-per-chunk tier (it reuses G3's direct-I/O mode,
 ///   engine factory type and directory sync, so it imports `g3`, never the reverse).
 /// * `tiering`: the manager tying the tiers together.
+/// * `embed`: the `Builder`, configuration in, running manager or tier out.
+/// * `node`: the node-local service (one G3 pool for every engine of a host) and its client.
 /// * `cli`: the command line.
 const LAYERS: &[&[&str]] = &[
     &["error", "key", "hash", "size"],
@@ -47,6 +49,7 @@ const LAYERS: &[&[&str]] = &[
     &["g3", "fs"],
     &["tiering"],
     &["embed"],
+    &["node"],
     &["cli"],
 ];
 

@@ -355,3 +355,67 @@ fn tier_config_constructor_matches_parsed_defaults() {
     let c = ok(with_tiers(None, json!([{"type": "nvme"}])));
     assert_eq!(c.secondary_tiers[0], TierConfig::new(0, "nvme"));
 }
+
+// ---- the node service ---------------------------------------------------------------------
+
+#[test]
+fn the_service_section_is_read_with_its_defaults() {
+    let c = ok(json!({"cpu_bytes_to_use": 4096,
+                      "service": {"socket_path": "/run/kvtier/kvtier.sock"}}));
+    let s = c.service.unwrap();
+    assert_eq!(
+        s.socket_path,
+        std::path::PathBuf::from("/run/kvtier/kvtier.sock")
+    );
+    assert_eq!(s.socket_mode, 0o600);
+    assert!(s.allowed_uids.is_empty());
+    let c = ok(json!({"cpu_bytes_to_use": 4096,
+                      "service": {"socket_path": "/s.sock", "socket_mode": "0660",
+                                  "allowed_uids": [1000, 0]}}));
+    let s = c.service.unwrap();
+    assert_eq!((s.socket_mode, s.allowed_uids), (0o660, vec![1000, 0]));
+    let example = config::load(std::path::Path::new("docs/examples/node-service.json")).unwrap();
+    assert_eq!(example.service.unwrap().allowed_uids, vec![1000, 1001]);
+}
+
+#[test]
+fn service_mistakes_name_the_key() {
+    let cases = [
+        (json!({"socket_mode": "0600"}), "service.socket_path"),
+        (
+            json!({"socket_path": "relative.sock"}),
+            "service.socket_path",
+        ),
+        (
+            json!({"socket_path": format!("/{}", "x".repeat(120))}),
+            "service.socket_path",
+        ),
+        (
+            json!({"socket_path": "/s.sock", "socket_mode": "0400"}),
+            "service.socket_mode",
+        ),
+        (
+            json!({"socket_path": "/s.sock", "socket_mode": "rw"}),
+            "service.socket_mode",
+        ),
+        (
+            json!({"socket_path": "/s.sock", "allowed_uids": [-1]}),
+            "service.allowed_uids[0]",
+        ),
+        (
+            json!({"socket_path": "/s.sock", "allowed_uid": [1]}),
+            "service.allowed_uid",
+        ),
+        (json!("/s.sock"), "service"),
+    ];
+    for (service, key) in cases {
+        let e = err(json!({"cpu_bytes_to_use": 4096, "service": service}));
+        assert!(e.to_string().contains(key), "{key}: {e}");
+    }
+    let e =
+        err(json!({"cpu_bytes_to_use": 4096, "service": {"socket_path": "/s", "allowed_uid": []}}));
+    assert!(
+        e.to_string().contains("allowed_uids"),
+        "closest key suggested: {e}"
+    );
+}

@@ -475,6 +475,7 @@ fn config(tiers: &[&str]) -> KvtierConfig {
                 params: Default::default(),
             })
             .collect(),
+        service: None,
     }
 }
 

@@ -6,7 +6,8 @@
 //! * [`bench`](mod@bench): `kvtier bench` (plan, phases, report, the stack it runs on).
 //! * [`fio`]: `kvtier fio-compare` (fio runner, test files, the kvtier and G3 workloads,
 //!   report, plot).
-//! * [`serve`]: `kvtier serve` (manager service, metrics endpoint).
+//! * [`serve`]: `kvtier serve` (manager service or node service, metrics endpoint);
+//!   [`service_cmd`]: `kvtier service status`.
 //! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
 //! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
 //!   `kvtier layout show|check`, `kvtier version`.
@@ -28,6 +29,7 @@ pub mod layout_vllm;
 pub mod logger;
 pub mod output;
 pub mod serve;
+pub mod service_cmd;
 pub mod sigpipe;
 pub mod size;
 pub mod stats;
@@ -75,8 +77,11 @@ pub enum Command {
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio::FioCompareArgs),
-    /// Run the manager with the configured tiers and serve /metrics and /healthz.
+    /// Run the manager with the configured tiers and serve /metrics and /healthz (with a
+    /// `service` section: the node service every engine of the host connects to).
     Serve(serve::ServeArgs),
+    /// Ask a running node service: `kvtier service status --socket PATH`.
+    Service(service_cmd::ServiceArgs),
     /// Administer a G3 tier: format, inspect, verify, ls, clear.
     Tier(tier::TierArgs),
     /// Configuration tools: `kvtier config check FILE`.
@@ -105,6 +110,7 @@ pub fn is_user_error(e: &Error) -> bool {
                 | ErrorKind::Misaligned
                 | ErrorKind::NoSpace
                 | ErrorKind::Unsupported
+                | ErrorKind::PermissionDenied
         )
 }
 
@@ -163,6 +169,7 @@ pub fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::FioCompare(args) => fio::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Service(args) => service_cmd::run(args),
         Command::Tier(args) => tier::run(args),
         Command::Config(args) => config_cmd::run(args),
         Command::Layout(args) => layout_cmd::run(args),

@@ -28,10 +28,12 @@ use serde_json::Value;
 
 use crate::error::{Error, ErrorKind, Result};
 
-pub use model::{BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
+pub use model::{
+    BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, ServiceConfig, TierConfig,
+};
 pub use parse::{
-    KVTIER_KEYS, ResolvedConfig, TIER_COMMON_KEYS, VLLM_OWNED_KEYS, WRAPPER_KEYS, resolve,
-    resolve_tier_entry,
+    KVTIER_KEYS, ResolvedConfig, SERVICE_KEYS, TIER_COMMON_KEYS, VLLM_OWNED_KEYS, WRAPPER_KEYS,
+    resolve, resolve_tier_entry,
 };
 pub use size::ByteSize;
 

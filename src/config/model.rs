@@ -116,6 +116,35 @@ pub struct KvtierConfig {
     pub engine_id: Option<String>,
     /// Secondary tiers in lookup order.
     pub secondary_tiers: Vec<TierConfig>,
+    /// The node-local service (`service`): when set, `kvtier serve` owns the `nvme` tier for
+    /// every engine process of the host and listens on a Unix socket (`docs/node-service.md`).
+    pub service: Option<ServiceConfig>,
+}
+
+/// The node-local service's socket (`service` key; `docs/node-service.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ServiceConfig {
+    /// Path of the Unix socket (`service.socket_path`).
+    pub socket_path: std::path::PathBuf,
+    /// Permission bits of the socket file (`service.socket_mode`, default `0o600`).
+    pub socket_mode: u32,
+    /// Peer uids allowed to connect, checked with `SO_PEERCRED` (`service.allowed_uids`;
+    /// empty: only the uid the service runs as).
+    pub allowed_uids: Vec<u32>,
+}
+
+impl ServiceConfig {
+    /// The default socket mode: owner read and write only.
+    pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+    /// A service on `socket_path` with the default mode and only the service's own uid.
+    pub fn new(socket_path: impl Into<std::path::PathBuf>) -> Self {
+        ServiceConfig {
+            socket_path: socket_path.into(),
+            socket_mode: Self::DEFAULT_SOCKET_MODE,
+            allowed_uids: Vec::new(),
+        }
+    }
 }
 
 impl KvtierConfig {
@@ -130,6 +159,7 @@ impl KvtierConfig {
             canonical_layout: false,
             engine_id: None,
             secondary_tiers: Vec::new(),
+            service: None,
         }
     }
 }

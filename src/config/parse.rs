@@ -4,14 +4,14 @@ use serde_json::{Map, Value};
 
 use super::backpressure::{self, Overlay};
 use super::fields::{self, index, join};
-use super::model::{ChunkSizing, EvictionPolicyKind, KvtierConfig, TierConfig};
+use super::model::{ChunkSizing, EvictionPolicyKind, KvtierConfig, ServiceConfig, TierConfig};
 use super::size::parse_size;
 use super::validate::{check_engine_id, store_threshold_error};
 use crate::contract::job::Locality;
 use crate::error::{Error, Result};
 
 /// Keys of `kv_connector_extra_config` that kvtier reads.
-pub const KVTIER_KEYS: [&str; 9] = [
+pub const KVTIER_KEYS: [&str; 10] = [
     "cpu_bytes_to_use",
     "block_size",
     "blocks_per_chunk",
@@ -21,7 +21,11 @@ pub const KVTIER_KEYS: [&str; 9] = [
     "engine_id",
     "secondary_tiers",
     "backpressure",
+    "service",
 ];
+
+/// Keys of the `service` object (the node-local service, `docs/node-service.md`).
+pub const SERVICE_KEYS: [&str; 3] = ["socket_path", "socket_mode", "allowed_uids"];
 
 /// Keys of `kv_connector_extra_config` that belong to vLLM: accepted (type-checked) and
 /// otherwise ignored by kvtier.
@@ -280,6 +284,11 @@ fn resolve_extra(
         ));
     }
 
+    let service = match obj.get("service") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(service(&path("service"), v)?),
+    };
+
     let config = KvtierConfig {
         cpu_bytes_to_use,
         chunk,
@@ -288,9 +297,55 @@ fn resolve_extra(
         canonical_layout,
         engine_id,
         secondary_tiers,
+        service,
     };
     config.validate_at(prefix)?;
     Ok(config)
+}
+
+/// The `service` object: a socket path, an octal mode string or integer, a list of uids.
+fn service(path: &str, v: &Value) -> Result<ServiceConfig> {
+    let obj = fields::object(path, v)?;
+    for k in obj.keys() {
+        if !SERVICE_KEYS.contains(&k.as_str()) {
+            return Err(fields::unknown_key(path, k, &SERVICE_KEYS));
+        }
+    }
+    let key = |k: &str| join(path, k);
+    let socket_path = match obj.get("socket_path") {
+        None => {
+            return Err(fields::missing(
+                &key("socket_path"),
+                "the path of the service's Unix socket, e.g. \"/run/kvtier/kvtier.sock\"",
+            ));
+        }
+        Some(v) => std::path::PathBuf::from(fields::string(&key("socket_path"), v)?),
+    };
+    const MODE_EXPECTED: &str = "permission bits as an octal string such as \"0600\" or \"0660\"";
+    let socket_mode = match obj.get("socket_mode") {
+        None => ServiceConfig::DEFAULT_SOCKET_MODE,
+        Some(Value::String(s)) => {
+            let digits = s.strip_prefix("0o").unwrap_or(s);
+            u32::from_str_radix(digits, 8)
+                .map_err(|_| fields::range_error(&key("socket_mode"), MODE_EXPECTED, s))?
+        }
+        Some(v) => fields::integer_u32(&key("socket_mode"), v, 0, MODE_EXPECTED)?,
+    };
+    let uids_path = key("allowed_uids");
+    let allowed_uids = match obj.get("allowed_uids") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| fields::integer_u32(&index(&uids_path, i), v, 0, "a uid (integer)"))
+            .collect::<Result<Vec<_>>>()?,
+        Some(v) => return Err(fields::type_error(&uids_path, "a list of uids", v)),
+    };
+    Ok(ServiceConfig {
+        socket_path,
+        socket_mode,
+        allowed_uids,
+    })
 }
 
 /// A byte count: an integer or a human size string (its range is

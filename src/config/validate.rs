@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use super::backpressure::{DETECTOR_CLS, POLICY_CLASSES};
 use super::fields::{index, join, range_error};
-use super::model::{BackpressureConfig, ChunkSizing, KvtierConfig, TierConfig};
+use super::model::{BackpressureConfig, ChunkSizing, KvtierConfig, ServiceConfig, TierConfig};
 use crate::error::{Error, Result};
 
 impl KvtierConfig {
@@ -58,6 +58,9 @@ impl KvtierConfig {
         if let Some(id) = &self.engine_id {
             check_engine_id(&path("engine_id"), id)?;
         }
+        if let Some(service) = &self.service {
+            service.validate(&path("service"))?;
+        }
         let tiers_path = path("secondary_tiers");
         for (i, t) in self.secondary_tiers.iter().enumerate() {
             if t.index != i {
@@ -73,6 +76,31 @@ impl KvtierConfig {
 }
 
 /// `store_threshold` >= 2: vLLM's tiering spec rejects it.
+impl ServiceConfig {
+    /// The rules of the `service` object at `service_path`: an absolute socket path that fits
+    /// a Unix socket address (107 bytes), permission bits within `0o777` that let the owner
+    /// read and write.
+    pub fn validate(&self, service_path: &str) -> Result<()> {
+        let path = |k: &str| join(service_path, k);
+        let socket = self.socket_path.as_os_str().len();
+        if !self.socket_path.is_absolute() || socket == 0 || socket > 107 {
+            return Err(range_error(
+                &path("socket_path"),
+                "an absolute path of at most 107 bytes (a Unix socket address)",
+                self.socket_path.display(),
+            ));
+        }
+        if self.socket_mode > 0o777 || self.socket_mode & 0o600 != 0o600 {
+            return Err(range_error(
+                &path("socket_mode"),
+                "permission bits within 0777 that include 0600 (the owner reads and writes)",
+                format!("{:04o}", self.socket_mode),
+            ));
+        }
+        Ok(())
+    }
+}
+
 pub(crate) fn store_threshold_error(key_path: &str, found: impl ToString) -> Error {
     Error::config(
         key_path,

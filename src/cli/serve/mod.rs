@@ -7,6 +7,7 @@
 //! namespace digest for their superblocks and `fs` tiers its vLLM FileMapper fields.
 
 pub mod http;
+pub mod node;
 pub mod service;
 
 use std::path::PathBuf;
@@ -55,10 +56,21 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let builder = Builder::new(cfg.clone())
         .layout(layout.clone(), args.model.tp)
         .metrics_prefix(&args.metrics_prefix);
-    builder.plan().map_err(|e| in_file(&args.config, e))?;
+    let plan = builder.plan().map_err(|e| in_file(&args.config, e))?;
     crate::metrics::Registry::new(args.metrics_prefix.as_str())
         .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
     let listener = http::bind(&args.metrics_addr)?;
+    if cfg.service.is_some() {
+        node::run(
+            &args.config,
+            &cfg,
+            &layout,
+            &plan,
+            listener,
+            &args.metrics_prefix,
+        )?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let manager = builder.build().map_err(|e| {
         if e.kind() != ErrorKind::IncompatibleLayout {
             return e;

@@ -1,0 +1,413 @@
+//! [`NodeClient`]: an engine's connection to the node service.
+//!
+//! The client connects, presents its row stride and compatibility digest (a mismatch is
+//! refused at once, with both digests in the error), registers its primary region (by the
+//! path of its shared file or by passing its descriptor), and then looks keys up and submits
+//! store and load jobs naming rows of that region. Submitting never waits for the transfer:
+//! the service moves the bytes between its G3 slots and the region directly and reports
+//! each job once, collected with [`NodeClient::finished_jobs`]. When the connection is lost
+//! every job still outstanding is reported failed (`Closed`), never as done.
+
+use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use crate::contract::job::{JobResult, LookupResult};
+use crate::error::{Error, ErrorKind, Result};
+use crate::key::ChunkKey;
+use crate::node::protocol::{Frame, JobRequest, Reply, Request};
+use crate::node::socket::{FrameReader, write_frame, write_frame_with_fd};
+
+/// How long a request that expects an answer (register, lookup, status) waits for it.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What an engine says about itself when it connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientHello {
+    /// A name for the service's status and logs (vLLM's engine id).
+    pub engine: String,
+    /// Bytes per row of the engine's region.
+    pub row_stride: u64,
+    /// The engine's compatibility (namespace) digest.
+    pub digest: [u8; 32],
+}
+
+/// What the service said when the session opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceInfo {
+    /// The service's slot size.
+    pub row_stride: u64,
+    /// The service's compatibility digest.
+    pub digest: [u8; 32],
+    /// The service's kvtier version.
+    pub version: String,
+}
+
+type JobKeys = Arc<Mutex<HashMap<u64, (u64, Vec<ChunkKey>)>>>;
+type Waiters = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
+
+/// A connection to the node service (see the module docs).
+pub struct NodeClient {
+    stream: UnixStream,
+    write_lock: Mutex<()>,
+    next_seq: AtomicU64,
+    waiters: Waiters,
+    jobs: JobKeys,
+    finished_tx: Sender<JobResult>,
+    finished_rx: Receiver<JobResult>,
+    connected: Arc<AtomicBool>,
+    reader: Option<JoinHandle<()>>,
+    service: ServiceInfo,
+}
+
+impl std::fmt::Debug for NodeClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeClient")
+            .field("service", &self.service)
+            .field("connected", &self.is_connected())
+            .finish_non_exhaustive()
+    }
+}
+
+fn lost() -> Error {
+    Error::new(
+        ErrorKind::Closed,
+        "the connection to the kvtier node service was lost",
+    )
+}
+
+impl NodeClient {
+    /// Connects to the service at `socket_path` and opens a session. Refusals (uid not
+    /// allowed, another digest or row stride, another protocol version) are errors carrying
+    /// the service's message.
+    pub fn connect(socket_path: &Path, hello: &ClientHello) -> Result<NodeClient> {
+        let stream = UnixStream::connect(socket_path)
+            .map_err(|e| Error::io("connect to the kvtier node service at", socket_path, e))?;
+        stream
+            .set_read_timeout(Some(REPLY_TIMEOUT))
+            .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeout: {e}")))?;
+        let req = Request::Hello {
+            row_stride: hello.row_stride,
+            digest: hello.digest,
+            engine: hello.engine.clone(),
+        };
+        // A refused peer may find the socket closed before its HELLO is read: the refusal
+        // frame the service wrote first is still there to read.
+        let sent = write_frame(&stream, &req.to_frame(1)?);
+        let read_side = stream
+            .try_clone()
+            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot clone the socket: {e}")))?;
+        let mut reader = FrameReader::new(read_side);
+        let frame = match reader.read_frame() {
+            Ok(Some(f)) => f,
+            Ok(None) | Err(_) => {
+                sent?;
+                return Err(Error::new(
+                    ErrorKind::Closed,
+                    format!(
+                        "the kvtier node service at {} closed the connection without an answer",
+                        socket_path.display()
+                    ),
+                ));
+            }
+        };
+        let service = match Reply::from_frame(&frame)? {
+            Reply::Welcome {
+                row_stride,
+                digest,
+                version,
+            } => ServiceInfo {
+                row_stride,
+                digest,
+                version,
+            },
+            Reply::Error { kind, message } => return Err(Error::new(kind, message)),
+            other => {
+                return Err(Error::new(
+                    ErrorKind::Contract,
+                    format!("the service answered HELLO with {other:?}"),
+                ));
+            }
+        };
+        stream
+            .set_read_timeout(None)
+            .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeout: {e}")))?;
+        let (finished_tx, finished_rx) = crossbeam_channel::unbounded();
+        let waiters: Waiters = Default::default();
+        let jobs: JobKeys = Default::default();
+        let connected = Arc::new(AtomicBool::new(true));
+        let reader = {
+            let (waiters, jobs, tx, connected) = (
+                waiters.clone(),
+                jobs.clone(),
+                finished_tx.clone(),
+                connected.clone(),
+            );
+            std::thread::Builder::new()
+                .name("kvtier-node-client".into())
+                .spawn(move || read_replies(reader, waiters, jobs, tx, connected))
+                .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start a thread: {e}")))?
+        };
+        Ok(NodeClient {
+            stream,
+            write_lock: Mutex::new(()),
+            next_seq: AtomicU64::new(2),
+            waiters,
+            jobs,
+            finished_tx,
+            finished_rx,
+            connected,
+            reader: Some(reader),
+            service,
+        })
+    }
+
+    /// Connects as an observer (no region, no digest check): only [`NodeClient::status`]
+    /// works on such a connection.
+    pub fn observe(socket_path: &Path) -> Result<NodeClient> {
+        Self::connect(
+            socket_path,
+            &ClientHello {
+                engine: "observer".into(),
+                row_stride: 0,
+                digest: [0; 32],
+            },
+        )
+    }
+
+    /// What the service said at connect.
+    pub fn service(&self) -> &ServiceInfo {
+        &self.service
+    }
+
+    /// False once the connection is lost (every outstanding job has then been reported).
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Acquire)
+    }
+
+    fn send(&self, frame: &Frame, fd: Option<BorrowedFd<'_>>) -> Result<()> {
+        let _w = self.write_lock.lock();
+        match fd {
+            Some(fd) => write_frame_with_fd(&self.stream, frame, fd),
+            None => write_frame(&self.stream, frame),
+        }
+    }
+
+    fn call(&self, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<Reply> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = req.to_frame(seq)?;
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.waiters.lock().insert(seq, tx);
+        if !self.is_connected() {
+            self.waiters.lock().remove(&seq);
+            return Err(lost());
+        }
+        if let Err(e) = self.send(&frame, fd) {
+            self.waiters.lock().remove(&seq);
+            return Err(e);
+        }
+        match rx.recv_timeout(REPLY_TIMEOUT) {
+            Ok(Reply::Error { kind, message }) => Err(Error::new(kind, message)),
+            Ok(r) => Ok(r),
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                self.waiters.lock().remove(&seq);
+                Err(Error::new(
+                    ErrorKind::Closed,
+                    format!(
+                        "the kvtier node service did not answer within {} s",
+                        REPLY_TIMEOUT.as_secs()
+                    ),
+                ))
+            }
+            Err(_) => Err(lost()),
+        }
+    }
+
+    fn expect_registered(&self, r: Reply) -> Result<()> {
+        match r {
+            Reply::Registered { .. } => Ok(()),
+            other => Err(Error::new(
+                ErrorKind::Contract,
+                format!("the service answered a registration with {other:?}"),
+            )),
+        }
+    }
+
+    /// Registers the engine's region by the path of its shared file (the service maps
+    /// `num_rows` rows of the service's row stride from offset 0; the file must belong to
+    /// this process's uid).
+    pub fn register_path(&self, path: &Path, num_rows: u64) -> Result<()> {
+        let path = path.to_str().ok_or_else(|| {
+            Error::new(
+                ErrorKind::InvalidPath,
+                format!("{} is not UTF-8", path.display()),
+            )
+        })?;
+        let r = self.call(
+            &Request::RegisterPath {
+                num_rows,
+                path: path.to_string(),
+            },
+            None,
+        )?;
+        self.expect_registered(r)
+    }
+
+    /// Registers the engine's region by passing `fd` (a memfd or shared file open for
+    /// reading and writing) to the service.
+    pub fn register_fd(&self, fd: BorrowedFd<'_>, num_rows: u64) -> Result<()> {
+        let r = self.call(&Request::RegisterFd { num_rows }, Some(fd))?;
+        self.expect_registered(r)
+    }
+
+    /// Looks `keys` up (one round trip; HIT means a load will find the key).
+    pub fn lookup(&self, keys: &[ChunkKey]) -> Result<Vec<LookupResult>> {
+        match self.call(
+            &Request::Lookup {
+                keys: keys.to_vec(),
+            },
+            None,
+        )? {
+            Reply::Lookup(r) if r.len() == keys.len() => Ok(r),
+            other => Err(Error::new(
+                ErrorKind::Contract,
+                format!("the service answered a lookup with {other:?}"),
+            )),
+        }
+    }
+
+    /// The service's status document (JSON: its tier and every connected engine).
+    pub fn status(&self) -> Result<String> {
+        match self.call(&Request::Status, None)? {
+            Reply::Status(s) => Ok(s),
+            other => Err(Error::new(
+                ErrorKind::Contract,
+                format!("the service answered STATUS with {other:?}"),
+            )),
+        }
+    }
+
+    fn submit(&self, load: bool, job_id: u64, keys: Vec<ChunkKey>, rows: Vec<u32>) {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let job_keys = keys.clone();
+        let job = JobRequest { job_id, rows, keys };
+        let req = if load {
+            Request::Load(job)
+        } else {
+            Request::Store(job)
+        };
+        let frame = match req.to_frame(seq) {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = self.finished_tx.send(JobResult::failed(job_id, e));
+                return;
+            }
+        };
+        self.jobs.lock().insert(seq, (job_id, job_keys));
+        let sent = if self.is_connected() {
+            self.send(&frame, None)
+        } else {
+            Err(lost())
+        };
+        if let Err(e) = sent {
+            // Reported here unless the reader, seeing the connection drop, already did.
+            if self.jobs.lock().remove(&seq).is_some() {
+                let _ = self.finished_tx.send(JobResult::failed(job_id, e));
+            }
+        }
+    }
+
+    /// Submits a store (rows of the region -> the service's G3 slots). Returns at once; the
+    /// rows must stay unchanged until the job is reported.
+    pub fn submit_store(&self, job_id: u64, keys: Vec<ChunkKey>, rows: Vec<u32>) {
+        self.submit(false, job_id, keys, rows);
+    }
+
+    /// Submits a load (G3 slots -> rows of the region). Returns at once; the rows hold the
+    /// keys' bytes once the job is reported successful (or, for a failed job, the rows of its
+    /// `successful_keys`).
+    pub fn submit_load(&self, job_id: u64, keys: Vec<ChunkKey>, rows: Vec<u32>) {
+        self.submit(true, job_id, keys, rows);
+    }
+
+    /// Every job reported since the last call.
+    pub fn finished_jobs(&self) -> Vec<JobResult> {
+        self.finished_rx.try_iter().collect()
+    }
+
+    /// Waits up to `timeout` for the next job to be reported.
+    pub fn wait_finished(&self, timeout: Duration) -> Option<JobResult> {
+        self.finished_rx.recv_timeout(timeout).ok()
+    }
+
+    /// Jobs submitted and not yet reported.
+    pub fn outstanding_jobs(&self) -> usize {
+        self.jobs.lock().len()
+    }
+}
+
+impl Drop for NodeClient {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(t) = self.reader.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn read_replies(
+    mut reader: FrameReader,
+    waiters: Waiters,
+    jobs: JobKeys,
+    finished: Sender<JobResult>,
+    connected: Arc<AtomicBool>,
+) {
+    let why = loop {
+        let frame = match reader.read_frame() {
+            Ok(Some(f)) => f,
+            Ok(None) => break lost(),
+            Err(e) => break Error::new(ErrorKind::Closed, format!("{}: {e}", lost())),
+        };
+        let reply = match Reply::from_frame(&frame) {
+            Ok(r) => r,
+            Err(e) => break e,
+        };
+        if let Reply::JobDone(done) = &reply {
+            match jobs.lock().remove(&frame.seq) {
+                Some((job_id, keys)) if job_id == done.job_id => {
+                    let _ = finished.send(done.to_result(&keys));
+                }
+                _ => log::warn!(
+                    "node client: the service reported job {} that is not outstanding",
+                    done.job_id
+                ),
+            }
+            continue;
+        }
+        if let Reply::Error { kind, message } = &reply
+            && let Some((job_id, _)) = jobs.lock().remove(&frame.seq)
+        {
+            // An error answering a job request reports that job.
+            let e = Error::new(*kind, message.clone());
+            let _ = finished.send(JobResult::failed(job_id, e));
+            continue;
+        }
+        if let Some(tx) = waiters.lock().remove(&frame.seq) {
+            let _ = tx.send(reply);
+        }
+    };
+    connected.store(false, Ordering::Release);
+    waiters.lock().clear();
+    let gone: Vec<_> = jobs.lock().drain().collect();
+    for (_, (job_id, _)) in gone {
+        let _ = finished.send(JobResult::failed(job_id, why.duplicate()));
+    }
+}

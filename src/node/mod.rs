@@ -1,0 +1,30 @@
+//! The node-local service: one kvtier process per host owns the G3 pool for every engine
+//! process on it (`kvtier serve` with a `service` section; `docs/node-service.md`).
+//!
+//! Several engine processes (the data-parallel ranks of one vLLM, or several vLLMs) connect to
+//! the service's Unix socket. The socket file has the configured mode (0600 by default) and
+//! each peer's uid, taken with `SO_PEERCRED`, must be on the allow list. An engine presents
+//! its row stride and compatibility digest (refused at once on a mismatch, with both digests
+//! in the error) and registers its primary region: the path of its `/dev/shm` file (vLLM
+//! 0.33's tiering region, which is not unlinked) or the file's descriptor, passed with
+//! `SCM_RIGHTS`. The service maps the region and moves rows between it and the G3 slots with
+//! an I/O engine of that region's own (io_uring with the region registered as fixed buffers
+//! where possible), through the tier's direct-slot grants: no byte of KV crosses the socket.
+//! A chunk stored by one engine is loadable by every other.
+//!
+//! * [`protocol`]: the little-endian frames, byte for byte.
+//! * [`socket`]: frames with descriptors, `SO_PEERCRED`, binding the socket with its mode.
+//! * [`engines`]: the registry of connected engines and their counters.
+//! * [`session`]: one engine's connection, its region and jobs, and the cleanup when it ends.
+//! * [`server`]: [`NodeService`], the listener and the peer check.
+//! * [`client`]: [`NodeClient`], the engine's side.
+
+pub mod client;
+pub mod engines;
+pub mod protocol;
+pub mod server;
+pub mod session;
+pub mod socket;
+
+pub use client::{ClientHello, NodeClient, ServiceInfo};
+pub use server::NodeService;

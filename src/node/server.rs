@@ -1,0 +1,398 @@
+//! [`NodeService`]: the listening socket, the peer check and one session per engine over one
+//! G3 tier.
+
+use std::collections::HashMap;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::thread::JoinHandle;
+
+use parking_lot::Mutex;
+
+use crate::config::{KvtierConfig, ServiceConfig, TierConfig};
+use crate::contract::secondary::SecondaryTier;
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::{G3Tier, G3TierConfig};
+use crate::geometry::ChunkGeometry;
+use crate::node::engines::EngineStatus;
+use crate::node::protocol::Reply;
+use crate::node::session::{self, ServiceShared};
+use crate::node::socket::{bind_listener, peer_credentials, write_frame};
+use crate::region::PrimaryRegion;
+use crate::tiering::factory::VLLM_TIER_CLASS;
+use crate::tiering::manager::tier_label;
+
+/// Live sessions: a handle on each connection (to end it) and its thread.
+type Sessions = Arc<Mutex<HashMap<u64, (UnixStream, JoinHandle<()>)>>>;
+
+/// The node-local service: one G3 tier shared by every engine process that connects to its
+/// Unix socket (see the [module docs](crate::node)).
+pub struct NodeService {
+    sh: Arc<ServiceShared>,
+    socket_path: PathBuf,
+    tier_label: String,
+    accept: Option<JoinHandle<()>>,
+    sessions: Sessions,
+}
+
+impl std::fmt::Debug for NodeService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeService")
+            .field("socket_path", &self.socket_path)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opens the one `nvme` tier of `config` (slots of `row_stride` bytes, slabs under the
+/// compatibility digest `digest`) and starts the service on its `service` socket.
+pub fn start_from_config(
+    config: &KvtierConfig,
+    row_stride: u64,
+    digest: [u8; 32],
+) -> Result<NodeService> {
+    let service = config.service.as_ref().ok_or_else(|| {
+        Error::config(
+            "service",
+            "missing: the node service needs a service section with its socket_path",
+        )
+    })?;
+    let nvme: Vec<&TierConfig> = config
+        .secondary_tiers
+        .iter()
+        .filter(|t| t.tier_type == "nvme" || t.tier_type == VLLM_TIER_CLASS)
+        .collect();
+    let others: Vec<String> = config
+        .secondary_tiers
+        .iter()
+        .filter(|t| !(t.tier_type == "nvme" || t.tier_type == VLLM_TIER_CLASS))
+        .map(|t| format!("{} ({})", t.key_path(), t.tier_type))
+        .collect();
+    if nvme.len() != 1 || !others.is_empty() {
+        return Err(Error::config(
+            "secondary_tiers",
+            format!(
+                "the node service owns exactly one nvme tier; this configuration has {} nvme \
+                 tier(s){}",
+                nvme.len(),
+                if others.is_empty() {
+                    String::new()
+                } else {
+                    format!(" and tiers it cannot serve: {}", others.join(", "))
+                }
+            ),
+        ));
+    }
+    let tc = nvme[0];
+    let g3 = G3TierConfig::from_tier(tc)?;
+    g3.validate(&tc.key_path(), Some(row_stride))?;
+    let in_flight = g3.max_bytes_in_flight_for(row_stride);
+    let stride = usize::try_from(row_stride)
+        .map_err(|_| Error::config("row_stride", "does not fit this machine"))?;
+    // The tier's own engine never moves a row (every transfer goes through an engine's
+    // region): one row is all it is given.
+    let own = Arc::new(PrimaryRegion::create(1, stride)?);
+    let label = tier_label(tc.index, &tc.tier_type);
+    let tier = G3Tier::open(g3, own, digest, label.clone(), tc.locality)?;
+    tier.set_events_enabled(false);
+    NodeService::start(service, tier, label, digest, in_flight)
+}
+
+impl NodeService {
+    /// Starts serving `tier` (opened with `digest` as its namespace; `tier_label` names it
+    /// in metrics, `1:nvme`) on the socket of `cfg`. `max_bytes_in_flight` bounds each
+    /// engine's I/O queue.
+    pub fn start(
+        cfg: &ServiceConfig,
+        tier: G3Tier,
+        tier_label: String,
+        digest: [u8; 32],
+        max_bytes_in_flight: u64,
+    ) -> Result<NodeService> {
+        cfg.validate("service")?;
+        let info = tier.info().clone();
+        let slots = tier.direct_slots()?;
+        let allowed_uids = if cfg.allowed_uids.is_empty() {
+            vec![rustix::process::getuid().as_raw()]
+        } else {
+            cfg.allowed_uids.clone()
+        };
+        let io_engine = match info.engine.as_str() {
+            "psync" => crate::io::IoEngineKind::Psync,
+            _ => crate::io::IoEngineKind::Auto,
+        };
+        let per_flight =
+            ChunkGeometry::rows_in_flight(max_bytes_in_flight, info.row_stride).clamp(1, 4096);
+        let sh = Arc::new(ServiceShared {
+            tier: Mutex::new(tier),
+            slots,
+            io_engine,
+            o_direct: info.direct_io.iter().all(|d| *d),
+            queue_depth: per_flight as u32,
+            row_stride: info.row_stride,
+            digest,
+            allowed_uids,
+            engines: Default::default(),
+            stopping: Default::default(),
+        });
+        let listener = bind_listener(&cfg.socket_path, cfg.socket_mode)?;
+        let sessions: Sessions = Default::default();
+        let accept = {
+            let sh = sh.clone();
+            let sessions = sessions.clone();
+            std::thread::Builder::new()
+                .name("kvtier-node-accept".into())
+                .spawn(move || accept_loop(listener, sh, sessions))
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Io,
+                        format!("cannot start the accept thread: {e}"),
+                    )
+                })?
+        };
+        log::info!(
+            "node service listening on {} (mode {:04o}, uids {:?})",
+            cfg.socket_path.display(),
+            cfg.socket_mode,
+            sh.allowed_uids
+        );
+        Ok(NodeService {
+            sh,
+            socket_path: cfg.socket_path.clone(),
+            tier_label,
+            accept: Some(accept),
+            sessions,
+        })
+    }
+
+    /// The engines connected now.
+    pub fn engines(&self) -> Vec<EngineStatus> {
+        self.sh.engines.status()
+    }
+
+    /// The status document `kvtier service status` prints (JSON).
+    pub fn status_json(&self) -> String {
+        session::status_json(&self.sh)
+    }
+
+    /// The service's metrics in Prometheus text (names under `prefix`): the tier's own
+    /// metrics (label `tier`), and per connected engine (label `engine`) its jobs, bytes,
+    /// failed jobs, lookups and jobs in flight, plus connections and refusals.
+    pub fn metrics_text(&self, prefix: &str) -> Result<String> {
+        use crate::contract::secondary::TierMetricKind;
+        use crate::metrics::{MetricKind, Registry};
+        let mut reg = Registry::new(prefix)?;
+        let label = &self.tier_label;
+        let tier_metrics = self.sh.tier.lock().metrics();
+        for m in tier_metrics {
+            let kind = match m.kind {
+                TierMetricKind::Counter => MetricKind::Counter,
+                TierMetricKind::Gauge => MetricKind::Gauge,
+            };
+            let mut names = vec!["tier"];
+            names.extend(m.labels.iter().map(|(k, _)| *k));
+            let mut values = vec![label.as_str()];
+            values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
+            let fam = reg.family(m.name, m.help, kind, &names)?;
+            let id = reg.series(fam, &values)?;
+            reg.set(id, m.value);
+        }
+        let engines = self.sh.engines.status();
+        let gauge = |reg: &mut Registry, name: &str, help: &str, v: f64| -> Result<()> {
+            let f = reg.family(name, help, MetricKind::Gauge, &[])?;
+            let id = reg.series(f, &[])?;
+            reg.set(id, v);
+            Ok(())
+        };
+        gauge(
+            &mut reg,
+            "node_engines_connected",
+            "Engine processes connected to the node service",
+            engines.len() as f64,
+        )?;
+        let counter = |reg: &mut Registry, name: &str, help: &str, v: u64| -> Result<()> {
+            let f = reg.family(name, help, MetricKind::Counter, &[])?;
+            let id = reg.series(f, &[])?;
+            reg.inc(id, v as f64);
+            Ok(())
+        };
+        let e = &self.sh.engines;
+        counter(
+            &mut reg,
+            "node_connections_refused_total",
+            "Connections refused (uid not allowed, digest or row stride mismatch, protocol)",
+            e.refused.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut reg,
+            "node_jobs_cancelled_total",
+            "Jobs cancelled because their engine disconnected",
+            e.cancelled_jobs.load(Ordering::Relaxed),
+        )?;
+        counter(
+            &mut reg,
+            "node_disconnects_total",
+            "Engine sessions ended",
+            e.disconnects.load(Ordering::Relaxed),
+        )?;
+        let jobs = reg.family(
+            "node_engine_jobs_total",
+            "Jobs finished per engine and operation",
+            MetricKind::Counter,
+            &["engine", "op"],
+        )?;
+        let bytes = reg.family(
+            "node_engine_bytes_total",
+            "Bytes moved between G3 and an engine's rows, per operation",
+            MetricKind::Counter,
+            &["engine", "op"],
+        )?;
+        let failed = reg.family(
+            "node_engine_failed_jobs_total",
+            "Jobs of an engine that failed (any key)",
+            MetricKind::Counter,
+            &["engine"],
+        )?;
+        let lookups = reg.family(
+            "node_engine_lookups_total",
+            "Keys an engine looked up",
+            MetricKind::Counter,
+            &["engine"],
+        )?;
+        let in_flight = reg.family(
+            "node_engine_jobs_in_flight",
+            "Jobs of an engine queued or running at the service",
+            MetricKind::Gauge,
+            &["engine"],
+        )?;
+        for en in &engines {
+            let n = en.name.as_str();
+            for (op, j, b) in [
+                ("store", en.stores, en.bytes_stored),
+                ("load", en.loads, en.bytes_loaded),
+            ] {
+                let id = reg.series(jobs, &[n, op])?;
+                reg.inc(id, j as f64);
+                let id = reg.series(bytes, &[n, op])?;
+                reg.inc(id, b as f64);
+            }
+            let id = reg.series(failed, &[n])?;
+            reg.inc(id, en.failed_jobs as f64);
+            let id = reg.series(lookups, &[n])?;
+            reg.inc(id, en.lookups as f64);
+            let id = reg.series(in_flight, &[n])?;
+            reg.inc(id, en.jobs_in_flight as f64);
+        }
+        Ok(reg.render())
+    }
+
+    /// The tier's health.
+    pub fn health(&self) -> crate::contract::secondary::TierHealth {
+        self.sh.tier.lock().health()
+    }
+
+    /// Runs `f` on the tier (metrics, health).
+    pub fn with_tier<R>(&self, f: impl FnOnce(&G3Tier) -> R) -> R {
+        f(&self.sh.tier.lock())
+    }
+
+    /// Stops accepting, ends every session (their queued jobs are cancelled, the running ones
+    /// finish as failed, regions are unmapped), shuts the tier down (final checkpoint) and
+    /// removes the socket file.
+    pub fn shutdown(mut self) -> Result<()> {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> Result<()> {
+        let Some(accept) = self.accept.take() else {
+            return Ok(());
+        };
+        self.sh.stopping.store(true, Ordering::Release);
+        // Wake the accept loop with a connection of our own.
+        let _ = UnixStream::connect(&self.socket_path);
+        let _ = accept.join();
+        let sessions: Vec<_> = self.sessions.lock().drain().collect();
+        for (_, (stream, _)) in &sessions {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        for (_, (_, t)) in sessions {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.socket_path);
+        self.sh.tier.lock().shutdown()
+    }
+}
+
+impl Drop for NodeService {
+    fn drop(&mut self) {
+        if let Err(e) = self.stop() {
+            log::error!("node service shutdown on drop failed: {e}");
+        }
+    }
+}
+
+fn accept_loop(listener: UnixListener, sh: Arc<ServiceShared>, sessions: Sessions) {
+    let mut next = 0u64;
+    for conn in listener.incoming() {
+        if sh.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        let stream = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("node service: accept failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        let (uid, pid) = match peer_credentials(&stream) {
+            Ok(c) => c,
+            Err(e) => {
+                log::warn!("node service: {e}");
+                continue;
+            }
+        };
+        if !sh.allowed_uids.contains(&uid) {
+            sh.engines.refused.fetch_add(1, Ordering::Relaxed);
+            let e = Error::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "uid {uid} may not use this kvtier service (allowed uids: {:?}; \
+                     service.allowed_uids in its configuration)",
+                    sh.allowed_uids
+                ),
+            );
+            log::warn!("node service: refused pid {pid}: {e}");
+            let _ = stream.set_write_timeout(Some(session::SOCKET_TIMEOUT));
+            let reply = Reply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            };
+            let _ = write_frame(&stream, &reply.to_frame(0));
+            continue;
+        }
+        let Ok(handle) = stream.try_clone() else {
+            continue;
+        };
+        next += 1;
+        let id = next;
+        let sh2 = sh.clone();
+        let sessions2 = sessions.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kvtier-node-session-{id}"))
+            .spawn(move || {
+                session::run(sh2, stream, uid, pid);
+                sessions2.lock().remove(&id);
+            });
+        match spawned {
+            Ok(t) => {
+                let mut s = sessions.lock();
+                // A session that already ended removed nothing; keep only live ones.
+                if !t.is_finished() {
+                    s.insert(id, (handle, t));
+                }
+            }
+            Err(e) => log::error!("node service: cannot start a session thread: {e}"),
+        }
+    }
+}

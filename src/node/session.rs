@@ -1,0 +1,642 @@
+//! One engine's connection to the node service: the handshake (compatibility digest and row
+//! stride), its region (mapped here, with an I/O engine of its own over the G3 slab files),
+//! lookups, and its store and load jobs, which move rows directly between G3 slots and the
+//! engine's rows through the tier's direct-slot grants (`crate::g3::direct`).
+//!
+//! When the connection ends, for any reason (a clean close, SIGKILL of the engine, a protocol
+//! error), the session cancels the jobs still queued, finishes the one in flight as failed
+//! (its reserved slots are released, its pins dropped, nothing of it is committed), stops the
+//! I/O engine, unmaps the region and leaves the registry.
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use parking_lot::Mutex;
+
+use crate::contract::job::{JobResult, RequestContext};
+use crate::contract::secondary::SecondaryTier;
+use crate::error::{Error, ErrorKind, Result};
+use crate::g3::G3Tier;
+use crate::g3::direct::{DirectSlots, GrantedSlot};
+use crate::io::{EngineHandle, EngineOptions, IoDir, IoEngineKind, IoRequest, open_engine};
+use crate::key::ChunkKey;
+use crate::node::engines::{EngineEntry, EngineRegistry, RegionInfo};
+use crate::node::protocol::{Frame, JobDone, JobRequest, Reply, Request};
+use crate::node::socket::{FrameReader, is_read_write, write_frame};
+use crate::region::PrimaryRegion;
+
+/// Jobs one engine may have queued at the service; beyond that a job fails at once.
+pub const MAX_QUEUED_JOBS_PER_ENGINE: usize = 1024;
+/// How long the service waits for a `HELLO`, and for a stalled engine to take a reply.
+pub const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What every session of one service shares.
+pub struct ServiceShared {
+    /// The G3 tier (lookups).
+    pub tier: Mutex<G3Tier>,
+    /// Its direct-slot grants (stores and loads).
+    pub slots: DirectSlots,
+    /// The engine kind for each region (`io_engine` of the tier).
+    pub io_engine: IoEngineKind,
+    /// Whether the slab files are O_DIRECT.
+    pub o_direct: bool,
+    /// Requests in flight per region's engine.
+    pub queue_depth: u32,
+    /// Bytes per slot (engines must have this row stride).
+    pub row_stride: u64,
+    /// The compatibility digest engines must present.
+    pub digest: [u8; 32],
+    /// Uids allowed to connect.
+    pub allowed_uids: Vec<u32>,
+    /// The connected engines.
+    pub engines: EngineRegistry,
+    /// Set when the service stops: sessions end.
+    pub stopping: AtomicBool,
+}
+
+impl std::fmt::Debug for ServiceShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceShared")
+            .field("row_stride", &self.row_stride)
+            .field("digest", &hex::encode(self.digest))
+            .finish_non_exhaustive()
+    }
+}
+
+/// A mapped region and the I/O engine moving its rows.
+struct MappedRegion {
+    region: Arc<PrimaryRegion>,
+    engine: EngineHandle,
+}
+
+/// A job on its way to the session's job thread.
+struct QueuedJob {
+    seq: u64,
+    load: bool,
+    job: JobRequest,
+}
+
+/// Runs one connection until it ends (the peer's uid is already checked).
+pub fn run(sh: Arc<ServiceShared>, stream: UnixStream, uid: u32, pid: i32) {
+    let entry = match handshake(&sh, &stream, uid, pid) {
+        Ok(Some(entry)) => entry,
+        Ok(None) => return observe(&sh, stream),
+        Err(e) => {
+            sh.engines.refused.fetch_add(1, Ordering::Relaxed);
+            log::warn!("node service: refused pid {pid} (uid {uid}): {e}");
+            return;
+        }
+    };
+    log::info!(
+        "node service: engine {:?} connected (pid {pid}, uid {uid}, connection {})",
+        entry.name,
+        entry.id
+    );
+    let mut s = Session {
+        sh: sh.clone(),
+        entry: entry.clone(),
+        writer: Arc::new(Mutex::new(stream.try_clone().ok())),
+        region: None,
+        jobs_tx: None,
+        job_thread: None,
+        cancelled: Arc::new(AtomicBool::new(false)),
+    };
+    let end = match stream.try_clone() {
+        Ok(read_side) => s.serve(FrameReader::new(read_side)),
+        Err(e) => Err(Error::new(
+            ErrorKind::Io,
+            format!("cannot clone the socket: {e}"),
+        )),
+    };
+    match &end {
+        Ok(()) => log::info!("node service: engine {:?} disconnected", entry.name),
+        Err(e) => log::warn!(
+            "node service: engine {:?} (pid {pid}) dropped: {e}",
+            entry.name
+        ),
+    }
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    s.close();
+    sh.engines.remove(entry.id);
+}
+
+/// Reads the `HELLO`, checks the digest and row stride, answers `WELCOME` or the refusal.
+///
+/// A `HELLO` with row stride 0 and an all-zero digest opens an observer session (`kvtier
+/// service status`): `Ok(None)`.
+fn handshake(
+    sh: &ServiceShared,
+    stream: &UnixStream,
+    uid: u32,
+    pid: i32,
+) -> Result<Option<Arc<EngineEntry>>> {
+    stream
+        .set_read_timeout(Some(SOCKET_TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(SOCKET_TIMEOUT)))
+        .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeouts: {e}")))?;
+    let mut reader = FrameReader::new(
+        stream
+            .try_clone()
+            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot clone the socket: {e}")))?,
+    );
+    let frame = reader
+        .read_frame()?
+        .ok_or_else(|| Error::new(ErrorKind::Closed, "closed before HELLO"))?;
+    let refuse = |e: Error| {
+        let _ = write_frame(stream, &error_reply(&e).to_frame(frame.seq));
+        e
+    };
+    let (row_stride, digest, engine) = match Request::from_frame(&frame) {
+        Ok(Request::Hello {
+            row_stride,
+            digest,
+            engine,
+        }) => (row_stride, digest, engine),
+        Ok(_) => {
+            return Err(refuse(Error::new(
+                ErrorKind::Contract,
+                "the first request must be HELLO",
+            )));
+        }
+        Err(e) => return Err(refuse(e)),
+    };
+    let welcome = Reply::Welcome {
+        row_stride: sh.row_stride,
+        digest: sh.digest,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    if row_stride == 0 && digest == [0; 32] {
+        write_frame(stream, &welcome.to_frame(frame.seq))?;
+        return Ok(None);
+    }
+    if digest != sh.digest {
+        return Err(refuse(Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "compatibility digest mismatch: engine {engine:?} has {}, the service has {} \
+                 (the model, dtype, layout, TP size, blocks per chunk or canonical_layout \
+                 differ; start the engine with the service's configuration or run a service \
+                 for it)",
+                hex::encode(digest),
+                hex::encode(sh.digest)
+            ),
+        )));
+    }
+    if row_stride != sh.row_stride {
+        return Err(refuse(Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "row stride mismatch: engine {engine:?} has rows of {row_stride} bytes, the \
+                 service's slots are {} bytes",
+                sh.row_stride
+            ),
+        )));
+    }
+    // Past the handshake, an engine may stay quiet as long as it likes; a reply it does not
+    // take within the timeout still ends the session.
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeout: {e}")))?;
+    write_frame(stream, &welcome.to_frame(frame.seq))?;
+    Ok(Some(sh.engines.add(engine, uid, pid)))
+}
+
+/// An observer session: `STATUS` only, until the peer closes or a read times out.
+fn observe(sh: &ServiceShared, stream: UnixStream) {
+    let Ok(read_side) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = FrameReader::new(read_side);
+    while let Ok(Some(frame)) = reader.read_frame() {
+        let reply = match Request::from_frame(&frame) {
+            Ok(Request::Status) => Reply::Status(status_json(sh)),
+            Ok(_) => error_reply(&Error::new(
+                ErrorKind::Contract,
+                "an observer session (row stride 0) may only ask for STATUS",
+            )),
+            Err(e) => error_reply(&e),
+        };
+        if write_frame(&stream, &reply.to_frame(frame.seq)).is_err() {
+            return;
+        }
+    }
+}
+
+fn error_reply(e: &Error) -> Reply {
+    Reply::Error {
+        kind: e.kind(),
+        message: e.to_string(),
+    }
+}
+
+struct Session {
+    sh: Arc<ServiceShared>,
+    entry: Arc<EngineEntry>,
+    /// The write side; `None` once it failed (the engine is gone or stalled).
+    writer: Arc<Mutex<Option<UnixStream>>>,
+    region: Option<Arc<MappedRegion>>,
+    jobs_tx: Option<Sender<QueuedJob>>,
+    job_thread: Option<std::thread::JoinHandle<()>>,
+    cancelled: Arc<AtomicBool>,
+}
+
+fn send(writer: &Mutex<Option<UnixStream>>, frame: &Frame) {
+    let mut w = writer.lock();
+    if let Some(stream) = w.as_ref()
+        && let Err(e) = write_frame(stream, frame)
+    {
+        log::warn!("node service: an engine does not take its replies ({e}); dropping it");
+        let _ = stream.shutdown(std::net::Shutdown::Both);
+        *w = None;
+    }
+}
+
+impl Session {
+    fn reply(&self, seq: u64, r: &Reply) {
+        send(&self.writer, &r.to_frame(seq));
+    }
+
+    fn serve(&mut self, mut reader: FrameReader) -> Result<()> {
+        loop {
+            if self.sh.stopping.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            let Some(frame) = reader.read_frame()? else {
+                return Ok(());
+            };
+            let req = match Request::from_frame(&frame) {
+                Ok(r) => r,
+                Err(e) => {
+                    self.reply(frame.seq, &error_reply(&e));
+                    continue;
+                }
+            };
+            match req {
+                Request::Hello { .. } => self.reply(
+                    frame.seq,
+                    &error_reply(&Error::new(ErrorKind::Contract, "HELLO was already sent")),
+                ),
+                Request::RegisterPath { num_rows, path } => {
+                    let r = open_region_file(&path, self.entry.uid)
+                        .and_then(|fd| self.register(fd, num_rows, "path", path.clone()));
+                    self.answer_register(frame.seq, num_rows, r);
+                }
+                Request::RegisterFd { num_rows } => {
+                    let r = match reader.take_fd() {
+                        Some(fd) if is_read_write(&fd) => {
+                            self.register(fd, num_rows, "fd", "fd".into())
+                        }
+                        Some(_) => Err(Error::new(
+                            ErrorKind::Config,
+                            "the region descriptor is not open for reading and writing",
+                        )),
+                        None => Err(Error::new(
+                            ErrorKind::Contract,
+                            "REGISTER_FD arrived without a descriptor (SCM_RIGHTS)",
+                        )),
+                    };
+                    self.answer_register(frame.seq, num_rows, r);
+                }
+                Request::Lookup { keys } => {
+                    let ctx = RequestContext::new("node-service");
+                    let results = {
+                        let mut tier = self.sh.tier.lock();
+                        keys.iter().map(|k| tier.lookup(k, &ctx)).collect()
+                    };
+                    self.entry
+                        .counters
+                        .lookups
+                        .fetch_add(keys.len() as u64, Ordering::Relaxed);
+                    self.reply(frame.seq, &Reply::Lookup(results));
+                }
+                Request::Store(job) => self.enqueue(frame.seq, false, job),
+                Request::Load(job) => self.enqueue(frame.seq, true, job),
+                Request::Status => {
+                    let json = status_json(&self.sh);
+                    self.reply(frame.seq, &Reply::Status(json));
+                }
+            }
+        }
+    }
+
+    fn answer_register(&self, seq: u64, num_rows: u64, r: Result<()>) {
+        match r {
+            Ok(()) => self.reply(seq, &Reply::Registered { num_rows }),
+            Err(e) => {
+                log::warn!(
+                    "node service: engine {:?}: region refused: {e}",
+                    self.entry.name
+                );
+                self.reply(seq, &error_reply(&e));
+            }
+        }
+    }
+
+    fn register(&mut self, fd: OwnedFd, num_rows: u64, source: &str, path: String) -> Result<()> {
+        if self.region.is_some() {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                "a region is already registered on this connection",
+            ));
+        }
+        let rows = usize::try_from(num_rows)
+            .map_err(|_| Error::new(ErrorKind::Config, "num_rows does not fit this machine"))?;
+        let region = Arc::new(PrimaryRegion::map_shared_file(
+            &fd,
+            rows,
+            self.sh.row_stride as usize,
+        )?);
+        drop(fd);
+        let opts = EngineOptions {
+            queue_depth: self.sh.queue_depth,
+            o_direct: self.sh.o_direct,
+            ..EngineOptions::default()
+        };
+        let engine = open_engine(
+            self.sh.io_engine,
+            region.clone(),
+            self.sh.slots.files()?,
+            &opts,
+        )?;
+        *self.entry.region.lock() = Some(RegionInfo {
+            source: source.to_string(),
+            path,
+            num_rows,
+            row_stride: self.sh.row_stride,
+            io_engine: engine.info.name.clone(),
+        });
+        let mapped = Arc::new(MappedRegion { region, engine });
+        let (tx, rx) = crossbeam_channel::bounded(MAX_QUEUED_JOBS_PER_ENGINE);
+        let worker = JobWorker {
+            sh: self.sh.clone(),
+            entry: self.entry.clone(),
+            writer: self.writer.clone(),
+            mapped: mapped.clone(),
+            cancelled: self.cancelled.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("kvtier-node-{}", self.entry.id))
+            .spawn(move || worker.run(rx))
+            .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start a job thread: {e}")))?;
+        self.region = Some(mapped);
+        self.jobs_tx = Some(tx);
+        self.job_thread = Some(thread);
+        Ok(())
+    }
+
+    fn enqueue(&self, seq: u64, load: bool, job: JobRequest) {
+        let fail = |e: Error| {
+            let r = JobResult::failed(job.job_id, e);
+            self.entry
+                .counters
+                .failed_jobs
+                .fetch_add(1, Ordering::Relaxed);
+            self.reply(seq, &Reply::JobDone(JobDone::from_result(&r, &job.keys)));
+        };
+        let (Some(tx), Some(mapped)) = (&self.jobs_tx, &self.region) else {
+            return fail(Error::new(
+                ErrorKind::Contract,
+                "no region is registered on this connection (REGISTER_PATH or REGISTER_FD first)",
+            ));
+        };
+        let rows = mapped.region.num_rows();
+        if let Some(bad) = job.rows.iter().find(|r| **r as usize >= rows) {
+            return fail(Error::new(
+                ErrorKind::Contract,
+                format!("row {bad} is outside the registered region of {rows} rows"),
+            ));
+        }
+        let c = &self.entry.counters;
+        c.jobs_in_flight.fetch_add(1, Ordering::Relaxed);
+        match tx.try_send(QueuedJob { seq, load, job }) {
+            Ok(()) => {}
+            Err(TrySendError::Full(q)) | Err(TrySendError::Disconnected(q)) => {
+                c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
+                let r = JobResult::failed(
+                    q.job.job_id,
+                    Error::new(
+                        ErrorKind::NoSpace,
+                        format!(
+                            "{MAX_QUEUED_JOBS_PER_ENGINE} jobs of this engine are queued at \
+                             the service; job {} refused",
+                            q.job.job_id
+                        ),
+                    ),
+                );
+                c.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                self.reply(
+                    q.seq,
+                    &Reply::JobDone(JobDone::from_result(&r, &q.job.keys)),
+                );
+            }
+        }
+    }
+
+    /// Ends the session: cancels queued jobs, waits for the running one, stops the engine and
+    /// unmaps the region.
+    fn close(&mut self) {
+        self.cancelled.store(true, Ordering::Release);
+        drop(self.jobs_tx.take());
+        if let Some(t) = self.job_thread.take() {
+            let _ = t.join();
+        }
+        if let Some(mapped) = self.region.take() {
+            mapped.engine.engine.shutdown();
+            match Arc::try_unwrap(mapped) {
+                // The engine's last reference to the region goes with it: unmapped here.
+                Ok(m) => drop(m),
+                Err(_) => log::error!("node service: a region is still referenced at close"),
+            }
+        }
+        *self.entry.region.lock() = None;
+    }
+}
+
+/// Opens an engine's region file for mapping: a regular file (no symlink) owned by the peer's
+/// uid, so that an engine can make the service map only what it could map itself.
+fn open_region_file(path: &str, peer_uid: u32) -> Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let p = std::path::Path::new(path);
+    let fd = rustix::fs::open(
+        p,
+        OFlags::RDWR | OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK,
+        Mode::empty(),
+    )
+    .map_err(|e| Error::io("open the region file", p, std::io::Error::from(e)))?;
+    let st = rustix::fs::fstat(&fd)
+        .map_err(|e| Error::io("fstat the region file", p, std::io::Error::from(e)))?;
+    if st.st_uid != peer_uid {
+        return Err(Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "{path} belongs to uid {}, not to the engine's uid {peer_uid}",
+                st.st_uid
+            ),
+        ));
+    }
+    Ok(fd)
+}
+
+/// The status document (`STATUS`, `kvtier service status`).
+pub fn status_json(sh: &ServiceShared) -> String {
+    let tier = sh.tier.lock();
+    let info = tier.info();
+    let doc = serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "digest": hex::encode(sh.digest),
+        "row_stride": sh.row_stride,
+        "tier": {
+            "paths": info.slab_paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
+            "total_slots": info.total_slots,
+            "used_slots": tier.len(),
+            "engine": info.engine,
+            "ready": tier.is_recovered(),
+        },
+        "engines": sh.engines.status(),
+        "refused_connections": sh.engines.refused.load(Ordering::Relaxed),
+        "cancelled_jobs": sh.engines.cancelled_jobs.load(Ordering::Relaxed),
+        "disconnects": sh.engines.disconnects.load(Ordering::Relaxed),
+    });
+    doc.to_string()
+}
+
+/// Runs one engine's jobs in order.
+struct JobWorker {
+    sh: Arc<ServiceShared>,
+    entry: Arc<EngineEntry>,
+    writer: Arc<Mutex<Option<UnixStream>>>,
+    mapped: Arc<MappedRegion>,
+    cancelled: Arc<AtomicBool>,
+}
+
+impl JobWorker {
+    fn run(self, rx: Receiver<QueuedJob>) {
+        for q in rx {
+            let c = &self.entry.counters;
+            if self.cancelled.load(Ordering::Acquire) {
+                self.sh
+                    .engines
+                    .cancelled_jobs
+                    .fetch_add(1, Ordering::Relaxed);
+                c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
+                continue;
+            }
+            let r = self.transfer(q.load, &q.job);
+            let done = JobDone::from_result(&r, &q.job.keys);
+            if q.load {
+                c.loads.fetch_add(1, Ordering::Relaxed);
+                c.bytes_loaded
+                    .fetch_add(done.transfer_bytes, Ordering::Relaxed);
+            } else {
+                c.stores.fetch_add(1, Ordering::Relaxed);
+                c.bytes_stored
+                    .fetch_add(done.transfer_bytes, Ordering::Relaxed);
+            }
+            if !r.success {
+                c.failed_jobs.fetch_add(1, Ordering::Relaxed);
+            }
+            c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
+            send(&self.writer, &Reply::JobDone(done).to_frame(q.seq));
+        }
+    }
+
+    /// Moves the job's rows between the engine's region and the granted slots, then reports
+    /// each key's CRC (or error) to the tier, which commits or checks them.
+    fn transfer(&self, load: bool, job: &JobRequest) -> JobResult {
+        let slots = &self.sh.slots;
+        let keys: Vec<ChunkKey> = job.keys.clone();
+        let grant = if load {
+            slots.begin_load(job.job_id, keys)
+        } else {
+            slots.begin_store(job.job_id, keys)
+        };
+        let grant = match grant {
+            Ok(g) => g,
+            Err(e) => return JobResult::failed(job.job_id, e),
+        };
+        let region = &self.mapped.region;
+        let stride = region.row_stride();
+        let n = job.keys.len();
+        let mut results: Vec<Result<u32>> = (0..n)
+            .map(|_| Err(Error::new(ErrorKind::Internal, "not moved")))
+            .collect();
+        let mut reqs = Vec::new();
+        for (i, g) in grant.slots.iter().enumerate() {
+            if let GrantedSlot::Ready { file, offset, .. } = g {
+                let row = job.rows[i] as usize;
+                if !load {
+                    results[i] = Ok(self.row_crc(row));
+                }
+                reqs.push(IoRequest {
+                    dir: if load { IoDir::Read } else { IoDir::Write },
+                    file: *file,
+                    file_offset: *offset,
+                    region_offset: row * stride,
+                    len: stride,
+                    tag: i as u64,
+                });
+            }
+        }
+        let started = Instant::now();
+        let engine = &self.mapped.engine.engine;
+        // A store of an engine that went away is abandoned (its reserved slots released,
+        // nothing committed). A load is finished: the tier turns every key reported failed
+        // into a miss, so cancelling one would throw good chunks away; the rows it fills are
+        // still mapped here and nobody reads them.
+        if !load && self.cancelled.load(Ordering::Acquire) {
+            return self.cancel(grant, n);
+        }
+        if !reqs.is_empty() {
+            if let Err(e) = engine.submit(&reqs) {
+                let all = (0..n).map(|_| Err(e.duplicate())).collect();
+                return slots.finish(grant, all);
+            }
+            for _ in 0..reqs.len() {
+                let Ok(c) = engine.completions().recv() else {
+                    break;
+                };
+                let i = c.tag as usize;
+                results[i] = match c.result {
+                    Ok(_) if load => Ok(self.row_crc(job.rows[i] as usize)),
+                    Ok(_) => results[i].as_ref().map(|c| *c).map_err(Error::duplicate),
+                    Err(e) => Err(e),
+                };
+            }
+        }
+        if !load && self.cancelled.load(Ordering::Acquire) {
+            return self.cancel(grant, n);
+        }
+        log::trace!(
+            "node service: job {} of {} moved in {:?}",
+            job.job_id,
+            self.entry.name,
+            started.elapsed()
+        );
+        slots.finish(grant, results)
+    }
+
+    /// Finishes a store's grant with every key failed (nothing committed, reserved slots
+    /// released).
+    fn cancel(&self, grant: crate::g3::direct::DirectGrant, n: usize) -> JobResult {
+        self.sh
+            .engines
+            .cancelled_jobs
+            .fetch_add(1, Ordering::Relaxed);
+        let e = || Error::new(ErrorKind::Cancelled, "the engine disconnected");
+        self.sh
+            .slots
+            .finish(grant, (0..n).map(|_| Err(e())).collect())
+    }
+
+    fn row_crc(&self, row: usize) -> u32 {
+        // SAFETY: the engine pinned the row for this job (its manager's promise for a store)
+        // or gave it to the job to fill (a load, whose bytes it reads only after JOB_DONE);
+        // this thread is the only one of the service touching it now.
+        let bytes = unsafe { self.mapped.region.row(row) };
+        bytes.map_or(0, crc32fast::hash)
+    }
+}

@@ -1,0 +1,137 @@
+//! `kvtier serve` as the node service, end to end through the binary: an engine connects to
+//! the configured socket (mode 0600), stores and loads through it, `kvtier service status`
+//! lists it, `/metrics` counts its jobs, and SIGTERM stops the service and removes the socket.
+
+mod cli_common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cli_common::{assert_success, kvtier, send_signal, start_serve};
+use kvtier::node::{ClientHello, NodeClient};
+use kvtier::{ChunkKey, LookupResult, PrimaryRegion};
+
+fn get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+fn wait_for(path: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let socket = dir.path().join("kvtier.sock");
+    let cfg = dir.path().join("kvtier.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB",
+                "service": {{"socket_path": "{}"}},
+                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
+                                      "capacity_bytes": "16MiB", "direct_io": "auto"}}]}}"#,
+            socket.display(),
+            tier.display()
+        ),
+    )
+    .unwrap();
+    let cfg_s = cfg.display().to_string();
+    let (mut child, addr) = start_serve(&["--config", &cfg_s, "--metrics-addr", "127.0.0.1:0"]);
+    wait_for(&socket);
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+
+    // An observer learns the service's digest and row stride; an engine presents them.
+    let service = NodeClient::observe(&socket).unwrap().service().clone();
+    let stride = service.row_stride as usize;
+    let client = NodeClient::connect(
+        &socket,
+        &ClientHello {
+            engine: "cli-test".into(),
+            row_stride: service.row_stride,
+            digest: service.digest,
+        },
+    )
+    .unwrap();
+    let region = PrimaryRegion::create(4, stride).unwrap();
+    client.register_fd(region.fd().unwrap(), 4).unwrap();
+    for row in 0..2 {
+        // SAFETY: no job is running; this test is the region's only user.
+        let r = unsafe { region.row_mut(row).unwrap() };
+        for (i, b) in r.iter_mut().enumerate() {
+            *b = (i * 7 + row * 13) as u8;
+        }
+    }
+    let keys = vec![ChunkKey::new(b"cli-0"), ChunkKey::new(b"cli-1")];
+    client.submit_store(1, keys.clone(), vec![0, 1]);
+    let r = client.wait_finished(Duration::from_secs(60)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    assert_eq!(
+        client.lookup(&keys).unwrap(),
+        vec![LookupResult::Hit, LookupResult::Hit]
+    );
+    client.submit_load(2, keys.clone(), vec![2, 3]);
+    let r = client.wait_finished(Duration::from_secs(60)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    // SAFETY: the load is done; this test is the region's only user.
+    unsafe {
+        assert!(region.row(2).unwrap() == region.row(0).unwrap());
+        assert!(region.row(3).unwrap() == region.row(1).unwrap());
+    }
+
+    let socket_s = socket.display().to_string();
+    let out = kvtier(&["service", "status", "--socket", &socket_s]);
+    assert_success(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("1 engine connected:"), "{text}");
+    assert!(text.contains("cli-test"), "{text}");
+    assert!(text.contains("1 stores, 1 loads, 0 failed"), "{text}");
+
+    let metrics = get(&addr, "/metrics");
+    assert!(
+        metrics.contains("kvtier:node_engine_jobs_total{engine=\"cli-test\",op=\"store\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("kvtier:node_engines_connected 1"),
+        "{metrics}"
+    );
+
+    drop(client);
+    send_signal(&child, libc::SIGTERM);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "serve exited {status:?}");
+    assert!(!socket.exists(), "the socket file is removed at shutdown");
+}
+
+#[test]
+fn service_status_without_a_service_is_a_user_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("none.sock").display().to_string();
+    let out = kvtier(&["service", "status", "--socket", &socket]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("connect to the kvtier node service at") && err.contains("none.sock"),
+        "{err}"
+    );
+}

@@ -1,0 +1,534 @@
+//! The node service with several engine processes: this test binary runs the service and
+//! starts itself again as client processes (`child_process_entry`, driven by the
+//! `KVTIER_NODE_CHILD` variable) that register regions in `/dev/shm` (as vLLM 0.33 makes
+//! them) or pass a memfd, store and load through the service, and get killed mid-job.
+//!
+//! Byte equality is checked by this process reading the clients' region files itself, not
+//! through kvtier.
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvtier::config::{KvtierConfig, ServiceConfig};
+use kvtier::node::server::start_from_config;
+use kvtier::node::{ClientHello, NodeClient, NodeService};
+use kvtier::{ChunkKey, ErrorKind, LookupResult, PrimaryRegion};
+use serde_json::json;
+
+/// Bytes per row (slot) in these tests.
+const STRIDE: u64 = 64 * 1024;
+/// Slots of the service's tier.
+const SLOTS: u64 = 64;
+/// Rows of each client's region.
+const ROWS: u64 = 64;
+/// The compatibility digest of the service in these tests.
+const DIGEST: [u8; 32] = [0x42; 32];
+const CHILD_VAR: &str = "KVTIER_NODE_CHILD";
+
+fn key(tag: &str, i: u32) -> ChunkKey {
+    ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
+}
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    service: Option<NodeService>,
+    socket: PathBuf,
+    shm_files: Vec<PathBuf>,
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        drop(self.service.take());
+        for f in &self.shm_files {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+fn config(dir: &Path, mode: u32, uids: Vec<u32>) -> KvtierConfig {
+    let mut cfg = kvtier::config::from_value(json!({
+        "cpu_bytes_to_use": STRIDE * ROWS,
+        "secondary_tiers": [{
+            "type": "nvme",
+            "paths": [dir.join("slabs").display().to_string()],
+            "capacity_bytes": STRIDE * SLOTS,
+            "direct_io": "auto",
+        }],
+    }))
+    .unwrap();
+    let mut service = ServiceConfig::new(dir.join("kvtier.sock"));
+    service.socket_mode = mode;
+    service.allowed_uids = uids;
+    cfg.service = Some(service);
+    cfg
+}
+
+fn fixture_with(mode: u32, uids: Vec<u32>) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("slabs")).unwrap();
+    let cfg = config(dir.path(), mode, uids);
+    let service = start_from_config(&cfg, STRIDE, DIGEST).unwrap();
+    let socket = dir.path().join("kvtier.sock");
+    let f = Fixture {
+        dir,
+        service: Some(service),
+        socket,
+        shm_files: Vec::new(),
+    };
+    wait_ready(&f);
+    f
+}
+
+fn fixture() -> Fixture {
+    fixture_with(0o600, Vec::new())
+}
+
+fn wait_ready(f: &Fixture) {
+    let svc = f.service.as_ref().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !svc.with_tier(|t| t.is_recovered()) {
+        assert!(Instant::now() < deadline, "the tier never recovered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn hello(name: &str) -> ClientHello {
+    ClientHello {
+        engine: name.into(),
+        row_stride: STRIDE,
+        digest: DIGEST,
+    }
+}
+
+/// A `/dev/shm` path for a client's region, unique to this test run.
+fn shm_path(f: &mut Fixture, name: &str) -> PathBuf {
+    let p = PathBuf::from(format!(
+        "/dev/shm/kvtier_node_test_{}_{}_{name}.mmap",
+        std::process::id(),
+        f.dir.path().file_name().unwrap().to_string_lossy()
+    ));
+    f.shm_files.push(p.clone());
+    p
+}
+
+fn read_row(path: &Path, row: u64) -> Vec<u8> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).unwrap();
+    file.seek(SeekFrom::Start(row * STRIDE)).unwrap();
+    let mut buf = vec![0u8; STRIDE as usize];
+    file.read_exact(&mut buf).unwrap();
+    buf
+}
+
+/// What a child process does (JSON in `KVTIER_NODE_CHILD`).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone)]
+struct ChildPlan {
+    socket: PathBuf,
+    name: String,
+    /// `store`, `load`, `store-hang`, `load-hang`, `connect`.
+    role: String,
+    /// The region file (created like vLLM's: O_EXCL, 0600, ftruncate) or empty for a memfd
+    /// passed by descriptor.
+    region: String,
+    tag: String,
+    keys: u32,
+    digest: [u8; 32],
+}
+
+/// A child process, killed if the test fails before it is waited for.
+struct ChildGuard(Option<Child>);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl std::ops::Deref for ChildGuard {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        self.0.as_ref().unwrap()
+    }
+}
+
+impl std::ops::DerefMut for ChildGuard {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().unwrap()
+    }
+}
+
+fn spawn_child(plan: &ChildPlan, uid: Option<u32>) -> ChildGuard {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        "--exact",
+        "child_process_entry",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD_VAR, serde_json::to_string(plan).unwrap())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit());
+    if let Some(uid) = uid {
+        use std::os::unix::process::CommandExt;
+        cmd.uid(uid).gid(uid);
+    }
+    ChildGuard(Some(cmd.spawn().unwrap()))
+}
+
+/// Waits for the child's line starting with `CHILD:` and returns the rest.
+fn child_line(child: &mut Child) -> String {
+    let out = child.stdout.as_mut().unwrap();
+    let mut r = BufReader::new(out);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap() == 0 {
+            panic!("the child ended without reporting");
+        }
+        // libtest may print `test child_process_entry ... ` before it on the same line.
+        if let Some(at) = line.find("CHILD:") {
+            return line[at + "CHILD:".len()..].trim().to_string();
+        }
+    }
+}
+
+fn finish_child(mut child: ChildGuard) -> String {
+    let line = child_line(&mut child);
+    let status = child.0.take().unwrap().wait().unwrap();
+    assert!(status.success(), "child failed: {line}");
+    line
+}
+
+/// Not a test: the body of the client processes the tests start (does nothing unless
+/// `KVTIER_NODE_CHILD` is set).
+#[test]
+fn child_process_entry() {
+    let Ok(plan) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let plan: ChildPlan = serde_json::from_str(&plan).unwrap();
+    let say = |s: String| {
+        use std::io::Write;
+        println!("CHILD:{s}");
+        std::io::stdout().flush().unwrap();
+    };
+    let hello = ClientHello {
+        engine: plan.name.clone(),
+        row_stride: STRIDE,
+        digest: plan.digest,
+    };
+    let client = match NodeClient::connect(&plan.socket, &hello) {
+        Ok(c) => c,
+        Err(e) => {
+            say(format!("refused {} {}", e.kind(), e.message()));
+            return;
+        }
+    };
+    if plan.role == "connect" {
+        say("connected".into());
+        return;
+    }
+    // The region: a /dev/shm file as vLLM makes it, or a memfd passed by descriptor.
+    let memfd;
+    let base: *mut u8;
+    if plan.region.is_empty() {
+        memfd = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+        client
+            .register_fd(memfd.fd().unwrap().as_fd(), ROWS)
+            .unwrap();
+        base = memfd.base_ptr();
+    } else {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&plan.region)
+            .unwrap();
+        file.set_len(ROWS * STRIDE).unwrap();
+        let region = PrimaryRegion::map_shared_file(&file, ROWS as usize, STRIDE as usize).unwrap();
+        client.register_path(Path::new(&plan.region), ROWS).unwrap();
+        base = region.base_ptr();
+        std::mem::forget(region); // stays mapped for the process's life
+    }
+    let keys: Vec<ChunkKey> = (0..plan.keys).map(|i| key(&plan.tag, i)).collect();
+    let rows: Vec<u32> = (0..plan.keys).collect();
+    match plan.role.as_str() {
+        "store" | "store-hang" => {
+            // Random bytes in every row (this process alone knows them; the test reads them
+            // back from the region file).
+            let len = (ROWS * STRIDE) as usize;
+            // SAFETY: the region is this process's own, mapped for `len` bytes.
+            let all = unsafe { std::slice::from_raw_parts_mut(base, len) };
+            let mut seed = std::process::id() as u64 | 1;
+            for b in all.chunks_mut(8) {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                b.copy_from_slice(&seed.to_le_bytes()[..b.len()]);
+            }
+            client.submit_store(1, keys, rows);
+        }
+        "load" | "load-hang" => {
+            let found = client.lookup(&keys).unwrap();
+            if found.iter().any(|r| *r != LookupResult::Hit) {
+                say(format!("lookup {found:?}"));
+                std::process::exit(3);
+            }
+            client.submit_load(1, keys, rows);
+        }
+        other => panic!("unknown role {other}"),
+    }
+    if plan.role.ends_with("-hang") {
+        say("submitted".into());
+        // Killed by the test long before this ends.
+        std::thread::sleep(Duration::from_secs(120));
+        return;
+    }
+    let r = client
+        .wait_finished(Duration::from_secs(60))
+        .expect("job result");
+    say(format!(
+        "job {} success {} bytes {:?}",
+        r.job_id, r.success, r.transfer_bytes
+    ));
+    if !r.success {
+        std::process::exit(4);
+    }
+}
+
+fn plan(f: &Fixture, name: &str, role: &str, region: &Path, tag: &str, keys: u32) -> ChildPlan {
+    ChildPlan {
+        socket: f.socket.clone(),
+        name: name.into(),
+        role: role.into(),
+        region: region.display().to_string(),
+        tag: tag.into(),
+        keys,
+        digest: DIGEST,
+    }
+}
+
+#[test]
+fn rank_a_stores_rank_b_loads_equal_bytes_through_the_service() {
+    let mut f = fixture();
+    let mode = std::fs::metadata(&f.socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the socket's default mode");
+    let a_file = shm_path(&mut f, "a");
+    let b_file = shm_path(&mut f, "b");
+    let n = 24;
+    let a = spawn_child(&plan(&f, "rank-a", "store", &a_file, "shared", n), None);
+    let line = finish_child(a);
+    assert!(line.contains("success true"), "{line}");
+    let b = spawn_child(&plan(&f, "rank-b", "load", &b_file, "shared", n), None);
+    let line = finish_child(b);
+    assert!(line.contains("success true"), "{line}");
+    for row in 0..u64::from(n) {
+        let (x, y) = (read_row(&a_file, row), read_row(&b_file, row));
+        assert!(x.iter().any(|b| *b != 0), "row {row} of rank A holds data");
+        assert!(
+            x == y,
+            "row {row}: rank B loaded other bytes than rank A stored"
+        );
+    }
+    // The rows beyond the job were not touched.
+    assert!(read_row(&b_file, u64::from(n)).iter().all(|b| *b == 0));
+    // Both sessions ended: nothing connected, nothing mapped.
+    wait_no_engines(&f);
+    assert_not_mapped(&a_file);
+    assert_not_mapped(&b_file);
+}
+
+#[test]
+fn a_region_passed_by_descriptor_stores_and_loads() {
+    let mut f = fixture();
+    let b_file = shm_path(&mut f, "b");
+    let a = spawn_child(&plan(&f, "memfd-a", "store", Path::new(""), "fd", 8), None);
+    assert!(finish_child(a).contains("success true"));
+    // The loader's region is a file this process can read, the storer's was a memfd: what
+    // rank A stored must equal what a third client, in this process, stores and loads back.
+    let b = spawn_child(&plan(&f, "file-b", "load", &b_file, "fd", 8), None);
+    assert!(finish_child(b).contains("success true"));
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let c = NodeClient::connect(&f.socket, &hello("in-process")).unwrap();
+    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let keys: Vec<ChunkKey> = (0..8).map(|i| key("fd", i)).collect();
+    c.submit_load(7, keys, (0..8).collect());
+    let r = c.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    for row in 0..8u64 {
+        // SAFETY: the job is done; this test is the only user of the region.
+        let mine = unsafe { region.row(row as usize).unwrap() };
+        assert!(mine == read_row(&b_file, row).as_slice(), "row {row}");
+        assert!(mine.iter().any(|b| *b != 0));
+    }
+}
+
+#[test]
+fn another_digest_is_refused_at_connect_with_both_digests() {
+    let f = fixture();
+    let mut h = hello("other-model");
+    h.digest = [0x17; 32];
+    let e = NodeClient::connect(&f.socket, &h).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::IncompatibleLayout, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains(&hex::encode([0x17u8; 32])), "{msg}");
+    assert!(msg.contains(&hex::encode(DIGEST)), "{msg}");
+    let mut h = hello("other-rows");
+    h.row_stride = STRIDE * 2;
+    let e = NodeClient::connect(&f.socket, &h).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::IncompatibleLayout, "{e}");
+    assert!(e.to_string().contains("row stride"), "{e}");
+    assert!(f.service.as_ref().unwrap().engines().is_empty());
+}
+
+#[test]
+fn a_uid_not_on_the_allow_list_is_refused() {
+    if !rustix::process::getuid().is_root() {
+        kvtier::skip_test!("needs root to start a client under another uid");
+        return;
+    }
+    // The socket is open to everyone; the peer check alone keeps uid 65534 out.
+    let f = fixture_with(0o666, vec![0]);
+    std::fs::set_permissions(f.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let readable = std::fs::metadata(&exe).unwrap().permissions().mode() & 0o005 == 0o005;
+    if !readable {
+        kvtier::skip_test!("the test binary is not executable by other users");
+        return;
+    }
+    let mut p = plan(&f, "nobody", "connect", Path::new(""), "x", 0);
+    p.socket = f.socket.clone();
+    let child = spawn_child(&p, Some(65534));
+    let line = finish_child(child);
+    assert!(line.starts_with("refused permission_denied"), "{line}");
+    assert!(line.contains("uid 65534"), "{line}");
+    // The same test as root (allowed) connects.
+    let ok = spawn_child(&p, None);
+    assert_eq!(finish_child(ok), "connected");
+}
+
+#[test]
+fn sigkill_of_a_client_mid_store_leaves_the_service_consistent() {
+    let mut f = fixture();
+    let a_file = shm_path(&mut f, "a");
+    let n = 48;
+    let mut a = spawn_child(
+        &plan(&f, "doomed-store", "store-hang", &a_file, "k", n),
+        None,
+    );
+    assert_eq!(child_line(&mut a), "submitted");
+    a.kill().unwrap();
+    a.wait().unwrap();
+    wait_no_engines(&f);
+    assert_not_mapped(&a_file);
+    // Every key is either absent or holds exactly rank A's bytes: load what is there.
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let c = NodeClient::connect(&f.socket, &hello("checker")).unwrap();
+    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let keys: Vec<ChunkKey> = (0..n).map(|i| key("k", i)).collect();
+    let found = c.lookup(&keys).unwrap();
+    let held: Vec<u32> = (0..n)
+        .filter(|i| found[*i as usize] == LookupResult::Hit)
+        .collect();
+    eprintln!(
+        "mid-store kill: {} of {n} keys were committed; service: {}",
+        held.len(),
+        f.service.as_ref().unwrap().status_json()
+    );
+    if !held.is_empty() {
+        let hk = held.iter().map(|i| key("k", *i)).collect();
+        c.submit_load(1, hk, (0..held.len() as u32).collect());
+        let r = c.wait_finished(Duration::from_secs(30)).unwrap();
+        assert!(r.success, "{:?}", r.error);
+        for (row, i) in held.iter().enumerate() {
+            // SAFETY: the job is done; this test is the only user of the region.
+            let got = unsafe { region.row(row).unwrap() };
+            assert!(
+                got == read_row(&a_file, u64::from(*i)).as_slice(),
+                "key {i}"
+            );
+        }
+    }
+    assert_all_slots_usable(&c, &region);
+}
+
+#[test]
+fn sigkill_of_a_client_mid_load_leaves_the_service_consistent() {
+    let mut f = fixture();
+    let a_file = shm_path(&mut f, "a");
+    let b_file = shm_path(&mut f, "b");
+    let n = 48;
+    let a = spawn_child(&plan(&f, "storer", "store", &a_file, "k", n), None);
+    assert!(finish_child(a).contains("success true"));
+    let mut b = spawn_child(&plan(&f, "doomed-load", "load-hang", &b_file, "k", n), None);
+    assert_eq!(child_line(&mut b), "submitted");
+    b.kill().unwrap();
+    b.wait().unwrap();
+    wait_no_engines(&f);
+    assert_not_mapped(&b_file);
+    // Everything rank A stored still loads, with its bytes.
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let c = NodeClient::connect(&f.socket, &hello("checker")).unwrap();
+    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let keys: Vec<ChunkKey> = (0..n).map(|i| key("k", i)).collect();
+    c.submit_load(1, keys, (0..n).collect());
+    let r = c.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    for row in 0..u64::from(n) {
+        // SAFETY: the job is done; this test is the only user of the region.
+        let got = unsafe { region.row(row as usize).unwrap() };
+        assert!(got == read_row(&a_file, row).as_slice(), "row {row}");
+    }
+    // No pin of the killed load survives: every slot can be taken by new keys.
+    assert_all_slots_usable(&c, &region);
+}
+
+/// Stores as many new keys as the tier has slots: that needs every old slot evicted, which a
+/// leaked pin or reservation would forbid.
+fn assert_all_slots_usable(c: &NodeClient, region: &PrimaryRegion) {
+    let keys: Vec<ChunkKey> = (0..SLOTS as u32).map(|i| key("fresh", i)).collect();
+    // SAFETY: no job of this client is running.
+    unsafe { region.row_mut(0).unwrap().fill(0xEE) };
+    c.submit_store(99, keys.clone(), vec![0; keys.len()]);
+    let r = c.wait_finished(Duration::from_secs(60)).unwrap();
+    assert!(
+        r.success,
+        "a fresh store of every slot failed: {:?}",
+        r.error
+    );
+    let found = c.lookup(&keys).unwrap();
+    assert!(found.iter().all(|r| *r == LookupResult::Hit), "{found:?}");
+}
+
+fn wait_no_engines(f: &Fixture) {
+    let svc = f.service.as_ref().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !svc.engines().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "sessions did not end: {}",
+            svc.status_json()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// This process (the service) no longer maps `path`.
+fn assert_not_mapped(path: &Path) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let name = path.display().to_string();
+    assert!(
+        !maps.lines().any(|l| l.contains(&name)),
+        "{name} is still mapped by the service"
+    );
+}
