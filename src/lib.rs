@@ -60,11 +60,14 @@
 //! 11. [`tiering`]: the manager with vLLM's multi-tier semantics and back-pressure.
 //! 12. [`embed`]: the front door: one [`Builder`] from a configuration to a running manager or
 //!     a single tier (used by `kvtier serve`, `kvtier bench` and the Python package).
-//! 13. `cli`: the `kvtier` command line (private; the binary calls [`run_cli`]).
+//! 13. [`node`]: the node-local service (one G3 pool shared by every engine process of a
+//!     host over a Unix socket) and its client, [`node::NodeClient`].
+//! 14. `cli`: the `kvtier` command line (private; the binary calls [`run_cli`]).
 //!
 //! # What is public
 //! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`] and
-//! the byte [`size`]s it reads, [`contract`], [`region`], [`key`], [`error`]) and what outside
+//! the byte [`size`]s it reads, [`contract`], [`region`], [`key`], [`error`]), the node
+//! service and its client ([`node`]), and what outside
 //! tools need to compare kvtier with other implementations: the primary tier ([`primary`]), the tiering manager with its
 //! injectable clock and back-pressure detector ([`tiering`]), the canonical mapping
 //! ([`canonical`]), with the row [`geometry`] and the [`metrics`] registry their signatures
