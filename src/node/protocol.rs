@@ -308,6 +308,15 @@ impl Writer {
         })?;
         Ok(self.u16(len).bytes(k.as_bytes()))
     }
+    /// The body of `HELLO` and `WELCOME`: magic, version, reserved, row stride, digest, text.
+    fn greeting(&mut self, row_stride: u64, digest: &[u8; 32], text: &str) {
+        self.bytes(&MAGIC)
+            .u16(VERSION)
+            .u16(0)
+            .u64(row_stride)
+            .bytes(digest)
+            .str16(text);
+    }
     fn frame(self, kind: u16, seq: u64) -> Frame {
         Frame {
             kind,
@@ -363,6 +372,31 @@ impl<'a> Reader<'a> {
         String::from_utf8(self.take(n)?.to_vec())
             .map_err(|_| malformed(format!("a string of the {what} body is not UTF-8")))
     }
+    /// A [`Writer::greeting`] from the `peer` (`client` or `service`): its row stride,
+    /// digest and text, after the magic and version are checked.
+    fn greeting(&mut self, peer: &str) -> Result<(u64, [u8; 32], String)> {
+        let magic: [u8; 4] = self.array()?;
+        if magic != MAGIC {
+            return Err(malformed(format!(
+                "{} magic {} (expected {})",
+                self.what,
+                hex::encode(magic),
+                hex::encode(MAGIC)
+            )));
+        }
+        let version = self.u16()?;
+        if version != VERSION {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "the {peer} speaks node-service protocol version {version}, this kvtier \
+                     {VERSION}"
+                ),
+            ));
+        }
+        self.u16()?;
+        Ok((self.u64()?, self.array()?, self.str16()?))
+    }
     fn key16(&mut self) -> Result<ChunkKey> {
         let n = self.u16()? as usize;
         Ok(ChunkKey::new(self.take(n)?))
@@ -410,12 +444,7 @@ impl Request {
                 digest,
                 engine,
             } => {
-                w.bytes(&MAGIC)
-                    .u16(VERSION)
-                    .u16(0)
-                    .u64(*row_stride)
-                    .bytes(digest)
-                    .str16(engine);
+                w.greeting(*row_stride, digest, engine);
                 KIND_HELLO
             }
             Request::RegisterPath { num_rows, path } => {
@@ -479,29 +508,11 @@ impl Request {
         let req = match f.kind {
             KIND_HELLO => {
                 r.what = "HELLO";
-                let magic: [u8; 4] = r.array()?;
-                if magic != MAGIC {
-                    return Err(malformed(format!(
-                        "HELLO magic {} (expected {})",
-                        hex::encode(magic),
-                        hex::encode(MAGIC)
-                    )));
-                }
-                let version = r.u16()?;
-                if version != VERSION {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        format!(
-                            "the client speaks protocol version {version}, this service \
-                             {VERSION}"
-                        ),
-                    ));
-                }
-                r.u16()?;
+                let (row_stride, digest, engine) = r.greeting("client")?;
                 Request::Hello {
-                    row_stride: r.u64()?,
-                    digest: r.array()?,
-                    engine: r.str16()?,
+                    row_stride,
+                    digest,
+                    engine,
                 }
             }
             KIND_REGISTER_PATH => {
@@ -565,12 +576,7 @@ impl Reply {
                 digest,
                 version,
             } => {
-                w.bytes(&MAGIC)
-                    .u16(VERSION)
-                    .u16(0)
-                    .u64(*row_stride)
-                    .bytes(digest)
-                    .str16(version);
+                w.greeting(*row_stride, digest, version);
                 KIND_WELCOME
             }
             Reply::Registered { num_rows } => {
@@ -629,24 +635,11 @@ impl Reply {
         let reply = match f.kind {
             KIND_WELCOME => {
                 r.what = "WELCOME";
-                let magic: [u8; 4] = r.array()?;
-                if magic != MAGIC {
-                    return Err(malformed("WELCOME magic"));
-                }
-                let version = r.u16()?;
-                if version != VERSION {
-                    return Err(Error::new(
-                        ErrorKind::Unsupported,
-                        format!(
-                            "the service speaks protocol version {version}, this client {VERSION}"
-                        ),
-                    ));
-                }
-                r.u16()?;
+                let (row_stride, digest, version) = r.greeting("service")?;
                 Reply::Welcome {
-                    row_stride: r.u64()?,
-                    digest: r.array()?,
-                    version: r.str16()?,
+                    row_stride,
+                    digest,
+                    version,
                 }
             }
             KIND_REGISTERED => {
