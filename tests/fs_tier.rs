@@ -649,3 +649,41 @@ fn probes_of_another_host_with_the_same_pid_neither_stop_nor_lose_anything() {
         "the tier's own probe files are removed, the others kept"
     );
 }
+
+/// A process killed during its start-up probes leaves a probe file in the data folder. The
+/// scan removes such files once they are stale (as it removes stale temporary files) and
+/// keeps fresh ones (another host's probe may be running now).
+#[test]
+fn the_scan_removes_stale_probe_files_a_killed_start_left() {
+    let d = tmp();
+    let r = region(2);
+    let data = kvtier::fs::FileMapper::new(d.path(), fields())
+        .unwrap()
+        .data_dir()
+        .to_path_buf();
+    std::fs::create_dir_all(&data).unwrap();
+    let stale = [
+        data.join(".kvtier-xattr-probe-7-0123456789abcdef"),
+        data.join(".kvtier-publish-probe-0123456789abcdef-a"),
+    ];
+    let fresh = data.join(".kvtier-publish-probe-fedcba9876543210-b");
+    let old = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for p in &stale {
+        std::fs::write(p, b"").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_times(std::fs::FileTimes::new().set_modified(old))
+            .unwrap();
+    }
+    std::fs::write(&fresh, b"").unwrap();
+    let t = open(config(d.path(), 4), &r);
+    assert!(t.wait_scanned(Duration::from_secs(10)));
+    for p in &stale {
+        assert!(!p.exists(), "{} is still there", p.display());
+    }
+    assert!(fresh.exists());
+    assert_eq!(metric(&t, "fs_stale_temps_removed"), 2.0);
+    drop(t);
+}

@@ -1,7 +1,7 @@
 //! The start-up scan: walks the tier's data folder in the background, hands every chunk file
 //! it finds to the catalog in least-recently-used order (file times: the later of access and
 //! modification), and removes temporary files older than `stale_temp_s` (stores that died
-//! mid-way, kvtier's or vLLM's). Until it has finished, the catalog knows only what this
+//! mid-way, kvtier's or vLLM's; start-up probe files of a killed start). Until it has finished, the catalog knows only what this
 //! process did since it started, so the capacity is enforced over that.
 
 use std::path::Path;
@@ -65,6 +65,20 @@ fn walk(
 ) -> bool {
     let now = SystemTime::now();
     for d1 in read_dir(data) {
+        // Beside the `<hhh>` folders only the start-up probes' files live here; one that a
+        // killed start left is removed once stale.
+        if !d1.is_dir() {
+            let probe = d1
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(".kvtier-") && n.contains("-probe-"));
+            if probe && is_stale(&d1, now, stale_age) && std::fs::remove_file(&d1).is_ok() {
+                sh.metrics
+                    .stale_temps_removed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            continue;
+        }
         for d2 in read_dir(&d1) {
             if stop.load(Ordering::Relaxed) {
                 return false;
@@ -99,6 +113,13 @@ fn walk(
         }
     }
     true
+}
+
+/// Whether `path` was last modified more than `age` before `now`.
+fn is_stale(path: &Path, now: SystemTime, age: Duration) -> bool {
+    std::fs::symlink_metadata(path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| now.duration_since(t).unwrap_or_default() > age)
 }
 
 /// The entries of `dir`, or none if it cannot be read (another host may remove folders).
