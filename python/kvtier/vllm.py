@@ -178,6 +178,12 @@ def _build_class():
             self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
             self._flat, anchor, base, length = _region(primary_kv_view)
             spec = spec_fields(offloading_spec, self.block_size_bytes)
+            socket = given.get("service_socket_path")
+            if socket is not None:
+                # Client mode: the node service owns the G3 pool (docs/node-service.md).
+                del anchor
+                self._connect(offloading_spec, socket, given, length, spec)
+                return
             try:
                 self._tier = _native().Tier(
                     base,
@@ -202,6 +208,46 @@ def _build_class():
                 self._label,
                 self._tier.namespace[:16],
                 self._tier.vllm_digest,
+            )
+
+        def _connect(self, offloading_spec, socket, given, length, spec):
+            wrong = sorted(set(given) - {"service_socket_path", "locality"})
+            if wrong:
+                raise _native().ConfigError(
+                    f"secondary_tiers[{self._index}].{wrong[0]}: a tier with "
+                    "service_socket_path takes only locality; the node service's own "
+                    "configuration holds the nvme keys (docs/node-service.md)"
+                )
+            if not isinstance(socket, (str, os.PathLike)):
+                raise _native().ConfigError(
+                    f"secondary_tiers[{self._index}].service_socket_path: expected a path, "
+                    f"found {type(socket).__name__}"
+                )
+            engine_id = offloading_spec.config.engine_id
+            # vLLM 0.33's scheduler-side SharedOffloadRegion: this file, never unlinked.
+            region_path = f"/dev/shm/vllm_offload_{engine_id}.mmap"
+            try:
+                self._tier = _native().Tier.connect(
+                    os.fspath(socket),
+                    region_path,
+                    length,
+                    self.block_size_bytes,
+                    json.dumps(spec),
+                    str(engine_id),
+                    given.get("locality"),
+                )
+            except BaseException:
+                self._flat.release()
+                raise
+            self._counters = {}
+            self._failures_logged_at = 0.0
+            self._failures_unlogged = 0
+            logger.info(
+                "kvtier tier %s: client of the node service at %s (namespace %s, region %s)",
+                self._label,
+                os.fspath(socket),
+                self._tier.namespace[:16],
+                region_path,
             )
 
         # ---- lookups and jobs -------------------------------------------------------------

@@ -40,7 +40,8 @@ fn to_py(e: Error) -> PyErr {
         | ErrorKind::IncompatibleLayout
         | ErrorKind::Misaligned
         | ErrorKind::Unsupported
-        | ErrorKind::Locked => ConfigError::new_err(e.to_string()),
+        | ErrorKind::Locked
+        | ErrorKind::PermissionDenied => ConfigError::new_err(e.to_string()),
         _ => KvtierError::new_err(e.to_string()),
     }
 }
@@ -229,6 +230,67 @@ impl Tier {
         Ok(Tier {
             tier: Mutex::new(Some(tier)),
             anchor: Mutex::new(Some(anchor)),
+            req: RequestContext::new("kvtier.vllm"),
+            num_rows,
+            vllm_digest,
+            namespace: hex::encode(namespace),
+        })
+    }
+
+    /// A tier in client mode: connects to the kvtier node service at `socket` (which owns
+    /// the G3 pool of the host), presents the namespace digest of `spec` (JSON of kvtier's
+    /// `VllmSpecFields`) and registers vLLM's primary region by the path of its shared file
+    /// (`region_path`, `length` bytes of rows of `row_stride` bytes). `engine` names this
+    /// engine in the service's status.
+    #[staticmethod]
+    #[pyo3(signature = (socket, region_path, length, row_stride, spec, engine, locality=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        py: Python<'_>,
+        socket: &str,
+        region_path: &str,
+        length: usize,
+        row_stride: usize,
+        spec: &str,
+        engine: &str,
+        locality: Option<&str>,
+    ) -> PyResult<Self> {
+        if row_stride == 0 || !length.is_multiple_of(row_stride) {
+            return Err(ConfigError::new_err(format!(
+                "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
+            )));
+        }
+        install_logger();
+        let num_rows = length / row_stride;
+        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
+        let namespace = spec.namespace_digest().map_err(to_py)?;
+        let vllm_digest =
+            kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
+        let locality = match locality {
+            None => None,
+            Some(l) => Some(kvtier::contract::job::Locality::parse(l).ok_or_else(|| {
+                ConfigError::new_err(format!("locality {l:?}: expected LOCAL or REMOTE"))
+            })?),
+        };
+        let hello = kvtier::node::ClientHello {
+            engine: engine.to_string(),
+            row_stride: row_stride as u64,
+            digest: namespace,
+        };
+        let tier = py
+            .detach(|| {
+                kvtier::node::NodeTier::connect(
+                    std::path::Path::new(socket),
+                    &hello,
+                    kvtier::node::RegionSource::Path(std::path::Path::new(region_path)),
+                    num_rows as u64,
+                    locality,
+                )
+            })
+            .map_err(to_py)?;
+        Ok(Tier {
+            tier: Mutex::new(Some(Box::new(tier))),
+            anchor: Mutex::new(None),
             req: RequestContext::new("kvtier.vllm"),
             num_rows,
             vllm_digest,

@@ -53,6 +53,10 @@ pub struct ServiceInfo {
 
 type JobKeys = Arc<Mutex<HashMap<u64, (u64, Vec<ChunkKey>)>>>;
 type Waiters = Arc<Mutex<HashMap<u64, Sender<Reply>>>>;
+/// Lookups sent without waiting: their keys by request number.
+type AsyncLookups = Arc<Mutex<HashMap<u64, Vec<ChunkKey>>>>;
+/// Answers to lookups sent without waiting: the keys and one verdict each.
+pub type LookupAnswer = (Vec<ChunkKey>, Vec<LookupResult>);
 
 /// A connection to the node service (see the module docs).
 pub struct NodeClient {
@@ -63,6 +67,8 @@ pub struct NodeClient {
     jobs: JobKeys,
     finished_tx: Sender<JobResult>,
     finished_rx: Receiver<JobResult>,
+    async_lookups: AsyncLookups,
+    answers_rx: Receiver<LookupAnswer>,
     connected: Arc<AtomicBool>,
     reader: Option<JoinHandle<()>>,
     service: ServiceInfo,
@@ -144,16 +150,20 @@ impl NodeClient {
         let waiters: Waiters = Default::default();
         let jobs: JobKeys = Default::default();
         let connected = Arc::new(AtomicBool::new(true));
+        let async_lookups: AsyncLookups = Default::default();
+        let (answers_tx, answers_rx) = crossbeam_channel::unbounded();
         let reader = {
-            let (waiters, jobs, tx, connected) = (
-                waiters.clone(),
-                jobs.clone(),
-                finished_tx.clone(),
-                connected.clone(),
-            );
+            let routes = Routes {
+                waiters: waiters.clone(),
+                jobs: jobs.clone(),
+                finished: finished_tx.clone(),
+                async_lookups: async_lookups.clone(),
+                answers: answers_tx,
+                connected: connected.clone(),
+            };
             std::thread::Builder::new()
                 .name("kvtier-node-client".into())
-                .spawn(move || read_replies(reader, waiters, jobs, tx, connected))
+                .spawn(move || read_replies(reader, routes))
                 .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start a thread: {e}")))?
         };
         Ok(NodeClient {
@@ -164,6 +174,8 @@ impl NodeClient {
             jobs,
             finished_tx,
             finished_rx,
+            async_lookups,
+            answers_rx,
             connected,
             reader: Some(reader),
             service,
@@ -284,6 +296,41 @@ impl NodeClient {
         }
     }
 
+    /// Sends a lookup of `keys` and returns at once; the verdicts arrive with
+    /// [`NodeClient::lookup_answers`] (MISS for every key when the service refuses the
+    /// request; nothing when the connection is lost).
+    pub fn request_lookup(&self, keys: Vec<ChunkKey>) -> Result<()> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = Request::Lookup { keys: keys.clone() }.to_frame(seq)?;
+        if !self.is_connected() {
+            return Err(lost());
+        }
+        self.async_lookups.lock().insert(seq, keys);
+        self.send(&frame, None).inspect_err(|_| {
+            self.async_lookups.lock().remove(&seq);
+        })
+    }
+
+    /// Verdicts of [`NodeClient::request_lookup`] that arrived since the last call.
+    pub fn lookup_answers(&self) -> Vec<LookupAnswer> {
+        self.answers_rx.try_iter().collect()
+    }
+
+    /// Waits until no job is outstanding (each has been reported) or `timeout` passes;
+    /// true when none is left.
+    pub fn wait_outstanding(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            if self.jobs.lock().is_empty() {
+                return true;
+            }
+            if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// The service's status document (JSON: its tier and every connected engine).
     pub fn status(&self) -> Result<String> {
         match self.call(&Request::Status, None)? {
@@ -348,9 +395,9 @@ impl NodeClient {
         self.finished_rx.recv_timeout(timeout).ok()
     }
 
-    /// Jobs submitted and not yet reported.
+    /// Jobs submitted and not yet collected with [`NodeClient::finished_jobs`].
     pub fn outstanding_jobs(&self) -> usize {
-        self.jobs.lock().len()
+        self.jobs.lock().len() + self.finished_rx.len()
     }
 }
 
@@ -363,13 +410,17 @@ impl Drop for NodeClient {
     }
 }
 
-fn read_replies(
-    mut reader: FrameReader,
+/// Where the reader thread sends what arrives.
+struct Routes {
     waiters: Waiters,
     jobs: JobKeys,
     finished: Sender<JobResult>,
+    async_lookups: AsyncLookups,
+    answers: Sender<LookupAnswer>,
     connected: Arc<AtomicBool>,
-) {
+}
+
+fn read_replies(mut reader: FrameReader, r: Routes) {
     let why = loop {
         let frame = match reader.read_frame() {
             Ok(Some(f)) => f,
@@ -377,13 +428,16 @@ fn read_replies(
             Err(e) => break Error::new(ErrorKind::Closed, format!("{}: {e}", lost())),
         };
         let reply = match Reply::from_frame(&frame) {
-            Ok(r) => r,
+            Ok(reply) => reply,
             Err(e) => break e,
         };
         if let Reply::JobDone(done) = &reply {
-            match jobs.lock().remove(&frame.seq) {
+            // Reported before it leaves the outstanding set: a drain never sees neither.
+            let entry = r.jobs.lock().get(&frame.seq).cloned();
+            match entry {
                 Some((job_id, keys)) if job_id == done.job_id => {
-                    let _ = finished.send(done.to_result(&keys));
+                    let _ = r.finished.send(done.to_result(&keys));
+                    r.jobs.lock().remove(&frame.seq);
                 }
                 _ => log::warn!(
                     "node client: the service reported job {} that is not outstanding",
@@ -392,22 +446,34 @@ fn read_replies(
             }
             continue;
         }
+        if let Some(keys) = r.async_lookups.lock().remove(&frame.seq) {
+            let verdicts = match reply {
+                Reply::Lookup(v) if v.len() == keys.len() => v,
+                other => {
+                    log::warn!("node client: a lookup was answered with {other:?}");
+                    vec![LookupResult::Miss; keys.len()]
+                }
+            };
+            let _ = r.answers.send((keys, verdicts));
+            continue;
+        }
         if let Reply::Error { kind, message } = &reply
-            && let Some((job_id, _)) = jobs.lock().remove(&frame.seq)
+            && let Some((job_id, _)) = r.jobs.lock().remove(&frame.seq)
         {
             // An error answering a job request reports that job.
             let e = Error::new(*kind, message.clone());
-            let _ = finished.send(JobResult::failed(job_id, e));
+            let _ = r.finished.send(JobResult::failed(job_id, e));
             continue;
         }
-        if let Some(tx) = waiters.lock().remove(&frame.seq) {
+        if let Some(tx) = r.waiters.lock().remove(&frame.seq) {
             let _ = tx.send(reply);
         }
     };
-    connected.store(false, Ordering::Release);
-    waiters.lock().clear();
-    let gone: Vec<_> = jobs.lock().drain().collect();
+    r.connected.store(false, Ordering::Release);
+    r.waiters.lock().clear();
+    r.async_lookups.lock().clear();
+    let gone: Vec<_> = r.jobs.lock().drain().collect();
     for (_, (job_id, _)) in gone {
-        let _ = finished.send(JobResult::failed(job_id, why.duplicate()));
+        let _ = r.finished.send(JobResult::failed(job_id, why.duplicate()));
     }
 }

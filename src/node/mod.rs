@@ -18,6 +18,7 @@
 //! * [`session`]: one engine's connection, its region and jobs, and the cleanup when it ends.
 //! * [`server`]: [`NodeService`], the listener and the peer check.
 //! * [`client`]: [`NodeClient`], the engine's side.
+//! * [`tier`]: [`NodeTier`], the service as an engine's secondary tier (client mode).
 
 pub mod client;
 pub mod engines;
@@ -25,6 +26,8 @@ pub mod protocol;
 pub mod server;
 pub mod session;
 pub mod socket;
+pub mod tier;
 
 pub use client::{ClientHello, NodeClient, ServiceInfo};
 pub use server::NodeService;
+pub use tier::{NodeTier, RegionSource};

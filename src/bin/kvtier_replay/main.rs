@@ -7,6 +7,7 @@
 //! kvtier-replay canonical     < {"queries": [...]}     runs, writers and digests
 //! kvtier-replay backpressure  < {"scenarios": [...]}   detector, manager and config replays
 //! kvtier-replay fs            < {"scenarios": [...]}   the fs tier on a directory: paths, stores, loads
+//! kvtier-replay node-serve    < {"config", ...}        the node service until SIGTERM
 //! kvtier-replay roundtrip     < {"dir", "steps": [...]} canonical chunks through a G3 tier by TP size
 //! ```
 //!
@@ -19,6 +20,7 @@ mod backpressure;
 mod canonical;
 mod fs;
 mod json;
+mod node;
 mod roundtrip;
 
 use std::io::Read as _;
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         Some("canonical") => canonical::run,
         Some("backpressure") => backpressure::run,
         Some("fs") => fs::run,
+        Some("node-serve") => node::run,
         Some("roundtrip") => roundtrip::run,
         Some("-h" | "--help") => {
             println!("{USAGE}");
