@@ -25,6 +25,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
 mod huge_pages;
+mod shared_alias;
+mod vllm_shm;
 
 /// Where the region's memory comes from.
 #[derive(Debug)]
@@ -36,6 +38,26 @@ enum Backing {
     /// Another process's shared file (its `/dev/shm` region or a memfd it passed over a
     /// socket) mapped `MAP_SHARED` here ([`PrimaryRegion::map_shared_file`]); unmapped on drop.
     SharedFile,
+    /// Memory owned by someone else, reached through kvtier's own 2 MiB-page mapping of the
+    /// same shared memory (unmapped here; the owner's mapping is never touched).
+    AdoptedAlias { _alias: shared_alias::Alias },
+    /// A region made as vLLM makes its shared offload region, then adopted
+    /// ([`PrimaryRegion::create_vllm_shaped`]): the adopted backing first, so that it goes
+    /// before the owner's mapping it reaches.
+    VllmShaped {
+        _adopted: Box<Backing>,
+        _owner: vllm_shm::OwnerMapping,
+    },
+}
+
+/// Whether [`PrimaryRegion::adopt_shared`] may back the adopted memory with 2 MiB pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdoptHugePages {
+    /// Use 2 MiB pages where the memory is a shared tmpfs file (as vLLM's region is) and the
+    /// kernel collapses it; otherwise keep its 4 KiB pages (logged once).
+    Auto,
+    /// Keep the owner's mapping and its pages (for measurements of the 4 KiB case).
+    Never,
 }
 
 /// A page-aligned region of rows. Shared between threads behind an `Arc`.
@@ -46,8 +68,13 @@ pub struct PrimaryRegion {
     num_rows: usize,
     backing: Backing,
     prefault: PrefaultMethod,
-    /// Whether an owned region is backed by 2 MiB pages (see [`huge_pages`]).
+    /// Whether the rows kvtier moves are backed by 2 MiB pages (see [`huge_pages`] and
+    /// [`shared_alias`]).
     huge_pages: bool,
+    /// Why the rows stay in 4 KiB pages, when they do.
+    small_pages_reason: Option<String>,
+    /// The share of the region's bytes in 2 MiB pages (0 to 1).
+    huge_page_share: f64,
 }
 
 /// How the region's pages were faulted in at creation.
@@ -116,8 +143,21 @@ impl PrimaryRegion {
             backing: Backing::Memfd { fd },
             prefault: PrefaultMethod::None,
             huge_pages: false,
+            small_pages_reason: None,
+            huge_page_share: 0.0,
         };
-        region.huge_pages = huge_pages::collapse(region.base.as_ptr(), len);
+        region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
+        region.huge_pages = region.huge_page_share == 1.0;
+        if !region.huge_pages {
+            region.small_pages_reason = Some(if len < huge_pages::HUGE_PAGE {
+                "the region is smaller than one 2 MiB page".to_string()
+            } else {
+                format!(
+                    "MADV_COLLAPSE left {:.0} % in 4 KiB pages (see the log)",
+                    (1.0 - region.huge_page_share) * 100.0
+                )
+            });
+        }
         region.prefault = region.prefault_pages();
         Ok(region)
     }
@@ -149,6 +189,8 @@ impl PrimaryRegion {
             backing: Backing::Adopted,
             prefault: PrefaultMethod::None,
             huge_pages: false,
+            small_pages_reason: Some("adopted as it is (PrimaryRegion::adopt)".to_string()),
+            huge_page_share: 0.0,
         })
     }
 
@@ -212,7 +254,112 @@ impl PrimaryRegion {
             backing: Backing::SharedFile,
             prefault: PrefaultMethod::None,
             huge_pages: false,
+            small_pages_reason: Some(
+                "mapped as the owner's file (PrimaryRegion::map_shared_file)".into(),
+            ),
+            huge_page_share: 0.0,
         })
+    }
+
+    /// Adopts memory owned by someone else, as [`PrimaryRegion::adopt`] does, and with
+    /// [`AdoptHugePages::Auto`] gives kvtier's own I/O 2 MiB pages where it can: when the
+    /// memory is a `MAP_SHARED` mapping of one tmpfs file (vLLM 0.33's shared offload region
+    /// in `/dev/shm`), kvtier maps the same file range again at a 2 MiB boundary, collapses it
+    /// into huge pages (`MADV_COLLAPSE`; the data and the owner's mapping stay as they are, the
+    /// physical pages become contiguous for every mapping) and moves rows through that mapping.
+    /// Otherwise the owner's mapping is used with its 4 KiB pages. Either way the outcome is
+    /// logged once and readable from [`PrimaryRegion::huge_pages`] and
+    /// [`PrimaryRegion::small_pages_reason`]. Collapsing copies the region once (about
+    /// 0.2 s per GiB on the development machine, see `docs/performance.md`).
+    ///
+    /// # Safety
+    /// As [`PrimaryRegion::adopt`]: `base` must point to `num_rows * row_stride` readable and
+    /// writable bytes that stay mapped, unmoved, for the life of the returned value and every
+    /// clone of the `Arc` it is put in.
+    pub unsafe fn adopt_shared(
+        base: *mut u8,
+        row_stride: usize,
+        num_rows: usize,
+        mode: AdoptHugePages,
+    ) -> Result<Self> {
+        // SAFETY: the caller's promise, passed on.
+        let mut region = unsafe { Self::adopt(base, row_stride, num_rows) }?;
+        if mode == AdoptHugePages::Never {
+            region.small_pages_reason = Some("huge pages turned off for this region".into());
+            log::info!(
+                "adopted primary region ({} bytes): kept in the owner's 4 KiB pages (huge pages \
+                 turned off)",
+                region.len()
+            );
+            return Ok(region);
+        }
+        let started = std::time::Instant::now();
+        match shared_alias::alias_and_collapse(region.base.as_ptr(), region.len()) {
+            shared_alias::AliasOutcome::Huge {
+                alias,
+                share,
+                shortfall,
+            } => {
+                region.base = NonNull::new(alias.base).ok_or_else(|| {
+                    Error::new(ErrorKind::Internal, "the huge-page mapping is null")
+                })?;
+                region.backing = Backing::AdoptedAlias { _alias: alias };
+                region.huge_page_share = share;
+                region.huge_pages = shortfall.is_none();
+                let took = started.elapsed().as_secs_f64();
+                match &shortfall {
+                    None => log::info!(
+                        "adopted primary region ({} bytes): kvtier moves its rows through its \
+                         own mapping of the same shared memory in 2 MiB pages (collapsed in \
+                         {took:.2} s; the owner's mapping is unchanged)",
+                        region.len()
+                    ),
+                    Some(why) => log::warn!(
+                        "adopted primary region ({} bytes): kvtier moves its rows through its \
+                         own mapping of the same shared memory, {:.0} % of it in 2 MiB pages \
+                         ({why}; {took:.2} s)",
+                        region.len(),
+                        share * 100.0
+                    ),
+                }
+                region.small_pages_reason = shortfall;
+            }
+            shared_alias::AliasOutcome::SmallPages(why) => {
+                log::warn!(
+                    "adopted primary region ({} bytes) stays in 4 KiB pages: {why}; O_DIRECT \
+                     transfers of large rows are split into many DMA segments and may run slower",
+                    region.len()
+                );
+                region.small_pages_reason = Some(why);
+            }
+        }
+        Ok(region)
+    }
+
+    /// A region made the way vLLM 0.33 makes its shared offload region (a file in `dir`,
+    /// normally `/dev/shm`, mapped as Python's `mmap` maps it, 4 KiB pages, unlinked, pre-faulted
+    /// with `MADV_POPULATE_WRITE`; see `vllm_shm`), adopted through
+    /// [`PrimaryRegion::adopt_shared`] as the Python tier adopts vLLM's. For benchmarks and
+    /// tests that must measure what kvtier does inside vLLM.
+    pub fn create_vllm_shaped(
+        num_rows: usize,
+        row_stride: usize,
+        dir: &std::path::Path,
+        mode: AdoptHugePages,
+    ) -> Result<Self> {
+        let len = check_geometry(row_stride, num_rows)?;
+        let owner = vllm_shm::OwnerMapping::create(dir, len)?;
+        // SAFETY: `owner` maps `len` bytes read-write and moves into the returned region,
+        // whose backing drops the adopted view before it.
+        let mut region =
+            unsafe { Self::adopt_shared(owner.ptr.cast(), row_stride, num_rows, mode) }?;
+        region.prefault = PrefaultMethod::PopulateWrite;
+        let adopted = std::mem::replace(&mut region.backing, Backing::Adopted);
+        region.backing = Backing::VllmShaped {
+            _adopted: Box::new(adopted),
+            _owner: owner,
+        };
+        Ok(region)
     }
 
     fn prefault_pages(&self) -> PrefaultMethod {
@@ -246,11 +393,24 @@ impl PrimaryRegion {
         PrefaultMethod::TouchPages
     }
 
-    /// Whether the region is backed by 2 MiB pages, so that rows are physically contiguous
-    /// and a large O_DIRECT transfer is one DMA segment per 2 MiB (always false for an
-    /// adopted region, whose pages are its owner's business).
+    /// Whether the rows kvtier moves are backed by 2 MiB pages, so that they are physically
+    /// contiguous and a large O_DIRECT transfer is one DMA segment per 2 MiB (false for memory
+    /// adopted with [`PrimaryRegion::adopt`]; see [`PrimaryRegion::adopt_shared`]).
     pub fn huge_pages(&self) -> bool {
         self.huge_pages
+    }
+
+    /// The share (0 to 1) of the region's bytes kvtier moves through 2 MiB pages: 1 with
+    /// [`PrimaryRegion::huge_pages`], between 0 and 1 when an adopted region collapsed only
+    /// partly (free 2 MiB blocks of memory ran short).
+    pub fn huge_page_share(&self) -> f64 {
+        self.huge_page_share
+    }
+
+    /// Why (some of) the rows stay in 4 KiB pages (`None` when
+    /// [`PrimaryRegion::huge_pages`]).
+    pub fn small_pages_reason(&self) -> Option<&str> {
+        self.small_pages_reason.as_deref()
     }
 
     /// Bytes per row (a multiple of 4096).
@@ -292,7 +452,10 @@ impl PrimaryRegion {
     pub fn fd(&self) -> Option<BorrowedFd<'_>> {
         match &self.backing {
             Backing::Memfd { fd } => Some(fd.as_fd()),
-            Backing::Adopted | Backing::SharedFile => None,
+            Backing::Adopted
+            | Backing::SharedFile
+            | Backing::AdoptedAlias { .. }
+            | Backing::VllmShaped { .. } => None,
         }
     }
 

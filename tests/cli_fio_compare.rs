@@ -143,6 +143,34 @@ fn compares_store_and_load_as_json_and_plots() {
             .map(|p| p["iodepth"].as_u64().unwrap())
             .collect();
         assert_eq!(depths, [1, 2]);
+        // fio gets the same kind of memory as kvtier's rows, or the report says it did not.
+        assert_eq!(o["kvtier_region"], "own");
+        let pages = o["kvtier_pages"].as_str().unwrap();
+        let like = o["fio_like_for_like"].as_bool().unwrap();
+        let memory = &o["fio_setup"]["memory"];
+        if pages == "2 MiB pages" && like {
+            assert_eq!(memory, "shm_huge", "{o}");
+            assert_eq!(o["fio_best_setup"]["memory"], "shm_huge", "{o}");
+            assert_eq!(o["fio_best_bytes_per_sec"], o["fio_bytes_per_sec"], "{o}");
+        }
+        if !like {
+            assert_eq!(memory, "malloc", "{o}");
+            assert!(
+                o["fio_note"]
+                    .as_str()
+                    .unwrap()
+                    .contains("NOT like for like"),
+                "{o}"
+            );
+        }
+        assert_eq!(
+            o["fio_setup"]["batch"], 0,
+            "batches of up to the depth: {o}"
+        );
+        for key in ["kvtier_cpu_seconds_per_gb", "fio_cpu_seconds_per_gb"] {
+            assert!(o[key].as_f64().is_some_and(|v| v >= 0.0), "{key}: {o}");
+        }
+        assert!(o["sweep"][0]["row_size"] == 1 << 20);
     }
     let text = std::fs::read_to_string(&svg).unwrap();
     assert!(text.starts_with("<svg") && text.contains("store") && text.contains("load"));
@@ -191,4 +219,58 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
         "{}",
         stderr(&out)
     );
+}
+
+/// kvtier's rows in a vLLM-shaped region with 4 KiB pages: fio's buffers are 4 KiB shared
+/// tmpfs pages too, and fio's best (hugetlb) runs beside it as the device reference, or the
+/// report says why it cannot.
+#[test]
+fn a_4k_page_region_gets_shared_tmpfs_buffers_and_a_huge_page_reference() {
+    if !fio_installed() {
+        kvtier::skip_test!("fio is not installed (apt-get install fio)");
+        return;
+    }
+    if !Path::new("/dev/shm").is_dir() {
+        kvtier::skip_test!("no /dev/shm");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let out = small_compare(
+        dir.path().to_str().unwrap(),
+        &["--profile", "store", "--region", "vllm-4k", "--json"],
+    );
+    assert_success(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let o = &v[0];
+    assert_eq!(o["kvtier_region"], "vllm-4k");
+    assert!(
+        o["kvtier_pages"]
+            .as_str()
+            .unwrap()
+            .starts_with("4 KiB pages"),
+        "{o}"
+    );
+    assert_eq!(o["fio_like_for_like"], true);
+    let shm = o["fio_setup"]["memory"]["shm_file"].as_str().unwrap();
+    assert!(shm.starts_with("/dev/shm/"), "{o}");
+    assert!(!Path::new(shm).exists(), "fio's buffer file is removed");
+    match o["fio_best_setup"]["memory"].as_str() {
+        Some(m) => {
+            assert_eq!(m, "shm_huge");
+            let best = o["fio_best_bytes_per_sec"].as_f64().unwrap();
+            let k = o["kvtier_bytes_per_sec"].as_f64().unwrap();
+            assert!(best > 0.0);
+            assert!(
+                (o["ratio_to_best"].as_f64().unwrap() - k / best).abs() < 1e-9,
+                "{o}"
+            );
+        }
+        None => assert!(
+            o["fio_note"]
+                .as_str()
+                .unwrap()
+                .contains("best configuration cannot run"),
+            "{o}"
+        ),
+    }
 }

@@ -17,6 +17,7 @@ use pyo3::types::PyBytes;
 use kvtier::canonical::VllmSpecFields;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
+use kvtier::region::AdoptHugePages;
 use kvtier::tiering::factory::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
@@ -218,8 +219,16 @@ impl Tier {
                 // stay mapped and unmoved; this object keeps `anchor` until the tier (and
                 // with it every clone of the region's `Arc` held by its I/O engine) has
                 // stopped, and never drops it when stopping failed.
-                let region =
-                    unsafe { PrimaryRegion::adopt(base as *mut u8, row_stride, num_rows) }?;
+                // With 2 MiB pages where vLLM's /dev/shm file allows (kvtier's own second
+                // mapping of it; vLLM's mapping and bytes stay as they are).
+                let region = unsafe {
+                    PrimaryRegion::adopt_shared(
+                        base as *mut u8,
+                        row_stride,
+                        num_rows,
+                        AdoptHugePages::Auto,
+                    )
+                }?;
                 Builder::for_tier(tier_config)
                     .region(Arc::new(region))
                     .namespace(namespace)

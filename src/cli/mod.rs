@@ -28,6 +28,7 @@ pub mod layout_cmd;
 pub mod layout_vllm;
 pub mod logger;
 pub mod output;
+pub mod region_arg;
 pub mod serve;
 pub mod service_cmd;
 pub mod sigpipe;

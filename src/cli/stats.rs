@@ -1,4 +1,5 @@
-//! Small statistics for benchmark reports: medians and nearest-rank percentiles.
+//! Small statistics for benchmark reports: medians, nearest-rank percentiles and the process's
+//! CPU time.
 
 /// The median of `values` (mean of the two middle values for an even count); `None` if empty
 /// or if any value is NaN.
@@ -23,6 +24,15 @@ pub fn percentile_sorted<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
     }
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
     Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+/// User plus system CPU seconds this process has used so far.
+///
+/// `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`: the CPU time of every thread of the process, the
+/// same sum as `getrusage`'s user and system times.
+pub fn process_cpu_seconds() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }
 
 #[cfg(test)]

@@ -94,6 +94,9 @@ pub struct G3Metrics {
     pub engine: Mutex<String>,
     /// Why the engine fell back (e.g. io_uring unavailable), if it did.
     pub engine_fallback: Mutex<Option<String>>,
+    /// The share of the primary region's bytes in 2 MiB pages (see
+    /// `PrimaryRegion::huge_page_share`), in millionths, set at open.
+    pub region_huge_page_ppm: AtomicU64,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
 }
@@ -336,6 +339,13 @@ impl G3Metrics {
             "The I/O engine in use (value 1)",
             self.engine.lock().clone(),
             self.engine_fallback.lock().is_some(),
+        ));
+        out.push(m(
+            "g3_region_huge_pages",
+            "Share (0 to 1) of the primary rows the tier moves that are backed by 2 MiB pages \
+             (one DMA segment per 2 MiB); below 1 the reason is logged once",
+            Gauge,
+            get(&self.region_huge_page_ppm) / 1e6,
         ));
         let gds = self.gds.lock().clone();
         let mut info = m(

@@ -174,6 +174,10 @@ impl G3Tier {
         let metrics = G3Metrics::default();
         *metrics.engine.lock() = handle.info.name.clone();
         *metrics.engine_fallback.lock() = handle.info.fallback_reason.clone();
+        metrics.region_huge_page_ppm.store(
+            (region.huge_page_share() * 1e6).round() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         *metrics.gds.lock() = gds;
         let shared = Arc::new(Shared {
             index: Mutex::new(None),

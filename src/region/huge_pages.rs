@@ -87,38 +87,62 @@ pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut c_voi
 }
 
 /// Backs the 2 MiB-aligned whole huge pages of the fresh mapping `[base, base + len)` with huge
-/// pages. Returns whether it did; the first failure in the process is logged.
+/// pages, one huge page at a time. Returns the share (0 to 1) of those it collapsed; the first
+/// shortfall in the process is logged.
 ///
 /// `MADV_COLLAPSE` refuses a range with no page present, and collapsing fully populated 4 KiB
-/// pages copies them, so one page per huge page is touched first and the rest is filled by
+/// pages copies them, so one page per huge page is faulted in first and the rest is filled by
 /// the collapse itself.
-pub(super) fn collapse(base: *mut u8, len: usize) -> bool {
-    let whole = len / HUGE_PAGE * HUGE_PAGE;
+pub(super) fn collapse(base: *mut u8, len: usize) -> f64 {
+    let whole = len / HUGE_PAGE;
     if whole == 0 || !(base as usize).is_multiple_of(HUGE_PAGE) {
-        return false;
+        return 0.0;
     }
-    for off in (0..whole).step_by(HUGE_PAGE) {
-        // SAFETY: `off < len`, inside the caller's fresh mapping, which nobody else uses yet.
-        // A volatile read-modify-write of one byte faults the page in without changing it.
-        unsafe {
-            let p = base.add(off);
-            std::ptr::write_volatile(p, std::ptr::read_volatile(p));
+    let mut collapsed = 0usize;
+    let mut last_error = None;
+    for i in 0..whole {
+        // SAFETY: `i * HUGE_PAGE < len`, inside the caller's mapping.
+        match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
+            Ok(()) => collapsed += 1,
+            Err(e) => last_error = Some(e),
         }
     }
-    // SAFETY: the range is the caller's own mapping; MADV_COLLAPSE keeps its contents.
-    let rc = unsafe { libc::madvise(base.cast(), whole, MADV_COLLAPSE) };
-    if rc == 0 {
-        return true;
-    }
-    let err = std::io::Error::last_os_error();
-    if !FALLBACK_LOGGED.swap(true, Ordering::Relaxed) {
+    if let Some(err) = last_error
+        && !FALLBACK_LOGGED.swap(true, Ordering::Relaxed)
+    {
         log::warn!(
-            "the primary region stays in 4 KiB pages (MADV_COLLAPSE failed: {err}); O_DIRECT \
-             transfers of large rows are split into many DMA segments and run slower (needs \
-             Linux >= 6.1 and transparent_hugepage/shmem_enabled other than `deny`)"
+            "{} of {whole} huge pages of the primary region stay in 4 KiB pages (MADV_COLLAPSE \
+             failed: {err}); O_DIRECT transfers of large rows there are split into many DMA \
+             segments and run slower (needs Linux >= 6.1, transparent_hugepage/shmem_enabled \
+             other than `deny` and free 2 MiB blocks of memory)",
+            whole - collapsed
         );
     }
-    false
+    collapsed as f64 / whole as f64
+}
+
+/// Collapses the huge page at `page` (2 MiB-aligned, inside our own mapping), asking again a
+/// few times while the kernel answers EAGAIN (page briefly busy) or ENOMEM (no free 2 MiB block
+/// yet; each try compacts memory a little).
+pub(super) fn collapse_one(page: *mut u8) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        // SAFETY: `page` starts a 2 MiB range of the caller's own mapping. A volatile read
+        // faults a missing page in (shmem allocates on read) without writing the memory others
+        // share; MADV_COLLAPSE keeps the contents of every page.
+        let rc = unsafe {
+            std::ptr::read_volatile(page);
+            libc::madvise(page.cast(), HUGE_PAGE, MADV_COLLAPSE)
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        tries += 1;
+        if tries >= 4 || !matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM)) {
+            return Err(e);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -56,18 +56,10 @@ pub fn first_mismatch(row: &[u8], run_seed: u64, index: u64) -> Option<usize> {
     None
 }
 
-/// User plus system CPU seconds this process has used so far.
-///
-/// `clock_gettime(CLOCK_PROCESS_CPUTIME_ID)`: the CPU time of every thread of the process, the
-/// same sum as `getrusage`'s user and system times.
-pub fn process_cpu_seconds() -> f64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cli::stats::process_cpu_seconds;
 
     #[test]
     fn rows_round_trip_and_differ_between_chunks() {

@@ -253,6 +253,7 @@ fn kvtier_round(
         keep: args.keep,
         slot_bytes: None,
         fs_fields: Some(fields.clone()),
+        region: crate::cli::region_arg::BenchRegion::Own,
     })?;
     let batches = plan.batches();
     let progress = !args.json;

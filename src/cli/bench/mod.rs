@@ -34,9 +34,12 @@ use crate::cli::bench::phases::{
     corrupt_chunk_for_test, corrupt_loaded_chunk, fill, load_phase, store_phase, verify,
 };
 use crate::cli::bench::plan::Plan;
-use crate::cli::bench::report::{BenchReport, LayoutReport, TierReport, render};
-use crate::cli::bench::tier::{BenchTier, TierOptions};
+use crate::cli::bench::report::{
+    BenchReport, LayoutReport, PhaseReport, RegionRound, RegionSummary, TierReport, render,
+};
+use crate::cli::bench::tier::{BenchTier, TierFacts, TierOptions};
 use crate::cli::output::{display_paths, errln, out, print_json};
+use crate::cli::region_arg::BenchRegion;
 use crate::cli::size::{format_size, parse_size};
 use crate::error::Result;
 use crate::io::IoEngineKind;
@@ -94,6 +97,13 @@ pub struct BenchArgs {
     /// fs-load.fio: 16 threads, O_DIRECT, the raw ceiling) in every round.
     #[arg(long)]
     pub fio: bool,
+    /// The primary region (repeatable; with several, each runs on a fresh tier, in --rounds
+    /// alternating rounds, and the report sets them side by side): `own` (kvtier's memfd in
+    /// 2 MiB pages), `vllm` (a /dev/shm file mapped as vLLM 0.33 maps its region, 4 KiB pages,
+    /// adopted as the Python tier adopts it: kvtier collapses its own mapping into 2 MiB pages
+    /// where it can), `vllm-4k` (the same, adopted with huge pages off). Default: own.
+    #[arg(long = "region", value_enum, value_name = "REGION")]
+    pub regions: Vec<BenchRegion>,
     /// Instead: chunks in GPU memory stored and loaded by GPUDirect Storage and, from the same
     /// GPU buffers, by the CPU path (GPU -> pinned row -> O_DIRECT), every byte verified; one
     /// table of GB/s. Needs a build with `--features gds` and a GPU.
@@ -123,14 +133,147 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     if args.tier == BenchTierKind::Fs {
         return fs_tier::run(&args);
     }
-    if args.fio || args.rounds.is_some() {
+    if args.fio {
         return Err(crate::error::Error::config(
-            if args.fio { "--fio" } else { "--rounds" },
+            "--fio",
             "applies to --tier fs only (the nvme tier is compared with fio by `kvtier fio-compare`)",
+        ));
+    }
+    let mut regions = args.regions.clone();
+    if regions.is_empty() {
+        regions.push(BenchRegion::Own);
+    }
+    regions.dedup();
+    let rounds = args.rounds.unwrap_or(1);
+    if rounds == 0 {
+        return Err(crate::error::Error::config(
+            "--rounds",
+            "must be at least 1",
+        ));
+    }
+    if args.keep && (rounds > 1 || regions.len() > 1) {
+        return Err(crate::error::Error::config(
+            "--keep",
+            "keeps the tier of a single run: give one --region and one round",
         ));
     }
     let plan = Plan::from_args(&args)?;
     let namespace = namespace_digest(&plan.layout, &plan.params);
+    let progress = !args.json;
+    let mut summaries: Vec<RegionSummary> = regions
+        .iter()
+        .map(|r| RegionSummary::new(r.name()))
+        .collect();
+    let mut first: Option<(Run, TierFacts)> = None;
+    let mut totals = (0u64, 0u64, 0u64);
+    for round in 0..rounds {
+        let mut order: Vec<usize> = (0..regions.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let (run, facts) = run_once(&args, &plan, namespace, regions[i], progress)?;
+            if progress && (rounds > 1 || regions.len() > 1) {
+                errln!(
+                    "round {}/{rounds} region {}: store {:.2} GB/s, load {:.2} GB/s",
+                    round + 1,
+                    regions[i].name(),
+                    run.store.gb_per_s,
+                    run.load.gb_per_s
+                );
+            }
+            totals.0 += run.verified;
+            totals.1 += run.mismatched;
+            totals.2 += run.missing;
+            summaries[i].pages = facts.pages.clone();
+            summaries[i].rounds.push(RegionRound {
+                store: run.store.clone(),
+                load: run.load.clone(),
+            });
+            if i == 0 && first.is_none() {
+                first = Some((run, facts));
+            }
+        }
+    }
+    for s in &mut summaries {
+        s.compute_medians();
+    }
+    let Some((run, facts)) = first else {
+        return Err(crate::error::Error::new(
+            crate::error::ErrorKind::Internal,
+            "the bench ran nothing",
+        ));
+    };
+    let expected = plan.chunks * u64::from(rounds) * regions.len() as u64;
+    let report = BenchReport {
+        layout: LayoutReport {
+            model: plan.layout.model_name.clone(),
+            tp: args.row.model.tp,
+            blocks_per_chunk: args.row.blocks_per_chunk,
+            tokens_per_chunk: plan.layout.tokens_per_block * args.row.blocks_per_chunk,
+            row_stride: plan.row_stride,
+            namespace: hex::encode(namespace),
+        },
+        tier: TierReport {
+            paths: facts.dirs,
+            capacity_bytes: plan.capacity,
+            max_bytes_in_flight: plan.max_bytes_in_flight,
+            io_engine: facts.io_engine,
+            direct_io: facts.direct_io,
+            kept: run.kept,
+        },
+        region: regions[0].name(),
+        region_pages: facts.pages,
+        chunks: plan.chunks,
+        store: run.store,
+        load: run.load,
+        chunks_verified: run.verified,
+        chunks_mismatched: run.mismatched,
+        chunks_missing: run.missing,
+        ok: totals.0 == expected,
+        regions: if regions.len() > 1 || rounds > 1 {
+            summaries
+        } else {
+            Vec::new()
+        },
+    };
+    if args.json {
+        print_json(&report)?;
+    } else {
+        out!("{}", render(&report))?;
+    }
+    if report.ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        errln!(
+            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
+            expected - totals.0,
+            expected,
+            totals.1,
+            totals.2
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// What one run on one region measured.
+struct Run {
+    store: PhaseReport,
+    load: PhaseReport,
+    verified: u64,
+    mismatched: u64,
+    missing: u64,
+    kept: bool,
+}
+
+/// Builds a fresh stack on `region` and runs fill, store, evict, load and verify once.
+fn run_once(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    region: BenchRegion,
+    progress: bool,
+) -> Result<(Run, TierFacts)> {
     let mut tier = BenchTier::open(&TierOptions {
         parent_dirs: args.path.paths.clone(),
         capacity: plan.capacity,
@@ -143,8 +286,9 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         slot_bytes: plan.params.slot_prefix(),
         keep: args.keep,
         fs_fields: None,
+        region,
     })?;
-    if args.path.paths.is_empty() {
+    if args.path.paths.is_empty() && progress {
         // The user named no directory: say where the slabs go, before the long part starts.
         errln!(
             "kvtier bench: writing {} of slabs in {} (the system temp dir; --path DIR to choose \
@@ -161,13 +305,12 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     let seed = run_seed();
     let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
     let batches = plan.batches();
-    let progress = !args.json;
 
     fill(&mut tier.manager, &keys, &batches, seed, progress)?;
-    let store = store_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
+    let store = store_phase(&mut tier.manager, plan, &keys, &batches, progress)?;
     tier.manager.reset_cache()?;
     tier.manager.on_reset_flushed();
-    let load = load_phase(&mut tier.manager, &plan, &keys, &batches, progress)?;
+    let load = load_phase(&mut tier.manager, plan, &keys, &batches, progress)?;
     if let Some(index) = corrupt_chunk_for_test()? {
         corrupt_loaded_chunk(&mut tier.manager, &keys, index)?;
     }
@@ -181,48 +324,17 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
 
     let facts = tier.facts();
     let kept = tier.close()?;
-    let report = BenchReport {
-        layout: LayoutReport {
-            model: plan.layout.model_name.clone(),
-            tp: args.row.model.tp,
-            blocks_per_chunk: args.row.blocks_per_chunk,
-            tokens_per_chunk: plan.layout.tokens_per_block * args.row.blocks_per_chunk,
-            row_stride: plan.row_stride,
-            namespace: hex::encode(namespace),
-        },
-        tier: TierReport {
-            paths: facts.dirs,
-            capacity_bytes: plan.capacity,
-            max_bytes_in_flight: plan.max_bytes_in_flight,
-            io_engine: facts.io_engine,
-            direct_io: facts.direct_io,
+    Ok((
+        Run {
+            store,
+            load,
+            verified,
+            mismatched,
+            missing,
             kept,
         },
-        chunks: plan.chunks,
-        store,
-        load,
-        chunks_verified: verified,
-        chunks_mismatched: mismatched,
-        chunks_missing: missing,
-        ok: verified == plan.chunks,
-    };
-    if args.json {
-        print_json(&report)?;
-    } else {
-        out!("{}", render(&report))?;
-    }
-    if report.ok {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        errln!(
-            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
-            plan.chunks - verified,
-            plan.chunks,
-            mismatched,
-            missing
-        );
-        Ok(ExitCode::from(1))
-    }
+        facts,
+    ))
 }
 
 /// A seed that differs between runs (so a kept tier never makes a later run look good).

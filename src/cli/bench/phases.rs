@@ -8,11 +8,12 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::cli::bench::data::{fill_row, first_mismatch, process_cpu_seconds};
+use crate::cli::bench::data::{fill_row, first_mismatch};
 use crate::cli::bench::plan::Plan;
 use crate::cli::bench::report::PhaseReport;
 use crate::cli::output::progress_bar;
 use crate::cli::stats::percentile_sorted;
+use crate::cli::stats::process_cpu_seconds;
 use crate::contract::job::{LookupResult, RequestContext};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;

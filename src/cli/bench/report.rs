@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use crate::cli::output::Table;
 use crate::cli::size::{format_gbps, format_size};
+use crate::cli::stats::median;
 use crate::size::count;
 
 /// Timing of one direction.
@@ -72,7 +73,11 @@ pub struct BenchReport {
     pub layout: LayoutReport,
     /// Tier.
     pub tier: TierReport,
-    /// Chunks stored and loaded.
+    /// The primary region of the first (or only) run: `own`, `vllm` or `vllm-4k`.
+    pub region: &'static str,
+    /// How its rows are backed: `2 MiB pages` or `4 KiB pages (why)`.
+    pub region_pages: String,
+    /// Chunks stored and loaded (per run).
     pub chunks: u64,
     /// Primary -> G3.
     pub store: PhaseReport,
@@ -84,8 +89,68 @@ pub struct BenchReport {
     pub chunks_mismatched: u64,
     /// Chunks that did not come back (store or promotion failed).
     pub chunks_missing: u64,
-    /// True iff every chunk was verified.
+    /// True iff every chunk of every run was verified.
     pub ok: bool,
+    /// With several `--region`s or `--rounds`: each region's medians over the rounds, and
+    /// its rounds (the top-level `store`, `load` and chunk counts are the first region's
+    /// first round).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub regions: Vec<RegionSummary>,
+}
+
+/// One region's store and load in one round.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RegionRound {
+    /// Primary -> G3.
+    pub store: PhaseReport,
+    /// G3 -> primary.
+    pub load: PhaseReport,
+}
+
+/// One region over all rounds.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RegionSummary {
+    /// `own`, `vllm` or `vllm-4k`.
+    pub region: &'static str,
+    /// How its rows were backed.
+    pub pages: String,
+    /// Median store throughput, GB/s.
+    pub store_gb_per_s: f64,
+    /// Median load throughput, GB/s.
+    pub load_gb_per_s: f64,
+    /// Median store CPU seconds per GB.
+    pub store_cpu_seconds_per_gb: f64,
+    /// Median load CPU seconds per GB.
+    pub load_cpu_seconds_per_gb: f64,
+    /// Every round, in run order.
+    pub rounds: Vec<RegionRound>,
+}
+
+impl RegionSummary {
+    /// An empty summary for `region`.
+    pub fn new(region: &'static str) -> Self {
+        RegionSummary {
+            region,
+            pages: String::new(),
+            store_gb_per_s: f64::NAN,
+            load_gb_per_s: f64::NAN,
+            store_cpu_seconds_per_gb: f64::NAN,
+            load_cpu_seconds_per_gb: f64::NAN,
+            rounds: Vec::new(),
+        }
+    }
+
+    /// Sets the medians from the rounds.
+    pub fn compute_medians(&mut self) {
+        let med = |f: &dyn Fn(&RegionRound) -> f64| {
+            let v: Vec<f64> = self.rounds.iter().map(f).collect();
+            median(&v).unwrap_or(f64::NAN)
+        };
+        self.store_gb_per_s = med(&|r| r.store.gb_per_s);
+        self.load_gb_per_s = med(&|r| r.load.gb_per_s);
+        self.store_cpu_seconds_per_gb = med(&|r| r.store.cpu_seconds_per_gb);
+        self.load_cpu_seconds_per_gb = med(&|r| r.load.cpu_seconds_per_gb);
+    }
 }
 
 /// The human report.
@@ -132,6 +197,43 @@ pub fn render(r: &BenchReport) -> String {
         ]);
     }
     out.push_str(&t.render());
+    out.push_str(&format!("region: {} ({})\n", r.region, r.region_pages));
+    if !r.regions.is_empty() {
+        let rounds = r.regions.first().map_or(0, |s| s.rounds.len());
+        out.push_str(&format!(
+            "\nregions side by side (medians of {}, alternating order):\n",
+            count(rounds as u64, "round")
+        ));
+        let base = r.regions.first();
+        let mut t = Table::new([
+            "region",
+            "store",
+            "store CPU s/GB",
+            "load",
+            "load CPU s/GB",
+            "store/own",
+            "load/own",
+            "pages",
+        ]);
+        for s in &r.regions {
+            let ratio = |x: f64, b: Option<f64>| match b {
+                Some(b) if b > 0.0 => format!("{:.2}", x / b),
+                _ => "-".to_string(),
+            };
+            let own = r.regions.iter().find(|x| x.region == "own").or(base);
+            t.row([
+                s.region.to_string(),
+                format_gbps(s.store_gb_per_s * 1e9),
+                format!("{:.3}", s.store_cpu_seconds_per_gb),
+                format_gbps(s.load_gb_per_s * 1e9),
+                format!("{:.3}", s.load_cpu_seconds_per_gb),
+                ratio(s.store_gb_per_s, own.map(|o| o.store_gb_per_s)),
+                ratio(s.load_gb_per_s, own.map(|o| o.load_gb_per_s)),
+                s.pages.clone(),
+            ]);
+        }
+        out.push_str(&t.render());
+    }
     out.push_str(&format!(
         "\nchunks verified: {} / {}{}\n",
         r.chunks_verified,

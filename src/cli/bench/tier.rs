@@ -11,8 +11,9 @@ use crate::config::{EvictionPolicyKind, KvtierConfig, TierConfig};
 use crate::embed::Builder;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
-use crate::region::PrimaryRegion;
 use crate::tiering::manager::TieringManager;
+
+use crate::cli::region_arg::{BenchRegion, pages_note};
 
 /// How to build the stack.
 #[derive(Debug, Clone)]
@@ -40,6 +41,8 @@ pub struct TierOptions {
     /// `Some`: an fs tier (in the first directory) named by these vLLM FileMapper fields,
     /// instead of a G3 tier.
     pub fs_fields: Option<serde_json::Value>,
+    /// The primary region the stack runs on.
+    pub region: BenchRegion,
 }
 
 /// Facts for the report.
@@ -51,6 +54,8 @@ pub struct TierFacts {
     pub io_engine: String,
     /// `direct`, `buffered` or `mixed`.
     pub direct_io: String,
+    /// How the primary region's rows are backed (`2 MiB pages`, `4 KiB pages (why)`).
+    pub pages: String,
 }
 
 /// The running stack. [`BenchTier::close`] shuts it down and removes the directories unless
@@ -61,6 +66,8 @@ pub struct BenchTier {
     dirs: Vec<tempfile::TempDir>,
     /// The tier's `config_info` (engine, direct I/O, ...).
     info: Vec<(&'static str, String)>,
+    /// How the primary region's rows are backed.
+    pages: String,
     keep: bool,
 }
 
@@ -80,7 +87,8 @@ impl BenchTier {
             .map_err(|_| Error::config("--bytes", "too many rows for this platform"))?;
         let row = usize::try_from(opts.row_stride)
             .map_err(|_| Error::config("--layout", "row stride too large"))?;
-        let region = Arc::new(PrimaryRegion::create(rows, row)?);
+        let region = Arc::new(opts.region.create(rows, row)?);
+        let pages = pages_note(&region);
         let io_engine = match opts.io_engine {
             IoEngineKind::Auto => "auto",
             IoEngineKind::Uring => "uring",
@@ -141,6 +149,7 @@ impl BenchTier {
             manager,
             dirs,
             info,
+            pages,
             keep: opts.keep,
         })
     }
@@ -161,6 +170,7 @@ impl BenchTier {
             dirs: self.dirs.iter().map(|d| d.path().to_path_buf()).collect(),
             io_engine: info("kvtier_io_engine"),
             direct_io,
+            pages: self.pages.clone(),
         }
     }
 

@@ -16,7 +16,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use crate::cli::bench::data::{fill_row, first_mismatch, process_cpu_seconds};
+use crate::cli::bench::data::{fill_row, first_mismatch};
+use crate::cli::stats::process_cpu_seconds;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::FileMapper;
 use crate::key::ChunkKey;

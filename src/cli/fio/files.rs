@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use rustix::fs::FallocateFlags;
 
+use crate::cli::region_arg::BenchRegion;
 use crate::error::{Error, Result};
 use crate::geometry::ROW_ALIGNMENT;
 use crate::region::PrimaryRegion;
@@ -34,21 +35,22 @@ pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
 }
 
 /// The buffer rows of kvtier's side: two rows of `row_size` bytes per request in flight at
-/// `max_depth` (a mixed pass runs a writer and a reader, each at the full depth).
-pub fn buffer_region(row_size: u64, max_depth: u32) -> Result<Arc<PrimaryRegion>> {
+/// `max_depth` (a mixed pass runs a writer and a reader, each at the full depth), in the
+/// region `kind` (kvtier's own, or one made and adopted as vLLM's).
+pub fn buffer_region(
+    row_size: u64,
+    max_depth: u32,
+    kind: BenchRegion,
+) -> Result<Arc<PrimaryRegion>> {
     let row = usize::try_from(row_size).map_err(|_| Error::config("--row-size", "too large"))?;
     let rows = 2 * max_depth.max(1) as usize;
-    Ok(Arc::new(PrimaryRegion::create(rows, row)?))
+    Ok(Arc::new(kind.create(rows, row)?))
 }
 
 /// How the buffer rows are backed, in the words the report uses: an O_DIRECT transfer is one
 /// DMA segment per physically contiguous run, so 4 KiB pages split a large row into many.
-pub fn page_note(region: &PrimaryRegion) -> &'static str {
-    if region.huge_pages() {
-        "buffers in 2 MiB pages"
-    } else {
-        "buffers in 4 KiB pages"
-    }
+pub fn page_note(region: &PrimaryRegion) -> String {
+    format!("buffers in {}", crate::cli::region_arg::pages_note(region))
 }
 
 /// Opens a prepared file for O_DIRECT reads and writes.

@@ -44,6 +44,8 @@ pub struct G3Shape {
     pub max_depth: u32,
     /// The tier's engine.
     pub engine: IoEngineKind,
+    /// The kvtier region the buffer rows are in.
+    pub region: crate::cli::region_arg::BenchRegion,
 }
 
 /// A G3 tier over fresh directories, reopened whenever the depth (its byte budget) changes.
@@ -67,7 +69,7 @@ impl G3Workload {
             }
             std::fs::create_dir_all(d).map_err(|e| Error::io("create", d, e))?;
         }
-        let region = buffer_region(shape.row_size, shape.max_depth)?;
+        let region = buffer_region(shape.row_size, shape.max_depth, shape.region)?;
         let slots =
             ChunkGeometry::rows_in(shape.bytes_per_path, shape.row_size) * shape.dirs.len() as u64;
         let mut w = G3Workload {
@@ -82,6 +84,11 @@ impl G3Workload {
         };
         w.run_pass(Profile::Store, shape.max_depth)?;
         Ok(w)
+    }
+
+    /// The buffer rows.
+    pub fn region(&self) -> Arc<PrimaryRegion> {
+        self.region.clone()
     }
 
     /// The data path as it runs.
@@ -261,6 +268,7 @@ mod tests {
             row_size: row,
             max_depth: 4,
             engine: IoEngineKind::Auto,
+            region: crate::cli::region_arg::BenchRegion::Own,
         })
         .unwrap();
         assert!(w.describe().contains("G3 tier"));

@@ -15,6 +15,7 @@ use crate::cli::fio::runner::Profile;
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine};
+use crate::region::PrimaryRegion;
 use crate::tiering::rng::XorShift64;
 
 /// What the workload runs on.
@@ -30,6 +31,8 @@ pub struct WorkloadShape {
     pub max_depth: u32,
     /// Which engine to start.
     pub engine: IoEngineKind,
+    /// The kvtier region the buffer rows are in.
+    pub region: crate::cli::region_arg::BenchRegion,
 }
 
 /// An engine over the prepared files with a region of `2 * max_depth` rows as buffers.
@@ -70,7 +73,7 @@ struct Stream {
 impl KvtierWorkload {
     /// Opens the files with O_DIRECT and starts the engine.
     pub fn open(shape: &WorkloadShape) -> Result<Self> {
-        let region = buffer_region(shape.row_size, shape.max_depth)?;
+        let region = buffer_region(shape.row_size, shape.max_depth, shape.region)?;
         let (rows, row) = (region.num_rows(), region.row_stride());
         let files = shape
             .files
@@ -95,6 +98,11 @@ impl KvtierWorkload {
         })
     }
 
+    /// The buffer rows.
+    pub fn region(&self) -> Arc<PrimaryRegion> {
+        self.engine.region().clone()
+    }
+
     /// The engine as it runs, e.g. `uring (fixed buffers), O_DIRECT`.
     pub fn describe(&self) -> String {
         let mut s = self.info.name.clone();
@@ -104,7 +112,7 @@ impl KvtierWorkload {
             " (unregistered buffers)"
         });
         s.push_str(", O_DIRECT, ");
-        s.push_str(crate::cli::fio::files::page_note(self.engine.region()));
+        s.push_str(&crate::cli::fio::files::page_note(self.engine.region()));
         if let Some(why) = &self.info.fallback_reason {
             s.push_str(&format!(", fell back: {why}"));
         }
@@ -273,6 +281,7 @@ mod tests {
             row_size: row,
             max_depth: 4,
             engine: IoEngineKind::Auto,
+            region: crate::cli::region_arg::BenchRegion::Own,
         }) {
             Ok(w) => w,
             Err(e) => {

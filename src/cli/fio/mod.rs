@@ -17,6 +17,7 @@
 pub mod files;
 pub mod g3_workload;
 pub mod kvtier_workload;
+pub mod memory;
 pub mod plan;
 pub mod plot;
 pub mod report;
@@ -24,19 +25,24 @@ pub mod runner;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use crate::cli::args::{InFlightArgs, PathArgs, parse_engine};
 use crate::cli::fio::g3_workload::{G3Shape, G3Workload};
 use crate::cli::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
+use crate::cli::fio::memory::FioChoice;
 use crate::cli::fio::plan::Plan;
-use crate::cli::fio::plot::{Panel, render_svg};
+use crate::cli::fio::plot::{Panel, Series, render_svg};
 use crate::cli::fio::report::{DepthPoint, ProfileComparison, render_report};
 use crate::cli::fio::runner::{FioRun, Profile};
 use crate::cli::output::{display_paths, out, outln, print_json, progress_bar};
+use crate::cli::region_arg::BenchRegion;
 use crate::cli::size::{format_size, parse_size};
 use crate::cli::stats::median;
+use crate::cli::stats::process_cpu_seconds;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::IoEngineKind;
+use crate::region::PrimaryRegion;
 
 /// Which kvtier code path the comparison drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -54,6 +60,7 @@ pub enum KvtierSide {
   kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
   kvtier fio-compare --profile load --pairs 5 --json
   kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
+  kvtier fio-compare --region vllm --plot sweep.svg --row-sizes 64KiB,1MiB,16MiB --depths 1,8,64
 
 Needs fio (apt-get install fio). Every pass covers each row of the file once.")]
 pub struct FioCompareArgs {
@@ -84,7 +91,15 @@ pub struct FioCompareArgs {
     /// kvtier's I/O engine: auto, uring or psync.
     #[arg(long, default_value = "uring", value_parser = parse_engine, value_name = "ENGINE")]
     pub io_engine: IoEngineKind,
-    /// Also sweep the depth and draw throughput against depth to this SVG file.
+    /// kvtier's buffer rows: `own` (kvtier's region, 2 MiB pages), `vllm` (made as vLLM 0.33
+    /// makes its /dev/shm region and adopted as the Python tier adopts it) or `vllm-4k` (the
+    /// same, adopted with huge pages off). fio's buffers get the same kind of memory.
+    #[arg(long, value_enum, default_value = "own", value_name = "REGION")]
+    pub region: BenchRegion,
+    /// With --plot: also sweep these row sizes (comma-separated, e.g. 64KiB,256KiB,1MiB,4MiB,16MiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, value_name = "SIZE,...")]
+    pub row_sizes: Vec<u64>,
+    /// Also sweep the depth (and --row-sizes) and draw throughput against depth to this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,
     /// Depths for --plot (comma-separated). Default: powers of two up to the depth.
@@ -104,58 +119,111 @@ pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
     crate::cli::interrupt::run_interruptible(|| run_caught(args))
 }
 
+/// Where fio's 4 KiB shared buffer file goes (a tmpfs, as vLLM's region).
+fn fio_shm_file() -> PathBuf {
+    PathBuf::from(crate::cli::region_arg::VLLM_SHM_DIR)
+        .join(format!("kvtier-fio-buffers-{}", std::process::id()))
+}
+
 fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
     // The arguments first (paths, sizes, depth, plot folder), then fio: a mistake is reported
     // as such on a machine without fio too.
     let plan = Plan::from_args(&args)?;
     let fio_version = runner::fio_version()?;
-    let cleanup = Cleanup {
+    let shm_file = fio_shm_file();
+    let mut cleanup = Cleanup {
         files: plan.all_files(),
         dirs: plan.g3_dirs.clone(),
         keep: args.keep,
     };
     // fio's files, and kvtier's on the engine side (the G3 side prepares its own slabs).
-    files::prepare(&cleanup.files, plan.per_file, plan.row_size)?;
-    let mut workload = match args.kvtier_side {
-        KvtierSide::Engine => Side::Engine(KvtierWorkload::open(&WorkloadShape {
-            files: plan.kvtier_files.clone(),
-            file_size: plan.per_file,
-            row_size: plan.row_size,
-            max_depth: plan.max_depth(),
-            engine: args.io_engine,
-        })?),
-        KvtierSide::G3 => Side::G3(Box::new(G3Workload::open(&G3Shape {
-            dirs: plan.g3_dirs.clone(),
-            bytes_per_path: plan.per_file,
-            row_size: plan.row_size,
-            max_depth: plan.max_depth(),
-            engine: args.io_engine,
-        })?)),
-    };
+    files::prepare(&cleanup.files, plan.per_file, plan.max_row_size())?;
+    cleanup.files.push(shm_file.clone());
     let scratch = tempfile::Builder::new()
         .prefix("kvtier-fio-")
         .tempdir()
         .map_err(|e| Error::new(ErrorKind::Io, format!("cannot create a scratch dir: {e}")))?;
 
-    let runs = plan.profiles.len() * plan.depths.len() * plan.pairs * 2;
+    let fio_sides = 2;
+    let runs = plan.profiles.len()
+        * plan.depths.len()
+        * plan.row_sizes.len()
+        * plan.pairs
+        * (1 + fio_sides);
     let bar = progress_bar(runs as u64, "fio-compare", !args.json);
+    let mut points: Vec<(Profile, DepthPoint)> = Vec::new();
+    let mut chosen: Option<(FioChoice, Option<memory::HugetlbReservation>)> = None;
+    let mut kvtier_engine = String::new();
+    let mut kvtier_pages = String::new();
+    for &row_size in &plan.row_sizes {
+        let mut workload = Side::open(&plan, &args, row_size)?;
+        kvtier_engine = workload.describe();
+        let region = workload.region();
+        kvtier_pages = crate::cli::region_arg::pages_note(&region);
+        if chosen.is_none() {
+            let jobs = if plan.profiles.contains(&Profile::Mixed) {
+                2
+            } else {
+                1
+            };
+            let needed = memory::hugetlb_pages_needed(plan.max_row_size(), plan.max_depth(), jobs);
+            // kvtier's rows count as 2 MiB pages when most of them are (a partial collapse
+            // is named in the report's pages).
+            chosen = Some(memory::choose(
+                region.huge_page_share() >= 0.5,
+                shm_file.clone(),
+                needed,
+            ));
+        }
+        let choice = &chosen
+            .as_ref()
+            .map(|c| c.0.clone())
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "fio's setup was not chosen"))?;
+        for &profile in &plan.profiles {
+            for &depth in &plan.depths {
+                let point = measure(
+                    &plan,
+                    profile,
+                    row_size,
+                    depth,
+                    choice,
+                    &mut workload,
+                    scratch.path(),
+                    &bar,
+                )?;
+                points.push((profile, point));
+            }
+        }
+        workload.close()?;
+    }
+    bar.finish_and_clear();
+    let (choice, reservation) =
+        chosen.ok_or_else(|| Error::new(ErrorKind::Internal, "nothing was measured"))?;
+    drop(reservation);
+    drop(cleanup);
+
     let mut results = Vec::new();
     for &profile in &plan.profiles {
-        let mut sweep = Vec::new();
-        for &depth in &plan.depths {
-            let point = measure(&plan, profile, depth, &mut workload, scratch.path(), &bar)?;
-            sweep.push(point);
-        }
+        let sweep: Vec<DepthPoint> = points
+            .iter()
+            .filter(|(p, _)| *p == profile)
+            .map(|(_, d)| d.clone())
+            .collect();
         let main = sweep
             .iter()
-            .find(|p| p.iodepth == plan.depth)
+            .find(|p| p.iodepth == plan.depth && p.row_size == plan.row_size)
             .cloned()
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "main depth missing from the sweep"))?;
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "main point missing from the sweep"))?;
         results.push(ProfileComparison {
             profile: profile.name(),
             kvtier_bytes_per_sec: main.kvtier_bytes_per_sec,
             fio_bytes_per_sec: main.fio_bytes_per_sec,
             ratio: main.ratio,
+            fio_best_bytes_per_sec: main.fio_best_bytes_per_sec,
+            ratio_to_best: main.ratio_to_best,
+            kvtier_cpu_seconds_per_gb: main.kvtier_cpu_seconds_per_gb,
+            fio_cpu_seconds_per_gb: main.fio_cpu_seconds_per_gb,
+            fio_best_cpu_seconds_per_gb: main.fio_best_cpu_seconds_per_gb,
             row_size: plan.row_size,
             iodepth: plan.depth,
             file_size: plan.per_file * plan.paths.len() as u64,
@@ -163,8 +231,16 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             file_state: plan.file_state,
             pairs: plan.pairs,
             kvtier_side: plan.side_name,
-            kvtier_engine: workload.describe(),
+            kvtier_region: args.region.name(),
+            kvtier_pages: kvtier_pages.clone(),
+            kvtier_engine: kvtier_engine.clone(),
             fio_version: fio_version.clone(),
+            fio_setup: choice.like.clone(),
+            fio_like_for_like: choice.like_for_like,
+            fio_note: choice.note.clone(),
+            fio_best_setup: choice.best.clone().or_else(|| {
+                (choice.like_for_like && choice.like.memory.huge()).then(|| choice.like.clone())
+            }),
             kvtier_samples: main.kvtier_samples,
             fio_samples: main.fio_samples,
             sweep: if args.plot.is_some() {
@@ -174,30 +250,55 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             },
         });
     }
-    bar.finish_and_clear();
-    workload.close()?;
-    drop(cleanup);
 
     if let Some(svg_path) = &args.plot {
-        let panels: Vec<Panel> = results
-            .iter()
-            .map(|r| Panel {
-                title: r.profile.to_string(),
-                depths: r.sweep.iter().map(|p| p.iodepth).collect(),
-                kvtier: r.sweep.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
-                fio: r.sweep.iter().map(|p| p.fio_bytes_per_sec).collect(),
-            })
-            .collect();
+        let mut panels: Vec<Panel> = Vec::new();
+        for &row_size in &plan.row_sizes {
+            for r in &results {
+                let at: Vec<&DepthPoint> =
+                    r.sweep.iter().filter(|p| p.row_size == row_size).collect();
+                let mut series = vec![
+                    Series::new(
+                        "kvtier",
+                        at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
+                    ),
+                    Series::new(
+                        if choice.like_for_like {
+                            "fio, same memory"
+                        } else {
+                            "fio (not like for like)"
+                        },
+                        at.iter().map(|p| p.fio_bytes_per_sec).collect(),
+                    ),
+                ];
+                if choice.best.is_some() {
+                    series.push(Series::new(
+                        "fio best (hugetlb)",
+                        at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
+                    ));
+                }
+                panels.push(Panel {
+                    title: format!("{} rows, {}", format_size(row_size), r.profile),
+                    depths: at.iter().map(|p| p.iodepth).collect(),
+                    series,
+                });
+            }
+        }
         let subtitle = format!(
-            "{} rows, {} per side on {}, medians of {} alternating pairs, {}",
-            format_size(plan.row_size),
+            "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
+            args.region.name(),
+            kvtier_pages,
+            choice.like.describe(),
             format_size(plan.per_file * plan.paths.len() as u64),
             display_paths(&plan.paths),
             plan.pairs,
             fio_version
         );
-        std::fs::write(svg_path, render_svg(&panels, &subtitle))
-            .map_err(|e| Error::io("write plot", svg_path, e))?;
+        std::fs::write(
+            svg_path,
+            render_svg(&panels, plan.profiles.len(), &subtitle),
+        )
+        .map_err(|e| Error::io("write plot", svg_path, e))?;
     }
 
     if args.json {
@@ -211,46 +312,107 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Runs `plan.pairs` alternating pairs (kvtier first on even pairs, fio first on odd ones).
+/// One pass's throughput and CPU cost.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    bytes_per_sec: f64,
+    cpu_seconds_per_gb: f64,
+}
+
+/// Runs `plan.pairs` rounds of kvtier, fio on the same memory and (when it differs) fio's best
+/// configuration, the order rotating each round so no side always goes first.
+#[allow(clippy::too_many_arguments)]
 fn measure(
     plan: &Plan,
     profile: Profile,
+    row_size: u64,
     depth: u32,
+    choice: &FioChoice,
     workload: &mut Side,
     scratch: &Path,
     bar: &indicatif::ProgressBar,
 ) -> Result<DepthPoint> {
-    let fio_run = FioRun {
+    let fio_run = |setup: &memory::FioSetup| FioRun {
         profile,
         files: plan.fio_files.clone(),
         size: plan.per_file * plan.fio_files.len() as u64,
-        block_size: plan.row_size,
+        block_size: row_size,
         iodepth: depth,
+        setup: setup.clone(),
     };
-    let mut kv = Vec::with_capacity(plan.pairs);
-    let mut fi = Vec::with_capacity(plan.pairs);
+    let like = fio_run(&choice.like);
+    let best = choice.best.as_ref().map(fio_run);
+    let sides = if best.is_some() { 3 } else { 2 };
+    let mut samples: [Vec<Sample>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     for pair in 0..plan.pairs {
-        for side in 0..2 {
+        for k in 0..sides {
             crate::cli::interrupt::check("fio-compare")?;
-            let kvtier_turn = (side == 0) == pair.is_multiple_of(2);
-            if kvtier_turn {
-                kv.push(workload.run_pass(profile, depth)?.bytes_per_sec());
-            } else {
-                fi.push(runner::run_fio(&fio_run, scratch)?.total_bytes_per_sec());
-            }
+            let side = (k + pair) % sides;
+            let sample = match side {
+                0 => {
+                    let cpu0 = process_cpu_seconds();
+                    let pass = workload.run_pass(profile, depth)?;
+                    let cpu = process_cpu_seconds() - cpu0;
+                    Sample {
+                        bytes_per_sec: pass.bytes_per_sec(),
+                        cpu_seconds_per_gb: cpu / (pass.bytes as f64 / 1e9).max(1e-12),
+                    }
+                }
+                1 => fio_sample(&runner::run_fio(&like, scratch)?),
+                _ => match &best {
+                    Some(b) => fio_sample(&runner::run_fio(b, scratch)?),
+                    None => continue,
+                },
+            };
+            samples[side].push(sample);
+            bar.inc(1);
+        }
+        if sides == 2 {
             bar.inc(1);
         }
     }
-    let k = median(&kv).unwrap_or(f64::NAN);
-    let f = median(&fi).unwrap_or(f64::NAN);
+    let med = |v: &[Sample], f: fn(&Sample) -> f64| {
+        median(&v.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+    };
+    let speed = |s: &Sample| s.bytes_per_sec;
+    let cost = |s: &Sample| s.cpu_seconds_per_gb;
+    let (k, f) = (med(&samples[0], speed), med(&samples[1], speed));
+    // Without a separate best run, fio on the same memory is the best when that memory is
+    // hugetlb pages (like for like with kvtier's own region).
+    let best_is_like = best.is_none() && choice.like_for_like && choice.like.memory.huge();
+    let (b, b_cost, b_samples) = if best_is_like {
+        (f, med(&samples[1], cost), Vec::new())
+    } else {
+        (
+            med(&samples[2], speed),
+            med(&samples[2], cost),
+            samples[2].iter().map(speed).collect(),
+        )
+    };
+    let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
     Ok(DepthPoint {
+        row_size,
         iodepth: depth,
         kvtier_bytes_per_sec: k,
         fio_bytes_per_sec: f,
-        ratio: if f > 0.0 { k / f } else { f64::NAN },
-        kvtier_samples: kv,
-        fio_samples: fi,
+        ratio: ratio(k, f),
+        fio_best_bytes_per_sec: b,
+        ratio_to_best: ratio(k, b),
+        kvtier_cpu_seconds_per_gb: med(&samples[0], cost),
+        fio_cpu_seconds_per_gb: med(&samples[1], cost),
+        fio_best_cpu_seconds_per_gb: b_cost,
+        kvtier_samples: samples[0].iter().map(speed).collect(),
+        fio_samples: samples[1].iter().map(speed).collect(),
+        fio_best_samples: b_samples,
     })
+}
+
+fn fio_sample(r: &runner::FioReport) -> Sample {
+    let bytes = (r.read.io_bytes + r.write.io_bytes) as f64;
+    Sample {
+        bytes_per_sec: r.total_bytes_per_sec(),
+        cpu_seconds_per_gb: r.cpu_seconds / (bytes / 1e9).max(1e-12),
+    }
 }
 
 /// Removes the test files and tier directories on drop unless asked to keep them.
@@ -289,6 +451,34 @@ enum Side {
 }
 
 impl Side {
+    fn open(plan: &Plan, args: &FioCompareArgs, row_size: u64) -> Result<Self> {
+        Ok(match args.kvtier_side {
+            KvtierSide::Engine => Side::Engine(KvtierWorkload::open(&WorkloadShape {
+                files: plan.kvtier_files.clone(),
+                file_size: plan.per_file,
+                row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+                region: args.region,
+            })?),
+            KvtierSide::G3 => Side::G3(Box::new(G3Workload::open(&G3Shape {
+                dirs: plan.g3_dirs.clone(),
+                bytes_per_path: plan.per_file,
+                row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+                region: args.region,
+            })?)),
+        })
+    }
+
+    fn region(&self) -> Arc<PrimaryRegion> {
+        match self {
+            Side::Engine(w) => w.region(),
+            Side::G3(w) => w.region(),
+        }
+    }
+
     fn run_pass(&mut self, profile: Profile, depth: u32) -> Result<PassStats> {
         match self {
             Side::Engine(w) => w.run_pass(profile, depth),

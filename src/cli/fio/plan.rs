@@ -26,6 +26,8 @@ pub(crate) struct Plan {
     pub(crate) paths: Vec<PathBuf>,
     pub(crate) profiles: Vec<Profile>,
     pub(crate) row_size: u64,
+    /// Every row size to run (with `--plot --row-sizes`), ascending; includes `row_size`.
+    pub(crate) row_sizes: Vec<u64>,
     pub(crate) per_file: u64,
     pub(crate) depth: u32,
     pub(crate) depths: Vec<u32>,
@@ -50,8 +52,39 @@ impl Plan {
             ));
         }
         let n = paths.len() as u64;
-        let per_file =
-            ChunkGeometry::slots_per_file(args.size, paths.len(), args.row_size) * args.row_size;
+        if !args.row_sizes.is_empty() && args.plot.is_none() {
+            return Err(Error::config(
+                "--row-sizes",
+                "sweeps row sizes for --plot only",
+            ));
+        }
+        let mut row_sizes = args.row_sizes.clone();
+        row_sizes.push(args.row_size);
+        row_sizes.sort_unstable();
+        row_sizes.dedup();
+        if let Some(bad) = row_sizes
+            .iter()
+            .find(|r| !ChunkGeometry::is_row_aligned(**r))
+        {
+            return Err(Error::config(
+                "--row-sizes",
+                format!("{bad} is not a positive multiple of {ROW_ALIGNMENT}"),
+            ));
+        }
+        // Files hold whole rows of every size: the largest row divides the others' multiples
+        // when the sizes are powers of two, and `slots_per_file` rounds down to it.
+        let largest = row_sizes.iter().copied().max().unwrap_or(args.row_size);
+        if let Some(odd) = row_sizes.iter().find(|r| !largest.is_multiple_of(**r)) {
+            return Err(Error::config(
+                "--row-sizes",
+                format!(
+                    "{} does not divide the largest row size {}",
+                    format_size(*odd),
+                    format_size(largest)
+                ),
+            ));
+        }
+        let per_file = ChunkGeometry::slots_per_file(args.size, paths.len(), largest) * largest;
         if per_file == 0 {
             return Err(Error::config(
                 "--size",
@@ -59,7 +92,7 @@ impl Plan {
                     "{} over {} is less than one {} row per path",
                     format_size(args.size),
                     count(n, "path"),
-                    format_size(args.row_size)
+                    format_size(largest)
                 ),
             ));
         }
@@ -135,6 +168,7 @@ impl Plan {
             paths,
             profiles,
             row_size: args.row_size,
+            row_sizes,
             per_file,
             depth,
             depths,
@@ -145,6 +179,14 @@ impl Plan {
             file_state,
             side_name,
         })
+    }
+
+    pub(crate) fn max_row_size(&self) -> u64 {
+        self.row_sizes
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(self.row_size)
     }
 
     pub(crate) fn max_depth(&self) -> u32 {
@@ -189,6 +231,24 @@ mod tests {
         assert_eq!(p.depths, vec![1, 2, 4, 8, 12]);
         let p = plan(&["--plot", "x.svg", "--depths", "4,1,4"]).unwrap();
         assert_eq!(p.depths, vec![1, 4, 32]);
+        let p = plan(&[
+            "--plot",
+            "x.svg",
+            "--row-sizes",
+            "16MiB,64KiB",
+            "--size",
+            "40MiB",
+        ])
+        .unwrap();
+        assert_eq!(p.row_sizes, vec![64 << 10, 2 << 20, 16 << 20]);
+        assert_eq!(p.max_row_size(), 16 << 20);
+        assert_eq!(p.per_file, 32 << 20, "whole rows of the largest size");
+        assert_eq!(
+            plan(&["--row-sizes", "64KiB"]).unwrap_err().kind(),
+            crate::error::ErrorKind::Config
+        );
+        let e = plan(&["--plot", "x.svg", "--row-sizes", "3MiB"]).unwrap_err();
+        assert!(e.to_string().contains("does not divide"), "{e}");
     }
 
     #[test]

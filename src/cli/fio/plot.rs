@@ -1,20 +1,38 @@
-//! A self-contained SVG chart for `kvtier fio-compare --plot`: one panel per profile, side by
-//! side, throughput (GB/s) against queue depth for kvtier and fio. Plain SVG text, no
-//! dependencies, readable in any browser.
+//! A self-contained SVG chart for `kvtier fio-compare --plot`: a grid of panels (one per row
+//! size and profile), throughput (GB/s) against queue depth for kvtier, fio on the same kind of
+//! memory and fio's best configuration. Plain SVG text, no dependencies, readable in any
+//! browser.
 
 use std::fmt::Write;
 
-/// One panel: a profile's two series over the same depths.
+/// One line of a panel.
+#[derive(Debug, Clone)]
+pub struct Series {
+    /// Legend label.
+    pub label: String,
+    /// Throughput in bytes per second, one per depth (NaN: not measured).
+    pub values: Vec<f64>,
+}
+
+impl Series {
+    /// A series labelled `label`.
+    pub fn new(label: &str, values: Vec<f64>) -> Self {
+        Series {
+            label: label.to_string(),
+            values,
+        }
+    }
+}
+
+/// One panel: its series over the same depths.
 #[derive(Debug, Clone)]
 pub struct Panel {
-    /// Panel title (the profile name).
+    /// Panel title (row size and profile).
     pub title: String,
     /// X values: queue depths (I/Os in flight), ascending.
     pub depths: Vec<u32>,
-    /// kvtier throughput in bytes per second, one per depth.
-    pub kvtier: Vec<f64>,
-    /// fio throughput in bytes per second, one per depth.
-    pub fio: Vec<f64>,
+    /// The lines: kvtier first, then fio's.
+    pub series: Vec<Series>,
 }
 
 const PANEL_W: f64 = 420.0;
@@ -23,14 +41,16 @@ const MARGIN_L: f64 = 60.0;
 const MARGIN_R: f64 = 20.0;
 const MARGIN_T: f64 = 50.0;
 const MARGIN_B: f64 = 50.0;
-const KVTIER_COLOR: &str = "#1f77b4";
-const FIO_COLOR: &str = "#d62728";
+/// Series colours in order: kvtier, fio on the same memory, fio's best.
+const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
-/// Renders the panels as one SVG document. `subtitle` describes the setup (row size, path,
-/// file state).
-pub fn render_svg(panels: &[Panel], subtitle: &str) -> String {
-    let width = PANEL_W * panels.len().max(1) as f64;
-    let height = PANEL_H + 40.0;
+/// Renders the panels as one SVG document, `columns` panels per row. `subtitle` describes the
+/// setup (region, fio's memory, path).
+pub fn render_svg(panels: &[Panel], columns: usize, subtitle: &str) -> String {
+    let columns = columns.clamp(1, panels.len().max(1));
+    let rows = panels.len().div_ceil(columns).max(1);
+    let width = PANEL_W * columns as f64;
+    let height = PANEL_H * rows as f64 + 40.0;
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -52,7 +72,13 @@ pub fn render_svg(panels: &[Panel], subtitle: &str) -> String {
         escape(subtitle)
     );
     for (i, panel) in panels.iter().enumerate() {
-        draw_panel(&mut svg, panel, PANEL_W * i as f64, 40.0);
+        let (row, col) = (i / columns, i % columns);
+        draw_panel(
+            &mut svg,
+            panel,
+            PANEL_W * col as f64,
+            40.0 + PANEL_H * row as f64,
+        );
     }
     svg.push_str("</svg>\n");
     svg
@@ -66,9 +92,9 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, y0: f64) {
     let bottom = top + plot_h;
     let gb = |v: f64| v / 1e9;
     let max_y = panel
-        .kvtier
+        .series
         .iter()
-        .chain(&panel.fio)
+        .flat_map(|s| s.values.iter())
         .copied()
         .filter(|v| v.is_finite())
         .fold(0.0f64, f64::max);
@@ -133,10 +159,10 @@ fn draw_panel(svg: &mut String, panel: &Panel, x0: f64, y0: f64) {
         top + plot_h / 2.0
     );
     // Series.
-    for (values, color, label, legend_row) in [
-        (&panel.kvtier, KVTIER_COLOR, "kvtier", 0.0),
-        (&panel.fio, FIO_COLOR, "fio", 1.0),
-    ] {
+    for (k, series) in panel.series.iter().enumerate() {
+        let (values, label) = (&series.values, escape(&series.label));
+        let color = COLORS[k % COLORS.len()];
+        let legend_row = k as f64;
         let points: Vec<String> = values
             .iter()
             .enumerate()
@@ -196,22 +222,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn svg_has_both_series_per_panel() {
+    fn svg_has_every_series_per_panel() {
+        let two = |k: Vec<f64>, f: Vec<f64>| vec![Series::new("kvtier", k), Series::new("fio", f)];
         let panels = vec![
             Panel {
                 title: "store".into(),
                 depths: vec![1, 2, 4],
-                kvtier: vec![1e9, 1.8e9, 2.1e9],
-                fio: vec![1.1e9, 1.9e9, 2.2e9],
+                series: two(vec![1e9, 1.8e9, 2.1e9], vec![1.1e9, 1.9e9, 2.2e9]),
             },
             Panel {
                 title: "load <rand>".into(),
                 depths: vec![1, 2, 4],
-                kvtier: vec![0.5e9, 1e9, f64::NAN],
-                fio: vec![0.6e9, 1.2e9, 1.5e9],
+                series: two(vec![0.5e9, 1e9, f64::NAN], vec![0.6e9, 1.2e9, 1.5e9]),
             },
         ];
-        let svg = render_svg(&panels, "2 MiB rows on /tmp & more");
+        let svg = render_svg(&panels, 2, "2 MiB rows on /tmp & more");
         assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
         assert!(svg.trim_end().ends_with("</svg>"));
         assert_eq!(svg.matches("<polyline").count(), 4);
@@ -220,6 +245,15 @@ mod tests {
         assert!(svg.contains("load &lt;rand&gt;"));
         assert!(svg.contains("/tmp &amp; more"));
         assert!(!svg.contains("NaN"));
+        // A grid: 3 panels of 3 series, 2 per row, make 2 rows.
+        let mut three = panels[0].clone();
+        three
+            .series
+            .push(Series::new("fio best", vec![1.2e9, 2.0e9, 2.3e9]));
+        let svg = render_svg(&[three.clone(), three.clone(), three], 2, "grid");
+        assert_eq!(svg.matches("<polyline").count(), 9);
+        assert!(svg.contains(&format!("height=\"{}\"", PANEL_H * 2.0 + 40.0)));
+        assert!(svg.contains("fio best"));
     }
 
     #[test]

@@ -4,13 +4,16 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::cli::fio::memory::FioSetup;
 use crate::cli::fio::plan::Plan;
 use crate::cli::output::{Table, display_paths};
 use crate::cli::size::{format_gbps, format_size};
 
-/// One measured point: medians of alternating runs.
+/// One measured point: medians of rounds whose order rotates.
 #[derive(Debug, Clone, Serialize)]
 pub struct DepthPoint {
+    /// Bytes per I/O.
+    pub row_size: u64,
     /// Rows in flight per direction.
     pub iodepth: u32,
     /// Median kvtier throughput, bytes per second.
@@ -19,10 +22,24 @@ pub struct DepthPoint {
     pub fio_bytes_per_sec: f64,
     /// kvtier / fio.
     pub ratio: f64,
+    /// Median throughput of fio's best configuration on the path (hugetlb pages, batched
+    /// submit and complete), bytes per second; NaN (null) when it could not run.
+    pub fio_best_bytes_per_sec: f64,
+    /// kvtier / fio's best.
+    pub ratio_to_best: f64,
+    /// kvtier's CPU seconds (user + system, the whole process) per GB moved, median.
+    pub kvtier_cpu_seconds_per_gb: f64,
+    /// fio's CPU seconds per GB (its jobs' `usr_cpu` + `sys_cpu`), median.
+    pub fio_cpu_seconds_per_gb: f64,
+    /// The same for fio's best configuration.
+    pub fio_best_cpu_seconds_per_gb: f64,
     /// Every kvtier pass, in run order.
     pub kvtier_samples: Vec<f64>,
     /// Every fio pass, in run order.
     pub fio_samples: Vec<f64>,
+    /// Every pass of fio's best configuration when it ran separately (empty when fio's
+    /// same-memory setup is already its best).
+    pub fio_best_samples: Vec<f64>,
 }
 
 /// The `--json` object for one profile.
@@ -36,6 +53,17 @@ pub struct ProfileComparison {
     pub fio_bytes_per_sec: f64,
     /// kvtier / fio at the main depth.
     pub ratio: f64,
+    /// fio's best configuration at the main depth, bytes per second (NaN when it could not
+    /// run): the device reference.
+    pub fio_best_bytes_per_sec: f64,
+    /// kvtier / fio's best.
+    pub ratio_to_best: f64,
+    /// kvtier's CPU seconds per GB at the main depth.
+    pub kvtier_cpu_seconds_per_gb: f64,
+    /// fio's CPU seconds per GB at the main depth.
+    pub fio_cpu_seconds_per_gb: f64,
+    /// fio's best configuration's CPU seconds per GB at the main depth.
+    pub fio_best_cpu_seconds_per_gb: f64,
     /// Bytes per I/O.
     pub row_size: u64,
     /// Rows in flight per direction.
@@ -50,8 +78,20 @@ pub struct ProfileComparison {
     pub kvtier_side: &'static str,
     /// Alternating pairs per point.
     pub pairs: usize,
+    /// kvtier's buffer rows: `own`, `vllm` or `vllm-4k`.
+    pub kvtier_region: &'static str,
+    /// How they were backed (`2 MiB pages`, `4 KiB pages (why)`).
+    pub kvtier_pages: String,
     /// kvtier's engine as it ran (`uring`, fixed buffers or not, O_DIRECT).
     pub kvtier_engine: String,
+    /// fio's memory and batching beside kvtier.
+    pub fio_setup: FioSetup,
+    /// Whether fio's memory is the same kind as kvtier's rows.
+    pub fio_like_for_like: bool,
+    /// Why not, or what was done (hugetlb pages reserved, best configuration unavailable).
+    pub fio_note: Option<String>,
+    /// fio's best configuration on the path, when it could run.
+    pub fio_best_setup: Option<FioSetup>,
     /// `fio --version`.
     pub fio_version: String,
     /// Samples at the main depth.
@@ -69,7 +109,8 @@ pub(crate) fn render_report(
     fio_version: &str,
 ) -> String {
     let mut out = format!(
-        "fio-compare: {} rows, depth {} ({} in flight), {} per side on {}, {} alternating pairs\n",
+        "fio-compare: {} rows, depth {} ({} in flight), {} per side on {}, {} rounds (order \
+         rotating)\n",
         format_size(plan.row_size),
         plan.depth,
         format_size(plan.row_size * u64::from(plan.depth)),
@@ -80,32 +121,100 @@ pub(crate) fn render_report(
     out.push_str(&format!("file state: {}\n", plan.file_state));
     if let Some(r) = results.first() {
         out.push_str(&format!(
-            "kvtier: {}; fio: {fio_version}\n\n",
-            r.kvtier_engine
+            "kvtier: {} region, {}\nfio: {} ({fio_version}){}\n",
+            r.kvtier_region,
+            r.kvtier_engine,
+            r.fio_setup.describe(),
+            if r.fio_like_for_like {
+                ", same kind of memory as kvtier's rows"
+            } else {
+                ""
+            }
         ));
+        match &r.fio_best_setup {
+            Some(b) => out.push_str(&format!("fio best (device reference): {}\n", b.describe())),
+            None => out.push_str("fio best (device reference): could not run\n"),
+        }
+        if let Some(note) = &r.fio_note {
+            out.push_str(&format!("note: {note}\n"));
+        }
+        out.push_str("CPU: core-seconds per GB moved (kvtier: the whole process, CRC32 of every row included on the G3 side)\n\n");
     }
-    let mut table = Table::new(["profile", "kvtier", "fio", "kvtier/fio"]);
+    let header = [
+        "kvtier",
+        "CPU s/GB",
+        "fio",
+        "CPU s/GB",
+        "kvtier/fio",
+        "fio best",
+        "CPU s/GB",
+        "kvtier/best",
+    ];
+    let cells = |k: f64, kc: f64, f: f64, fc: f64, ratio: f64, b: f64, bc: f64, rb: f64| {
+        let num = |v: f64, digits: usize| {
+            if v.is_finite() {
+                format!("{v:.digits$}")
+            } else {
+                "-".to_string()
+            }
+        };
+        let speed = |v: f64| {
+            if v.is_finite() {
+                format_gbps(v)
+            } else {
+                "-".to_string()
+            }
+        };
+        [
+            speed(k),
+            num(kc, 3),
+            speed(f),
+            num(fc, 3),
+            num(ratio, 3),
+            speed(b),
+            num(bc, 3),
+            num(rb, 3),
+        ]
+    };
+    let mut table = Table::new(std::iter::once("profile").chain(header));
     for r in results {
-        table.row([
-            r.profile.to_string(),
-            format_gbps(r.kvtier_bytes_per_sec),
-            format_gbps(r.fio_bytes_per_sec),
-            format!("{:.3}", r.ratio),
-        ]);
+        let c = cells(
+            r.kvtier_bytes_per_sec,
+            r.kvtier_cpu_seconds_per_gb,
+            r.fio_bytes_per_sec,
+            r.fio_cpu_seconds_per_gb,
+            r.ratio,
+            r.fio_best_bytes_per_sec,
+            r.fio_best_cpu_seconds_per_gb,
+            r.ratio_to_best,
+        );
+        table.row(std::iter::once(r.profile.to_string()).chain(c));
     }
     out.push_str(&table.render());
     if results.iter().any(|r| !r.sweep.is_empty()) {
         out.push('\n');
-        let mut sweep = Table::new(["profile", "depth", "kvtier", "fio", "kvtier/fio"]);
+        let mut sweep = Table::new(["profile", "row", "depth"].into_iter().chain(header));
         for r in results {
             for p in &r.sweep {
-                sweep.row([
-                    r.profile.to_string(),
-                    p.iodepth.to_string(),
-                    format_gbps(p.kvtier_bytes_per_sec),
-                    format_gbps(p.fio_bytes_per_sec),
-                    format!("{:.3}", p.ratio),
-                ]);
+                let c = cells(
+                    p.kvtier_bytes_per_sec,
+                    p.kvtier_cpu_seconds_per_gb,
+                    p.fio_bytes_per_sec,
+                    p.fio_cpu_seconds_per_gb,
+                    p.ratio,
+                    p.fio_best_bytes_per_sec,
+                    p.fio_best_cpu_seconds_per_gb,
+                    p.ratio_to_best,
+                );
+                sweep.row(
+                    [
+                        r.profile.to_string(),
+                        format_size(p.row_size),
+                        p.iodepth.to_string(),
+                    ]
+                    .into_iter()
+                    .chain(c),
+                );
             }
         }
         out.push_str(&sweep.render());

@@ -2,7 +2,7 @@
 //!
 //! The job files are compiled into the binary, written to a scratch directory for each run and
 //! parameterised through the environment (`KVTIER_FIO_FILE`, `KVTIER_FIO_SIZE`,
-//! `KVTIER_FIO_BS`, `KVTIER_FIO_IODEPTH`), so `kvtier fio-compare` runs exactly the files a user
+//! `KVTIER_FIO_BS`, `KVTIER_FIO_IODEPTH`, `KVTIER_FIO_MEM`, `KVTIER_FIO_BATCH`), so `kvtier fio-compare` runs exactly the files a user
 //! can run by hand. The JSON report goes to a file (`--output`) so fio's warnings on stdout
 //! cannot corrupt it.
 
@@ -63,6 +63,8 @@ pub struct FioRun {
     pub block_size: u64,
     /// I/Os in flight per job.
     pub iodepth: u32,
+    /// Buffer memory and submission batching.
+    pub setup: crate::cli::fio::memory::FioSetup,
 }
 
 /// What fio measured in one direction of one run, summed over its jobs.
@@ -89,6 +91,9 @@ pub struct FioReport {
     pub write: FioDirection,
     /// The longest job's run time in milliseconds (0 if fio did not say).
     pub job_runtime_ms: u64,
+    /// CPU seconds (user + system) over all jobs: each job's `usr_cpu` + `sys_cpu` percent of
+    /// its run time.
+    pub cpu_seconds: f64,
 }
 
 impl FioReport {
@@ -140,6 +145,11 @@ pub fn run_fio(run: &FioRun, scratch: &Path) -> Result<FioReport> {
             ("KVTIER_FIO_SIZE", run.size.to_string()),
             ("KVTIER_FIO_BS", run.block_size.to_string()),
             ("KVTIER_FIO_IODEPTH", run.iodepth.to_string()),
+            ("KVTIER_FIO_MEM", run.setup.memory.iomem()),
+            (
+                "KVTIER_FIO_BATCH",
+                run.setup.batch_at(run.iodepth).to_string(),
+            ),
         ],
         scratch,
     )
@@ -212,6 +222,8 @@ pub fn parse_report(text: &str) -> Result<FioReport> {
         }
         let runtime = job.get("job_runtime").and_then(Value::as_u64).unwrap_or(0);
         report.job_runtime_ms = report.job_runtime_ms.max(runtime);
+        let pct = |k: &str| job.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+        report.cpu_seconds += (pct("usr_cpu") + pct("sys_cpu")) / 100.0 * runtime as f64 / 1000.0;
         add_direction(&mut report.read, job.get("read"));
         add_direction(&mut report.write, job.get("write"));
     }
@@ -246,7 +258,7 @@ mod tests {
 
     const TWO_JOBS: &str = r#"note: both iodepth >= 1 and synchronous I/O engine are selected
 { "fio version": "fio-3.33", "jobs": [
-  { "jobname": "store", "error": 0, "job_runtime": 1000,
+  { "jobname": "store", "error": 0, "job_runtime": 1000, "usr_cpu": 10.0, "sys_cpu": 40.0,
     "read": { "io_bytes": 0, "bw_bytes": 0, "iops": 0.0 },
     "write": { "io_bytes": 1073741824, "bw_bytes": 1000000000, "iops": 476.8,
                "clat_ns": { "percentile": { "50.000000": 7962624, "99.000000": 13303808 } } } },
@@ -264,6 +276,8 @@ mod tests {
         assert_eq!(r.write.clat_p99_ns, 13303808);
         assert_eq!(r.read.clat_p50_ns, 100);
         assert_eq!(r.job_runtime_ms, 2000);
+        // 50 % of the store job's 1 s; the load job says nothing.
+        assert!((r.cpu_seconds - 0.5).abs() < 1e-9, "{}", r.cpu_seconds);
         // 2 GiB over the longest job's 2 s, not the sum of the two bandwidths.
         assert_eq!(r.total_bytes_per_sec(), (2u64 << 30) as f64 / 2.0);
         let no_time = FioReport {
@@ -295,6 +309,8 @@ mod tests {
                 "KVTIER_FIO_SIZE",
                 "KVTIER_FIO_BS",
                 "KVTIER_FIO_IODEPTH",
+                "KVTIER_FIO_MEM",
+                "KVTIER_FIO_BATCH",
             ] {
                 assert!(
                     text.contains(&format!("${{{var}}}")),

@@ -1,0 +1,323 @@
+//! Huge pages for an adopted region: a second, 2 MiB-aligned mapping of the same shared memory.
+//!
+//! vLLM 0.33 hands over a `/dev/shm` file that every process maps with Python's `mmap` (an
+//! address of the kernel's choosing, 4 KiB pages) and pre-faults with `MADV_POPULATE_WRITE`
+//! (`vllm/v1/kv_offload/cpu/shared_offload_region.py`). Every 2 MiB row of it is ~512
+//! scattered pages, and an O_DIRECT transfer is one DMA segment per physically contiguous run:
+//! a block device taking 254 segments per request splits every row into several requests.
+//!
+//! The fix needs nothing from vLLM. The region's pages live in the file's page cache, which
+//! every mapping of the file shares. kvtier maps the same file range a second time at a 2 MiB
+//! boundary (file offset congruent to the address modulo 2 MiB), asks `MADV_COLLAPSE`
+//! (Linux >= 6.1) to back it with 2 MiB pages (the kernel copies the data into the huge page
+//! and remaps every mapping of it: vLLM's own mapping sees the same bytes, now in physically
+//! contiguous memory) and does its own I/O through that second mapping, so a 2 MiB row is one
+//! DMA segment and io_uring registers one buffer segment per huge page.
+//!
+//! Used only when the range is a `MAP_SHARED` mapping of one file on tmpfs (shmem); the file is
+//! reopened through `/proc/self/map_files` or a descriptor the process holds (vLLM keeps its
+//! own open; the file may be unlinked) and checked to be the mapped inode. Anything else keeps
+//! the caller's mapping and its 4 KiB pages, with the reason in [`AliasOutcome::SmallPages`].
+
+use std::ffi::c_void;
+use std::fs::File;
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
+use std::ptr::null_mut;
+
+use rustix::mm::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
+
+use super::huge_pages::{HUGE_PAGE, collapse_one};
+
+/// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// What adopting a range with huge pages came to.
+#[derive(Debug)]
+pub(super) enum AliasOutcome {
+    /// A 2 MiB-aligned mapping of the same memory, collapsed into huge pages (`share` of them;
+    /// `shortfall` says why not all).
+    Huge {
+        alias: Alias,
+        share: f64,
+        shortfall: Option<String>,
+    },
+    /// Keep the caller's mapping (4 KiB pages); the reason says why.
+    SmallPages(String),
+}
+
+/// kvtier's own mapping of the adopted memory. Unmapped on drop.
+#[derive(Debug)]
+pub(super) struct Alias {
+    /// Start of the mapping (2 MiB-aligned).
+    map: *mut c_void,
+    /// Bytes mapped.
+    map_len: usize,
+    /// Where the adopted range starts inside the mapping.
+    pub(super) base: *mut u8,
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        // SAFETY: `[map, map + map_len)` is the mapping made in `alias_and_collapse`, owned by
+        // this value alone; the region drops it only after every user of its rows let go.
+        if let Err(e) = unsafe { munmap(self.map, self.map_len) } {
+            log::error!("munmap of the adopted region's huge-page mapping failed: {e}");
+        }
+    }
+}
+
+/// One line of `/proc/self/maps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct MapsEntry {
+    pub(super) start: usize,
+    pub(super) end: usize,
+    pub(super) shared: bool,
+    pub(super) offset: u64,
+    pub(super) dev_major: u32,
+    pub(super) dev_minor: u32,
+    pub(super) inode: u64,
+    pub(super) path: String,
+}
+
+/// Parses one `/proc/<pid>/maps` line; `None` for a line of another shape.
+pub(super) fn parse_maps_line(line: &str) -> Option<MapsEntry> {
+    let mut fields = line.splitn(6, ' ');
+    let range = fields.next()?;
+    let perms = fields.next()?;
+    let offset = u64::from_str_radix(fields.next()?, 16).ok()?;
+    let (major, minor) = fields.next()?.split_once(':')?;
+    let inode = fields.next()?.parse().ok()?;
+    let path = fields.next().unwrap_or("").trim_start().to_string();
+    let (start, end) = range.split_once('-')?;
+    Some(MapsEntry {
+        start: usize::from_str_radix(start, 16).ok()?,
+        end: usize::from_str_radix(end, 16).ok()?,
+        shared: perms.as_bytes().get(3) == Some(&b's'),
+        offset,
+        dev_major: u32::from_str_radix(major, 16).ok()?,
+        dev_minor: u32::from_str_radix(minor, 16).ok()?,
+        inode,
+        path,
+    })
+}
+
+/// The mapping holding `addr` in this process.
+fn mapping_of(addr: usize) -> Result<MapsEntry, String> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| format!("cannot read /proc/self/maps: {e}"))?;
+    maps.lines()
+        .filter_map(parse_maps_line)
+        .find(|m| m.start <= addr && addr < m.end)
+        .ok_or_else(|| format!("no mapping holds address {addr:#x}"))
+}
+
+fn same_inode(meta: &std::fs::Metadata, m: &MapsEntry) -> bool {
+    let dev = meta.dev();
+    meta.ino() == m.inode
+        && rustix::fs::major(dev) == m.dev_major
+        && rustix::fs::minor(dev) == m.dev_minor
+}
+
+fn open_rw(path: &std::path::Path) -> Option<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .ok()
+}
+
+/// Opens the file behind mapping `m` read-write: through `/proc/self/map_files` (needs
+/// `CAP_CHECKPOINT_RESTORE` or root), a descriptor of this process open on the same inode, or
+/// its path; whichever it is must be the mapped inode.
+fn open_mapped_file(m: &MapsEntry) -> Result<File, String> {
+    let map_file = format!("/proc/self/map_files/{:x}-{:x}", m.start, m.end);
+    let mut candidates = vec![std::path::PathBuf::from(map_file)];
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        for entry in dir.flatten() {
+            let path = entry.path();
+            // `metadata` follows the link to the open file, unlinked or not.
+            if std::fs::metadata(&path).is_ok_and(|meta| same_inode(&meta, m)) {
+                candidates.push(path);
+            }
+        }
+    }
+    if !m.path.ends_with(" (deleted)") && m.path.starts_with('/') {
+        candidates.push(m.path.clone().into());
+    }
+    for path in candidates {
+        if let Some(f) = open_rw(&path)
+            && f.metadata().is_ok_and(|meta| same_inode(&meta, m))
+        {
+            return Ok(f);
+        }
+    }
+    Err(format!(
+        "cannot reopen {} read-write (no /proc/self/map_files access, no descriptor open on it)",
+        m.path
+    ))
+}
+
+/// Finds the shared memory file behind `[base, base + len)`, maps the same range again at a
+/// 2 MiB boundary and collapses it into huge pages. Never touches the caller's mapping.
+pub(super) fn alias_and_collapse(base: *mut u8, len: usize) -> AliasOutcome {
+    match try_alias(base, len) {
+        Ok(outcome) => outcome,
+        Err(why) => AliasOutcome::SmallPages(why),
+    }
+}
+
+fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
+    if len < HUGE_PAGE {
+        return Err(format!(
+            "the region ({len} bytes) is smaller than one 2 MiB page"
+        ));
+    }
+    let addr = base as usize;
+    let m = mapping_of(addr)?;
+    if m.inode == 0 || !m.shared {
+        return Err("the region is not a shared mapping of a file (MAP_SHARED)".into());
+    }
+    if addr + len > m.end {
+        return Err(format!(
+            "the region spans several mappings ({} of {len} bytes in the first)",
+            m.end - addr
+        ));
+    }
+    let file = open_mapped_file(&m)?;
+    let fs = rustix::fs::fstatfs(file.as_fd()).map_err(|e| format!("fstatfs failed: {e}"))?;
+    if fs.f_type as i64 != TMPFS_MAGIC {
+        return Err(format!(
+            "{} is not on tmpfs/shmem (f_type {:#x})",
+            m.path, fs.f_type
+        ));
+    }
+    let file_len = file
+        .metadata()
+        .map_err(|e| format!("cannot stat {}: {e}", m.path))?
+        .len();
+    let offset = m.offset + (addr - m.start) as u64;
+    let head = (offset % HUGE_PAGE as u64) as usize;
+    let map_offset = offset - head as u64;
+    // Whole huge pages where the file has them, so the region's tail collapses too.
+    let wanted = (head + len).next_multiple_of(HUGE_PAGE) as u64;
+    let map_len = wanted.min(file_len.saturating_sub(map_offset)) as usize;
+    if map_len < head + len {
+        return Err(format!(
+            "{} is shorter ({file_len} bytes) than the mapping says",
+            m.path
+        ));
+    }
+    let map = map_aligned(&file, map_offset, map_len)
+        .map_err(|e| format!("cannot map {} a second time: {e}", m.path))?;
+    let alias = Alias {
+        map,
+        map_len,
+        // SAFETY: `head < map_len`; inside the mapping just made.
+        base: unsafe { map.cast::<u8>().add(head) },
+    };
+    let whole = map_len / HUGE_PAGE;
+    let mut collapsed = 0;
+    let mut last_error = None;
+    for i in 0..whole {
+        // SAFETY: `i * HUGE_PAGE < map_len`, inside our own mapping.
+        let page = unsafe { map.cast::<u8>().add(i * HUGE_PAGE) };
+        match collapse_one(page) {
+            Ok(()) => collapsed += 1,
+            Err(e) => last_error = Some(e),
+        }
+    }
+    if collapsed == 0 {
+        let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
+        return Err(format!(
+            "MADV_COLLAPSE failed ({e}; needs Linux >= 6.1, transparent_hugepage/shmem_enabled \
+             other than `deny`, free 2 MiB blocks of memory, and pages nobody pins)"
+        ));
+    }
+    // Even a partial collapse helps: every collapsed huge page is one DMA segment.
+    let shortfall = last_error.map(|e| {
+        format!(
+            "{} of {whole} huge pages stayed in 4 KiB pages (MADV_COLLAPSE: {e}; free 2 MiB \
+             blocks of memory were short)",
+            whole - collapsed
+        )
+    });
+    Ok(AliasOutcome::Huge {
+        alias,
+        share: collapsed as f64 / whole as f64,
+        shortfall,
+    })
+}
+
+/// Maps `len` bytes of `file` from `offset` (a multiple of 2 MiB) shared, at a 2 MiB-aligned
+/// address.
+fn map_aligned(file: &File, offset: u64, len: usize) -> std::io::Result<*mut c_void> {
+    let span = len + HUGE_PAGE;
+    // SAFETY: reserves address space only, at an address of the kernel's choosing.
+    let reserved = unsafe {
+        mmap_anonymous(
+            null_mut(),
+            span,
+            ProtFlags::empty(),
+            MapFlags::PRIVATE | MapFlags::NORESERVE,
+        )
+    }?;
+    let start = reserved as usize;
+    let aligned = start.next_multiple_of(HUGE_PAGE);
+    // SAFETY: `[aligned, aligned + len)` lies inside our own reservation, which MAP_FIXED
+    // replaces; the file has at least `offset + len` bytes (checked by the caller).
+    let mapped = unsafe {
+        mmap(
+            aligned as *mut c_void,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            file,
+            offset,
+        )
+    };
+    let head = aligned - start;
+    let tail = span - head - len;
+    // SAFETY: the unused ends of our own reservation (all of it if the file mapping failed).
+    unsafe {
+        match mapped {
+            Err(e) => {
+                let _ = munmap(reserved, span);
+                return Err(e.into());
+            }
+            Ok(_) => {
+                if head > 0 {
+                    let _ = munmap(reserved, head);
+                }
+                if tail > 0 {
+                    let _ = munmap((aligned + len) as *mut c_void, tail);
+                }
+            }
+        }
+    }
+    Ok(aligned as *mut c_void)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_lines_parse() {
+        let m = parse_maps_line(
+            "7f1c2a000000-7f1c2a400000 rw-s 00200000 00:1a 123456                     \
+             /dev/shm/vllm_offload_x.mmap (deleted)",
+        )
+        .unwrap();
+        assert_eq!((m.start, m.end), (0x7f1c2a000000, 0x7f1c2a400000));
+        assert!(m.shared);
+        assert_eq!(m.offset, 0x200000);
+        assert_eq!((m.dev_major, m.dev_minor, m.inode), (0, 0x1a, 123456));
+        assert_eq!(m.path, "/dev/shm/vllm_offload_x.mmap (deleted)");
+        let anon = parse_maps_line("7ffd1000-7ffd3000 rw-p 00000000 00:00 0 ").unwrap();
+        assert!(!anon.shared);
+        assert_eq!(anon.inode, 0);
+        assert_eq!(anon.path, "");
+        assert!(parse_maps_line("garbage").is_none());
+    }
+}
