@@ -335,3 +335,50 @@ fn bench_fs_tier_beside_vllms_approach() {
         "--rounds",
     );
 }
+
+/// Issue 20 item 6: two `kvtier tier format` of one directory at once. Each round, at least one
+/// succeeds, any other is refused as locked (never an O_DIRECT or missing-file diagnosis), and
+/// a whole tier is left behind.
+#[test]
+fn two_formats_of_one_directory_do_not_race() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    let bin = env!("CARGO_BIN_EXE_kvtier");
+    for round in 0..6 {
+        let spawn = || {
+            std::process::Command::new(bin)
+                .args(["tier", "format", d, "--capacity", "16MiB", "--yes"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let (a, b) = (spawn(), spawn());
+        let outs = [a.wait_with_output().unwrap(), b.wait_with_output().unwrap()];
+        let ok = outs.iter().filter(|o| o.status.success()).count();
+        assert!(
+            ok >= 1,
+            "round {round}: both formats failed: {:?}",
+            outs.iter().map(stderr).collect::<Vec<_>>()
+        );
+        for o in outs.iter().filter(|o| !o.status.success()) {
+            let e = stderr(o);
+            assert!(
+                e.contains("being changed by another kvtier process")
+                    || e.contains("locked by another process"),
+                "round {round}: {e}"
+            );
+        }
+        let inspect = kvtier(&["tier", "inspect", d, "--json"]);
+        assert!(
+            inspect.status.success(),
+            "round {round}: {}",
+            stderr(&inspect)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+        assert!(
+            v["total_slots"].as_u64().is_some_and(|n| n > 0),
+            "round {round}: {v}"
+        );
+    }
+}

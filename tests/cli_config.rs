@@ -234,3 +234,25 @@ fn one_config_holds_an_nvme_and_an_fs_tier_each_checked_by_its_parser() {
     let out = check(&write(dir.path(), "bad.json", &bad), &[]);
     assert_user_error(&out, "secondary_tiers[1].rootdir");
 }
+
+/// Issue 20 item 4: a huge `checkpoint_interval_s` panicked `config check` (1e300) or was
+/// accepted (1e19, which then overflowed the worker's deadline arithmetic). Out of range is a
+/// user error naming the key path; the largest accepted value still checks.
+#[test]
+fn checkpoint_interval_out_of_range_is_a_key_path_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let with = |v: &str| {
+        format!(
+            r#"{{"cpu_bytes_to_use": "1GiB", "secondary_tiers": [{{"type": "nvme",
+            "paths": ["/mnt/a"], "capacity_bytes": "8GiB", "checkpoint_interval_s": {v}}}]}}"#
+        )
+    };
+    for (i, v) in ["1e300", "1e19", "31536001", "-1"].iter().enumerate() {
+        let out = check(&write(dir.path(), &format!("iv{i}.json"), &with(v)), &[]);
+        assert_user_error(&out, "secondary_tiers[0].checkpoint_interval_s: expected");
+    }
+    for (i, v) in ["31536000", "0", "0.5"].iter().enumerate() {
+        let out = check(&write(dir.path(), &format!("ok{i}.json"), &with(v)), &[]);
+        assert_eq!(json(&out)["valid"], true, "{v}");
+    }
+}

@@ -150,3 +150,62 @@ fn tier_verify_shows_a_progress_bar_on_a_terminal_only() {
     assert_success(&piped);
     assert_eq!(stderr(&piped), "");
 }
+
+/// Issue 20 item 7: `tier verify` said "failed their CRC check" for slots it could not read,
+/// and `tier inspect` refused a truncated slab. Now inspect lists it as TRUNCATED (exit 0),
+/// and verify labels each bad slot and says how many could not be read.
+#[test]
+fn tier_verify_tells_read_errors_apart_and_inspect_flags_a_truncated_slab() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let out = kvtier(&[
+        "bench",
+        "--bytes",
+        "16MiB",
+        "--keep",
+        "--json",
+        "--path",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_success(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tier = v["tier"]["paths"][0].as_str().unwrap().to_string();
+    let info: serde_json::Value =
+        serde_json::from_slice(&kvtier(&["tier", "inspect", &tier, "--json"]).stdout).unwrap();
+    let stride = info["files"][0]["superblock"]["row_stride"]
+        .as_u64()
+        .unwrap();
+    let slab = Path::new(&tier).join(kvtier::g3::slab::SLAB_FILE_NAME);
+    let f = std::fs::OpenOptions::new().write(true).open(&slab).unwrap();
+    f.set_len(f.metadata().unwrap().len() - stride).unwrap();
+    drop(f);
+
+    let inspect = kvtier(&["tier", "inspect", &tier]);
+    assert_success(&inspect);
+    let text = String::from_utf8_lossy(&inspect.stdout);
+    assert!(text.contains("TRUNCATED"), "{text}");
+    assert!(
+        text.contains("warning:") && text.contains("truncated"),
+        "{text}"
+    );
+
+    let verify = kvtier(&["tier", "verify", &tier]);
+    assert_eq!(verify.status.code(), Some(1), "{}", stderr(&verify));
+    let text = String::from_utf8_lossy(&verify.stdout);
+    assert!(
+        text.contains("7 ok, 1 bad (0 failed the CRC check, 1 could not be read)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("read error") && text.contains("past the end"),
+        "{text}"
+    );
+    let err = stderr(&verify);
+    assert!(
+        err.contains("1 of 8 stored chunks could not be read"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("CRC"),
+        "a read error is not a CRC failure: {err}"
+    );
+}

@@ -15,9 +15,12 @@ use kvtier::error::ErrorKind;
 use kvtier::g3::journal::JOURNAL_FILE_NAME;
 use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
-use kvtier::io::{FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine};
+use kvtier::io::{
+    DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine,
+};
 use kvtier::region::PrimaryRegion;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
     let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
@@ -153,7 +156,7 @@ fn eio_mid_load_gives_per_key_results() {
 }
 
 #[test]
-fn failed_write_poisons_the_path() {
+fn failed_write_fences_the_path() {
     let d = tmpdir();
     let r = region(8);
     let mut t = open_faulty(
@@ -164,32 +167,52 @@ fn failed_write_poisons_the_path() {
     for i in 0..4u32 {
         fill_row(&r, i, u64::from(i));
     }
-    let res = run(&mut t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false));
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    t.take_events();
+    let res = run(&mut t, job(2, &[2, 3], &[2, 3], false));
     assert!(!res.success);
-    assert_eq!(res.transfer_bytes, Some(2 * STRIDE as u64));
-    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
-    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
-    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+    assert_eq!(res.transfer_bytes, Some(0));
+    // The path is fenced: the entries it held leave the index (removed events, journaled).
+    for i in 0..4 {
+        assert_eq!(lookup(&mut t, i), LookupResult::Miss, "key {i}");
+    }
     assert_eq!(metric(&t, "g3_path_healthy"), 0.0);
+    assert_eq!(metric(&t, "g3_entries_fenced"), 2.0);
+    let removed: Vec<_> = t
+        .take_events()
+        .into_iter()
+        .filter(|e| e.removed)
+        .flat_map(|e| e.keys)
+        .collect();
+    assert_eq!(removed, vec![key(0), key(1)]);
     fill_row(&r, 4, 4);
-    let res = run(&mut t, job(2, &[4], &[4], false));
+    let res = run(&mut t, job(3, &[4], &[4], false));
     assert!(!res.success);
     assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Poisoned);
-    // Earlier chunks stay readable.
-    clear_row(&r, 5);
-    assert!(run(&mut t, job(3, &[1], &[5], true)).success);
-    assert!(row_is(&r, 5, 1));
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(config(&[d.path()], 8), &r);
+    assert_eq!(
+        lookup(&mut t, 0),
+        LookupResult::Miss,
+        "the fence was journaled"
+    );
+    assert_eq!(
+        lookup(&mut t, 1),
+        LookupResult::Miss,
+        "the fence was journaled"
+    );
 }
 
 #[test]
-fn failed_fdatasync_fails_the_store_and_poisons_the_path() {
-    let d = tmpdir();
+fn failed_fdatasync_fails_the_store_and_fences_the_path() {
+    let (a, b) = (tmpdir(), tmpdir());
     let r = region(8);
     // fsync = always (the default): each group commit syncs the slab before journaling.
+    // Slots alternate between the paths: key 0 -> path 0, key 1 -> path 1, key 2 -> path 0.
     let mut t = open_faulty(
-        config(&[d.path()], 8),
+        config(&[a.path(), b.path()], 8),
         &r,
-        FaultPlan::new().fail_syncs_after(1),
+        FaultPlan::new().data(DataFault::new(DataOp::Sync, libc::EIO).on_file(1)),
     );
     for i in 0..3u32 {
         fill_row(&r, i, u64::from(i));
@@ -206,22 +229,134 @@ fn failed_fdatasync_fails_the_store_and_poisons_the_path() {
     assert_eq!(err.kind(), ErrorKind::Io, "{err}");
     assert!(err.to_string().contains("fdatasync"), "{err}");
     assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
-    assert_eq!(metric(&t, "g3_path_healthy"), 0.0);
-    // The path takes no more writes; what was durable before stays readable.
-    let res = run(&mut t, job(3, &[2], &[2], false));
-    assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::Poisoned);
+    assert_eq!(metric(&t, "g3_path_healthy"), 1.0, "one path of two");
+    // The other path goes on taking writes; what it holds stays readable.
+    assert!(run(&mut t, job(3, &[2], &[2], false)).success);
     clear_row(&r, 5);
     assert!(run(&mut t, job(4, &[0], &[5], true)).success);
     assert!(row_is(&r, 5, 0));
     t.close_without_checkpoint().unwrap();
-    // After a restart only the key whose sync succeeded is there.
-    let mut t = open(config(&[d.path()], 8), &r);
+    // After a restart only the keys whose sync succeeded are there.
+    let mut t = open(config(&[a.path(), b.path()], 8), &r);
     assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
     assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
-    assert_eq!(lookup(&mut t, 2), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 2), LookupResult::Hit);
     clear_row(&r, 6);
-    assert!(run(&mut t, job(5, &[0], &[6], true)).success);
-    assert!(row_is(&r, 6, 0));
+    assert!(run(&mut t, job(5, &[2], &[6], true)).success);
+    assert!(row_is(&r, 6, 2));
+}
+
+/// Issue 20 item 1: a failed path's entries stayed in the LRU, the eviction scan (256
+/// entries) walked past them, and once they filled the LRU end every store failed with
+/// NoSpace although the healthy path had entries to evict. Now the failed path is fenced
+/// (its entries dropped, journaled) and the healthy path keeps storing, evicting and loading.
+#[test]
+fn a_failed_path_is_fenced_and_the_healthy_path_keeps_evicting() {
+    let (a, b) = (tmpdir(), tmpdir());
+    const SLOTS: u64 = 600;
+    const JOB: u64 = 60;
+    let r = region(JOB as usize);
+    let gate = Arc::new(AtomicBool::new(false));
+    let plan = FaultPlan::new().data(
+        DataFault::new(DataOp::Write, libc::EIO)
+            .on_file(1)
+            .while_set(gate.clone()),
+    );
+    let mut cfg = config(&[a.path(), b.path()], SLOTS);
+    cfg.fsync = kvtier::g3::FsyncPolicy::Never;
+    let mut t = open_faulty(cfg.clone(), &r, plan);
+    let rows: Vec<u32> = (0..JOB as u32).collect();
+    let store = |t: &mut G3Tier, first: u64, id: u64| {
+        let keys: Vec<u64> = (first..first + JOB).collect();
+        for (&row, &k) in rows.iter().zip(&keys) {
+            fill_row(&r, row, k);
+        }
+        run(t, job(id, &keys, &rows, false))
+    };
+    // Fill every slot: key i sits in slot i, on path i % 2.
+    for n in 0..SLOTS / JOB {
+        assert!(store(&mut t, n * JOB, n).success);
+    }
+    t.take_events();
+    // Path 1 fails: the first job's writes there fail, the path is fenced.
+    gate.store(true, Ordering::SeqCst);
+    let res = store(&mut t, 10_000, 100);
+    assert!(!res.success);
+    assert_eq!(metric(&t, "g3_path_healthy"), 1.0, "one path of two");
+    let fenced = metric(&t, "g3_entries_fenced");
+    assert!(fenced >= (SLOTS / 2 - JOB) as f64, "{fenced}");
+    // Twice the healthy path's capacity in new keys: every store succeeds by eviction there.
+    for n in 0..2 * SLOTS / 2 / JOB {
+        let res = store(&mut t, 20_000 + n * JOB, 200 + n);
+        assert!(res.success, "store {n} after the fence: {res:?}");
+    }
+    assert_eq!(metric(&t, "g3_stores_refused"), 0.0);
+    for i in (1..SLOTS).step_by(2).take(20) {
+        assert_eq!(lookup(&mut t, i), LookupResult::Miss, "fenced key {i}");
+    }
+    // The newest keys load with their own bytes.
+    let newest: Vec<u64> = (20_000 + 9 * JOB..20_000 + 10 * JOB).collect();
+    rows.iter().for_each(|&row| clear_row(&r, row));
+    let res = run(&mut t, job(999, &newest, &rows, true));
+    assert!(res.success, "{res:?}");
+    for (&row, &k) in rows.iter().zip(&newest) {
+        assert!(row_is(&r, row, k), "key {k}");
+    }
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(cfg, &r);
+    assert_eq!(
+        lookup(&mut t, 1),
+        LookupResult::Miss,
+        "the fence was journaled"
+    );
+    assert_eq!(lookup(&mut t, newest[0]), LookupResult::Hit);
+}
+
+/// Issue 20 item 5: EINTR, EAGAIN (once the engine's bounded resubmission gave up) and
+/// ECANCELED fail that key only; ENOSPC on a slab write fences the path. Per file and per
+/// operation kind.
+#[test]
+fn transient_errors_fail_the_key_and_enospc_fences_the_path() {
+    for errno in [libc::EINTR, libc::EAGAIN, libc::ECANCELED, libc::ENOSPC] {
+        let (a, b) = (tmpdir(), tmpdir());
+        let r = region(8);
+        let plan = FaultPlan::new()
+            .data(DataFault::new(DataOp::Write, errno).on_file(1).times(1))
+            .data(DataFault::new(DataOp::Read, errno).on_file(0).times(1));
+        let mut t = open_faulty(config(&[a.path(), b.path()], 8), &r, plan);
+        for i in 0..4u32 {
+            fill_row(&r, i, u64::from(i));
+        }
+        // Keys 0, 2 -> path 0; keys 1, 3 -> path 1 (whose first write fails).
+        let res = run(&mut t, job(1, &[0, 1], &[0, 1], false));
+        assert!(!res.success, "errno {errno}");
+        let e = res.error.unwrap();
+        assert_eq!(e.context_value("errno"), Some(errno.to_string().as_str()));
+        assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+        assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
+        let transient = errno != libc::ENOSPC;
+        assert_eq!(
+            metric(&t, "g3_path_healthy"),
+            if transient { 2.0 } else { 1.0 },
+            "errno {errno}"
+        );
+        // Later stores succeed: on both paths, or on the healthy one once the other is fenced.
+        let res = run(&mut t, job(2, &[2, 3], &[2, 3], false));
+        assert!(res.success, "errno {errno}: {res:?}");
+        assert_eq!(
+            metric(&t, "g3_path_healthy"),
+            if transient { 2.0 } else { 1.0 },
+            "errno {errno}"
+        );
+        // The first read of path 0 fails: that key only.
+        (4..8).for_each(|row| clear_row(&r, row));
+        let res = run(&mut t, job(3, &[0, 2], &[4, 5], true));
+        assert!(!res.success);
+        let loaded = res.successful_keys.unwrap_or_default();
+        assert_eq!(loaded.len(), 1, "errno {errno}");
+        let k = if loaded[0] == key(0) { 0 } else { 2 };
+        assert!(row_is(&r, 4 + k as u32 / 2, k));
+    }
 }
 
 #[test]
@@ -257,8 +392,10 @@ fn failed_final_checkpoint_is_counted_and_the_journal_recovers_everything() {
 fn short_write_is_never_success() {
     let d = tmpdir();
     let r = region(4);
+    let e = tmpdir();
+    // Key 0 -> path 0, key 1 -> path 1 (whose write is cut short, which fences that path).
     let mut t = open_faulty(
-        config(&[d.path()], 8),
+        config(&[d.path(), e.path()], 8),
         &r,
         FaultPlan::new().short_on(2, 4096),
     );
@@ -269,6 +406,7 @@ fn short_write_is_never_success() {
     assert_eq!(res.error.as_ref().unwrap().kind(), ErrorKind::ShortIo);
     assert_eq!(lookup(&mut t, 1), LookupResult::Miss);
     assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(metric(&t, "g3_path_healthy"), 1.0);
 }
 
 fn journal_len(dir: &Path) -> u64 {
@@ -389,4 +527,98 @@ fn journal_write_failure_refuses_stores_and_keeps_loads() {
     assert_eq!(metric(&t, "g3_journal_healthy"), 1.0);
     assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
     assert!(run(&mut t, job(5000, &[3], &[2], false)).success);
+}
+
+/// Issue 20 item 2: a path whose fdatasync fails must not stop checkpoints (the journal then
+/// grew until every store was refused). The failed path is fenced at the checkpoint, the
+/// checkpoint goes on for the healthy path, and the journal stays bounded.
+#[test]
+fn checkpoints_go_on_for_the_healthy_path_and_the_journal_stays_bounded() {
+    let (a, b) = (tmpdir(), tmpdir());
+    let r = region(8);
+    let mut cfg = config(&[a.path(), b.path()], 64);
+    cfg.fsync = kvtier::g3::FsyncPolicy::Never;
+    cfg.checkpoint_journal_bytes = 4 << 10;
+    cfg.max_journal_bytes = 64 << 10;
+    cfg.checkpoint_interval = None;
+    let plan = FaultPlan::new().data(DataFault::new(DataOp::Sync, libc::EIO).on_file(1));
+    let mut t = open_faulty(cfg.clone(), &r, plan);
+    let rows: Vec<u32> = (0..8).collect();
+    let mut peak = 0.0f64;
+    // About 1600 records of ~90 bytes: far more than max_journal_bytes without checkpoints.
+    for n in 0..200u64 {
+        let keys: Vec<u64> = (n * 8..n * 8 + 8).collect();
+        for (&row, &k) in rows.iter().zip(&keys) {
+            fill_row(&r, row, k);
+        }
+        let res = run(&mut t, job(n, &keys, &rows, false));
+        assert!(res.success, "store {n}: {res:?}");
+        peak = peak.max(metric(&t, "g3_journal_bytes"));
+    }
+    assert_eq!(metric(&t, "g3_path_healthy"), 1.0, "path 1 is fenced");
+    assert_eq!(metric(&t, "g3_stores_refused"), 0.0);
+    assert!(metric(&t, "g3_checkpoints") >= 10.0, "checkpoints stopped");
+    assert!(peak < (16 << 10) as f64, "the journal grew to {peak} bytes");
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(cfg, &r);
+    let last: Vec<u64> = (199 * 8..200 * 8).collect();
+    let res = run(&mut t, job(1000, &last, &rows, true));
+    assert!(res.success, "{res:?}");
+    for (&row, &k) in rows.iter().zip(&last) {
+        assert!(row_is(&r, row, k), "key {k}");
+    }
+}
+
+/// Issue 20 item 3: a journal poisoned while it holds no record (its first append failed) is
+/// repaired by a checkpoint even with `checkpoint_interval_s = 0`, and its state is visible
+/// in `g3_journal_info{state}` while it refuses records.
+#[test]
+fn a_journal_poisoned_while_empty_is_repaired() {
+    let d = tmpdir();
+    let r = region(4);
+    let mut cfg = config(&[d.path()], 8);
+    cfg.checkpoint_interval = None;
+    let gate = Arc::new(AtomicBool::new(false));
+    // Every journal append fails while the gate is set (a disk that is full for a while).
+    let plan = FaultPlan::new().meta(
+        MetaFault::new(MetaFile::Journal, MetaOp::Write, libc::ENOSPC).while_set(gate.clone()),
+    );
+    let mut t = open_faulty(cfg, &r, plan);
+    let state = |t: &G3Tier| {
+        t.metrics()
+            .into_iter()
+            .find(|m| m.name == "g3_journal_info")
+            .and_then(|m| {
+                m.labels
+                    .iter()
+                    .find(|(k, _)| *k == "state")
+                    .map(|(_, v)| v.clone())
+            })
+            .unwrap()
+    };
+    assert_eq!(state(&t), "healthy");
+    gate.store(true, Ordering::SeqCst);
+    fill_row(&r, 0, 0);
+    let res = run(&mut t, job(1, &[0], &[0], false));
+    assert_eq!(
+        res.error.as_ref().unwrap().kind(),
+        ErrorKind::NoSpace,
+        "{res:?}"
+    );
+    assert_eq!(lookup(&mut t, 0), LookupResult::Miss);
+    assert_eq!(metric(&t, "g3_journal_healthy"), 0.0);
+    assert_eq!(state(&t), "poisoned");
+    // The disk has room again: the repair needs no new record and no interval.
+    gate.store(false, Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while metric(&t, "g3_journal_healthy") == 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the journal poisoned while empty was never repaired"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(state(&t), "healthy");
+    assert!(run(&mut t, job(2, &[0], &[0], false)).success);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
 }

@@ -305,3 +305,20 @@ fn a_pseudo_filesystem_is_refused_as_a_bad_path() {
         "{e}"
     );
 }
+
+/// Issue 20 item 4: a programmatic caller's huge checkpoint interval (one that would overflow
+/// the worker's deadline arithmetic) is refused at open with the config key, before any file
+/// is created.
+#[test]
+fn huge_checkpoint_interval_is_refused_at_open() {
+    let d = tmpdir();
+    let r = region(1);
+    for secs in [u64::MAX, 10_000_000_000_000_000_000, 31_536_001] {
+        let mut cfg = config(&[d.path()], 4);
+        cfg.checkpoint_interval = Some(Duration::from_secs(secs));
+        let e = open_err(cfg, &r);
+        assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+        assert!(e.to_string().contains("checkpoint_interval_s"), "{e}");
+    }
+    assert!(!d.path().join(SLAB_FILE_NAME).exists());
+}

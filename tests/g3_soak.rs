@@ -12,6 +12,13 @@
 //! `g3_soak_short` runs one cycle (a few seconds, in CI); `g3_soak_long` (ignored) runs
 //! `KVTIER_SOAK_CYCLES` cycles (default 20):
 //! `cargo test --release --test g3_soak -- --ignored --nocapture`.
+//!
+//! Issue 20 ("Done when"): `g3_soak_one_path_fails` (two directories under `/tmp`, no loop
+//! device needed) runs the same store/load loop and fails every write and fdatasync of the
+//! second path mid-run (the faulty engine): the tier fences that path and keeps storing,
+//! evicting, loading and checkpointing on the other, never returns wrong bytes, keeps its journal
+//! under `max_journal_bytes`, and after a restart every acknowledged store not evicted or fenced
+//! since loads its own bytes. `g3_soak_one_path_fails_long` (ignored) runs it 20 times longer.
 
 mod g3_common;
 
@@ -27,7 +34,9 @@ use g3_common::*;
 use kvtier::contract::job::LookupResult;
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{G3Tier, G3TierConfig};
-use kvtier::io::{FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine};
+use kvtier::io::{
+    DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine,
+};
 use kvtier::region::PrimaryRegion;
 
 /// Rows of the region: 8 for stores, 8 for loads.
@@ -101,6 +110,8 @@ struct Tally {
     load_failures: u64,
     next_key: u64,
     next_job: u64,
+    /// Largest `g3_journal_bytes` seen after a job.
+    peak_journal: f64,
 }
 
 struct Soak {
@@ -145,6 +156,10 @@ impl Soak {
             } else {
                 self.tally.refused += 1;
             }
+            self.tally.peak_journal = self
+                .tally
+                .peak_journal
+                .max(metric(&self.t, "g3_journal_bytes"));
             // Load some keys that should be there (newest first, then older ones).
             let want: Vec<u64> = self
                 .tally
@@ -283,8 +298,24 @@ fn cycle(fs: &LoopFs, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
     drop(tier);
     std::fs::remove_dir(&fast).unwrap();
     fs.mount().unwrap();
-    // Every acknowledged store not evicted since is there, with its own bytes.
-    let mut t = open(cfg, &r);
+    verify_after_restart(cfg, &r, &tally, cycle_no);
+    eprintln!(
+        "soak cycle {cycle_no}: {} keys stored, {} store jobs refused, {} load jobs ({} with \
+         failed keys), {} present and verified after the remount, {:.1} s",
+        tally.stored,
+        tally.refused,
+        tally.loads,
+        tally.load_failures,
+        tally.present.len(),
+        phase.elapsed().as_secs_f64()
+    );
+    tally
+}
+
+/// Every acknowledged store not evicted (or fenced) since is there after a restart, with its
+/// own bytes.
+fn verify_after_restart(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, tally: &Tally, cycle_no: usize) {
+    let mut t = open(cfg, r);
     let missing: Vec<u64> = tally
         .present
         .iter()
@@ -304,23 +335,12 @@ fn cycle(fs: &LoopFs, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
         assert!(res.success, "cycle {cycle_no}: {res:?}");
         for (&k, &row) in chunk.iter().zip(&rows) {
             assert!(
-                row_is(&r, row, k),
+                row_is(r, row, k),
                 "cycle {cycle_no}: key {k} loaded wrong bytes"
             );
         }
     }
     t.shutdown().unwrap();
-    eprintln!(
-        "soak cycle {cycle_no}: {} keys stored, {} store jobs refused, {} load jobs ({} with \
-         failed keys), {} present and verified after the remount, {:.1} s",
-        tally.stored,
-        tally.refused,
-        tally.loads,
-        tally.load_failures,
-        tally.present.len(),
-        phase.elapsed().as_secs_f64()
-    );
-    tally
 }
 
 fn soak(cycles: usize, scale: usize) {
@@ -357,4 +377,98 @@ fn g3_soak_long() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
     soak(cycles, 10);
+}
+
+/// The soak's store/load loop with the second path failing mid-run (see the module docs).
+fn soak_one_path_fails(scale: usize) {
+    let (a, b) = (tmpdir(), tmpdir());
+    let cfg = soak_config(a.path(), b.path());
+    let r = region(ROWS as usize);
+    let gate = Arc::new(AtomicBool::new(false));
+    let plan = FaultPlan::new()
+        .data(
+            DataFault::new(DataOp::Write, libc::EIO)
+                .on_file(1)
+                .while_set(gate.clone()),
+        )
+        .data(
+            DataFault::new(DataOp::Sync, libc::EIO)
+                .on_file(1)
+                .while_set(gate.clone()),
+        );
+    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
+        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
+    });
+    let t = G3Tier::open_with_engine(
+        cfg.clone(),
+        r.clone(),
+        kvtier::g3::geometry_namespace(STRIDE),
+        "soak".into(),
+        None,
+        factory,
+    )
+    .unwrap();
+    assert!(t.wait_recovered(Duration::from_secs(30)));
+    let mut s = Soak {
+        r: r.clone(),
+        t,
+        tally: Tally::default(),
+    };
+    let phase = Instant::now();
+    s.traffic(10 * scale);
+    assert_eq!(s.tally.refused, 0, "stores failed before any fault");
+    // The second path fails: its writes and syncs fail from now on.
+    gate.store(true, Ordering::SeqCst);
+    s.traffic(2);
+    let fenced = metric(&s.t, "g3_entries_fenced");
+    assert_eq!(metric(&s.t, "g3_path_healthy"), 1.0, "one path of two");
+    assert!(fenced > 0.0, "the failed path held no entry to fence");
+    let refused_at_fence = s.tally.refused;
+    // Far more new keys than the healthy path holds (64 slots): it evicts, loads, checkpoints.
+    let checkpoints = metric(&s.t, "g3_checkpoints");
+    s.traffic(40 * scale);
+    assert_eq!(
+        s.tally.refused, refused_at_fence,
+        "a store failed on the healthy path after the fence"
+    );
+    assert_eq!(metric(&s.t, "g3_stores_refused"), 0.0);
+    assert!(
+        metric(&s.t, "g3_checkpoints") > checkpoints,
+        "checkpoints stopped after the fence"
+    );
+    assert!(
+        s.tally.peak_journal <= cfg.max_journal_bytes as f64,
+        "the journal grew to {} bytes (max_journal_bytes {})",
+        s.tally.peak_journal,
+        cfg.max_journal_bytes
+    );
+    let Soak {
+        t: mut tier, tally, ..
+    } = s;
+    tier.shutdown().unwrap();
+    drop(tier);
+    verify_after_restart(cfg, &r, &tally, 0);
+    eprintln!(
+        "soak with a failing path: {} keys stored, {} store jobs with failed keys (all at the \
+         fence), {} load jobs ({} with failed keys), {fenced} entries fenced, journal peak {} \
+         bytes, {} present and verified after a restart, {:.1} s",
+        tally.stored,
+        tally.refused,
+        tally.loads,
+        tally.load_failures,
+        tally.peak_journal,
+        tally.present.len(),
+        phase.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn g3_soak_one_path_fails() {
+    soak_one_path_fails(1);
+}
+
+#[test]
+#[ignore = "long soak: cargo test --release --test g3_soak -- --ignored --nocapture"]
+fn g3_soak_one_path_fails_long() {
+    soak_one_path_fails(20);
 }

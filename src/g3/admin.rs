@@ -48,6 +48,9 @@ pub struct SlabFileReport {
     pub fs_type: String,
     /// Pid of the process holding the slab's lock, if any.
     pub locked_by: Option<u32>,
+    /// What is wrong with the file, if anything (a truncated slab: the slots past its end
+    /// cannot be read).
+    pub problem: Option<String>,
 }
 
 /// A stripe set and its index, as reported by [`inspect`] and [`format`](fn@format).
@@ -86,6 +89,17 @@ pub struct KeyEntry {
     pub generation: u64,
 }
 
+/// Why a slot failed verification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BadKind {
+    /// The bytes were read and do not match their CRC.
+    CrcMismatch,
+    /// The bytes could not be read (an I/O error, or the slot lies past the end of a
+    /// truncated slab): nothing is known about them.
+    ReadError,
+}
+
 /// A key whose slot failed verification.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BadKey {
@@ -93,6 +107,8 @@ pub struct BadKey {
     pub key: String,
     /// Slot.
     pub slot: u32,
+    /// CRC mismatch or read error.
+    pub kind: BadKind,
     /// CRC recorded in the index.
     pub expected_crc: u32,
     /// CRC of the bytes read, when the read worked.
@@ -108,12 +124,18 @@ pub struct VerifyReport {
     pub checked: u64,
     /// Entries whose bytes match their CRC.
     pub ok: u64,
-    /// Entries that failed.
+    /// Entries that failed (both kinds).
     pub bad: Vec<BadKey>,
+    /// Entries whose bytes did not match their CRC.
+    pub crc_failures: u64,
+    /// Entries whose bytes could not be read.
+    pub read_errors: u64,
 }
 
 struct OpenSet {
     files: Vec<(PathBuf, File, Superblock)>,
+    /// Per file: what is wrong with it (reported, not refused; see [`open_existing`]).
+    problems: Vec<Option<String>>,
 }
 
 impl OpenSet {
@@ -161,6 +183,9 @@ fn open_existing(paths: &[PathBuf], access: Access) -> Result<OpenSet> {
         return Err(slab::incomplete_set(&dirs, &present));
     }
     let mut files = Vec::with_capacity(dirs.len());
+    let mut problems = Vec::with_capacity(dirs.len());
+    let mut truncated: Option<Error> = None;
+    let mut held_bytes = 0u64;
     for d in &dirs {
         let p = d.join(SLAB_FILE_NAME);
         let f = match access {
@@ -170,12 +195,46 @@ fn open_existing(paths: &[PathBuf], access: Access) -> Result<OpenSet> {
         };
         let sb = read_superblock(&f, &p)?;
         let len = f.metadata().map_err(|e| Error::io("stat", &p, e))?.len();
-        slab::check_geometry(&sb, len, &p)?;
+        let problem = match slab::check_geometry(&sb, len, &p) {
+            Ok(()) => None,
+            // A truncated slab is what the read-only commands are for: `inspect` reports it,
+            // `verify` reports the slots past its end as read errors.
+            Err(e) if access != Access::WriteLocked && is_truncation(&e, len) => {
+                let problem = format!(
+                    "truncated: {len} bytes, its superblock needs {}; the slots past its end \
+                     cannot be read",
+                    e.context_value("expected").unwrap_or("more")
+                );
+                truncated.get_or_insert(e);
+                Some(problem)
+            }
+            Err(e) => return Err(e),
+        };
+        held_bytes = held_bytes.saturating_add(len);
         files.push((p, f, sb));
+        problems.push(problem);
+    }
+    // Nothing is sized from a superblock its files cannot back: a truncated set is reported
+    // only while its files hold at least the index's 64 bytes per slot the superblock names
+    // (a forged or garbled superblock naming billions of slots stays an error).
+    if let Some(e) = truncated
+        && files
+            .first()
+            .is_none_or(|(_, _, sb)| sb.total_slots.saturating_mul(64) > held_bytes)
+    {
+        return Err(e);
     }
     let sbs: Vec<Superblock> = files.iter().map(|(_, _, sb)| sb.clone()).collect();
     slab::check_members(&dirs, &sbs)?;
-    Ok(OpenSet { files })
+    Ok(OpenSet { files, problems })
+}
+
+/// Whether `e` (from [`slab::check_geometry`]) says the file of `len` bytes is shorter than
+/// its superblock needs.
+fn is_truncation(e: &Error, len: u64) -> bool {
+    e.context_value("expected")
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|want| len < want)
 }
 
 /// A folder without a slab is not a tier: say so, and how to make one, rather than a bare
@@ -194,10 +253,35 @@ fn no_tier_in(dir: &Path) -> Error {
 }
 
 /// Discards whatever `paths` hold and creates a fresh, empty stripe set.
+///
+/// Everything that can be known before anything is removed is checked first: every directory
+/// takes files, no live tier holds a slab, and the new slabs fit in the space available plus
+/// what the old ones free. The directories' locks ([`slab::lock_dirs`]) are held from the first
+/// removal to the last write, so two formats of one directory never interleave: the second
+/// is refused, naming the first one's pid.
 pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
     // Refuse a directory that takes no files before anything is removed or created.
     let dirs = slab::check_writable_dirs(paths)?;
-    slab::remove_set(&dirs)?;
+    let _locks = slab::lock_dirs(&dirs)?;
+    let slots = crate::geometry::ChunkGeometry::slots_per_file(
+        opts.capacity_bytes,
+        dirs.len(),
+        opts.row_stride,
+    );
+    if slots == 0 {
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "capacity {} holds no slot of {} on each of {}",
+                crate::size::format_size_human(opts.capacity_bytes),
+                crate::size::format_size_human(opts.row_stride),
+                crate::size::count(dirs.len() as u64, "path")
+            ),
+        ));
+    }
+    let old = slab::lock_slabs(&dirs)?;
+    slab::check_format_space(&dirs, &old, slots, opts.row_stride)?;
+    slab::remove_locked(old)?;
     let index_dir = IndexDir::open(&dirs[0])?;
     remove_index_files(&index_dir)?;
     let spec = SlabSpec {
@@ -206,7 +290,7 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
         namespace: opts.namespace,
         direct_io: opts.direct_io,
     };
-    let set = slab::open_set(&dirs, &spec)?;
+    let set = slab::open_set_locked(&dirs, &spec)?;
     let total = u32::try_from(set.total_slots())
         .map_err(|_| Error::new(ErrorKind::Config, "more than 2^32 - 1 slots"))?;
     let rec = recovery::recover(&index_dir, set.set_uuid(), total, set.files.len())?;
@@ -231,15 +315,22 @@ pub fn inspect(paths: &[PathBuf]) -> Result<SlabReport> {
             index_dir.file_path(&name).display()
         ));
     }
+    for ((p, _, _), problem) in set.files.iter().zip(&set.problems) {
+        if let Some(problem) = problem {
+            rec.warnings.push(format!("{} is {problem}", p.display()));
+        }
+    }
     let files = set
         .files
         .iter()
-        .map(|(p, f, sb)| SlabFileReport {
+        .zip(&set.problems)
+        .map(|((p, f, sb), problem)| SlabFileReport {
             path: p.clone(),
             superblock: sb.clone(),
             file_bytes: f.metadata().map(|m| m.len()).unwrap_or(0),
             fs_type: fs_type_of(p),
             locked_by: lock_holder_of(f),
+            problem: problem.clone(),
         })
         .collect();
     Ok(SlabReport {
@@ -310,25 +401,36 @@ pub fn verify_with_progress(
                 if found == e.crc {
                     report.ok += 1;
                 } else {
+                    report.crc_failures += 1;
                     report.bad.push(BadKey {
                         key: e.key.to_hex(),
                         slot: e.slot,
+                        kind: BadKind::CrcMismatch,
                         expected_crc: e.crc,
                         found_crc: Some(found),
                         error: None,
                     });
                 }
             }
-            Err(err) => report.bad.push(BadKey {
-                key: e.key.to_hex(),
-                slot: e.slot,
-                expected_crc: e.crc,
-                found_crc: None,
-                error: Some(format!(
-                    "read {} at {off}: {err}",
-                    set.files[file].0.display()
-                )),
-            }),
+            Err(err) => {
+                report.read_errors += 1;
+                let what = if err.kind() == std::io::ErrorKind::UnexpectedEof {
+                    "past the end of the file".to_string()
+                } else {
+                    err.to_string()
+                };
+                report.bad.push(BadKey {
+                    key: e.key.to_hex(),
+                    slot: e.slot,
+                    kind: BadKind::ReadError,
+                    expected_crc: e.crc,
+                    found_crc: None,
+                    error: Some(format!(
+                        "read {} at {off}: {what}",
+                        set.files[file].0.display()
+                    )),
+                });
+            }
         }
     }
     progress(report.checked, total);
@@ -355,6 +457,7 @@ pub struct RepairReport {
 /// instead (a recreated member would hide the old one).
 pub fn repair(paths: &[PathBuf]) -> Result<RepairReport> {
     let dirs = slab::check_writable_dirs(paths)?;
+    let _locks = slab::lock_dirs(&dirs)?;
     let slabs: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
     let present: Vec<bool> = slabs.iter().map(|p| p.exists()).collect();
     if present.iter().all(|&p| !p) {

@@ -259,14 +259,12 @@ impl G3TierConfig {
         if let Some(v) = tc.params.get("checkpoint_interval_s") {
             let secs = v
                 .as_f64()
-                .filter(|s| s.is_finite() && *s >= 0.0)
-                .ok_or_else(|| {
-                    Error::config(
-                        kp("checkpoint_interval_s"),
-                        format!("expected a number of seconds >= 0, found {v}"),
-                    )
-                })?;
-            cfg.checkpoint_interval = (secs > 0.0).then(|| Duration::from_secs_f64(secs));
+                .filter(|s| (0.0..=MAX_CHECKPOINT_INTERVAL_S as f64).contains(s))
+                .ok_or_else(|| checkpoint_interval_error(&kp("checkpoint_interval_s"), v))?;
+            // In range, so the conversion cannot fail (nor overflow any later arithmetic).
+            cfg.checkpoint_interval = (secs > 0.0)
+                .then(|| Duration::try_from_secs_f64(secs).ok())
+                .flatten();
         }
         if let Some(v) = tc.params.get("max_queued_jobs") {
             cfg.max_queued_jobs = v
@@ -344,6 +342,14 @@ impl G3TierConfig {
                 self.max_queued_jobs,
             ));
         }
+        if let Some(iv) = self.checkpoint_interval
+            && iv > Duration::from_secs(MAX_CHECKPOINT_INTERVAL_S)
+        {
+            return Err(checkpoint_interval_error(
+                &kp("checkpoint_interval_s"),
+                format!("{} s", iv.as_secs_f64()),
+            ));
+        }
         if self.idle.poll_interval.as_micros() > IDLE_VALUE_LIMIT.into() {
             return Err(idle_error(
                 &kp("idle_poll_us"),
@@ -391,6 +397,20 @@ impl G3TierConfig {
     pub fn max_bytes_in_flight_for(&self, row_stride: u64) -> u64 {
         max_bytes_in_flight(self.max_bytes_in_flight, row_stride)
     }
+}
+
+/// Largest `checkpoint_interval_s` (one year): every deadline computed from it stays far
+/// from any overflow of `Instant` or `Duration` arithmetic.
+pub const MAX_CHECKPOINT_INTERVAL_S: u64 = 365 * 24 * 3600;
+
+fn checkpoint_interval_error(key_path: &str, found: impl std::fmt::Display) -> Error {
+    Error::config(
+        key_path,
+        format!(
+            "expected a number of seconds from 0 (size-triggered checkpoints only) to \
+             {MAX_CHECKPOINT_INTERVAL_S} (one year), found {found}"
+        ),
+    )
 }
 
 /// Largest `idle_poll_us` / `idle_linger_ms`.

@@ -408,12 +408,46 @@ impl Index {
         }
     }
 
-    /// Stops allocating slots on `path` (after a failed write there). Committed entries on
-    /// it stay readable.
+    /// Stops allocating slots on `path`. Committed entries on it stay readable (recovery
+    /// marks paths poisoned before it; the worker fences them with [`Index::fence_path`]).
     pub fn mark_path_dead(&mut self, path: usize) {
         if path < self.dead_paths.len() {
             self.dead_paths[path] = true;
         }
+    }
+
+    /// Takes `path` out of service: no slot on it is allocated again, and every committed
+    /// entry on it is dropped (a miss from now on; slots still being read are freed, as dead,
+    /// when their last read ends), so that entries on a failed path neither clog eviction nor
+    /// count as held. Slots being written are left to their store, which fails or commits
+    /// them. Returns the entries dropped (to journal as removals).
+    pub fn fence_path(&mut self, path: usize) -> Vec<(ChunkKey, Slot)> {
+        if path >= self.dead_paths.len() {
+            return Vec::new();
+        }
+        self.dead_paths[path] = true;
+        let n = self.n_paths;
+        let dead = &self.dead_paths;
+        self.free.retain(|&s| !dead[s as usize % n]);
+        let mut dropped = Vec::new();
+        for slot in (path..self.slots.len()).step_by(n) {
+            let slot = slot as Slot;
+            match self.slots[slot as usize].state {
+                SlotState::Valid => {
+                    if let Some(k) = self.drop_slot(slot) {
+                        dropped.push((k, slot));
+                    }
+                }
+                SlotState::Free => self.slots[slot as usize].state = SlotState::Dead,
+                SlotState::Writing | SlotState::Orphan | SlotState::Dead => {}
+            }
+        }
+        dropped
+    }
+
+    /// Whether `path` is out of service.
+    pub fn is_path_dead(&self, path: usize) -> bool {
+        self.dead_paths.get(path).copied().unwrap_or(false)
     }
 
     /// Committed entries in LRU order (least recently used first).
@@ -557,6 +591,47 @@ mod tests {
         assert_eq!(ix.len(), 1);
         assert_eq!(ix.pin(&k(1)), Some((2, 11)));
         assert_eq!(ix.free_slots(), 3);
+    }
+
+    /// Issue 20 item 1: entries on a failed path used to stay in the LRU, where the bounded
+    /// eviction scan skipped them; with more of them at the LRU end than it scans, every
+    /// reservation failed although the healthy path had slots to evict.
+    #[test]
+    fn fenced_path_entries_leave_the_index_and_never_block_eviction() {
+        let n = 2 * EVICTION_SCAN_LIMIT as u32 + 8;
+        let mut ix = Index::new(n, 2);
+        for i in 0..n {
+            store(&mut ix, i);
+        }
+        // Path 1's entries at the LRU end, more of them than the scan walks.
+        for i in (0..n).filter(|i| i % 2 == 0) {
+            assert!(ix.touch(&k(i)));
+        }
+        let (reader, _) = ix.pin(&k(1)).unwrap();
+        let dropped = ix.fence_path(1);
+        assert_eq!(dropped.len(), n as usize / 2);
+        assert!(dropped.iter().all(|(_, s)| s % 2 == 1));
+        assert_eq!(ix.len(), n as usize / 2);
+        assert!(!ix.is_valid(&k(1)) && !ix.is_held(&k(3)));
+        assert_eq!(ix.state(reader), Some(SlotState::Orphan));
+        let r = ix.reserve(&k(100_000)).expect("the healthy path evicts");
+        assert_eq!(r.slot % 2, 0);
+        assert!(r.evicted.is_some());
+        ix.commit(r.slot, 0, 0);
+        ix.unpin(reader);
+        assert_eq!(ix.state(reader), Some(SlotState::Dead), "never reused");
+        assert_eq!(ix.free_slots(), 0);
+    }
+
+    #[test]
+    fn fencing_drops_free_slots_of_the_path() {
+        let mut ix = Index::new(6, 3);
+        store(&mut ix, 0);
+        assert_eq!(ix.fence_path(2), Vec::new());
+        assert_eq!(ix.free_slots(), 3);
+        let slots: Vec<_> = (1..4).map(|i| store(&mut ix, i).slot).collect();
+        assert!(slots.iter().all(|s| s % 3 != 2), "{slots:?}");
+        assert!(ix.is_path_dead(2) && !ix.is_path_dead(0));
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! [`crate::contract::secondary::SecondaryTier::metrics`]. Labels come from small fixed sets
 //! (path position, engine name, mode), never from keys or paths.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -23,6 +23,47 @@ pub struct PathStatus {
     /// Set when the slab is no longer what its path names (deleted, replaced, unmounted):
     /// what is written to it would not be found by a restart.
     pub lost: Mutex<Option<String>>,
+}
+
+/// What the index journal can do now (`g3_journal_info{state}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum JournalState {
+    /// Takes records.
+    Healthy = 0,
+    /// Refuses records after a failed append or sync (or a checkpoint that replaced the
+    /// files it continues); the next checkpoint starts a fresh one.
+    Poisoned = 1,
+    /// Not open (a start-up checkpoint failed); the next checkpoint opens one.
+    NotOpen = 2,
+    /// At `max_journal_bytes` because checkpoints fail; stores wait for one.
+    Full = 3,
+    /// The index directory is no longer what its path names; stores are refused.
+    DirectoryLost = 4,
+}
+
+impl JournalState {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JournalState::Healthy => "healthy",
+            JournalState::Poisoned => "poisoned",
+            JournalState::NotOpen => "not_open",
+            JournalState::Full => "full",
+            JournalState::DirectoryLost => "directory_lost",
+        }
+    }
+
+    /// The state stored as `v` (see [`G3Metrics::journal_state`]).
+    pub fn from_u8(v: u8) -> Self {
+        match v {
+            1 => JournalState::Poisoned,
+            2 => JournalState::NotOpen,
+            3 => JournalState::Full,
+            4 => JournalState::DirectoryLost,
+            _ => JournalState::Healthy,
+        }
+    }
 }
 
 /// Counters and gauges of one tier.
@@ -82,8 +123,12 @@ pub struct G3Metrics {
     pub last_checkpoint_unix_ms: AtomicU64,
     /// Set when recovery failed (the tier serves nothing).
     pub recovery_failed: AtomicBool,
+    /// Entries dropped from the index because their path was taken out of service.
+    pub entries_fenced: AtomicU64,
     /// Set while the journal refuses writes.
     pub journal_poisoned: AtomicBool,
+    /// The journal's state, a [`JournalState`] as `u8`.
+    pub journal_state: AtomicU8,
     /// Set once recovery has finished.
     pub recovered: AtomicBool,
     /// Used and free slots, refreshed by the worker.
@@ -279,11 +324,29 @@ impl G3Metrics {
                 )),
             ),
             m(
+                "g3_entries_fenced",
+                "Entries dropped from the index because their path was taken out of service                  (g3_path_healthy 0)",
+                Counter,
+                get(&self.entries_fenced),
+            ),
+            m(
                 "g3_journal_healthy",
                 "0 while the journal refuses writes (stores refused until a checkpoint succeeds)",
                 Gauge,
                 f64::from(u8::from(!self.journal_poisoned.load(Ordering::Relaxed))),
             ),
+            {
+                let state = JournalState::from_u8(self.journal_state.load(Ordering::Relaxed));
+                let mut info = m(
+                    "g3_journal_info",
+                    "The index journal's state: healthy, poisoned, not_open, full or \
+                     directory_lost (value 1)",
+                    Gauge,
+                    1.0,
+                );
+                info.labels.push(("state", state.as_str().to_string()));
+                info
+            },
             m(
                 "g3_journal_bytes",
                 "Bytes in the current index journal",

@@ -181,10 +181,62 @@ pub fn check_writable_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     Ok(dirs)
 }
 
+/// A directory's own lock: `flock(LOCK_EX | LOCK_NB)` on the directory itself (no file is
+/// added to it). Whatever removes or creates a stripe set's files holds it from its first
+/// removal to its last write (`tier format`, `tier repair`, a tier creating its set), so that
+/// two of them never interleave. Released on drop.
+#[derive(Debug)]
+pub struct DirLock {
+    _dir: File,
+}
+
+/// Takes the [`DirLock`] of every directory in `dirs` (in order), retrying a held one for up
+/// to a second; a directory another process keeps locked is a `Locked` error naming it and
+/// the holder's pid.
+pub fn lock_dirs(dirs: &[PathBuf]) -> Result<Vec<DirLock>> {
+    let mut held = Vec::with_capacity(dirs.len());
+    for d in dirs {
+        let f = File::open(d).map_err(|e| Error::io("open directory", d, e))?;
+        let started = std::time::Instant::now();
+        loop {
+            match f.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) if started.elapsed() < LOCK_RETRY => {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    let holder =
+                        lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
+                    return Err(Error::new(
+                        ErrorKind::Locked,
+                        format!(
+                            "{} is being changed by another kvtier process (pid {holder}: a \
+                             `kvtier tier format` or `repair`, or a tier creating its slabs); \
+                             try again once it has finished",
+                            d.display()
+                        ),
+                    )
+                    .with("path", d.display().to_string()));
+                }
+                Err(TryLockError::Error(e)) => return Err(Error::io("flock", d, e)),
+            }
+        }
+        held.push(DirLock { _dir: f });
+    }
+    Ok(held)
+}
+
 /// Opens the stripe set in `dirs` (creating it when no slab file exists yet) and checks it
-/// against `spec`.
+/// against `spec`. Holds the directories' [`DirLock`]s while it does.
 pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     let dirs = check_writable_dirs(dirs)?;
+    let _locks = lock_dirs(&dirs)?;
+    open_set_locked(&dirs, spec)
+}
+
+/// [`open_set`] for a caller that holds the [`DirLock`]s of `dirs` (checked directories).
+pub fn open_set_locked(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let dirs = dirs.to_vec();
     let slab_paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
     let present: Vec<bool> = slab_paths.iter().map(|p| p.exists()).collect();
     if present.iter().all(|&x| !x) {
@@ -783,17 +835,82 @@ pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
 /// reformatted under its feet). Missing files are ignored.
 pub fn remove_set(dirs: &[PathBuf]) -> Result<()> {
     let dirs = check_dirs(dirs)?;
+    remove_locked(lock_slabs(&dirs)?)
+}
+
+/// The slabs present in `dirs`, each opened and locked (a live tier's slab is refused):
+/// what [`remove_locked`] removes.
+pub fn lock_slabs(dirs: &[PathBuf]) -> Result<Vec<(File, PathBuf)>> {
     let mut held = Vec::new();
-    // Only the directories that held a slab are synced: nothing removed, nothing to sync.
-    for d in &dirs {
+    for d in dirs {
         let p = d.join(SLAB_FILE_NAME);
         if p.exists() {
             held.push((open_locked(&p, false)?, p));
         }
     }
+    Ok(held)
+}
+
+/// Removes slabs locked by [`lock_slabs`], syncing their directories.
+pub fn remove_locked(held: Vec<(File, PathBuf)>) -> Result<()> {
+    // Only the directories that held a slab are synced: nothing removed, nothing to sync.
     for (_f, p) in &held {
         std::fs::remove_file(p).map_err(|e| Error::io("remove", p, e))?;
         sync_dir(p.parent().unwrap_or(Path::new(".")))?;
+    }
+    Ok(())
+}
+
+/// Checks, before anything is removed, that the slabs a format creates in `dirs` (each
+/// `slots_in_file` slots of `row_stride` bytes) fit: per filesystem, what is available plus
+/// what the old slabs `held` free must cover what the new ones need.
+pub fn check_format_space(
+    dirs: &[PathBuf],
+    held: &[(File, PathBuf)],
+    slots_in_file: u64,
+    row_stride: u64,
+) -> Result<()> {
+    use std::collections::BTreeMap;
+    let each = slab_file_len(slots_in_file, row_stride);
+    // dev -> (needed, freed, available, first directory)
+    let mut by_dev: BTreeMap<u64, (u64, u64, Option<u64>, &PathBuf)> = BTreeMap::new();
+    for d in dirs {
+        let dev = std::fs::metadata(d)
+            .map_err(|e| Error::io("stat", d, e))?
+            .dev();
+        let e = by_dev
+            .entry(dev)
+            .or_insert_with(|| (0, 0, available_bytes(d), d));
+        e.0 = e.0.saturating_add(each);
+    }
+    for (f, p) in held {
+        let md = f.metadata().map_err(|e| Error::io("stat", p, e))?;
+        if let Some(e) = by_dev.get_mut(&md.dev()) {
+            e.1 = e.1.saturating_add(md.blocks().saturating_mul(512));
+        }
+    }
+    for (needed, freed, available, dir) in by_dev.into_values() {
+        let Some(available) = available else {
+            continue;
+        };
+        let usable = available.saturating_add(freed);
+        if usable < needed {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "not enough space to format {}: the new slabs on its filesystem need {}, \
+                     {} is available (counting the {} the old slabs would free); nothing was \
+                     removed",
+                    dir.display(),
+                    format_size_human(needed),
+                    format_size_human(usable),
+                    format_size_human(freed)
+                ),
+            )
+            .with("path", dir.display().to_string())
+            .with("needed", needed.to_string())
+            .with("available", usable.to_string()));
+        }
     }
     Ok(())
 }

@@ -7,7 +7,10 @@
 //! which reads get a bit flipped in the buffer after they complete, the latency added to every
 //! completion, after how many writes every further write fails, and which operations on the
 //! tier's metadata files (journal, checkpoint, their directory) fail with which `errno`
-//! ([`MetaFault`], through [`IoEngine::meta_fault`]).
+//! ([`MetaFault`], through [`IoEngine::meta_fault`]), and which reads, writes or syncs of
+//! which data file fail with which `errno` ([`DataFault`]: EINTR, EAGAIN, ECANCELED, ENOSPC,
+//! EIO, ...). An injected EINTR or EAGAIN stands for a file that kept answering it past the
+//! engines' bounded resubmission ([`crate::io::MAX_TRANSIENT_RETRIES`]).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -102,6 +105,94 @@ impl PartialEq for MetaFault {
 
 impl Eq for MetaFault {}
 
+/// The kind of data-file operation a [`DataFault`] matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DataOp {
+    /// A read transfer.
+    Read,
+    /// A write transfer.
+    Write,
+    /// [`IoEngine::sync_data`].
+    Sync,
+}
+
+/// Fail operations `op` on data file `file` (`None`: any file) with `errno`: the matching
+/// operations after the first `skip`, `times` of them (`None`: every one), while `gate` (if
+/// any) is set. A failed transfer moves no byte.
+#[derive(Debug, Clone)]
+pub struct DataFault {
+    /// Which file (its index in the engine's file table), or any.
+    pub file: Option<usize>,
+    /// Which kind of operation.
+    pub op: DataOp,
+    /// The error, e.g. `libc::EINTR`.
+    pub errno: i32,
+    /// Matching operations that go through before the first failure.
+    pub skip: u64,
+    /// How many fail (`None`: all after `skip`).
+    pub times: Option<u64>,
+    /// When given, the rule applies only while this is true.
+    pub gate: Option<Arc<AtomicBool>>,
+}
+
+impl DataFault {
+    /// Every operation `op` on any data file fails with `errno`.
+    pub fn new(op: DataOp, errno: i32) -> Self {
+        DataFault {
+            file: None,
+            op,
+            errno,
+            skip: 0,
+            times: None,
+            gate: None,
+        }
+    }
+
+    /// Only operations on file `file`.
+    pub fn on_file(mut self, file: usize) -> Self {
+        self.file = Some(file);
+        self
+    }
+
+    /// Lets the first `n` matching operations through.
+    pub fn after(mut self, n: u64) -> Self {
+        self.skip = n;
+        self
+    }
+
+    /// Fails only `n` operations.
+    pub fn times(mut self, n: u64) -> Self {
+        self.times = Some(n);
+        self
+    }
+
+    /// Applies only while `gate` is true.
+    pub fn while_set(mut self, gate: Arc<AtomicBool>) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
+    fn matches(&self, op: DataOp, file: usize) -> bool {
+        self.op == op
+            && self.file.is_none_or(|f| f == file)
+            && self.gate.as_ref().is_none_or(|g| g.load(Ordering::SeqCst))
+    }
+}
+
+impl PartialEq for DataFault {
+    fn eq(&self, o: &Self) -> bool {
+        let gate = match (&self.gate, &o.gate) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        gate && (self.file, self.op, self.errno, self.skip, self.times)
+            == (o.file, o.op, o.errno, o.skip, o.times)
+    }
+}
+
+impl Eq for DataFault {}
+
 /// Which faults to inject. Empty (the default) injects nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FaultPlan {
@@ -119,6 +210,8 @@ pub struct FaultPlan {
     pub fail_syncs_after: Option<u64>,
     /// Faults of the metadata files' operations (see [`MetaFault`]).
     pub meta: Vec<MetaFault>,
+    /// Faults of the data files' operations (see [`DataFault`]).
+    pub data: Vec<DataFault>,
 }
 
 impl FaultPlan {
@@ -172,6 +265,12 @@ impl FaultPlan {
         self.meta.push(fault);
         self
     }
+
+    /// Adds a data-file fault.
+    pub fn data(mut self, fault: DataFault) -> Self {
+        self.data.push(fault);
+        self
+    }
 }
 
 /// Counts of what was injected so far.
@@ -187,6 +286,8 @@ pub struct FaultCounts {
     pub sync_failures: u64,
     /// Metadata-file operations failed.
     pub meta_failures: u64,
+    /// Data-file operations failed by a [`DataFault`].
+    pub data_failures: u64,
 }
 
 /// What to do when an operation's inner completion arrives.
@@ -212,6 +313,34 @@ struct State {
     counts: FaultCounts,
     /// Matching operations seen so far, per metadata rule.
     meta_seen: Vec<u64>,
+    /// Matching operations seen so far, per data rule.
+    data_seen: Vec<u64>,
+}
+
+impl State {
+    /// The errno of the first [`DataFault`] that fails this operation, counting it against
+    /// every rule it matches.
+    fn data_fault(&mut self, rules: &[DataFault], op: DataOp, file: usize) -> Option<i32> {
+        if rules.is_empty() {
+            return None;
+        }
+        self.data_seen.resize(rules.len(), 0);
+        let mut hit = None;
+        for (rule, seen) in rules.iter().zip(self.data_seen.iter_mut()) {
+            if !rule.matches(op, file) {
+                continue;
+            }
+            *seen += 1;
+            let n = *seen;
+            if n > rule.skip && rule.times.is_none_or(|t| n <= rule.skip + t) && hit.is_none() {
+                hit = Some(rule.errno);
+            }
+        }
+        if hit.is_some() {
+            self.counts.data_failures += 1;
+        }
+        hit
+    }
 }
 
 enum Control {
@@ -310,6 +439,19 @@ impl FaultyEngine {
         if self.plan.eio_on.contains(&op) {
             st.counts.eio += 1;
             return Err(eio(0));
+        }
+        let kind = match req.dir {
+            IoDir::Read => DataOp::Read,
+            IoDir::Write => DataOp::Write,
+        };
+        if let Some(errno) = st.data_fault(&self.plan.data, kind, req.file) {
+            return Err(os_error(
+                req,
+                &format!("file #{}", req.file),
+                0,
+                std::io::Error::from_raw_os_error(errno),
+            )
+            .with("injected", "true"));
         }
         let inner_req = IoRequest { tag: op, ..*req };
         if let Some(&keep) = self.plan.short_on.get(&op) {
@@ -426,6 +568,20 @@ impl IoEngine for FaultyEngine {
                     format!("fdatasync of file #{file} failed (injected EIO)"),
                 )
                 .with("errno", libc::EIO.to_string())
+                .with("injected", "true"));
+            }
+            if let Some(errno) = st.data_fault(&self.plan.data, DataOp::Sync, file) {
+                let err = std::io::Error::from_raw_os_error(errno);
+                let kind = if errno == libc::ENOSPC {
+                    ErrorKind::NoSpace
+                } else {
+                    ErrorKind::Io
+                };
+                return Err(Error::new(
+                    kind,
+                    format!("fdatasync of file #{file} failed (injected): {err}"),
+                )
+                .with("errno", errno.to_string())
                 .with("injected", "true"));
             }
         }

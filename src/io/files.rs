@@ -378,6 +378,32 @@ pub(crate) fn request_error(
 }
 
 /// The error for a transfer that the OS failed with `err` after `done` of `req.len` bytes.
+/// Most times one request is resubmitted after the kernel answered EINTR or EAGAIN; the next
+/// such answer fails the request (one key), so that a file that keeps answering them cannot
+/// hold a transfer, or the thread that resubmits it, forever.
+pub const MAX_TRANSIENT_RETRIES: u32 = 16;
+
+/// Whether a request the kernel answered with `errno` after `retries` resubmissions is
+/// resubmitted again (EINTR and EAGAIN, at most [`MAX_TRANSIENT_RETRIES`] times); counts the
+/// resubmission.
+pub(crate) fn resubmit_transient(errno: i32, retries: &mut u32) -> bool {
+    if (errno == libc::EINTR || errno == libc::EAGAIN) && *retries < MAX_TRANSIENT_RETRIES {
+        *retries += 1;
+        true
+    } else {
+        false
+    }
+}
+
+/// True when a transfer failed with an error that says nothing about the medium: interrupted
+/// (EINTR) or unavailable (EAGAIN) after its bounded resubmissions, or cancelled (ECANCELED).
+/// That key fails; its file is not taken out of service for it.
+pub fn is_transient(e: &Error) -> bool {
+    e.context_value("errno")
+        .and_then(|v| v.parse::<i32>().ok())
+        .is_some_and(|n| matches!(n, libc::EINTR | libc::EAGAIN | libc::ECANCELED))
+}
+
 pub(crate) fn os_error(req: &IoRequest, label: &str, done: usize, err: io::Error) -> Error {
     let kind = match err.raw_os_error() {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,

@@ -20,8 +20,8 @@ mod queue;
 mod thread;
 pub mod uring;
 
-pub use faulty::{FaultPlan, FaultyEngine, MetaFault};
-pub use files::ATTACHED_FLAG;
+pub use faulty::{DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault};
+pub use files::{ATTACHED_FLAG, MAX_TRANSIENT_RETRIES, is_transient};
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
 pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};

@@ -12,7 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::files::{FileTable, advance, os_error};
+use crate::io::files::{FileTable, advance, os_error, resubmit_transient};
 use crate::io::queue::RequestQueue;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::region::PrimaryRegion;
@@ -98,6 +98,7 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
     // SAFETY: `validate` checked region_offset + len <= region.len().
     let buf = unsafe { region.base_ptr().add(req.region_offset) };
     let mut done = 0usize;
+    let mut retries = 0u32;
     while done < req.len {
         let remaining = req.len - done;
         let offset = req.file_offset + done as u64;
@@ -122,10 +123,15 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
         };
         if rc < 0 {
             let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EINTR) {
+            if resubmit_transient(err.raw_os_error().unwrap_or(0), &mut retries) {
                 continue;
             }
-            return Err(os_error(req, &files.label(req.file), done, err));
+            let e = os_error(req, &files.label(req.file), done, err);
+            return Err(if retries > 0 {
+                e.with("resubmissions", retries.to_string())
+            } else {
+                e
+            });
         }
         done = advance(req, files, done, rc as usize)?;
     }

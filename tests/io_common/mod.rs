@@ -24,19 +24,19 @@ pub enum Engine {
     /// io_uring.
     Uring,
     /// The fault injector around another engine.
-    Faulty(Box<Engine>, FaultPlan),
+    Faulty(Box<Engine>, Box<FaultPlan>),
 }
 
 impl Engine {
     /// `inner` wrapped in a fault injector with an empty plan.
     pub fn faulty(inner: Engine) -> Engine {
-        Engine::Faulty(Box::new(inner), FaultPlan::new())
+        Engine::Faulty(Box::new(inner), Box::default())
     }
 
     /// The same engine with `plan` (only for `Faulty`).
     pub fn with_plan(self, plan: FaultPlan) -> Engine {
         match self {
-            Engine::Faulty(inner, _) => Engine::Faulty(inner, plan),
+            Engine::Faulty(inner, _) => Engine::Faulty(inner, Box::new(plan)),
             other => other,
         }
     }
@@ -108,7 +108,7 @@ impl Fixture {
             o_direct,
         };
         let (base, plan) = match &engine {
-            Engine::Faulty(inner, plan) => (inner.as_ref().clone(), Some(plan.clone())),
+            Engine::Faulty(inner, plan) => (inner.as_ref().clone(), Some(plan.as_ref().clone())),
             other => (other.clone(), None),
         };
         let kind = match base {

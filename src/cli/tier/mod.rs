@@ -15,7 +15,7 @@ use crate::cli::output::{
 };
 use crate::cli::size::{format_size, parse_size};
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::admin::{self, FormatOptions, SlabReport};
+use crate::g3::admin::{self, BadKind, FormatOptions, SlabReport};
 use crate::g3::journal::CHECKPOINT_FILE_NAME;
 use crate::g3::slab::SLAB_FILE_NAME;
 use crate::g3::{DirectIoMode, G3TierConfig};
@@ -262,7 +262,7 @@ fn render_inspect(o: &InspectOutput<'_>) -> String {
         r.index_records,
         r.recovery_seconds
     ));
-    let mut t = Table::new(["slab", "index", "slots", "size", "fs", "locked by"]);
+    let mut t = Table::new(["slab", "index", "slots", "size", "fs", "locked by", "state"]);
     for f in &r.files {
         t.row([
             f.path.display().to_string(),
@@ -272,6 +272,11 @@ fn render_inspect(o: &InspectOutput<'_>) -> String {
             f.fs_type.clone(),
             f.locked_by
                 .map_or_else(|| "-".to_string(), |pid| format!("pid {pid}")),
+            match &f.problem {
+                None => "ok".to_string(),
+                Some(p) if p.starts_with("truncated") => "TRUNCATED".to_string(),
+                Some(_) => "DAMAGED".to_string(),
+            },
         ]);
     }
     s.push_str(&t.render());
@@ -294,17 +299,23 @@ fn verify(a: PathsArgs) -> Result<ExitCode> {
         print_json(&report)?;
     } else {
         outln!(
-            "checked {}: {} ok, {} bad",
+            "checked {}: {} ok, {} bad ({} failed the CRC check, {} could not be read)",
             count(report.checked, "stored chunk"),
             report.ok,
-            report.bad.len()
+            report.bad.len(),
+            report.crc_failures,
+            report.read_errors
         )?;
         if !report.bad.is_empty() {
-            let mut t = Table::new(["key", "slot", "expected crc", "found"]);
+            let mut t = Table::new(["key", "slot", "problem", "expected crc", "found"]);
             for b in &report.bad {
                 t.row([
                     b.key.clone(),
                     b.slot.to_string(),
+                    match b.kind {
+                        BadKind::CrcMismatch => "crc mismatch".to_string(),
+                        BadKind::ReadError => "read error".to_string(),
+                    },
                     format!("{:08x}", b.expected_crc),
                     match (&b.found_crc, &b.error) {
                         (Some(c), _) => format!("{c:08x}"),
@@ -317,20 +328,30 @@ fn verify(a: PathsArgs) -> Result<ExitCode> {
         }
     }
     if report.bad.is_empty() {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        errln!(
-            "kvtier: error: {} of {} failed {} CRC check",
-            report.bad.len(),
-            count(report.checked, "stored chunk"),
-            if report.bad.len() == 1 {
+        return Ok(ExitCode::SUCCESS);
+    }
+    let checked = count(report.checked, "stored chunk");
+    let mut parts = Vec::new();
+    if report.crc_failures > 0 {
+        parts.push(format!(
+            "{} of {checked} failed {} CRC check",
+            report.crc_failures,
+            if report.crc_failures == 1 {
                 "its"
             } else {
                 "their"
             }
-        );
-        Ok(ExitCode::from(1))
+        ));
     }
+    if report.read_errors > 0 {
+        parts.push(format!(
+            "{} of {checked} could not be read (I/O error or a truncated slab; see `kvtier \
+             tier inspect`)",
+            report.read_errors
+        ));
+    }
+    errln!("kvtier: error: {}", parts.join("; "));
+    Ok(ExitCode::from(1))
 }
 
 fn ls(a: PathsArgs) -> Result<ExitCode> {

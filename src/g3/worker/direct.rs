@@ -196,10 +196,15 @@ impl Worker {
                             .checksum_failures
                             .fetch_add(1, Ordering::Relaxed);
                     }
-                    if matches!(e.kind(), ErrorKind::Io | ErrorKind::ShortIo) {
+                    if matches!(
+                        e.kind(),
+                        ErrorKind::Io | ErrorKind::ShortIo | ErrorKind::NoSpace
+                    ) {
                         self.sh.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
-                        // A failed write poisons its path, as on the CPU path.
-                        if let (false, Some((slot, _))) = (a.load, a.slots[i]) {
+                        // A failed write fences its path, as on the CPU path.
+                        if let (false, Some((slot, _)), false) =
+                            (a.load, a.slots[i], crate::io::is_transient(&e))
+                        {
                             self.poison_path(slot as usize % n_paths, &e);
                         }
                     }

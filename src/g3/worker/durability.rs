@@ -21,6 +21,7 @@ use super::Worker;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::checkpoint::{RotateError, rotate};
 use crate::g3::index_dir::IndexDir;
+use crate::g3::metrics::JournalState;
 use crate::g3::recovery::{self, KeepDamaged};
 
 /// First delay before a failed checkpoint is retried.
@@ -237,13 +238,33 @@ impl Worker {
             .unwrap_or_else(|| "no checkpoint failed".into())
     }
 
-    /// Publishes the journal's length (after an append).
+    /// Publishes the journal's length (after an append), and its state when that changed.
     pub(super) fn note_journal_len(&self) {
         let len = self.journal.as_ref().map_or(0, |j| j.len());
         self.sh.metrics.journal_bytes.store(len, Ordering::Relaxed);
+        if self.journal_state() != self.published_journal_state() {
+            self.publish_journal_state();
+        }
     }
 
-    /// Publishes the journal's state to the metrics and health.
+    fn journal_state(&self) -> JournalState {
+        if self.dur.dir_lost.is_some() {
+            return JournalState::DirectoryLost;
+        }
+        match &self.journal {
+            None => JournalState::NotOpen,
+            Some(j) if j.poisoned().is_some() => JournalState::Poisoned,
+            Some(j) if j.len() >= self.cfg.max_journal_bytes => JournalState::Full,
+            Some(_) => JournalState::Healthy,
+        }
+    }
+
+    fn published_journal_state(&self) -> JournalState {
+        JournalState::from_u8(self.sh.metrics.journal_state.load(Ordering::Relaxed))
+    }
+
+    /// Publishes the journal's state to the metrics (`g3_journal_healthy`,
+    /// `g3_journal_info{state}`) and health, and logs each change of state.
     pub(super) fn publish_journal_state(&self) {
         let m = &self.sh.metrics;
         let len = self.journal.as_ref().map_or(0, |j| j.len());
@@ -255,6 +276,32 @@ impl Worker {
         let problem = self.dur.dir_lost.clone().or(problem);
         m.journal_poisoned
             .store(problem.is_some(), Ordering::Relaxed);
+        let state = self.journal_state();
+        let before = self.published_journal_state();
+        m.journal_state.store(state as u8, Ordering::Relaxed);
+        if state != before {
+            match state {
+                JournalState::Healthy => log::warn!(
+                    "G3 tier {}: the index journal is healthy again (was {}); stores are accepted",
+                    self.tier_id,
+                    before.as_str()
+                ),
+                JournalState::Full => log::error!(
+                    "G3 tier {}: the index journal is full ({len} bytes, max_journal_bytes = \
+                     {}) because checkpoints fail ({}); stores are refused until one succeeds",
+                    self.tier_id,
+                    self.cfg.max_journal_bytes,
+                    self.last_checkpoint_error()
+                ),
+                _ => log::error!(
+                    "G3 tier {}: the index journal is {}: {}; stores are refused until a \
+                     checkpoint replaces it (retried with backoff)",
+                    self.tier_id,
+                    state.as_str(),
+                    problem.as_deref().unwrap_or("")
+                ),
+            }
+        }
         *self.sh.journal_problem.lock() = problem;
     }
 
@@ -272,7 +319,10 @@ impl Worker {
             }
             if let Err(e) = self.set.files[i].check_identity() {
                 *self.sh.paths[i].lost.lock() = Some(e.to_string());
-                self.poison_path(i, &e);
+                // Not fenced: the slab may well be found again (a filesystem unmounted
+                // under the tier is mounted again), so no removal is journaled; its
+                // entries stay loadable from the open file.
+                self.stop_writes_on(i, &e);
                 lost.push((i, e));
             }
         }
@@ -282,7 +332,9 @@ impl Worker {
         {
             log::error!("G3 tier {}: {e}; stores are refused", self.tier_id);
             self.dur.dir_lost = Some(e.to_string());
-            self.poison_path(0, &e);
+            // Every store is refused from now on; the entries on the first path stay
+            // loadable from the open files (nothing can be journaled, so nothing is fenced).
+            self.stop_writes_on(0, &e);
             self.publish_journal_state();
         }
         lost
@@ -315,10 +367,7 @@ impl Worker {
         if self.dur.dir.is_none() || self.sh.failed.lock().is_some() {
             return None;
         }
-        let over_size = self
-            .journal
-            .as_ref()
-            .is_some_and(|j| j.len() >= self.cfg.checkpoint_journal_bytes);
+        let over_size = self.journal_over_checkpoint_size();
         let retry = self.dur.retry_at.unwrap_or_else(Instant::now);
         let urgent = (self.needs_repair() || over_size || !self.dur.keep_damaged.is_empty())
             .then_some(retry);
@@ -336,12 +385,17 @@ impl Worker {
         }
     }
 
+    /// The journal holds records and has reached `checkpoint_journal_bytes`. (A journal of
+    /// only its header never is: with a threshold at or below the header's 64 bytes, every
+    /// fresh journal would call for the next checkpoint at once, in a loop.)
+    fn journal_over_checkpoint_size(&self) -> bool {
+        self.journal
+            .as_ref()
+            .is_some_and(|j| !j.is_empty() && j.len() >= self.cfg.checkpoint_journal_bytes)
+    }
+
     pub(super) fn maybe_checkpoint(&mut self) {
-        let due = self.needs_repair()
-            || self
-                .journal
-                .as_ref()
-                .is_some_and(|j| j.len() >= self.cfg.checkpoint_journal_bytes);
+        let due = self.needs_repair() || self.journal_over_checkpoint_size();
         if due && self.retry_allowed() {
             self.checkpoint_logged();
         }

@@ -35,7 +35,7 @@ use crate::g3::index::{Index, Slot};
 use crate::g3::journal::JournalWriter;
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::SlabSet;
-use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, job_tag, split_job_tag};
+use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, is_transient, job_tag, split_job_tag};
 use crate::key::ChunkKey;
 use durability::Durability;
 
@@ -534,11 +534,20 @@ impl Worker {
             .metrics
             .bytes_in_flight
             .store(self.in_flight, Ordering::Relaxed);
+        let n_paths = self.set.files.len();
         let Some(a) = self.active.get_mut(&serial) else {
             log::error!("G3 worker: completion for unknown tag {:#x}", c.tag);
             return;
         };
         a.remaining -= 1;
+        // A failed write of this worker's own takes its path out of service, unless the error
+        // says nothing about the medium (interrupted, would block, cancelled): then only the
+        // key fails.
+        let failed_path = match (&c.result, a.load, a.slots.get(i).copied().flatten()) {
+            (Ok(n), false, Some((slot, _))) if *n as u64 != stride => Some(slot as usize % n_paths),
+            (Err(e), false, Some((slot, _))) if !is_transient(e) => Some(slot as usize % n_paths),
+            _ => None,
+        };
         match c.result {
             Ok(n) if n as u64 == stride => {
                 // A key that failed while its transfer was in flight stays failed.
@@ -568,9 +577,15 @@ impl Worker {
                 a.fail(i, e);
             }
         }
-        if a.remaining == 0
-            && let Some(a) = self.active.remove(&serial)
-        {
+        let done = a.remaining == 0;
+        if let Some(path) = failed_path {
+            let why = a.first_error.as_ref().map_or_else(
+                || Error::new(ErrorKind::Io, "write failed"),
+                Error::duplicate,
+            );
+            self.poison_path(path, &why);
+        }
+        if done && let Some(a) = self.active.remove(&serial) {
             self.completed.push(a);
         }
     }
@@ -600,12 +615,13 @@ impl Worker {
         self.in_flight = 0;
     }
 
-    fn poison_path(&self, path: usize, why: &Error) {
+    /// Marks `path` as taking no further writes, leaving its entries loadable.
+    fn stop_writes_on(&mut self, path: usize, why: &Error) {
         if let Some(p) = self.sh.paths.get(path)
             && !p.poisoned.swap(true, Ordering::Relaxed)
         {
             log::error!(
-                "G3 slab {} poisoned: {why}; no further writes go there",
+                "G3 slab {} takes no further writes: {why}",
                 self.set.files[path].path.display()
             );
             *p.problem.lock() = Some(why.to_string());
@@ -613,6 +629,58 @@ impl Worker {
         if let Some(ix) = self.sh.index.lock().as_mut() {
             ix.mark_path_dead(path);
         }
+    }
+
+    /// Takes a failed path out of service (fences it): no further writes go there, and every
+    /// entry it holds leaves the index (a miss from now on, never a slot the eviction scan has
+    /// to walk past), journaled as removals and announced as removed events. The other paths
+    /// go on serving. Idempotent.
+    fn poison_path(&mut self, path: usize, why: &Error) {
+        let Some(p) = self.sh.paths.get(path) else {
+            return;
+        };
+        if p.poisoned.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        *p.problem.lock() = Some(why.to_string());
+        let dropped = {
+            let mut guard = self.sh.index.lock();
+            match guard.as_mut() {
+                Some(ix) => {
+                    let dropped = ix.fence_path(path);
+                    self.refresh_slot_gauges(ix);
+                    dropped
+                }
+                None => Vec::new(),
+            }
+        };
+        let entries = match dropped.len() {
+            1 => "1 entry was".to_string(),
+            n => format!("{n} entries were"),
+        };
+        log::error!(
+            "G3 slab {} (path {path}) fenced: {why}; no further writes go there, its {entries} \
+             dropped from the index; the other paths keep serving",
+            self.set.files[path].path.display(),
+        );
+        self.sh
+            .metrics
+            .entries_fenced
+            .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+        if dropped.is_empty() {
+            return;
+        }
+        let sync = self.cfg.fsync == crate::g3::config::FsyncPolicy::Always;
+        if let Some(j) = self.journal.as_mut() {
+            dropped.iter().for_each(|(_, s)| j.remove(*s));
+            // A journal that refuses the removals is repaired by the next checkpoint, which
+            // no longer holds these entries.
+            if j.flush(sync).is_err() {
+                self.publish_journal_state();
+            }
+        }
+        self.note_journal_len();
+        self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
     }
 
     fn finish(&mut self, a: Active) {

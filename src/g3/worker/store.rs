@@ -137,22 +137,9 @@ impl Worker {
         }
     }
 
-    /// A store job's writes have all completed: poison the paths of failed writes and queue
-    /// the job for the next group commit.
+    /// A store job's writes have all completed (their failures fenced their paths as they
+    /// completed, see `Worker::complete`): queue the job for the next group commit.
     pub(super) fn finish_store(&mut self, a: Active) {
-        let n_paths = self.set.files.len();
-        // A direct transfer's failed writes poisoned their paths when reported (only I/O
-        // errors do: a GPU-side failure says nothing about the disk).
-        let own_writes = if a.direct.is_none() { a.keys.len() } else { 0 };
-        for i in 0..own_writes {
-            if let (KeyStatus::Failed, Some((slot, _))) = (a.status[i], a.slots[i]) {
-                let e = a
-                    .first_error
-                    .clone()
-                    .unwrap_or_else(|| Error::new(ErrorKind::Io, "write failed"));
-                self.poison_path(slot as usize % n_paths, &e);
-            }
-        }
         self.commits.push(a);
     }
 
@@ -176,11 +163,24 @@ impl Worker {
         } else {
             self.check_files_now_and_then()
         };
+        // A path fenced since these writes were issued (another write there failed) holds no
+        // entry any more: its keys fail too.
         for (f, p) in self.sh.paths.iter().enumerate() {
-            if let Some(why) = p.lost.lock().as_ref()
+            let why = p.lost.lock().clone().or_else(|| {
+                p.poisoned
+                    .load(Ordering::Relaxed)
+                    .then(|| p.problem.lock().clone().unwrap_or_default())
+            });
+            if let Some(why) = why
                 && !lost.iter().any(|(l, _)| *l == f)
             {
-                lost.push((f, Error::new(ErrorKind::Poisoned, why.clone())));
+                lost.push((
+                    f,
+                    Error::new(
+                        ErrorKind::Poisoned,
+                        format!("G3 path {f} was taken out of service: {why}"),
+                    ),
+                ));
             }
         }
         let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);

@@ -244,6 +244,26 @@ impl UringEngine {
         Self::start(region, files, queue_depth, o_direct, max_piece, |_| true)
     }
 
+    /// As [`UringEngine::new`], with every CQE result passed through `filter(tag, result)`
+    /// before the ring thread acts on it (tests stand in for a kernel that answers EINTR or
+    /// EAGAIN with it).
+    #[cfg(test)]
+    pub(crate) fn with_cqe_filter(
+        region: Arc<PrimaryRegion>,
+        files: Vec<std::fs::File>,
+        filter: ring::CqeFilter,
+    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
+        Self::start_inner(
+            region,
+            files,
+            8,
+            false,
+            MAX_REGISTERED_BUFFER,
+            |_| true,
+            Some(filter),
+        )
+    }
+
     /// As [`UringEngine::with_piece_limit`], treating the opcodes `allowed` rejects as missing
     /// from the kernel too (tests stand in for older kernels with it).
     pub(crate) fn start(
@@ -253,6 +273,26 @@ impl UringEngine {
         o_direct: bool,
         max_piece: usize,
         allowed: impl Fn(u8) -> bool,
+    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
+        Self::start_inner(
+            region,
+            files,
+            queue_depth,
+            o_direct,
+            max_piece,
+            allowed,
+            None,
+        )
+    }
+
+    fn start_inner(
+        region: Arc<PrimaryRegion>,
+        files: Vec<std::fs::File>,
+        queue_depth: u32,
+        o_direct: bool,
+        max_piece: usize,
+        allowed: impl Fn(u8) -> bool,
+        cqe_filter: Option<ring::CqeFilter>,
     ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
         let max_piece = max_piece.min(MAX_REGISTERED_BUFFER);
         let depth = queue_depth.max(1);
@@ -326,6 +366,7 @@ impl UringEngine {
             ready: VecDeque::new(),
             poll_armed: false,
             reaped: Vec::new(),
+            cqe_filter,
         };
         let spawned = crate::io::spawn_io_thread("kvtier-uring".to_string(), move || worker.run());
         let thread = match spawned {

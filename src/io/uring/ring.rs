@@ -11,7 +11,7 @@ use io_uring::{IoUring, opcode, types};
 
 use super::{MAX_SQE_LEN, WAKE_TAG, Wake};
 use crate::error::{Error, ErrorKind, Result};
-use crate::io::files::{FileTable, advance, os_error};
+use crate::io::files::{FileTable, advance, os_error, resubmit_transient};
 use crate::io::{IoCompletion, IoDir, IoRequest};
 use crate::region::PrimaryRegion;
 
@@ -20,6 +20,8 @@ pub(super) struct Op {
     req: IoRequest,
     /// Bytes moved so far.
     done: usize,
+    /// Resubmissions after EINTR or EAGAIN (bounded, see [`resubmit_transient`]).
+    retries: u32,
 }
 
 /// State owned by the ring thread.
@@ -44,7 +46,12 @@ pub(super) struct RingThread {
     pub(super) poll_armed: bool,
     /// `(user_data, result)` of the CQEs being reaped (kept to reuse its allocation).
     pub(super) reaped: Vec<(u64, i32)>,
+    /// Rewrites CQE results before they are acted on (tests only; `None` in the engine).
+    pub(super) cqe_filter: Option<CqeFilter>,
 }
+
+/// `filter(request tag, CQE result) -> result`, see [`RingThread::cqe_filter`].
+pub(crate) type CqeFilter = Box<dyn FnMut(u64, i32) -> i32 + Send>;
 
 macro_rules! rw_entry {
     ($fd:expr, $dir:expr, $buf:expr, $len:expr, $off:expr, $piece:expr) => {
@@ -97,7 +104,11 @@ impl RingThread {
     }
 
     fn accept(&mut self, req: IoRequest) {
-        let op = Op { req, done: 0 };
+        let op = Op {
+            req,
+            done: 0,
+            retries: 0,
+        };
         let slot = match self.free.pop() {
             Some(s) => {
                 self.ops[s] = Some(op);
@@ -247,6 +258,13 @@ impl RingThread {
             }
             let slot = ud as usize;
             self.in_flight -= 1;
+            let res = match (
+                &mut self.cqe_filter,
+                self.ops.get(slot).and_then(Option::as_ref),
+            ) {
+                (Some(filter), Some(op)) => filter(op.req.tag, res),
+                _ => res,
+            };
             self.on_cqe(slot, res);
         }
         cqes.clear();
@@ -261,16 +279,21 @@ impl RingThread {
         let req = op.req;
         if res < 0 {
             let errno = -res;
-            if errno == libc::EINTR || errno == libc::EAGAIN {
+            // Behind newer work, so that the file gets a moment; bounded, so that a file that
+            // keeps answering EINTR or EAGAIN fails this key instead of spinning the ring.
+            if resubmit_transient(errno, &mut op.retries) {
                 self.ready.push_back(slot);
                 return;
             }
-            let err = os_error(
+            let mut err = os_error(
                 &req,
                 &self.files.label(req.file),
                 op.done,
                 std::io::Error::from_raw_os_error(errno),
             );
+            if op.retries > 0 {
+                err = err.with("resubmissions", op.retries.to_string());
+            }
             self.complete(slot, Err(err));
             return;
         }

@@ -202,3 +202,81 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
     assert!(bytes.iter().all(|&b| b == pattern(0)));
     engine.shutdown();
 }
+
+/// Issue 20 item 5: a CQE of EINTR or EAGAIN was resubmitted forever (the request never
+/// completed and the ring thread spun). Now it is resubmitted at most
+/// `MAX_TRANSIENT_RETRIES` times, then that request alone fails; a request the kernel
+/// interrupts a few times still succeeds. The filter stands in for the kernel's answers.
+#[test]
+fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    use crate::io::MAX_TRANSIENT_RETRIES;
+
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(dir.path().join("slab"))
+        .unwrap();
+    let region = Arc::new(PrimaryRegion::create(4, PAGE).unwrap());
+    let seen: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
+    let counts = seen.clone();
+    // Tag 1: always EAGAIN. Tag 2: EINTR three times, then the real result. Tag 3: always
+    // EINTR. Other tags: the kernel's answer.
+    let filter = Box::new(move |tag: u64, res: i32| {
+        let mut c = counts.lock().unwrap();
+        let n = c.entry(tag).or_insert(0);
+        *n += 1;
+        match tag {
+            1 => -libc::EAGAIN,
+            2 if *n <= 3 => -libc::EINTR,
+            3 => -libc::EINTR,
+            _ => res,
+        }
+    });
+    // Not dropped on a failure: the drop would wait for a request that never completes.
+    let engine = match UringEngine::with_cqe_filter(region.clone(), vec![file], filter) {
+        Ok(e) => std::mem::ManuallyDrop::new(e),
+        Err((e, _)) => {
+            crate::skip_test!("io_uring unavailable here: {e}");
+            return;
+        }
+    };
+    // SAFETY: no transfer is in flight; this test owns the region.
+    unsafe { region.row_mut(0).unwrap().fill(pattern(0)) };
+    engine.submit(&[req(IoDir::Write, 0, 1, 0)]).unwrap();
+    assert_eq!(wait(&engine, 0).unwrap(), PAGE);
+    let expect_failure = |tag: u64, errno: i32| {
+        engine.submit(&[req(IoDir::Read, 0, 1, tag)]).unwrap();
+        let Ok(c) = engine.completions().recv_timeout(Duration::from_secs(10)) else {
+            panic!("a request answered errno {errno} forever never completed");
+        };
+        assert_eq!(c.tag, tag);
+        let e = c.result.unwrap_err();
+        assert_eq!(
+            e.context_value("errno"),
+            Some(errno.to_string().as_str()),
+            "{e}"
+        );
+        let n = MAX_TRANSIENT_RETRIES.to_string();
+        assert_eq!(e.context_value("resubmissions"), Some(n.as_str()), "{e}");
+        assert!(crate::io::is_transient(&e), "{e}");
+    };
+    expect_failure(1, libc::EAGAIN);
+    expect_failure(3, libc::EINTR);
+    let mut into_row_1 = req(IoDir::Read, 0, 1, 2);
+    into_row_1.region_offset = PAGE;
+    engine.submit(&[into_row_1]).unwrap();
+    assert_eq!(wait(&engine, 2).unwrap(), PAGE);
+    // SAFETY: the read into row 1 has completed.
+    let bytes = unsafe { region.row(1).unwrap() };
+    assert!(bytes.iter().all(|&b| b == pattern(0)));
+    let c = seen.lock().unwrap().clone();
+    assert_eq!(c[&1], MAX_TRANSIENT_RETRIES + 1);
+    assert_eq!(c[&2], 4);
+    engine.shutdown();
+}
