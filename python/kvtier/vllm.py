@@ -255,6 +255,9 @@ def _build_class():
         def lookup(self, key, req_context):
             return lookup_results[self._tier.lookup(key)]
 
+        def touch(self, keys, req_context):
+            self._tier.touch(list(keys))
+
         def submit_store(self, job_metadata):
             self._tier.submit_store(
                 job_metadata.job_id,

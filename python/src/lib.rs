@@ -319,6 +319,12 @@ impl Tier {
         })
     }
 
+    /// Marks keys as recently used (vLLM's `touch`, forwarded to the tier).
+    fn touch(&self, py: Python<'_>, keys: Vec<Bound<'_, PyBytes>>) -> PyResult<()> {
+        let keys: Vec<ChunkKey> = keys.iter().map(|k| ChunkKey::new(k.as_bytes())).collect();
+        py.detach(|| self.with_tier(|t| t.touch(&keys, &self.req)))
+    }
+
     /// Queues a store job (rows -> slots); `chunk_ids` are the job's int32 row ids, little
     /// endian (`numpy.ndarray.tobytes()`).
     fn submit_store(

@@ -140,6 +140,10 @@ pub trait SecondaryTier: Send {
     /// No further submissions for this request (jobs may still be in flight).
     fn on_request_finished(&mut self, _req: &RequestContext) {}
 
+    /// Marks chunks as recently used, for the tier's own eviction (vLLM's `touch`, forwarded
+    /// by the manager to every tier). Default: nothing.
+    fn touch(&mut self, _keys: &[ChunkKey], _req: &RequestContext) {}
+
     /// Last call of each scheduling step.
     fn on_schedule_end(&mut self) {}
 

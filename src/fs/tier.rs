@@ -414,6 +414,16 @@ impl SecondaryTier for FsTier {
         self.locality
     }
 
+    /// Refreshes the recency of the keys its catalog holds (its LRU capacity eviction);
+    /// skipped while the catalog is busy.
+    fn touch(&mut self, keys: &[ChunkKey], _req: &RequestContext) {
+        if let Some(mut c) = self.sh.catalog.try_lock_for(LOOKUP_LOCK_WAIT) {
+            for key in keys {
+                c.touch(key);
+            }
+        }
+    }
+
     fn lookup(&mut self, key: &ChunkKey, req: &RequestContext) -> LookupResult {
         while let Ok(keys) = self.invalidated_rx.try_recv() {
             self.lookup.mark_miss(&keys);

@@ -399,6 +399,18 @@ impl SecondaryTier for G3Tier {
         }
     }
 
+    /// Refreshes the recency of the keys it holds (its LRU capacity eviction); skipped while
+    /// the index is busy (a checkpoint snapshot), like a lookup that would answer RETRY.
+    fn touch(&mut self, keys: &[ChunkKey], _req: &RequestContext) {
+        if let Some(mut guard) = self.shared.index.try_lock_for(LOOKUP_LOCK_WAIT)
+            && let Some(ix) = guard.as_mut()
+        {
+            for key in keys {
+                ix.touch(key);
+            }
+        }
+    }
+
     fn submit_store(&mut self, job: TransferJob) {
         self.enqueue(job, false);
     }

@@ -6,9 +6,12 @@
 //! when ready (`Hit`, evictable), N > 0 while N readers hold it pinned (`Hit`, not evictable).
 //! Which ready slot to evict is the [`EvictionPolicy`]'s choice (LRU or ARC).
 //!
-//! Every operation costs O(1) per key (eviction amortised O(1) per victim; see
-//! [`policy`]), except [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`],
-//! which are O(capacity). One table entry holds a slot's key (inline up to 36 bytes), its
+//! Every operation costs O(1) per key (eviction O(1) per victim plus the pinned or in-flight
+//! entries it passes over at the least recent end; see [`policy`]), except
+//! [`PrimaryTier::reset_cache`] and [`PrimaryTier::check_consistency`], which are
+//! O(capacity). The semantics are vLLM 0.33.0's `CPUOffloadingManager` with its LRU and ARC
+//! policies, proven by `tests/python/test_manager_vs_vllm.py`; `reset_cache` deviates on
+//! purpose (docs/primary.md, "Deviations from vLLM 0.33.0"). One table entry holds a slot's key (inline up to 36 bytes), its
 //! `ref_cnt` and its slot id, so a lookup costs one random memory access; nothing allocates
 //! per resident chunk (keys longer than 36 bytes aside), so memory is fixed by the capacity
 //! (see [`PrimaryTier::memory_footprint`]). The large arrays ask for transparent huge pages.
@@ -35,7 +38,7 @@ use crate::region::PrimaryRegion;
 
 use index::KeyHasher;
 use policy::{EvictionPolicy, PolicyStats, build_policy};
-use requests::{Commit, RequestLog};
+use requests::RequestLog;
 use table::{Found, IN_FLIGHT, SlotTable};
 
 pub use store::PrepareStoreOutput;
@@ -51,6 +54,24 @@ pub struct PrimaryUsage {
     pub pinned_for_read: usize,
     /// Slots reserved for a write in flight (`ref_cnt == -1`).
     pub reserved_for_write: usize,
+    /// Ready, unpinned slots (`ref_cnt == 0`): what eviction may take.
+    pub evictable: usize,
+}
+
+impl PrimaryUsage {
+    /// vLLM's `kv_offload_cpu_cache_usage_perc`, `..._write_usage_perc` and
+    /// `..._read_usage_perc`: slots in use (pinned or being written, not every resident
+    /// slot), slots being written, and the difference, each over the total (computed as
+    /// vLLM computes them, so the floats are equal).
+    pub fn usage_fractions(&self) -> (f64, f64, f64) {
+        if self.total == 0 {
+            return (0.0, 0.0, 0.0);
+        }
+        let total = self.total as f64;
+        let usage = (self.used - self.evictable) as f64 / total;
+        let write = self.reserved_for_write as f64 / total;
+        (usage, write, f64::max(usage - write, 0.0))
+    }
 }
 
 /// Running totals since construction.
@@ -280,19 +301,27 @@ impl PrimaryTier {
         });
     }
 
-    /// Moves `keys` to the most recent end right away (applied tail before head, so `keys[0]`
-    /// ends up most recent); under ARC this counts as reuse. Absent keys are ignored.
+    /// Marks `keys` as recently used right away (vLLM's policy `touch`, applied tail before
+    /// head, so `keys[0]` ends up most recent): LRU moves them to the most recent end; ARC
+    /// moves ready T1 entries to T2 (an entry in flight stays in T1), T2 entries to T2's
+    /// front, and adapts its target for keys with a ghost.
     pub fn touch(&mut self, keys: &[ChunkKey]) {
         for key in keys.iter().rev() {
-            if let Some(f) = self.find(key) {
-                self.policy.touch(f.slot);
+            let hash = self.hash(key);
+            match self.slots.find_hashed(hash, key.as_bytes()) {
+                Some(f) => {
+                    let ready = self.slots.ref_at(f.pos) != IN_FLIGHT;
+                    self.policy.touch(f.slot, ready);
+                }
+                None => self.policy.touch_absent(hash),
             }
         }
     }
 
-    /// Commits the recency recorded for `req` (its loads, and the ready keys its stores
-    /// offered again, as reuse; its own insertions as recency only), tail before head, and
-    /// forgets the record. Keys no longer resident are skipped.
+    /// Commits what `req` recorded (vLLM's `on_request_finished`): every key it met, tail
+    /// before head (groups by index), as reuse (its loads, and the ready keys its stores
+    /// offered; also when it inserted the key again later), as its own insertion, or as
+    /// merely seen; then forgets the record. Keys no longer resident are skipped.
     pub fn on_request_finished(&mut self, req: &RequestContext) {
         let plan = self.requests.take_commit_plan(&req.req_id);
         if plan.is_empty() {
@@ -321,10 +350,7 @@ impl PrimaryTier {
             .collect();
         for ((_, commit), slot) in plan.iter().zip(slots) {
             if let Some(s) = slot {
-                match commit {
-                    Commit::Touch => self.policy.touch(s),
-                    Commit::Refresh => self.policy.refresh(s),
-                }
+                self.policy.commit(s, *commit);
             }
         }
     }
@@ -335,9 +361,17 @@ impl PrimaryTier {
     }
 
     /// Events since the last call (medium CPU, no ownership, no locality); empty unless
-    /// events were enabled.
+    /// events were enabled. A `metadata_only` removal (failed write) lists only the keys that
+    /// are not resident again by now, and is dropped when none is left (as vLLM).
     pub fn take_events(&mut self) -> Vec<OffloadingEvent> {
-        std::mem::take(&mut self.events)
+        let mut events = std::mem::take(&mut self.events);
+        events.retain_mut(|e| {
+            if e.metadata_only {
+                e.keys.retain(|k| self.slots.find(k.as_bytes()).is_none());
+            }
+            !e.keys.is_empty()
+        });
+        events
     }
 
     /// Occupancy now.
@@ -347,6 +381,7 @@ impl PrimaryTier {
             used: self.slots.resident(),
             pinned_for_read: self.pinned,
             reserved_for_write: self.in_flight,
+            evictable: self.policy.num_evictable(),
         }
     }
 

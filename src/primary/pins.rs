@@ -9,7 +9,6 @@ use crate::contract::job::RequestContext;
 use crate::error::Result;
 use crate::key::ChunkKey;
 
-use super::requests::Access;
 use super::table::{Found, IN_FLIGHT};
 use super::{PrimaryTier, contract_error};
 
@@ -19,7 +18,7 @@ impl PrimaryTier {
     /// be resident and ready. Returns the rows, parallel to `keys`.
     pub fn prepare_load(&mut self, keys: &[ChunkKey], req: &RequestContext) -> Result<Vec<u32>> {
         let ids = self.pin(keys, "prepare_load")?;
-        self.requests.record(&req.req_id, keys, Access::Reused);
+        self.requests.get(&req.req_id).record(keys, keys);
         Ok(ids)
     }
 

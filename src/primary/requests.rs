@@ -1,85 +1,118 @@
-//! Request-scoped recency: accesses are recorded per request and committed to the policy when
-//! the request finishes (contract section 5.3).
+//! Request-scoped accesses, as vLLM 0.33.0's `CPUOffloadingManager` records them
+//! (`_RequestCacheAccess`): the keys a request met (each once, grouped by KV cache group in
+//! first-seen order), which it inserted, which it reused, and which store misses the policy
+//! has already seen for it. Committed to the policy when the request finishes.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use crate::key::ChunkKey;
 
-/// How a request met a key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Access {
-    /// The request stored the key (it was not present before).
-    Inserted,
-    /// The request found the key ready (loaded it, or offered it again to a store).
-    Reused,
+use super::policy::Commit;
+
+/// One request's record.
+#[derive(Debug, Default)]
+pub(crate) struct RequestAccess {
+    /// `(group index, keys in first-seen order)`, groups in first-seen order.
+    groups: Vec<(u32, Vec<ChunkKey>)>,
+    seen: HashSet<ChunkKey>,
+    inserted: HashSet<ChunkKey>,
+    reused: HashSet<ChunkKey>,
+    store_misses: HashSet<ChunkKey>,
 }
 
-/// What to do with one key when its request finishes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Commit {
-    /// Real reuse: counts as frequency (ARC) and recency.
-    Touch,
-    /// Only the request's own insertion: recency without frequency.
-    Refresh,
+/// vLLM's `get_offload_group_idx`: the last 4 bytes of the key, big-endian (all of a shorter
+/// key).
+fn group_of(key: &ChunkKey) -> u32 {
+    let b = key.as_bytes();
+    b[b.len().saturating_sub(4)..]
+        .iter()
+        .fold(0u32, |acc, &x| (acc << 8) | u32::from(x))
+}
+
+impl RequestAccess {
+    /// Records `keys` (in the order met; keys met before are skipped) and, of `reused`, the
+    /// keys the request did not insert itself.
+    pub(crate) fn record<'a>(
+        &mut self,
+        keys: impl IntoIterator<Item = &'a ChunkKey>,
+        reused: impl IntoIterator<Item = &'a ChunkKey>,
+    ) {
+        for key in keys {
+            if self.seen.contains(key) {
+                continue;
+            }
+            self.seen.insert(key.clone());
+            let g = group_of(key);
+            match self.groups.iter_mut().find(|(idx, _)| *idx == g) {
+                Some((_, list)) => list.push(key.clone()),
+                None => self.groups.push((g, vec![key.clone()])),
+            }
+        }
+        for key in reused {
+            if !self.inserted.contains(key) {
+                self.reused.insert(key.clone());
+            }
+        }
+    }
+
+    /// Marks `keys` as inserted by the request.
+    pub(crate) fn inserted<'a>(&mut self, keys: impl IntoIterator<Item = &'a ChunkKey>) {
+        self.inserted.extend(keys.into_iter().cloned());
+    }
+
+    /// Whether the policy has seen `key` as a store miss of this request; records it.
+    pub(crate) fn first_store_miss(&mut self, key: &ChunkKey) -> bool {
+        if self.store_misses.contains(key) {
+            return false;
+        }
+        self.store_misses.insert(key.clone());
+        true
+    }
+
+    /// The commit plan: keys in head-to-tail order (groups by index, each in first-seen
+    /// order) reversed, so the head ends up most recent; reused keys count as reuse, keys only
+    /// inserted as insertions, the rest as seen.
+    fn commit_plan(mut self) -> Vec<(ChunkKey, Commit)> {
+        self.groups.sort_by_key(|(g, _)| *g);
+        let mut plan = Vec::with_capacity(self.seen.len());
+        for (_, keys) in self.groups.iter().rev() {
+            for key in keys.iter().rev() {
+                let how = if self.reused.contains(key) {
+                    Commit::Reused
+                } else if self.inserted.contains(key) {
+                    Commit::InsertedOnly
+                } else {
+                    Commit::Seen
+                };
+                plan.push((key.clone(), how));
+            }
+        }
+        plan
+    }
 }
 
 /// Per-request access records.
 #[derive(Debug, Default)]
 pub(crate) struct RequestLog {
-    by_req: HashMap<Arc<str>, Vec<(ChunkKey, Access)>>,
+    by_req: HashMap<Arc<str>, RequestAccess>,
 }
 
 impl RequestLog {
-    /// Appends `keys` (in prefix order) to `req`'s record.
-    pub(crate) fn record<'a>(
-        &mut self,
-        req: &Arc<str>,
-        keys: impl IntoIterator<Item = &'a ChunkKey>,
-        access: Access,
-    ) {
-        let mut keys = keys.into_iter().peekable();
-        if keys.peek().is_none() {
-            return;
+    /// `req`'s record, created on first use.
+    pub(crate) fn get(&mut self, req: &Arc<str>) -> &mut RequestAccess {
+        if !self.by_req.contains_key(req.as_ref()) {
+            self.by_req
+                .insert(Arc::clone(req), RequestAccess::default());
         }
-        let entry = match self.by_req.get_mut(req.as_ref()) {
-            Some(e) => e,
-            None => self.by_req.entry(Arc::clone(req)).or_default(),
-        };
-        entry.extend(keys.map(|k| (k.clone(), access)));
+        self.by_req.get_mut(req.as_ref()).expect("inserted above")
     }
 
-    /// Removes `req`'s record and returns it in commit order: tail before head (the reverse
-    /// of the recorded prefix order, so the head ends up most recent), each key classified.
-    /// A key the request inserted itself never counts as reuse.
+    /// Removes `req`'s record and returns its commit plan (empty if none).
     pub(crate) fn take_commit_plan(&mut self, req: &str) -> Vec<(ChunkKey, Commit)> {
-        let Some(entries) = self.by_req.remove(req) else {
-            return Vec::new();
-        };
-        let any_reused = entries.iter().any(|(_, a)| *a == Access::Reused);
-        let any_inserted = entries.iter().any(|(_, a)| *a == Access::Inserted);
-        // The set is only needed to tell reuse of the request's own insertions apart.
-        let inserted: HashSet<&ChunkKey> = if any_reused && any_inserted {
-            entries
-                .iter()
-                .filter(|(_, a)| *a == Access::Inserted)
-                .map(|(k, _)| k)
-                .collect()
-        } else {
-            HashSet::new()
-        };
-        entries
-            .iter()
-            .rev()
-            .map(|(k, a)| {
-                let commit = if *a == Access::Reused && !inserted.contains(k) {
-                    Commit::Touch
-                } else {
-                    Commit::Refresh
-                };
-                (k.clone(), commit)
-            })
-            .collect()
+        self.by_req
+            .remove(req)
+            .map_or_else(Vec::new, RequestAccess::commit_plan)
     }
 
     /// Requests with an open record.
@@ -93,26 +126,38 @@ mod tests {
     use super::*;
 
     #[test]
-    fn commit_plan_reverses_and_does_not_count_own_insertions() {
+    fn commit_plan_groups_reverses_and_classifies() {
         let mut log = RequestLog::default();
         let req: Arc<str> = Arc::from("r1");
-        let k = |b: u8| ChunkKey::new([b]);
-        log.record(&req, &[k(1), k(2)], Access::Reused);
-        log.record(&req, &[k(3)], Access::Inserted);
-        log.record(&req, &[k(3)], Access::Reused);
-        log.record(&req, &[], Access::Reused);
+        let k = |b: u8, g: u8| ChunkKey::new([b, 0, 0, 0, g]);
+        let a = log.get(&req);
+        a.record(&[k(1, 1), k(2, 0)], &[k(1, 1)]);
+        a.inserted(&[k(3, 0)]);
+        a.record(&[k(3, 0), k(2, 0)], &[k(3, 0)]); // own insertion: not reuse
+        a.record(&[k(4, 0)], &[]);
         assert_eq!(log.open_requests(), 1);
         let plan = log.take_commit_plan("r1");
         assert_eq!(
             plan,
             vec![
-                (k(3), Commit::Refresh),
-                (k(3), Commit::Refresh),
-                (k(2), Commit::Touch),
-                (k(1), Commit::Touch),
+                (k(1, 1), Commit::Reused),
+                (k(4, 0), Commit::Seen),
+                (k(3, 0), Commit::InsertedOnly),
+                (k(2, 0), Commit::Seen),
             ]
         );
         assert!(log.take_commit_plan("r1").is_empty());
         assert_eq!(log.open_requests(), 0);
+    }
+
+    #[test]
+    fn reuse_before_a_reinsertion_still_counts() {
+        let mut log = RequestLog::default();
+        let req: Arc<str> = Arc::from("r");
+        let k = ChunkKey::new([9, 0, 0, 0, 0]);
+        let a = log.get(&req);
+        a.record([&k], [&k]);
+        a.inserted([&k]);
+        assert_eq!(log.take_commit_plan("r"), vec![(k, Commit::Reused)]);
     }
 }

@@ -7,8 +7,6 @@ use crate::contract::job::RequestContext;
 use crate::key::ChunkKey;
 
 use super::PrimaryTier;
-use super::policy::Admission;
-use super::requests::Access;
 use super::table::IN_FLIGHT;
 
 /// What `prepare_store` reserved.
@@ -26,15 +24,18 @@ pub struct PrepareStoreOutput {
 const SMALL_BATCH: usize = 16;
 
 impl PrimaryTier {
-    /// Reserves rows for the keys of `keys` that are not resident.
+    /// Reserves rows for the keys of `keys` that are not resident (vLLM's
+    /// `CPUOffloadingManager.prepare_store`).
     ///
     /// Keys already resident are not stored again: ready ones are recorded as reuse for
-    /// `req`, in-flight ones are ignored. When fewer slots than needed are free, ready
-    /// entries are evicted (never pinned or in-flight ones, never the ready keys of this very
-    /// store); if that cannot make enough room the store is refused with `None` and nothing
-    /// changes. Otherwise the new keys get rows with `ref_cnt = -1` (lookups answer
-    /// `HitPending`), evicted keys are reported (and produce one removal event), and an
-    /// output is returned, empty when there is nothing to store.
+    /// `req`, in-flight ones are ignored. Before any refusal, the store misses are shown to
+    /// the policy (once per request and key: ARC adapts to their ghosts) and the offered keys
+    /// are recorded for `req`. When fewer slots than needed are free, ready entries are
+    /// evicted (never pinned or in-flight ones, never the keys of this very store); if that
+    /// cannot make enough room the store is refused with `None`. Otherwise the new keys get
+    /// rows with `ref_cnt = -1` (lookups answer `HitPending`), evicted keys are reported (and
+    /// produce one removal event), and an output is returned, empty when there is nothing to
+    /// store.
     pub fn prepare_store(
         &mut self,
         keys: &[ChunkKey],
@@ -45,21 +46,7 @@ impl PrimaryTier {
         let mut seen: Option<HashSet<&[u8]>> = None;
         let mut reused: Vec<usize> = Vec::new();
         let mut protected: Vec<u32> = Vec::new();
-        // When this store will probably evict, start loading the likely victim's bookkeeping
-        // now, so that it overlaps with the lookups of the keys.
-        let may_evict = self.slots.free() < keys.len();
-        let hashes = self.hash_batch_with(keys, keys.len() > 1 || may_evict);
-        for &hash in &hashes {
-            self.policy.prefetch_admit(hash);
-        }
-        let likely_victim = if may_evict {
-            self.policy.prefetch_next_victim()
-        } else {
-            None
-        };
-        if let Some(victim) = likely_victim {
-            self.slots.prefetch_slot(victim);
-        }
+        let hashes = self.hash_batch(keys);
         for (i, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
             if let Some(f) = self.slots.find_hashed(hash, key.as_bytes()) {
                 match self.slots.ref_at(f.pos) {
@@ -89,39 +76,43 @@ impl PrimaryTier {
                 new.push((i, hash));
             }
         }
-        if likely_victim.is_some() && self.policy.keeps_history() {
-            // The history nodes prefetched above have had the lookups to arrive: the
-            // bookkeeping that depends on them (ARC: the ghost index buckets of the ghosts
-            // this store drops) can start loading.
-            self.policy.prefetch_next_victim_history();
-        }
-        protected.sort_unstable();
-        protected.dedup();
 
-        // 2. Refuse when eviction cannot make room.
+        // 2. Store misses and the request's record, before any refusal (as vLLM).
+        let access = self.requests.get(&req.req_id);
+        let misses: Vec<u64> = new
+            .iter()
+            .filter(|&&(i, _)| access.first_store_miss(&keys[i]))
+            .map(|&(_, h)| h)
+            .collect();
+        let mut recorded: Vec<usize> = new
+            .iter()
+            .map(|&(i, _)| i)
+            .chain(reused.iter().copied())
+            .collect();
+        recorded.sort_unstable();
+        access.record(
+            recorded.iter().map(|&i| &keys[i]),
+            reused.iter().map(|&i| &keys[i]),
+        );
+        for &h in misses.iter().rev() {
+            self.policy.on_store_miss(h);
+        }
+        if new.is_empty() {
+            return Some(PrepareStoreOutput::default());
+        }
+
+        // 3. Evict, atomically, or refuse.
         let to_evict = new.len().saturating_sub(self.slots.free());
-        let evictable = self.policy.num_evictable().saturating_sub(protected.len());
-        if to_evict > evictable {
-            self.counters.stores_refused += 1;
-            return None;
-        }
-
-        // 3. Admit (ARC adapts its target on ghost hits), then evict atomically.
-        let admissions: Vec<Admission> = new.iter().map(|&(_, h)| self.policy.admit(h)).collect();
         let mut victims = std::mem::take(&mut self.victims);
         victims.clear();
         if to_evict > 0 {
             let slots = &self.slots;
             let mut fingerprint = |id: u32| slots.hash_of(id);
-            if !self
-                .policy
-                .evict(to_evict, &protected, &mut fingerprint, &mut victims)
+            if to_evict > self.policy.num_evictable()
+                || !self
+                    .policy
+                    .evict(to_evict, &protected, &mut fingerprint, &mut victims)
             {
-                log::error!(
-                    "primary tier: policy {} refused to evict {to_evict} of {evictable} \
-                     evictable entries; refusing the store",
-                    self.policy.name()
-                );
                 self.counters.stores_refused += 1;
                 self.victims = victims;
                 return None;
@@ -136,6 +127,9 @@ impl PrimaryTier {
         }
         self.victims = victims;
         self.counters.evicted += evicted_keys.len() as u64;
+        if self.events_enabled && !evicted_keys.is_empty() {
+            self.push_event(evicted_keys.clone(), true, false);
+        }
 
         // 4. Allocate and insert with ref_cnt = -1.
         let mut out = PrepareStoreOutput {
@@ -143,30 +137,21 @@ impl PrimaryTier {
             chunk_ids: Vec::with_capacity(new.len()),
             evicted_keys,
         };
-        for (&(i, hash), adm) in new.iter().zip(admissions) {
+        for &(i, hash) in &new {
             let key = &keys[i];
             let Some(id) = self.slots.insert(hash, key) else {
-                // Unreachable: the refusal check counted the room.
+                // Unreachable: the eviction made the room.
                 log::error!("primary tier: no free slot for {key} after eviction; skipped");
                 continue;
             };
-            self.policy.insert(id, adm);
+            self.policy.insert(id, hash);
             self.in_flight += 1;
             out.keys_to_store.push(key.clone());
             out.chunk_ids.push(id);
         }
-
-        self.requests.record(
-            &req.req_id,
-            reused.iter().map(|&i| &keys[i]),
-            Access::Reused,
-        );
         self.requests
-            .record(&req.req_id, out.keys_to_store.iter(), Access::Inserted);
-        if self.events_enabled && !out.evicted_keys.is_empty() {
-            let evicted = out.evicted_keys.clone();
-            self.push_event(evicted, true, false);
-        }
+            .get(&req.req_id)
+            .inserted(out.keys_to_store.iter());
         Some(out)
     }
 

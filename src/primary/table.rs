@@ -180,18 +180,6 @@ impl SlotTable {
         super::mem_hints::prefetch(&self.entries[self.home(hash)]);
     }
 
-    /// Prefetches resident `slot`'s entry and the entries after it, which removing it
-    /// shifts back (a hint; ignores free or out-of-range slots).
-    #[inline]
-    pub(crate) fn prefetch_slot(&self, slot: u32) {
-        if let Some(&hi) = self.slot_hash.get(slot as usize) {
-            let home = self.home_hi(hi);
-            for e in self.entries.iter().skip(home).take(RUN_AHEAD + 1) {
-                super::mem_hints::prefetch(e);
-            }
-        }
-    }
-
     /// Inside a walk along a run of entries (insertion, backward shift): prefetches the
     /// entry [`RUN_AHEAD`] positions on, so that the walk does not wait for each new cache
     /// line in turn (a hint only).

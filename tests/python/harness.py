@@ -4,6 +4,8 @@
   test can run vLLM's own code on an injected clock.
 * :func:`replay`: runs the ``kvtier-replay`` driver (JSON in, JSON out) to observe kvtier.
 * :func:`float_diff`: exact float comparison with a readable message.
+* :func:`shrink`: the shortest diverging prefix of a sequence, then its items removed one by
+  one while it still diverges.
 """
 
 from __future__ import annotations
@@ -110,3 +112,22 @@ def float_diff(what: str, vllm_value, kvtier_value) -> str | None:
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
+
+
+def shrink(scenario: dict, field: str, diverges) -> dict:
+    """The shortest prefix of ``scenario[field]`` that still diverges, then items removed one
+    by one while it does (``diverges(candidate)`` is truthy when it does)."""
+    items = scenario[field]
+    best = dict(scenario)
+    for i in range(1, len(items) + 1):
+        cand = dict(scenario, **{field: items[:i]})
+        if diverges(cand):
+            best = cand
+            break
+    i = len(best[field]) - 2
+    while i >= 0:
+        cand = dict(best, **{field: best[field][:i] + best[field][i + 1:]})
+        if diverges(cand):
+            best = cand
+        i -= 1
+    return best

@@ -124,22 +124,8 @@ def first_difference(vllm_obs, kvtier_obs):
 
 
 def shrink(scenario, diverges):
-    """The shortest event prefix that diverges, then events removed one by one while it still
-    does (``diverges(scenario) -> message | None``)."""
-    events = scenario["events"]
-    best = dict(scenario)
-    for i in range(1, len(events) + 1):
-        cand = dict(scenario, events=events[:i])
-        if diverges(cand):
-            best = cand
-            break
-    i = len(best["events"]) - 2
-    while i >= 0:
-        cand = dict(best, events=best["events"][:i] + best["events"][i + 1:])
-        if diverges(cand):
-            best = cand
-        i -= 1
-    return best
+    """The shortest event sequence that still diverges (see ``harness.shrink``)."""
+    return harness.shrink(scenario, "events", diverges)
 
 
 def check_batch(scenarios, run_vllm, seed):

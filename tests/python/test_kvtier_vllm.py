@@ -72,6 +72,10 @@ def test_store_cascades_to_kvtier_and_promotes_back_byte_exact(tmp_path, engines
     e.finish(req)
     for k in keys:
         assert tier.lookup(k, req) is LookupResult.HIT
+    # vLLM's manager forwards touch to every tier (KvtierTier -> the G3 tier's LRU).
+    e.manager.touch(keys, req)
+    for k in keys:
+        assert tier.lookup(k, req) is LookupResult.HIT
 
     evicted = fill_primary_with_others(e, 100, 8)
     assert set(keys) <= set(evicted), "LRU should have evicted the first chunks"

@@ -200,7 +200,7 @@ impl Sim {
                     "row {c} does not hold {k}'s bytes"
                 );
                 self.stats.verified_rows += 1;
-                if self.m.get_load_source(k).is_some() {
+                if self.m.get_load_source(k, &ctx).is_some() {
                     self.stats.promoted_rows += 1;
                 }
                 *self.gpu_pins.entry(k.clone()).or_default() += 1;

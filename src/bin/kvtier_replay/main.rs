@@ -9,6 +9,7 @@
 //! kvtier-replay fs            < {"scenarios": [...]}   the fs tier on a directory: paths, stores, loads
 //! kvtier-replay node-serve    < {"config", ...}        the node service until SIGTERM
 //! kvtier-replay roundtrip     < {"dir", "steps": [...]} canonical chunks through a G3 tier by TP size
+//! kvtier-replay manager       < {"scenarios": [...]}   primary tier and tiering manager call sequences
 //! ```
 //!
 //! Every subcommand answers `{"results": [...]}`, one entry per query or scenario; an entry
@@ -20,6 +21,7 @@ mod backpressure;
 mod canonical;
 mod fs;
 mod json;
+mod manager;
 mod node;
 mod roundtrip;
 
@@ -29,11 +31,12 @@ use std::process::ExitCode;
 use serde_json::Value;
 
 const USAGE: &str =
-    "usage: kvtier-replay <canonical|backpressure|fs|roundtrip> < input.json > output.json
+    "usage: kvtier-replay <canonical|backpressure|fs|roundtrip|manager> < input.json > output.json
   canonical     canonical-layout runs, writers and digests for descriptors or layer views
   backpressure  back-pressure replays: detector events, manager feeds, config merges
   fs            the fs tier on a directory: file paths, stores, lookups, loads
-  roundtrip     canonical chunks from rank files through a G3 tier, loaded at any TP size";
+  roundtrip     canonical chunks from rank files through a G3 tier, loaded at any TP size
+  manager       call sequences through the primary tier and the tiering manager";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -43,6 +46,7 @@ fn main() -> ExitCode {
         Some("fs") => fs::run,
         Some("node-serve") => node::run,
         Some("roundtrip") => roundtrip::run,
+        Some("manager") => manager::run,
         Some("-h" | "--help") => {
             println!("{USAGE}");
             return ExitCode::SUCCESS;

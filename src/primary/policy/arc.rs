@@ -1,47 +1,43 @@
-//! Adaptive Replacement Cache (Megiddo and Modha, FAST 2003) over intrusive lists.
+//! Adaptive Replacement Cache as vLLM 0.33.0's `ARCCachePolicy` runs it, over intrusive lists.
 //!
-//! * T1: resident entries seen once; T2: resident entries reused at least once.
-//! * B1 / B2: fingerprints of entries evicted from T1 / T2 (ghosts), `|T1| + |B1| <= c` and
-//!   `|B1| + |B2| <= c` for capacity `c`.
-//! * `p`: the adaptive target size of T1. A new key whose ghost is in B1 means T1 was too
-//!   small: `p += max(1, |B2| / |B1|)`; a ghost in B2 means T2 was too small:
-//!   `p -= max(1, |B1| / |B2|)`. Either way the key enters T2.
-//! * Eviction (REPLACE) takes the least recent evictable entry of T1 when `|T1| > p` (or
-//!   `|T1| == p` and the incoming key was a B2 ghost), else of T2; if the chosen list has no
-//!   evictable entry, the other one.
-//!
-//! Only real reuse counts as frequency: [`EvictionPolicy::touch`] moves T1 -> T2, while
-//! [`EvictionPolicy::refresh`] (a request committing its own insertions) only refreshes
-//! recency inside the entry's list. Non-evictable entries are handled as in LRU (kept in
-//! place, set aside when eviction meets them).
+//! * T1: resident entries inserted and not yet reused; T2: resident entries reused.
+//! * B1 / B2: fingerprints of entries evicted from T1 / T2 (ghosts), each at most the
+//!   capacity (trimmed after an eviction).
+//! * `p`: the adaptive target size of T1, a float in `0..=capacity`. A store miss or a touch
+//!   of a key whose ghost is in B1 means T1 was too small: `p += max(1, |B2| / |B1|)`; a ghost
+//!   in B2: `p -= max(1, |B1| / |B2|)` (float division), and the ghost becomes the most
+//!   recent of its list. A store miss adapts once per request and key, before the store may
+//!   be refused; the ghost stays until the key is inserted.
+//! * Insertion: always the front of T1 (the key's ghost is forgotten).
+//! * Eviction (REPLACE): for each victim, T1's least recent evictable entry while the
+//!   simulated `|T1| >= floor(p)`, else T2's, else T1's; both scans only move forward
+//!   (pinned, in-flight and protected entries are passed over in place).
+//! * `touch`: a ready T1 entry moves to T2, one in flight stays in T1 (as its most recent
+//!   entry), a T2 entry moves to T2's front; a ghost adapts `p`.
+//! * A finishing request: its reused keys move T1 -> T2 (or to T2's front), the keys it only
+//!   inserted move to the front of their list, the rest stay.
 
 use super::ghost::{Ghost, GhostLists};
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, new_links, prefetch_node};
-use super::{Admission, ArcStats, EvictionPolicy, PolicyStats};
+use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::{ArcStats, Commit, EvictionPolicy, PolicyStats};
 
 const IN_T1: u8 = 1;
 const IN_T2: u8 = 2;
-const ASIDE: u8 = 4;
-const EVICTABLE: u8 = 8;
-const PROTECTED: u8 = 16;
+const EVICTABLE: u8 = 4;
+const PROTECTED: u8 = 8;
 
 /// ARC. Per slot: 8 bytes of links and 1 byte of state; ghosts: 17 bytes plus about 5.3
-/// bytes of index per ghost, at most `capacity` ghosts.
+/// bytes of index per ghost, at most `2 * capacity` ghosts.
 #[derive(Debug)]
 pub struct ArcPolicy {
     links: Box<[Link]>,
     state: Box<[u8]>,
     t1: List,
     t2: List,
-    aside: List,
-    t1_len: usize,
-    t2_len: usize,
-    ev_t1: usize,
-    ev_t2: usize,
-    p: usize,
-    incoming_from_b2: bool,
+    evictable: usize,
+    p: f64,
     ghosts: GhostLists,
 }
 
@@ -53,13 +49,8 @@ impl ArcPolicy {
             state: huge_slice(capacity, || 0u8),
             t1: List::default(),
             t2: List::default(),
-            aside: List::default(),
-            t1_len: 0,
-            t2_len: 0,
-            ev_t1: 0,
-            ev_t2: 0,
-            p: 0,
-            incoming_from_b2: false,
+            evictable: 0,
+            p: 0.0,
             ghosts: GhostLists::new(capacity),
         }
     }
@@ -68,66 +59,48 @@ impl ArcPolicy {
         self.state.len()
     }
 
-    /// Unlinks `slot` from whichever list holds it; membership and counters unchanged.
-    fn unlink(&mut self, slot: u32) {
+    /// vLLM's `_adapt_to_ghost_hit`.
+    fn adapt(&mut self, fingerprint: u64) {
+        let b1 = self.ghosts.len(Ghost::B1) as f64;
+        let b2 = self.ghosts.len(Ghost::B2) as f64;
+        match self.ghosts.hit(fingerprint) {
+            Some(Ghost::B1) => {
+                let delta = f64::max(1.0, b2 / b1);
+                self.p = f64::min(self.p + delta, self.cap() as f64);
+            }
+            Some(Ghost::B2) => {
+                let delta = f64::max(1.0, b1 / b2);
+                self.p = f64::max(self.p - delta, 0.0);
+            }
+            None => {}
+        }
+    }
+
+    fn move_to_t2(&mut self, slot: u32) {
+        self.t1.unlink(&mut self.links, slot);
+        self.t2.push_front(&mut self.links, slot);
         let st = self.state[slot as usize];
-        if st & ASIDE != 0 {
-            self.aside.unlink(&mut self.links, slot);
-        } else if st & IN_T1 != 0 {
-            self.t1.unlink(&mut self.links, slot);
+        self.state[slot as usize] = (st & !IN_T1) | IN_T2;
+    }
+
+    fn make_most_recent(&mut self, slot: u32) {
+        let st = self.state[slot as usize];
+        if st & IN_T1 != 0 {
+            self.t1.move_to_front(&mut self.links, slot);
         } else if st & IN_T2 != 0 {
-            self.t2.unlink(&mut self.links, slot);
-        }
-        self.state[slot as usize] = st & !ASIDE;
-    }
-
-    /// Whether inserting a new key into T1 now would trim B1 (drop its least recent ghost).
-    fn would_trim_b1(&self) -> bool {
-        self.t1_len + self.ghosts.len(Ghost::B1) >= self.cap()
-    }
-
-    fn trim_b1(&mut self) {
-        while self.t1_len + self.ghosts.len(Ghost::B1) > self.cap() {
-            if !self.ghosts.pop_lru(Ghost::B1) {
-                break;
-            }
+            self.t2.move_to_front(&mut self.links, slot);
         }
     }
 
-    /// Evicts one evictable, unprotected entry of T1 (`from_t1`) or T2 (the list must hold
-    /// one); protected entries met on the way go to `held`, pinned ones to the side list.
-    fn evict_one(
-        &mut self,
-        from_t1: bool,
-        held: &mut List,
-        fingerprint: &mut dyn FnMut(u32) -> u64,
-    ) -> Option<u32> {
-        loop {
-            let list = if from_t1 { &mut self.t1 } else { &mut self.t2 };
-            let slot = list.pop_back(&mut self.links)?;
-            let st = self.state[slot as usize];
-            if st & PROTECTED != 0 {
-                held.push_back(&mut self.links, slot);
-                continue;
+    /// The next evictable, unprotected entry from `cur` towards the front.
+    fn next_candidate(&self, cur: &mut Option<u32>) -> Option<u32> {
+        while let Some(slot) = *cur {
+            *cur = more_recent(&self.links, slot);
+            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
+                return Some(slot);
             }
-            if st & EVICTABLE == 0 {
-                self.aside.push_front(&mut self.links, slot);
-                self.state[slot as usize] = st | ASIDE;
-                continue;
-            }
-            self.state[slot as usize] = 0;
-            let fp = fingerprint(slot);
-            if from_t1 {
-                self.t1_len -= 1;
-                self.ev_t1 -= 1;
-                self.ghosts.push(Ghost::B1, fp);
-            } else {
-                self.t2_len -= 1;
-                self.ev_t2 -= 1;
-                self.ghosts.push(Ghost::B2, fp);
-            }
-            return Some(slot);
         }
+        None
     }
 }
 
@@ -140,56 +113,28 @@ impl EvictionPolicy for ArcPolicy {
         self.cap()
     }
 
-    fn admit(&mut self, fingerprint: u64) -> Admission {
-        let b1 = self.ghosts.len(Ghost::B1);
-        let b2 = self.ghosts.len(Ghost::B2);
-        match self.ghosts.take(fingerprint) {
-            Some(Ghost::B1) => {
-                let delta = if b1 >= b2 { 1 } else { b2 / b1.max(1) };
-                self.p = (self.p + delta).min(self.cap());
-                Admission::Frequent
-            }
-            Some(Ghost::B2) => {
-                let delta = if b2 >= b1 { 1 } else { b1 / b2.max(1) };
-                self.p = self.p.saturating_sub(delta);
-                self.incoming_from_b2 = true;
-                Admission::Frequent
-            }
-            None => Admission::Recent,
-        }
+    fn on_store_miss(&mut self, fingerprint: u64) {
+        self.adapt(fingerprint);
     }
 
-    fn insert(&mut self, slot: u32, admission: Admission) {
+    fn insert(&mut self, slot: u32, fingerprint: u64) {
         debug_assert_eq!(self.state[slot as usize], 0, "slot {slot} inserted twice");
-        match admission {
-            Admission::Recent => {
-                self.t1.push_front(&mut self.links, slot);
-                self.state[slot as usize] = IN_T1;
-                self.t1_len += 1;
-                self.trim_b1();
-            }
-            Admission::Frequent => {
-                self.t2.push_front(&mut self.links, slot);
-                self.state[slot as usize] = IN_T2;
-                self.t2_len += 1;
-            }
-        }
-        self.incoming_from_b2 = false;
+        self.t1.push_front(&mut self.links, slot);
+        self.state[slot as usize] = IN_T1;
+        self.ghosts.take(fingerprint);
     }
 
     fn remove(&mut self, slot: u32) {
         let st = self.state[slot as usize];
-        if st & (IN_T1 | IN_T2) == 0 {
+        if st & IN_T1 != 0 {
+            self.t1.unlink(&mut self.links, slot);
+        } else if st & IN_T2 != 0 {
+            self.t2.unlink(&mut self.links, slot);
+        } else {
             return;
         }
-        self.unlink(slot);
-        let ev = st & EVICTABLE != 0;
-        if st & IN_T1 != 0 {
-            self.t1_len -= 1;
-            self.ev_t1 -= usize::from(ev);
-        } else {
-            self.t2_len -= 1;
-            self.ev_t2 -= usize::from(ev);
+        if st & EVICTABLE != 0 {
+            self.evictable -= 1;
         }
         self.state[slot as usize] = 0;
     }
@@ -199,96 +144,51 @@ impl EvictionPolicy for ArcPolicy {
         if st & EVICTABLE != 0 || st & (IN_T1 | IN_T2) == 0 {
             return;
         }
-        if st & ASIDE != 0 {
-            self.aside.unlink(&mut self.links, slot);
-            if st & IN_T1 != 0 {
-                self.t1.push_back(&mut self.links, slot);
-            } else {
-                self.t2.push_back(&mut self.links, slot);
-            }
-        }
-        if st & IN_T1 != 0 {
-            self.ev_t1 += 1;
-        } else {
-            self.ev_t2 += 1;
-        }
-        self.state[slot as usize] = (st & !ASIDE) | EVICTABLE;
+        self.state[slot as usize] = st | EVICTABLE;
+        self.evictable += 1;
     }
 
     fn mark_non_evictable(&mut self, slot: u32) {
         let st = self.state[slot as usize];
-        if st & EVICTABLE == 0 {
-            return;
+        if st & EVICTABLE != 0 {
+            self.state[slot as usize] = st & !EVICTABLE;
+            self.evictable -= 1;
         }
-        if st & IN_T1 != 0 {
-            self.ev_t1 -= 1;
-        } else {
-            self.ev_t2 -= 1;
-        }
-        self.state[slot as usize] = st & !EVICTABLE;
     }
 
-    fn touch(&mut self, slot: u32) {
+    fn touch(&mut self, slot: u32, ready: bool) {
         let st = self.state[slot as usize];
-        if st & (IN_T1 | IN_T2) == 0 {
-            return;
-        }
-        self.unlink(slot);
-        let ev = usize::from(st & EVICTABLE != 0);
         if st & IN_T1 != 0 {
-            self.t1_len -= 1;
-            self.ev_t1 -= ev;
-            self.t2_len += 1;
-            self.ev_t2 += ev;
+            if ready {
+                self.move_to_t2(slot);
+            } else {
+                self.t1.move_to_front(&mut self.links, slot);
+            }
+        } else if st & IN_T2 != 0 {
+            self.t2.move_to_front(&mut self.links, slot);
         }
-        self.t2.push_front(&mut self.links, slot);
-        self.state[slot as usize] = IN_T2 | (st & EVICTABLE);
     }
 
-    fn refresh(&mut self, slot: u32) {
+    fn touch_absent(&mut self, fingerprint: u64) {
+        self.adapt(fingerprint);
+    }
+
+    fn commit(&mut self, slot: u32, how: Commit) {
         let st = self.state[slot as usize];
-        if st & (IN_T1 | IN_T2) == 0 {
-            return;
+        match how {
+            Commit::InsertedOnly => self.make_most_recent(slot),
+            Commit::Reused if st & IN_T1 != 0 => self.move_to_t2(slot),
+            Commit::Reused => self.make_most_recent(slot),
+            Commit::Seen => {}
         }
-        self.unlink(slot);
-        if st & IN_T1 != 0 {
-            self.t1.push_front(&mut self.links, slot);
-        } else {
-            self.t2.push_front(&mut self.links, slot);
-        }
-        self.state[slot as usize] = st & !ASIDE;
     }
 
     fn num_evictable(&self) -> usize {
-        self.ev_t1 + self.ev_t2
+        self.evictable
     }
 
     fn prefetch(&self, slot: u32) {
         prefetch_node(&self.links, &self.state, slot);
-    }
-
-    fn keeps_history(&self) -> bool {
-        true
-    }
-
-    fn prefetch_next_victim_history(&self) {
-        self.ghosts.prefetch_oldest_index(self.would_trim_b1());
-    }
-
-    fn prefetch_admit(&self, fingerprint: u64) {
-        self.ghosts.prefetch_index(fingerprint);
-    }
-
-    fn prefetch_next_victim(&self) -> Option<u32> {
-        self.ghosts.prefetch_oldest(self.would_trim_b1());
-        let (first, second) = if self.t1_len > self.p {
-            (&self.t1, &self.t2)
-        } else {
-            (&self.t2, &self.t1)
-        };
-        let s = first.back().or_else(|| second.back())?;
-        prefetch_node(&self.links, &self.state, s);
-        Some(s)
     }
 
     fn evict(
@@ -298,66 +198,81 @@ impl EvictionPolicy for ArcPolicy {
         fingerprint: &mut dyn FnMut(u32) -> u64,
         victims: &mut Vec<u32>,
     ) -> bool {
-        if n + protected.len() > self.num_evictable() {
+        if n == 0 {
+            return true;
+        }
+        if n > self.evictable {
             return false;
         }
-        let (mut prot1, mut prot2) = (0, 0);
         for &s in protected {
-            let st = self.state[s as usize];
-            if st & IN_T1 != 0 {
-                prot1 += 1;
-            } else {
-                prot2 += 1;
-            }
-            self.state[s as usize] = st | PROTECTED;
+            self.state[s as usize] |= PROTECTED;
         }
-        let mut held = List::default();
+        // Select all `n` first (vLLM: candidates collected atomically, scans monotonic).
+        let start = victims.len();
+        let target = self.p as usize;
+        let mut virtual_t1 = self.t1.len();
+        let mut c1 = self.t1.back();
+        let mut c2 = self.t2.back();
+        let mut ok = true;
         for _ in 0..n {
-            let avail1 = self.ev_t1 - prot1;
-            let avail2 = self.ev_t2 - prot2;
-            let prefer_t1 = self.t1_len > self.p
-                || (self.t1_len > 0 && self.t1_len == self.p && self.incoming_from_b2);
-            let from_t1 = if avail1 == 0 {
-                false
-            } else if avail2 == 0 {
-                true
-            } else {
-                prefer_t1
-            };
-            match self.evict_one(from_t1, &mut held, fingerprint) {
-                Some(slot) => victims.push(slot),
-                // Unreachable while the counters are right; `check_consistency` reports it.
-                None => break,
+            let mut pick = None;
+            if virtual_t1 >= target
+                && let Some(s) = self.next_candidate(&mut c1)
+            {
+                virtual_t1 -= 1;
+                pick = Some(s);
             }
-        }
-        // Put protected entries back where they were, each in its own list.
-        while let Some(slot) = held.pop_back(&mut self.links) {
-            if self.state[slot as usize] & IN_T1 != 0 {
-                self.t1.push_back(&mut self.links, slot);
-            } else {
-                self.t2.push_back(&mut self.links, slot);
+            if pick.is_none() {
+                pick = self.next_candidate(&mut c2);
+            }
+            if pick.is_none() {
+                pick = self.next_candidate(&mut c1);
+                if pick.is_some() {
+                    virtual_t1 -= 1;
+                }
+            }
+            match pick {
+                Some(s) => victims.push(s),
+                None => {
+                    ok = false;
+                    break;
+                }
             }
         }
         for &s in protected {
             self.state[s as usize] &= !PROTECTED;
         }
-        self.incoming_from_b2 = false;
+        if !ok {
+            victims.truncate(start);
+            return false;
+        }
+        for &slot in &victims[start..] {
+            let fp = fingerprint(slot);
+            if self.state[slot as usize] & IN_T1 != 0 {
+                self.t1.unlink(&mut self.links, slot);
+                self.ghosts.push(Ghost::B1, fp);
+            } else {
+                self.t2.unlink(&mut self.links, slot);
+                self.ghosts.push(Ghost::B2, fp);
+            }
+            self.state[slot as usize] = 0;
+        }
+        self.evictable -= n;
         true
     }
 
     fn reset_history(&mut self) {
         self.ghosts.clear();
-        self.p = 0;
-        self.incoming_from_b2 = false;
+        self.p = 0.0;
     }
 
     fn stats(&self) -> PolicyStats {
         PolicyStats {
-            resident: self.t1_len + self.t2_len,
-            evictable: self.num_evictable(),
+            resident: self.t1.len() + self.t2.len(),
+            evictable: self.evictable,
             arc: Some(ArcStats {
-                t1: self.t1_len,
-                t2: self.t2_len,
+                t1: self.t1.len(),
+                t2: self.t2.len(),
                 b1: self.ghosts.len(Ghost::B1),
                 b2: self.ghosts.len(Ghost::B2),
                 target_t1: self.p,
@@ -372,9 +287,8 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn check_consistency(&self) -> Result<(), String> {
-        let (mut t1, mut t2, mut e1, mut e2) = (0, 0, 0, 0);
         let mut linked = vec![false; self.cap()];
-        for (list, name) in [(&self.t1, "t1"), (&self.t2, "t2"), (&self.aside, "aside")] {
+        for (list, flag, name) in [(&self.t1, IN_T1, "t1"), (&self.t2, IN_T2, "t2")] {
             let mut count = 0;
             for s in list.iter(&self.links) {
                 count += 1;
@@ -382,12 +296,7 @@ impl EvictionPolicy for ArcPolicy {
                     return Err(format!("arc: slot {s} linked twice"));
                 }
                 let st = self.state[s as usize];
-                let ok = match name {
-                    "t1" => st & (IN_T1 | ASIDE) == IN_T1,
-                    "t2" => st & (IN_T2 | ASIDE) == IN_T2,
-                    _ => st & ASIDE != 0 && st & EVICTABLE == 0,
-                };
-                if !ok {
+                if st & (IN_T1 | IN_T2) != flag {
                     return Err(format!("arc: slot {s} in {name} has state {st:#x}"));
                 }
             }
@@ -398,36 +307,28 @@ impl EvictionPolicy for ArcPolicy {
                 ));
             }
         }
+        let mut evictable = 0;
         for (s, &st) in self.state.iter().enumerate() {
-            let ev = usize::from(st & EVICTABLE != 0);
-            if st & IN_T1 != 0 {
-                t1 += 1;
-                e1 += ev;
-            } else if st & IN_T2 != 0 {
-                t2 += 1;
-                e2 += ev;
+            if st & (IN_T1 | IN_T2) != 0 && !linked[s] {
+                return Err(format!("arc: slot {s} claims a list but is not linked"));
             }
-            if (st & (IN_T1 | IN_T2) != 0) != linked[s] {
-                return Err(format!("arc: slot {s} membership and linkage disagree"));
+            if st & PROTECTED != 0 {
+                return Err(format!("arc: slot {s} left protected"));
             }
+            evictable += usize::from(st & EVICTABLE != 0);
         }
-        if (t1, t2, e1, e2) != (self.t1_len, self.t2_len, self.ev_t1, self.ev_t2) {
+        if evictable != self.evictable {
             return Err(format!(
-                "arc counters (t1 {}, t2 {}, ev1 {}, ev2 {}) but found ({t1}, {t2}, {e1}, {e2})",
-                self.t1_len, self.t2_len, self.ev_t1, self.ev_t2
+                "arc: evictable count {} but {evictable} slots marked",
+                self.evictable
             ));
         }
-        if self.p > self.cap() || self.t1_len + self.ghosts.len(Ghost::B1) > self.cap() {
-            return Err(format!(
-                "arc bounds: p {}, |T1| {} + |B1| {} > c {}",
-                self.p,
-                self.t1_len,
-                self.ghosts.len(Ghost::B1),
-                self.cap()
-            ));
+        let cap = self.cap();
+        if self.ghosts.len(Ghost::B1) > cap || self.ghosts.len(Ghost::B2) > cap {
+            return Err("arc: a ghost list exceeds the capacity".into());
         }
-        if self.ghosts.total() > self.cap() {
-            return Err("arc: more ghosts than capacity".into());
+        if !(0.0..=cap as f64).contains(&self.p) {
+            return Err(format!("arc: target {} outside 0..={cap}", self.p));
         }
         self.ghosts.check_consistency()
     }
@@ -437,42 +338,59 @@ impl EvictionPolicy for ArcPolicy {
 mod tests {
     use super::*;
 
+    fn evict(p: &mut ArcPolicy, n: usize) -> Option<Vec<u32>> {
+        let mut v = Vec::new();
+        p.evict(n, &[], &mut |s| u64::from(s) + 100, &mut v)
+            .then_some(v)
+    }
+
     fn fill(p: &mut ArcPolicy, slots: std::ops::Range<u32>) {
         for s in slots {
-            let adm = p.admit(1000 + u64::from(s));
-            p.insert(s, adm);
+            p.insert(s, u64::from(s) + 100);
             p.mark_evictable(s);
         }
     }
 
     #[test]
-    fn touch_promotes_refresh_does_not() {
+    fn touch_promotes_ready_entries_only() {
         let mut p = ArcPolicy::new(4);
-        fill(&mut p, 0..4);
-        p.refresh(0);
-        p.touch(1);
-        let a = p.stats().arc.unwrap();
-        assert_eq!((a.t1, a.t2), (3, 1));
-        // p = 0 -> T1 is over target: evict T1's least recent (2, then 3), not the T2 entry.
-        let mut v = Vec::new();
-        assert!(p.evict(2, &[], &mut |s| 1000 + u64::from(s), &mut v));
-        assert_eq!(v, vec![2, 3]);
-        assert_eq!(p.stats().arc.unwrap().b1, 2);
+        fill(&mut p, 0..2);
+        p.insert(2, 102); // in flight
+        p.touch(0, true);
+        p.touch(2, false);
+        let s = p.stats().arc.unwrap();
+        assert_eq!((s.t1, s.t2), (2, 1));
+        p.commit(1, Commit::InsertedOnly);
+        assert_eq!(p.stats().arc.unwrap().t2, 1);
+        p.commit(1, Commit::Reused);
+        assert_eq!(p.stats().arc.unwrap().t2, 2);
         p.check_consistency().unwrap();
     }
 
     #[test]
-    fn ghost_hit_in_b1_raises_target_and_enters_t2() {
-        let mut p = ArcPolicy::new(2);
-        fill(&mut p, 0..2);
-        let mut v = Vec::new();
-        assert!(p.evict(1, &[], &mut |s| 1000 + u64::from(s), &mut v));
-        assert_eq!(v, vec![0]);
-        assert_eq!(p.admit(1000), Admission::Frequent);
-        assert_eq!(p.stats().arc.unwrap().target_t1, 1);
-        p.insert(0, Admission::Frequent);
-        let a = p.stats().arc.unwrap();
-        assert_eq!((a.t1, a.t2, a.b1), (1, 1, 0));
+    fn ghost_hits_adapt_a_float_target_before_insertion() {
+        let mut p = ArcPolicy::new(4);
+        fill(&mut p, 0..4);
+        p.touch(3, true); // T2: 3
+        assert_eq!(
+            evict(&mut p, 2),
+            Some(vec![0, 1]),
+            "|T1| = 3 >= floor(p) = 0"
+        );
+        assert_eq!(evict(&mut p, 1), Some(vec![2]));
+        assert_eq!(evict(&mut p, 1), Some(vec![3]), "T1 empty: T2");
+        let s = p.stats().arc.unwrap();
+        assert_eq!((s.b1, s.b2), (3, 1));
+        p.on_store_miss(103); // B2 hit: p = max(0 - 3, 0)
+        p.on_store_miss(100); // B1 hit: p += max(1, 1 / 3)
+        assert_eq!(p.stats().arc.unwrap().target_t1, 1.0);
+        p.insert(0, 100);
+        let s = p.stats().arc.unwrap();
+        assert_eq!(
+            (s.t1, s.b1, s.b2),
+            (1, 2, 1),
+            "inserted into T1, its ghost gone"
+        );
         p.check_consistency().unwrap();
     }
 }

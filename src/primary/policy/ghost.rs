@@ -1,5 +1,5 @@
-//! ARC's ghost lists B1 and B2: fingerprints of recently evicted keys, bounded in total by the
-//! cache capacity, preallocated, O(1) per operation.
+//! ARC's ghost lists B1 and B2: fingerprints of recently evicted keys, each list bounded by the
+//! cache capacity (as vLLM 0.33.0 bounds them), preallocated, O(1) per operation.
 //!
 //! A ghost is a 64-bit fingerprint of the key (not the key), so ghosts cost 17 bytes each
 //! plus their index bucket and keep no key bytes alive. Two keys with the same fingerprint
@@ -15,7 +15,7 @@
 
 use super::list::{Link, List, NIL, new_links};
 use crate::primary::index::IndexTable;
-use crate::primary::mem_hints::{huge_slice, prefetch};
+use crate::primary::mem_hints::huge_slice;
 
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,14 +44,17 @@ pub(crate) struct GhostLists {
     b2: List,
     /// Unused ghost nodes, chained through `links[..].next`.
     free_head: u32,
+    /// Most ghosts per list.
+    per_list: usize,
     index: IndexTable,
     /// Ghosts in their lists whose fingerprints are not in `index` yet, oldest first.
     pending: Vec<u32>,
 }
 
 impl GhostLists {
-    /// Room for `capacity` ghosts in total.
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// Room for `per_list` ghosts in each of B1 and B2.
+    pub(crate) fn new(per_list: usize) -> Self {
+        let capacity = per_list.saturating_mul(2);
         let mut g = GhostLists {
             fps: huge_slice(capacity, || 0u64),
             links: new_links(capacity),
@@ -59,6 +62,7 @@ impl GhostLists {
             b1: List::default(),
             b2: List::default(),
             free_head: NIL,
+            per_list,
             index: IndexTable::with_capacity(capacity),
             pending: Vec::with_capacity(PENDING_MAX),
         };
@@ -116,47 +120,18 @@ impl GhostLists {
         self.pending.clear();
     }
 
-    /// Prefetches the ghost-index bucket a [`GhostLists::take`] or [`GhostLists::push`] of
-    /// `fp` reads first (a hint only).
-    #[inline]
-    pub(crate) fn prefetch_index(&self, fp: u64) {
-        self.index.prefetch(fp);
-    }
-
-    /// The ghosts the next store drops: the one a [`GhostLists::push`] drops to make room
-    /// when every ghost node is in use, and the least recent B1 ghost when `trim_b1` (the
-    /// policy will trim B1 after inserting).
-    #[inline]
-    fn next_dropped(&self, trim_b1: bool) -> [Option<u32>; 2] {
-        let full = if self.free_head == NIL {
-            self.b2.back().or_else(|| self.b1.back())
+    /// The list holding the ghost of `fp`, which becomes the most recent ghost of that list.
+    pub(crate) fn hit(&mut self, fp: u64) -> Option<Ghost> {
+        self.flush_pending();
+        let id = self.find_indexed(fp)?;
+        if self.which[id as usize] & IN_B1 != 0 {
+            self.b1.unlink(&mut self.links, id);
+            self.b1.push_front(&mut self.links, id);
+            Some(Ghost::B1)
         } else {
-            None
-        };
-        [full, if trim_b1 { self.b1.back() } else { None }]
-    }
-
-    /// Prefetches the nodes of the ghosts the next store drops (see
-    /// [`GhostLists::next_dropped`]; a hint only).
-    #[inline]
-    pub(crate) fn prefetch_oldest(&self, trim_b1: bool) {
-        for id in self.next_dropped(trim_b1).into_iter().flatten() {
-            prefetch(&self.fps[id as usize]);
-            prefetch(&self.links[id as usize]);
-            prefetch(&self.which[id as usize]);
-        }
-    }
-
-    /// Second step after [`GhostLists::prefetch_oldest`] (once its loads have had time to
-    /// arrive): prefetches the ghost-index buckets of those ghosts and their list
-    /// neighbours, which dropping them updates (a hint only).
-    #[inline]
-    pub(crate) fn prefetch_oldest_index(&self, trim_b1: bool) {
-        for id in self.next_dropped(trim_b1).into_iter().flatten() {
-            self.index.prefetch(self.fps[id as usize]);
-            if let Some(prev) = self.links.get(self.links[id as usize].prev as usize) {
-                prefetch(prev);
-            }
+            self.b2.unlink(&mut self.links, id);
+            self.b2.push_front(&mut self.links, id);
+            Some(Ghost::B2)
         }
     }
 
@@ -210,19 +185,19 @@ impl GhostLists {
         }
     }
 
-    /// Adds `fp` as the most recent ghost of `g`. When every ghost node is in use the least
-    /// recent ghost of B2 (or of B1 if B2 is empty) makes room, so the total never exceeds
-    /// the capacity. An existing ghost with the same fingerprint is replaced when the new one
-    /// enters the index (before the next search).
+    /// Adds `fp` as the most recent ghost of `g`. When `g` is full its least recent ghost
+    /// makes room first (the same ghosts remain as vLLM's "push every victim, then trim each
+    /// list to the capacity"). An existing ghost with the same fingerprint is replaced when
+    /// the new one enters the index (before the next search).
     pub(crate) fn push(&mut self, g: Ghost, fp: u64) {
-        if self.capacity() == 0 {
+        if self.per_list == 0 {
             return;
         }
         if self.pending.len() >= PENDING_MAX {
             self.flush_pending();
         }
-        if self.free_head == NIL && !self.pop_lru(Ghost::B2) {
-            self.pop_lru(Ghost::B1);
+        if self.len(g) >= self.per_list {
+            self.pop_lru(g);
         }
         let id = self.free_head;
         if id == NIL {
@@ -323,20 +298,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bounded_by_capacity_and_take_finds_the_list() {
-        let mut g = GhostLists::new(3);
+    fn bounded_per_list_and_take_finds_the_list() {
+        let mut g = GhostLists::new(2);
         g.push(Ghost::B1, 10);
         g.push(Ghost::B2, 20);
         g.push(Ghost::B1, 11);
-        g.push(Ghost::B1, 12); // full: the B2 ghost makes room
-        assert_eq!((g.len(Ghost::B1), g.len(Ghost::B2)), (3, 0));
-        assert_eq!(g.take(20), None);
-        g.push(Ghost::B1, 13); // B2 empty: the oldest B1 ghost (10) goes
-        assert_eq!(g.take(10), None);
-        assert_eq!(g.take(11), Some(Ghost::B1));
+        assert_eq!(g.hit(10), Some(Ghost::B1)); // 10 becomes the most recent of B1
+        g.push(Ghost::B1, 12); // B1 full: its least recent ghost (11) makes room
+        assert_eq!((g.len(Ghost::B1), g.len(Ghost::B2)), (2, 1));
+        assert_eq!(g.take(11), None);
+        assert_eq!(g.take(20), Some(Ghost::B2));
         g.push(Ghost::B2, 12); // replaces the B1 ghost of the same fingerprint
         assert_eq!(g.take(12), Some(Ghost::B2));
-        assert_eq!(g.total(), 1);
+        assert_eq!(g.take(10), Some(Ghost::B1));
+        assert_eq!(g.total(), 0);
         g.check_consistency().unwrap();
         g.clear();
         assert_eq!(g.total(), 0);
@@ -350,6 +325,7 @@ mod tests {
         // and pops before they reach the index, and long runs of pushes force a flush.
         for cap in [1usize, 5, 70, 200] {
             let mut g = GhostLists::new(cap);
+            let per_list = cap;
             let mut model: [VecDeque<u64>; 2] = [VecDeque::new(), VecDeque::new()];
             let mut state = cap as u64 + 99;
             let mut next_fp = 1u64;
@@ -366,8 +342,8 @@ mod tests {
                         let fp = next_fp.wrapping_mul(0x9E37_79B9_7F4A_7C15);
                         next_fp += 1;
                         g.push(which, fp);
-                        if model[0].len() + model[1].len() == cap && model[1].pop_back().is_none() {
-                            model[0].pop_back();
+                        if model[list].len() == per_list {
+                            model[list].pop_back();
                         }
                         model[list].push_front(fp);
                     }

@@ -27,6 +27,13 @@ pub(crate) fn new_links(n: usize) -> Box<[Link]> {
     crate::primary::mem_hints::huge_slice(n, || Link::UNLINKED)
 }
 
+/// The node after `i` walking from the back (least recent) to the front: its more recent
+/// neighbour, `None` at the front.
+pub(crate) fn more_recent(links: &[Link], i: u32) -> Option<u32> {
+    let p = links[i as usize].prev;
+    (p != NIL).then_some(p)
+}
+
 /// Starts loading node `slot`'s links and its per-slot policy state (out-of-range: nothing).
 pub(crate) fn prefetch_node(links: &[Link], state: &[u8], slot: u32) {
     if let (Some(link), Some(st)) = (links.get(slot as usize), state.get(slot as usize)) {
@@ -85,7 +92,16 @@ impl List {
         self.len += 1;
     }
 
+    /// Moves node `i` (in this list) to the front.
+    pub(crate) fn move_to_front(&mut self, links: &mut [Link], i: u32) {
+        if self.head != i {
+            self.unlink(links, i);
+            self.push_front(links, i);
+        }
+    }
+
     /// Links the unlinked node `i` at the back (least recent).
+    #[cfg(test)]
     pub(crate) fn push_back(&mut self, links: &mut [Link], i: u32) {
         links[i as usize] = Link {
             prev: self.tail,
@@ -118,6 +134,7 @@ impl List {
     }
 
     /// Unlinks and returns the back node.
+    #[cfg(test)]
     pub(crate) fn pop_back(&mut self, links: &mut [Link]) -> Option<u32> {
         let i = self.back()?;
         self.unlink(links, i);

@@ -1,24 +1,23 @@
-//! Least-recently-used eviction over an intrusive list (see the module docs of `policy` for
-//! how non-evictable entries are handled).
+//! Least-recently-used eviction over an intrusive recency list (vLLM 0.33.0's
+//! `LRUCachePolicy` for requests without token positions: every use gives a key the newest
+//! rank, and a pinned key keeps its rank).
 
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, new_links, prefetch_node};
-use super::{Admission, EvictionPolicy, PolicyStats};
+use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::{Commit, EvictionPolicy, PolicyStats};
 
-const IN_MAIN: u8 = 1;
-const IN_ASIDE: u8 = 2;
-const EVICTABLE: u8 = 4;
-const PROTECTED: u8 = 8;
+const IN_LIST: u8 = 1;
+const EVICTABLE: u8 = 2;
+const PROTECTED: u8 = 4;
 
-/// LRU: one recency list (front = most recent) plus a side list for non-evictable entries
-/// met by eviction. Per slot: 8 bytes of links and 1 byte of state.
+/// LRU: one recency list (front = most recent) holding every resident entry, pinned or not.
+/// Per slot: 8 bytes of links and 1 byte of state.
 #[derive(Debug)]
 pub struct LruPolicy {
     links: Box<[Link]>,
     state: Box<[u8]>,
-    main: List,
-    aside: List,
+    list: List,
     evictable: usize,
 }
 
@@ -28,20 +27,15 @@ impl LruPolicy {
         LruPolicy {
             links: new_links(capacity),
             state: huge_slice(capacity, || 0u8),
-            main: List::default(),
-            aside: List::default(),
+            list: List::default(),
             evictable: 0,
         }
     }
 
-    fn unlink(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & IN_MAIN != 0 {
-            self.main.unlink(&mut self.links, slot);
-        } else if st & IN_ASIDE != 0 {
-            self.aside.unlink(&mut self.links, slot);
+    fn make_most_recent(&mut self, slot: u32) {
+        if self.state[slot as usize] & IN_LIST != 0 {
+            self.list.move_to_front(&mut self.links, slot);
         }
-        self.state[slot as usize] = st & !(IN_MAIN | IN_ASIDE);
     }
 }
 
@@ -54,15 +48,19 @@ impl EvictionPolicy for LruPolicy {
         self.state.len()
     }
 
-    fn insert(&mut self, slot: u32, _admission: Admission) {
+    fn insert(&mut self, slot: u32, _fingerprint: u64) {
         debug_assert_eq!(self.state[slot as usize], 0, "slot {slot} inserted twice");
-        self.main.push_front(&mut self.links, slot);
-        self.state[slot as usize] = IN_MAIN;
+        self.list.push_front(&mut self.links, slot);
+        self.state[slot as usize] = IN_LIST;
     }
 
     fn remove(&mut self, slot: u32) {
-        self.unlink(slot);
-        if self.state[slot as usize] & EVICTABLE != 0 {
+        let st = self.state[slot as usize];
+        if st & IN_LIST == 0 {
+            return;
+        }
+        self.list.unlink(&mut self.links, slot);
+        if st & EVICTABLE != 0 {
             self.evictable -= 1;
         }
         self.state[slot as usize] = 0;
@@ -70,15 +68,10 @@ impl EvictionPolicy for LruPolicy {
 
     fn mark_evictable(&mut self, slot: u32) {
         let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 || st & (IN_MAIN | IN_ASIDE) == 0 {
+        if st & EVICTABLE != 0 || st & IN_LIST == 0 {
             return;
         }
-        if st & IN_ASIDE != 0 {
-            // It was the least recent entry when eviction set it aside.
-            self.aside.unlink(&mut self.links, slot);
-            self.main.push_back(&mut self.links, slot);
-        }
-        self.state[slot as usize] = IN_MAIN | EVICTABLE;
+        self.state[slot as usize] = st | EVICTABLE;
         self.evictable += 1;
     }
 
@@ -90,14 +83,12 @@ impl EvictionPolicy for LruPolicy {
         }
     }
 
-    fn touch(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & (IN_MAIN | IN_ASIDE) == 0 {
-            return;
-        }
-        self.unlink(slot);
-        self.main.push_front(&mut self.links, slot);
-        self.state[slot as usize] = (st & EVICTABLE) | IN_MAIN;
+    fn touch(&mut self, slot: u32, _ready: bool) {
+        self.make_most_recent(slot);
+    }
+
+    fn commit(&mut self, slot: u32, _how: Commit) {
+        self.make_most_recent(slot);
     }
 
     fn num_evictable(&self) -> usize {
@@ -108,12 +99,6 @@ impl EvictionPolicy for LruPolicy {
         prefetch_node(&self.links, &self.state, slot);
     }
 
-    fn prefetch_next_victim(&self) -> Option<u32> {
-        let s = self.main.back()?;
-        prefetch_node(&self.links, &self.state, s);
-        Some(s)
-    }
-
     fn evict(
         &mut self,
         n: usize,
@@ -121,46 +106,43 @@ impl EvictionPolicy for LruPolicy {
         _fingerprint: &mut dyn FnMut(u32) -> u64,
         victims: &mut Vec<u32>,
     ) -> bool {
-        if n + protected.len() > self.evictable {
+        if n == 0 {
+            return true;
+        }
+        if n > self.evictable {
             return false;
         }
         for &s in protected {
             self.state[s as usize] |= PROTECTED;
         }
-        // Protected entries met at the back are held here, in walk order, and put back
-        // afterwards exactly where they were.
-        let mut held = List::default();
-        let mut taken = 0;
-        while taken < n {
-            // Every evictable entry is in `main`, and enough of them are unprotected.
-            let Some(slot) = self.main.pop_back(&mut self.links) else {
-                break;
-            };
-            let st = self.state[slot as usize];
-            if st & PROTECTED != 0 {
-                held.push_back(&mut self.links, slot);
-            } else if st & EVICTABLE != 0 {
-                self.state[slot as usize] = 0;
-                self.evictable -= 1;
+        // Select first, from the least recent end, without changing anything.
+        let start = victims.len();
+        let mut cur = self.list.back();
+        while victims.len() - start < n {
+            let Some(slot) = cur else { break };
+            cur = more_recent(&self.links, slot);
+            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
                 victims.push(slot);
-                taken += 1;
-            } else {
-                self.aside.push_front(&mut self.links, slot);
-                self.state[slot as usize] = IN_ASIDE;
             }
-        }
-        while let Some(slot) = held.pop_back(&mut self.links) {
-            self.main.push_back(&mut self.links, slot);
         }
         for &s in protected {
             self.state[s as usize] &= !PROTECTED;
         }
+        if victims.len() - start < n {
+            victims.truncate(start);
+            return false;
+        }
+        for &slot in &victims[start..] {
+            self.list.unlink(&mut self.links, slot);
+            self.state[slot as usize] = 0;
+        }
+        self.evictable -= n;
         true
     }
 
     fn stats(&self) -> PolicyStats {
         PolicyStats {
-            resident: self.main.len() + self.aside.len(),
+            resident: self.list.len(),
             evictable: self.evictable,
             arc: None,
         }
@@ -171,35 +153,33 @@ impl EvictionPolicy for LruPolicy {
     }
 
     fn check_consistency(&self) -> Result<(), String> {
-        let mut seen = vec![0u8; self.state.len()];
-        for (list, flag) in [(&self.main, IN_MAIN), (&self.aside, IN_ASIDE)] {
-            let mut count = 0;
-            for s in list.iter(&self.links) {
-                count += 1;
-                if seen[s as usize] != 0 {
-                    return Err(format!("lru: slot {s} linked twice"));
-                }
-                seen[s as usize] = flag;
-                if self.state[s as usize] & flag == 0 {
-                    return Err(format!(
-                        "lru: slot {s} is in a list its state does not name"
-                    ));
-                }
+        let mut seen = vec![false; self.state.len()];
+        let mut count = 0;
+        for s in self.list.iter(&self.links) {
+            count += 1;
+            if std::mem::replace(&mut seen[s as usize], true) {
+                return Err(format!("lru: slot {s} linked twice"));
             }
-            if count != list.len() {
-                return Err(format!("lru: list length {} but {count} nodes", list.len()));
+            if self.state[s as usize] & IN_LIST == 0 {
+                return Err(format!("lru: slot {s} is linked but its state says not"));
             }
+        }
+        if count != self.list.len() {
+            return Err(format!(
+                "lru: list length {} but {count} nodes",
+                self.list.len()
+            ));
         }
         let mut evictable = 0;
         for (s, st) in self.state.iter().enumerate() {
-            if st & (IN_MAIN | IN_ASIDE) != 0 && seen[s] == 0 {
-                return Err(format!("lru: slot {s} claims a list but is not linked"));
+            if st & IN_LIST != 0 && !seen[s] {
+                return Err(format!("lru: slot {s} claims the list but is not linked"));
+            }
+            if st & PROTECTED != 0 {
+                return Err(format!("lru: slot {s} left protected"));
             }
             if st & EVICTABLE != 0 {
                 evictable += 1;
-                if st & IN_MAIN == 0 {
-                    return Err(format!("lru: evictable slot {s} is not in the main list"));
-                }
             }
         }
         if evictable != self.evictable {
@@ -216,42 +196,43 @@ impl EvictionPolicy for LruPolicy {
 mod tests {
     use super::*;
 
-    fn evict(p: &mut LruPolicy, n: usize) -> Option<Vec<u32>> {
+    fn evict(p: &mut LruPolicy, n: usize, protected: &[u32]) -> Option<Vec<u32>> {
         let mut v = Vec::new();
-        p.evict(n, &[], &mut |_| 0, &mut v).then_some(v)
+        p.evict(n, protected, &mut |_| 0, &mut v).then_some(v)
+    }
+
+    fn filled(n: u32) -> LruPolicy {
+        let mut p = LruPolicy::new(n as usize);
+        for s in 0..n {
+            p.insert(s, 0);
+            p.mark_evictable(s);
+        }
+        p
     }
 
     #[test]
     fn evicts_least_recent_first_and_touch_refreshes() {
-        let mut p = LruPolicy::new(4);
-        for s in 0..4 {
-            p.insert(s, Admission::Recent);
-            p.mark_evictable(s);
-        }
-        p.touch(0);
-        assert_eq!(evict(&mut p, 2), Some(vec![1, 2]));
-        assert_eq!(evict(&mut p, 3), None, "atomic: refused when too few");
+        let mut p = filled(4);
+        p.touch(0, true);
+        assert_eq!(evict(&mut p, 2, &[]), Some(vec![1, 2]));
+        assert_eq!(evict(&mut p, 3, &[]), None, "atomic: refused when too few");
         assert_eq!(p.num_evictable(), 2);
-        assert_eq!(evict(&mut p, 2), Some(vec![3, 0]));
+        assert_eq!(evict(&mut p, 2, &[]), Some(vec![3, 0]));
         p.check_consistency().unwrap();
     }
 
     #[test]
-    fn pinned_entry_keeps_its_place_or_returns_to_the_back() {
-        let mut p = LruPolicy::new(4);
-        for s in 0..4 {
-            p.insert(s, Admission::Recent);
-            p.mark_evictable(s);
-        }
-        // Pin 0 (least recent) and 2, then evict one: 0 is set aside, 1 goes.
+    fn pinned_and_protected_entries_keep_their_rank() {
+        let mut p = filled(4);
+        // Pin 0 (least recent) and 2; evicting one passes 0 over and takes 1.
         p.mark_non_evictable(0);
         p.mark_non_evictable(2);
-        assert_eq!(evict(&mut p, 1), Some(vec![1]));
-        p.check_consistency().unwrap();
-        // Unpinned: 0 returns as least recent; 2 never moved, so it is next after 0.
-        p.mark_evictable(0);
+        assert_eq!(evict(&mut p, 1, &[]), Some(vec![1]));
+        // Unpinned in the other order: each keeps the rank it had.
         p.mark_evictable(2);
-        assert_eq!(evict(&mut p, 3), Some(vec![0, 2, 3]));
+        p.mark_evictable(0);
+        assert_eq!(evict(&mut p, 1, &[0]), Some(vec![2]), "0 protected");
+        assert_eq!(evict(&mut p, 2, &[]), Some(vec![0, 3]));
         assert_eq!(p.stats().resident, 0);
         p.check_consistency().unwrap();
     }

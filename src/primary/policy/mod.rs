@@ -1,19 +1,19 @@
-//! Eviction policies of the primary tier, behind one trait: [`LruPolicy`] and [`ArcPolicy`].
+//! Eviction policies of the primary tier, behind one trait: [`LruPolicy`] and [`ArcPolicy`],
+//! with the semantics of vLLM 0.33.0's `cpu/policies/lru.py` and `cpu/policies/arc.py`.
 //!
 //! A policy orders the resident slots (dense ids `0..capacity`) and picks victims. It never
 //! sees keys, only slot ids and, for ARC's ghost lists, a 64-bit fingerprint of the key.
-//! Every operation is O(1) (amortised for [`EvictionPolicy::evict`], see below) and nothing
-//! allocates after construction.
+//! Nothing allocates after construction.
 //!
 //! # Evictable and non-evictable entries
 //! The tier tells the policy when an entry becomes evictable (`ref_cnt` reaches 0) or stops
-//! being evictable (pinned by a reader, or protected during a store). Such changes do **not**
-//! move the entry: a non-evictable entry keeps its place in its recency list, so pinning for a
-//! cascade (`prepare_read`) leaves recency untouched. When eviction walks the least recently
-//! used end of a list and meets a non-evictable entry, it moves it to a side list ("set
-//! aside") and continues; when that entry becomes evictable again it goes back to the least
-//! recently used end of its list, which is where it was when it was set aside. Each set-aside
-//! is paid for by the pin that caused it, so eviction is amortised O(1) per victim.
+//! being evictable (pinned by a reader, or a write in flight). Such changes do **not** move
+//! the entry: a pinned entry keeps its place (ARC) or its rank (LRU), as in vLLM, whose LRU
+//! heap keeps a pinned key's rank and whose ARC scan skips pinned keys in place. Eviction
+//! therefore walks from the least recent end past non-evictable and protected entries: it
+//! costs O(victims + entries passed over), where the entries passed over are those pinned
+//! or in flight at the least recent end (in a serving engine these are few: pins are short
+//! and belong to recently used chunks).
 
 mod arc;
 mod ghost;
@@ -25,32 +25,36 @@ pub use lru::LruPolicy;
 
 use crate::config::model::EvictionPolicyKind;
 
-/// How a new entry enters the policy, decided by [`EvictionPolicy::admit`] before eviction.
+/// How a finishing request met one of its keys (vLLM's `on_request_finished` arguments).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// First sight (LRU, or an ARC miss outside the ghost lists): the recency list (T1).
-    Recent,
-    /// Seen recently enough to be in an ARC ghost list: the frequency list (T2).
-    Frequent,
+pub enum Commit {
+    /// The request reused the key (loaded it, or offered it ready to a store): recency, and
+    /// frequency under ARC (T1 -> T2).
+    Reused,
+    /// The request only inserted the key: recency inside its current list.
+    InsertedOnly,
+    /// Recorded for the request but neither reused nor inserted by it (a store candidate
+    /// that another request inserted): recency under LRU, nothing under ARC.
+    Seen,
 }
 
 /// ARC's internal sizes, for metrics and tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct ArcStats {
     /// Resident entries seen once (T1), pinned ones included.
     pub t1: usize,
     /// Resident entries seen at least twice (T2), pinned ones included.
     pub t2: usize,
-    /// Ghosts of entries evicted from T1 (B1).
+    /// Ghosts of entries evicted from T1 (B1), at most the capacity.
     pub b1: usize,
-    /// Ghosts of entries evicted from T2 (B2).
+    /// Ghosts of entries evicted from T2 (B2), at most the capacity.
     pub b2: usize,
-    /// Adaptive target size of T1 (`p`), `0..=capacity`.
-    pub target_t1: usize,
+    /// Adaptive target size of T1 (`p`), `0..=capacity`, a float as in vLLM.
+    pub target_t1: f64,
 }
 
 /// A snapshot of a policy's sizes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PolicyStats {
     /// Entries the policy holds (resident slots).
     pub resident: usize,
@@ -72,43 +76,43 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
     /// Number of slots the policy was built for.
     fn capacity(&self) -> usize;
 
-    /// Called once for each key about to be inserted, before the store evicts. ARC looks the
-    /// fingerprint up in its ghost lists, adapts its target and forgets the ghost. The answer
-    /// is passed back to [`EvictionPolicy::insert`].
-    fn admit(&mut self, _fingerprint: u64) -> Admission {
-        Admission::Recent
-    }
+    /// A store is about to insert the key of `fingerprint` (once per request and key, before
+    /// the store may be refused): ARC adapts its target when the key has a ghost, which stays
+    /// until the insert.
+    fn on_store_miss(&mut self, _fingerprint: u64) {}
 
-    /// Adds `slot` as the most recent entry of the list chosen by `admission` (not evictable).
-    fn insert(&mut self, slot: u32, admission: Admission);
+    /// Adds `slot` (key `fingerprint`) as the most recent entry (ARC: of T1, and its ghost is
+    /// forgotten); not evictable.
+    fn insert(&mut self, slot: u32, fingerprint: u64);
 
     /// Drops `slot` without recording it as evicted (failed store, reset).
     fn remove(&mut self, slot: u32);
 
-    /// `slot` may now be evicted (its `ref_cnt` reached 0). Idempotent.
+    /// `slot` may now be evicted (its `ref_cnt` reached 0). Idempotent; keeps its place.
     fn mark_evictable(&mut self, slot: u32);
 
     /// `slot` may not be evicted until marked evictable again. Idempotent; keeps its place.
     fn mark_non_evictable(&mut self, slot: u32);
 
-    /// A real access (reuse): LRU moves it to the most recent end; ARC counts it as frequency
-    /// (T1 -> T2, or to the front of T2).
-    fn touch(&mut self, slot: u32);
+    /// `touch` of a resident key (`ready`: not in flight): LRU moves it to the most recent
+    /// end; ARC moves a ready T1 entry to T2, a T1 entry in flight to the front of T1, a T2
+    /// entry to the front of T2.
+    fn touch(&mut self, slot: u32, ready: bool);
 
-    /// Recency without frequency (committing a request's own insertion): the most recent end
-    /// of the entry's current list.
-    fn refresh(&mut self, slot: u32) {
-        self.touch(slot);
-    }
+    /// `touch` of a key that is not resident: ARC adapts its target if the key has a ghost.
+    fn touch_absent(&mut self, _fingerprint: u64) {}
+
+    /// A finishing request's commit of one key (see [`Commit`]).
+    fn commit(&mut self, slot: u32, how: Commit);
 
     /// Entries that may be evicted now.
     fn num_evictable(&self) -> usize;
 
     /// Evicts exactly `n` evictable entries that are not in `protected` and appends their
-    /// slots to `victims`, or returns false and changes nothing when fewer than `n` such
-    /// entries exist. `protected` lists distinct evictable slots (the keys of the store being
-    /// prepared); they keep their exact places. `fingerprint(slot)` gives the key fingerprint
-    /// of a victim (ARC remembers it as a ghost).
+    /// slots to `victims` in eviction order, or returns false and changes nothing when fewer
+    /// than `n` such entries exist. `protected` lists evictable slots (the keys of the store
+    /// being prepared). `fingerprint(slot)` gives the key fingerprint of a victim (ARC
+    /// remembers it as a ghost).
     fn evict(
         &mut self,
         n: usize,
@@ -119,27 +123,6 @@ pub trait EvictionPolicy: Send + std::fmt::Debug {
 
     /// Prefetches `slot`'s bookkeeping before a batch of operations on it (a hint only).
     fn prefetch(&self, _slot: u32) {}
-
-    /// Prefetches what [`EvictionPolicy::admit`] of `fingerprint` will read first (ARC: its
-    /// ghost-index bucket), so that it overlaps other work (a hint only).
-    fn prefetch_admit(&self, _fingerprint: u64) {}
-
-    /// Prefetches the bookkeeping of the entry most likely to be evicted next and returns
-    /// its slot, so that a store can overlap that memory latency with its own lookups. A
-    /// hint only: it changes nothing, and the actual victim may differ.
-    fn prefetch_next_victim(&self) -> Option<u32> {
-        None
-    }
-
-    /// Whether evictions are remembered (ARC's ghosts), so that a store calls
-    /// [`EvictionPolicy::prefetch_next_victim_history`].
-    fn keeps_history(&self) -> bool {
-        false
-    }
-
-    /// Second step of [`EvictionPolicy::prefetch_next_victim`], called a little later so
-    /// that loads depending on the first step's find their data (a hint only).
-    fn prefetch_next_victim_history(&self) {}
 
     /// Forgets history that outlives entries (ARC ghosts and target); resident entries stay.
     fn reset_history(&mut self) {}

@@ -5,59 +5,70 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::{ActiveJob, TieringManager};
-use crate::contract::job::{LookupResult, OffloadPolicy, RequestContext, TransferJob};
+use crate::contract::job::{LookupResult, RequestContext, TransferJob};
 use crate::error::Result;
 use crate::key::ChunkKey;
 use crate::primary::PrepareStoreOutput;
 use crate::tiering::backpressure::StoreDecision;
 
 impl TieringManager {
-    /// Reserves primary rows for a GPU -> primary store (after processing finished jobs).
-    /// `None`: the primary cannot make room; nothing changed. Tiers that asked for
-    /// `RequestLevel` get the request's chunks already in the primary at once; chunks whose
-    /// primary write is still in flight are parked and retried at the end of the step.
+    /// Reserves primary rows for a GPU -> primary store, after collecting finished jobs (which
+    /// also counts as this step's poll). `None`: the primary cannot make room. Tiers that
+    /// asked for `RequestLevel` get the request's chunks already in the primary at once;
+    /// chunks whose primary write is still in flight are parked and retried at the end of
+    /// the step.
     pub fn prepare_store(
         &mut self,
         keys: &[ChunkKey],
         req: &RequestContext,
     ) -> Option<PrepareStoreOutput> {
+        self.polled_this_step = true;
         self.process_finished_jobs();
         let out = self.primary.prepare_store(keys, req)?;
-        self.note_evicted(&out.evicted_keys);
         let Some(st) = self.requests.get_mut(&req.req_id) else {
             return Some(out);
         };
-        st.pending_primary_stores += out.keys_to_store.len();
-        let request_level: Vec<usize> = st
-            .policies
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| **p == OffloadPolicy::RequestLevel)
-            .map(|(i, _)| i)
-            .collect();
-        if request_level.is_empty() {
+        if !out.keys_to_store.is_empty() {
+            st.pending_primary_stores += 1;
+        }
+        if st.request_level.is_empty() {
             return Some(out);
         }
         let new: HashSet<&ChunkKey> = out.keys_to_store.iter().collect();
+        let existing: Vec<ChunkKey> = keys.iter().filter(|k| !new.contains(k)).cloned().collect();
+        if !existing.is_empty() {
+            self.cascade_existing(&req.req_id, existing);
+        }
+        Some(out)
+    }
+
+    /// vLLM's `_cascade_existing_chunks_to_request_level_tiers`: ready keys go to every
+    /// request-level tier of the request now, keys whose primary write is in flight are
+    /// parked, absent keys are dropped.
+    fn cascade_existing(&mut self, req_id: &Arc<str>, keys: Vec<ChunkKey>) {
         let mut ready = Vec::new();
         let mut parked = Vec::new();
-        for k in keys.iter().filter(|k| !new.contains(k)) {
-            match self.primary.lookup(k) {
-                LookupResult::Hit => ready.push(k.clone()),
-                LookupResult::HitPending => parked.push(k.clone()),
+        for k in keys {
+            match self.primary.lookup(&k) {
+                LookupResult::Hit => ready.push(k),
+                LookupResult::HitPending => parked.push(k),
                 _ => {}
             }
         }
-        for t in request_level {
-            self.create_store_job(t, &ready, &req.req_id);
-        }
+        let Some(st) = self.requests.get_mut(req_id) else {
+            return;
+        };
         if !parked.is_empty() {
-            self.parked_cascades
-                .entry(req.req_id.clone())
-                .or_default()
-                .extend(parked);
+            st.pending_cascade_keys.extend(parked);
+            self.parked_cascades.insert(st.arrival, req_id.clone());
         }
-        Some(out)
+        if ready.is_empty() {
+            return;
+        }
+        let tiers = st.request_level.clone();
+        for t in tiers {
+            self.create_store_job(t, &ready, req_id);
+        }
     }
 
     /// The GPU -> primary copy finished. On success the chunks become readable and every
@@ -65,9 +76,6 @@ impl TieringManager {
     /// rows until that tier reports; on failure the rows are freed.
     pub fn complete_store(&mut self, keys: &[ChunkKey], req: &RequestContext, success: bool) {
         self.primary.complete_store(keys, success);
-        if let Some(st) = self.requests.get_mut(&req.req_id) {
-            st.pending_primary_stores = st.pending_primary_stores.saturating_sub(keys.len());
-        }
         if success {
             let ready: Vec<ChunkKey> = keys
                 .iter()
@@ -78,6 +86,9 @@ impl TieringManager {
                 self.create_store_job(t, &ready, &req.req_id);
             }
         }
+        if let Some(st) = self.requests.get_mut(&req.req_id) {
+            st.pending_primary_stores = st.pending_primary_stores.saturating_sub(1);
+        }
         self.maybe_finalize(&req.req_id);
     }
 
@@ -86,10 +97,13 @@ impl TieringManager {
         self.primary.prepare_load(keys, req)
     }
 
-    /// Records an access to resident chunks (primary recency only; vLLM 0.33.0's scheduler
-    /// never calls it).
-    pub fn touch(&mut self, keys: &[ChunkKey]) {
+    /// Marks chunks as recently used in the primary (see [`crate::primary::PrimaryTier::touch`])
+    /// and tells every secondary tier (vLLM 0.33.0's scheduler never calls it).
+    pub fn touch(&mut self, keys: &[ChunkKey], req: &RequestContext) {
         self.primary.touch(keys);
+        for t in &mut self.tiers {
+            t.tier.touch(keys, req);
+        }
     }
 
     /// Unpins chunks after a primary -> GPU load.
@@ -125,6 +139,7 @@ impl TieringManager {
                 keys: keys.to_vec(),
                 is_promotion: false,
                 submit_time: now,
+                req_id: req_id.clone(),
             },
         );
         let slot = &mut self.tiers[t];
@@ -140,43 +155,20 @@ impl TieringManager {
         });
     }
 
-    /// Parked REQUEST_LEVEL cascades whose primary write has completed are submitted; those
-    /// still in flight stay parked; those that vanished (failed write) are dropped.
+    /// Parked request-level cascades are retried in the order the requests arrived (ready
+    /// keys submitted, keys still in flight parked again, vanished keys dropped), each
+    /// request finalized right after its own retry.
     pub(super) fn flush_parked_cascades(&mut self) {
         let parked = std::mem::take(&mut self.parked_cascades);
-        let mut touched = Vec::new();
-        for (req_id, keys) in parked {
-            let mut ready = Vec::new();
-            let mut still = Vec::new();
-            for k in keys {
-                match self.primary.lookup(&k) {
-                    LookupResult::Hit => ready.push(k),
-                    LookupResult::HitPending => still.push(k),
-                    _ => {}
-                }
+        for (_, req_id) in parked {
+            let Some(st) = self.requests.get_mut(&req_id) else {
+                continue;
+            };
+            let keys = std::mem::take(&mut st.pending_cascade_keys);
+            if !keys.is_empty() {
+                self.cascade_existing(&req_id, keys);
             }
-            let tiers: Vec<usize> = self
-                .requests
-                .get(&req_id)
-                .map(|st| {
-                    st.policies
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, p)| **p == OffloadPolicy::RequestLevel)
-                        .map(|(i, _)| i)
-                        .collect()
-                })
-                .unwrap_or_default();
-            for t in tiers {
-                self.create_store_job(t, &ready, &req_id);
-            }
-            if !still.is_empty() {
-                self.parked_cascades.insert(req_id.clone(), still);
-            }
-            touched.push(req_id);
-        }
-        for id in touched {
-            self.maybe_finalize(&id);
+            self.maybe_finalize(&req_id);
         }
     }
 }

@@ -86,10 +86,19 @@ impl TieringManager {
                 self.primary.complete_write(&good, true);
             }
             if !bad.is_empty() {
-                self.primary.complete_write(&bad, false);
-                for k in &bad {
-                    self.load_sources.remove(k);
+                // vLLM forgets a failed key's source when it is this tier's kind of source.
+                let medium = self.tiers[t].tier.medium();
+                if let Some(sources) = self.load_sources.get_mut(&job.req_id) {
+                    for k in &bad {
+                        if sources
+                            .get(k)
+                            .is_some_and(|&src| self.tiers[src].tier.medium() == medium)
+                        {
+                            sources.remove(k);
+                        }
+                    }
                 }
+                self.primary.complete_write(&bad, false);
             }
             log::warn!(
                 "promotion job {} from tier {} failed for {} of {} key(s): {}",

@@ -1,8 +1,6 @@
 //! Lookup and promotion (contract doc §3.4, §6.1).
 
-use std::sync::Arc;
-
-use super::{ActiveJob, PendingPromotion, TieringManager};
+use super::{ActiveJob, TieringManager};
 use crate::contract::job::{LookupResult, RequestContext, TransferJob};
 use crate::error::{Error, ErrorKind};
 use crate::key::ChunkKey;
@@ -13,10 +11,7 @@ impl TieringManager {
     /// filter are asked in order, and the first `Hit` starts a promotion (`HitPending`, or
     /// `Miss` if the primary cannot allocate a row). Any `Retry` gives `Retry`; else `Miss`.
     pub fn lookup(&mut self, key: &ChunkKey, req: &RequestContext) -> LookupResult {
-        if !self.polled_this_step {
-            self.polled_this_step = true;
-            self.process_finished_jobs();
-        }
+        self.maybe_process_finished_jobs();
         let t0 = self.clock.now();
         match self.primary.lookup(key) {
             LookupResult::Hit => {
@@ -131,56 +126,50 @@ impl TieringManager {
             self.metrics.registry.inc(s, 1.0);
             return LookupResult::Miss;
         };
-        self.note_evicted(&out.evicted_keys);
-        let (Some(k), Some(&chunk)) = (out.keys_to_store.first(), out.chunk_ids.first()) else {
+        if out.keys_to_store.is_empty() {
             // Present after all (cannot happen after a primary miss): answer what it is.
             return self.primary.lookup(key);
-        };
-        let entry = self
-            .pending_promotions
-            .entry((tier, req.req_id.clone()))
-            .or_insert_with(|| PendingPromotion {
-                keys: Vec::new(),
-                chunk_ids: Vec::new(),
-            });
-        entry.keys.push(k.clone());
-        entry.chunk_ids.push(chunk);
-        self.load_sources.insert(key.clone(), tier);
+        }
+        let sources = self.load_sources.entry(req.req_id.clone()).or_default();
+        for k in &out.keys_to_store {
+            sources.insert(k.clone(), tier);
+        }
+        let entry = self.pending_promotions.entry(tier, &req.req_id);
+        entry.keys.extend(out.keys_to_store);
+        entry.chunk_ids.extend(out.chunk_ids);
         LookupResult::HitPending
     }
 
-    /// One load job per (tier, request) with every key promoted this step.
+    /// One load job per (tier, request) with every key promoted this step, in the order
+    /// each (tier, request) first promoted.
     pub(super) fn flush_pending_promotions(&mut self) {
         let now = self.clock.now();
-        let pending = std::mem::take(&mut self.pending_promotions);
-        let mut reqs: Vec<Arc<str>> = Vec::with_capacity(pending.len());
-        for ((tier, req_id), p) in pending {
-            reqs.push(req_id.clone());
-            let job_id = self.next_id();
-            let n = p.keys.len();
-            self.jobs.insert(
-                job_id,
-                ActiveJob {
-                    tier,
-                    keys: p.keys.clone(),
+        for (tier, list) in self.pending_promotions.take() {
+            for p in list {
+                let job_id = self.next_id();
+                let n = p.keys.len();
+                self.jobs.insert(
+                    job_id,
+                    ActiveJob {
+                        tier,
+                        keys: p.keys.clone(),
+                        is_promotion: true,
+                        submit_time: now,
+                        req_id: p.req_id.clone(),
+                    },
+                );
+                let slot = &mut self.tiers[tier];
+                slot.active_promotions += 1;
+                slot.promotion_rows += n;
+                slot.tier.submit_load(TransferJob {
+                    job_id,
+                    keys: p.keys,
+                    chunk_ids: p.chunk_ids,
                     is_promotion: true,
+                    req_id: p.req_id,
                     submit_time: now,
-                },
-            );
-            let slot = &mut self.tiers[tier];
-            slot.active_promotions += 1;
-            slot.promotion_rows += n;
-            slot.tier.submit_load(TransferJob {
-                job_id,
-                keys: p.keys,
-                chunk_ids: p.chunk_ids,
-                is_promotion: true,
-                req_id: Arc::clone(&req_id),
-                submit_time: now,
-            });
-        }
-        for id in reqs {
-            self.maybe_finalize(&id);
+                });
+            }
         }
     }
 }

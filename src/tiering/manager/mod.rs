@@ -106,19 +106,68 @@ struct ActiveJob {
     keys: Vec<ChunkKey>,
     is_promotion: bool,
     submit_time: Instant,
+    req_id: Arc<str>,
 }
 
 #[derive(Debug)]
 struct PendingPromotion {
+    req_id: Arc<str>,
     keys: Vec<ChunkKey>,
     chunk_ids: Vec<u32>,
+}
+
+/// This step's promotions, one batch per (tier, request): tiers in the order they first
+/// promoted, and within a tier the requests in the order they first promoted (vLLM's nested
+/// insertion-ordered dicts).
+#[derive(Debug, Default)]
+struct PendingPromotions {
+    by_tier: Vec<(usize, Vec<PendingPromotion>)>,
+    index: FastMap<(usize, Arc<str>), (usize, usize)>,
+}
+
+impl PendingPromotions {
+    fn entry(&mut self, tier: usize, req_id: &Arc<str>) -> &mut PendingPromotion {
+        let (ti, ri) = match self.index.get(&(tier, req_id.clone())) {
+            Some(&pos) => pos,
+            None => {
+                let ti = match self.by_tier.iter().position(|(t, _)| *t == tier) {
+                    Some(ti) => ti,
+                    None => {
+                        self.by_tier.push((tier, Vec::new()));
+                        self.by_tier.len() - 1
+                    }
+                };
+                let list = &mut self.by_tier[ti].1;
+                list.push(PendingPromotion {
+                    req_id: req_id.clone(),
+                    keys: Vec::new(),
+                    chunk_ids: Vec::new(),
+                });
+                let pos = (ti, list.len() - 1);
+                self.index.insert((tier, req_id.clone()), pos);
+                pos
+            }
+        };
+        &mut self.by_tier[ti].1[ri]
+    }
+
+    fn take(&mut self) -> Vec<(usize, Vec<PendingPromotion>)> {
+        self.index.clear();
+        std::mem::take(&mut self.by_tier)
+    }
 }
 
 #[derive(Debug)]
 struct RequestState {
     ctx: RequestContext,
-    policies: Vec<OffloadPolicy>,
+    /// Arrival order (vLLM iterates its request dict in insertion order).
+    arrival: u64,
+    /// Tiers that asked for `RequestLevel`, ascending.
+    request_level: Vec<usize>,
+    /// Stores prepared (with keys to store) and not yet completed.
     pending_primary_stores: usize,
+    /// Request-level cascade keys parked on a primary write in flight.
+    pending_cascade_keys: Vec<ChunkKey>,
     finished: bool,
     /// Lookup metrics are recorded until the request is first scheduled.
     tracking: Option<LookupTracking>,
@@ -139,10 +188,13 @@ pub struct TieringManager {
     clock: Arc<dyn Clock>,
     next_job_id: JobId,
     jobs: FastMap<JobId, ActiveJob>,
-    pending_promotions: BTreeMap<(usize, Arc<str>), PendingPromotion>,
-    load_sources: FastMap<ChunkKey, usize>,
+    pending_promotions: PendingPromotions,
+    /// Per request: the tier each key it promoted came from.
+    load_sources: FastMap<Arc<str>, FastMap<ChunkKey, usize>>,
     requests: FastMap<Arc<str>, RequestState>,
-    parked_cascades: BTreeMap<Arc<str>, Vec<ChunkKey>>,
+    next_arrival: u64,
+    /// Requests with parked cascade keys, by arrival.
+    parked_cascades: BTreeMap<u64, Arc<str>>,
     promotions_held: bool,
     polled_this_step: bool,
     errors: Vec<Error>,
@@ -279,9 +331,10 @@ impl TieringManager {
             clock: opts.clock,
             next_job_id: 0,
             jobs: FastMap::default(),
-            pending_promotions: BTreeMap::new(),
+            pending_promotions: PendingPromotions::default(),
             load_sources: FastMap::default(),
             requests: FastMap::default(),
+            next_arrival: 0,
             parked_cascades: BTreeMap::new(),
             promotions_held: false,
             polled_this_step: false,
@@ -362,27 +415,41 @@ impl TieringManager {
         }
     }
 
-    /// A request starts: every tier says which chunks it wants.
-    pub fn on_new_request(&mut self, req: &RequestContext) {
-        let policies = self
+    /// A request starts: every tier says which chunks it wants. `RequestLevel` if any tier
+    /// asked for it.
+    pub fn on_new_request(&mut self, req: &RequestContext) -> OffloadPolicy {
+        let request_level: Vec<usize> = self
             .tiers
             .iter_mut()
-            .map(|t| t.tier.on_new_request(req))
+            .enumerate()
+            .filter_map(|(i, t)| {
+                (t.tier.on_new_request(req) == OffloadPolicy::RequestLevel).then_some(i)
+            })
             .collect();
+        let policy = if request_level.is_empty() {
+            OffloadPolicy::ChunkLevel
+        } else {
+            OffloadPolicy::RequestLevel
+        };
+        self.next_arrival += 1;
         self.requests.insert(
             req.req_id.clone(),
             RequestState {
                 ctx: req.clone(),
-                policies,
+                arrival: self.next_arrival,
+                request_level,
                 pending_primary_stores: 0,
+                pending_cascade_keys: Vec::new(),
                 finished: false,
                 tracking: Some(LookupTracking::default()),
             },
         );
+        policy
     }
 
-    /// The request is finished. Tiers hear of it once its pending primary stores and parked
-    /// cascades are done.
+    /// The request is finished: its accesses are committed to the primary's policy, and the
+    /// tiers hear of it at once unless a store it prepared is still being written or a
+    /// request-level cascade of its is parked (then when that is done).
     pub fn on_request_finished(&mut self, req: &RequestContext) {
         self.primary.on_request_finished(req);
         match self.requests.get_mut(&req.req_id) {
@@ -400,26 +467,32 @@ impl TieringManager {
     }
 
     fn maybe_finalize(&mut self, req_id: &Arc<str>) {
-        // Also wait for promotions not yet submitted: a tier must not hear of the request's
-        // end before its last `submit_load`.
         let ready = self.requests.get(req_id).is_some_and(|st| {
-            st.finished
-                && st.pending_primary_stores == 0
-                && !self.parked_cascades.contains_key(req_id)
-                && !self.pending_promotions.keys().any(|(_, r)| r == req_id)
+            st.finished && st.pending_primary_stores == 0 && st.pending_cascade_keys.is_empty()
         });
         if ready && let Some(st) = self.requests.remove(req_id) {
             for t in &mut self.tiers {
                 t.tier.on_request_finished(&st.ctx);
             }
+            self.load_sources.remove(req_id);
         }
     }
 
-    /// End of a scheduling step: collect finished jobs, submit this step's promotions (one
-    /// load job per (tier, request)), retry parked cascades, tell the tiers. Returns the first
-    /// contract violation seen since the last check.
+    /// Collects finished jobs unless a lookup or `prepare_store` already did in this step
+    /// (vLLM's once-per-step gate).
+    fn maybe_process_finished_jobs(&mut self) {
+        if !self.polled_this_step {
+            self.polled_this_step = true;
+            self.process_finished_jobs();
+        }
+    }
+
+    /// End of a scheduling step: collect finished jobs (unless this step already did), submit
+    /// this step's promotions (one load job per (tier, request)), retry parked cascades, tell
+    /// the tiers. Returns the first contract violation seen since the last check.
     pub fn on_schedule_end(&mut self, ctx: &ScheduleEndContext) -> Result<()> {
-        self.process_finished_jobs();
+        self.maybe_process_finished_jobs();
+        self.polled_this_step = false;
         self.flush_pending_promotions();
         self.flush_parked_cascades();
         for t in &mut self.tiers {
@@ -430,7 +503,6 @@ impl TieringManager {
                 st.tracking = None;
             }
         }
-        self.polled_this_step = false;
         self.take_error()
     }
 
@@ -440,10 +512,11 @@ impl TieringManager {
         self.take_error()
     }
 
-    /// True while jobs, promotions or parked cascades are outstanding, or a tier has work.
+    /// True while jobs or parked cascades are outstanding, or a tier has work (as vLLM
+    /// counts: promotions not yet submitted are submitted by the next `on_schedule_end`, which
+    /// the scheduler calls anyway).
     pub fn has_pending_work(&self) -> bool {
         !self.jobs.is_empty()
-            || !self.pending_promotions.is_empty()
             || !self.parked_cascades.is_empty()
             || self.tiers.iter().any(|t| t.tier.has_pending_work())
     }
@@ -457,18 +530,14 @@ impl TieringManager {
         ev
     }
 
-    /// Where a promoted chunk came from.
-    pub fn get_load_source(&self, key: &ChunkKey) -> Option<LoadSource> {
-        self.load_sources.get(key).map(|&tier| LoadSource {
+    /// Where a chunk `req` promoted came from (`None`: the primary), kept for the request's
+    /// life even after the chunk reached the primary (vLLM's per-request load sources).
+    pub fn get_load_source(&self, key: &ChunkKey, req: &RequestContext) -> Option<LoadSource> {
+        let tier = *self.load_sources.get(&req.req_id)?.get(key)?;
+        Some(LoadSource {
             tier,
             medium: self.tiers[tier].tier.medium(),
         })
-    }
-
-    fn note_evicted(&mut self, keys: &[ChunkKey]) {
-        for k in keys {
-            self.load_sources.remove(k);
-        }
     }
 
     /// Sleep / weight update: drains every tier, processes their results, drops pending
@@ -490,11 +559,16 @@ impl TieringManager {
             self.contract_error(e);
             return self.take_error();
         }
-        for (_, p) in std::mem::take(&mut self.pending_promotions) {
-            self.primary.complete_write(&p.keys, false);
+        for (_, list) in self.pending_promotions.take() {
+            for p in list {
+                self.primary.complete_write(&p.keys, false);
+            }
         }
         self.load_sources.clear();
         self.parked_cascades.clear();
+        for st in self.requests.values_mut() {
+            st.pending_cascade_keys.clear();
+        }
         let finished: Vec<Arc<str>> = self
             .requests
             .iter()
@@ -537,9 +611,10 @@ impl TieringManager {
             t.tier.drain_jobs();
         }
         self.process_finished_jobs();
-        for (_, p) in std::mem::take(&mut self.pending_promotions) {
-            self.primary.complete_write(&p.keys, false);
-            self.note_evicted(&p.keys);
+        for (_, list) in self.pending_promotions.take() {
+            for p in list {
+                self.primary.complete_write(&p.keys, false);
+            }
         }
         if !self.jobs.is_empty() {
             log::error!(
@@ -568,12 +643,11 @@ impl TieringManager {
     pub fn refresh_metrics(&mut self) {
         let u = self.primary.usage();
         let total = u.total.max(1) as f64;
+        let (usage, write, read) = u.usage_fractions();
         let m = &mut self.metrics;
-        m.registry.set(m.cpu_usage.0, u.used as f64 / total);
-        m.registry
-            .set(m.cpu_usage.1, u.reserved_for_write as f64 / total);
-        m.registry
-            .set(m.cpu_usage.2, u.pinned_for_read as f64 / total);
+        m.registry.set(m.cpu_usage.0, usage);
+        m.registry.set(m.cpu_usage.1, write);
+        m.registry.set(m.cpu_usage.2, read);
         for (i, t) in self.tiers.iter().enumerate() {
             let s = m.tiers[i];
             m.registry
