@@ -345,6 +345,29 @@ def test_reset_cache_drains_kvtier_and_every_job_is_reported(tmp_path, engines):
     assert not e.tier().has_pending_work()
 
 
+def test_touch_through_vllms_manager_keeps_a_chunk_in_kvtier(tmp_path, engines):
+    """vLLM's manager forwards ``touch`` to every tier: a touched chunk becomes kvtier's most
+    recently used, so the next store into the full tier evicts the next oldest instead."""
+    e = open_engine(engines, extra_config(tier_entry(tmp_path, capacity_bytes=4 * ROW)))
+    tier = e.tier()
+    keys = [key(i) for i in range(5)]
+    for k in keys[:4]:  # one job each, in order: keys[0] is kvtier's least recently used
+        req = e.request()
+        e.store([k], req)
+        e.settle()
+        e.finish(req)
+    req = e.request()
+    e.manager.touch([keys[0]], req)
+    e.store([keys[4]], req)  # kvtier is full: one chunk goes
+    e.settle()
+    e.finish(req)
+    # Asked only now: a lookup refreshes recency too.
+    answers = {i: tier.lookup(k, req) for i, k in enumerate(keys)}
+    assert answers[0] is LookupResult.HIT, f"the touched chunk was evicted: {answers}"
+    assert answers[1] is LookupResult.MISS, f"the next oldest should have gone: {answers}"
+    assert all(answers[i] is LookupResult.HIT for i in (2, 3, 4)), answers
+
+
 class _Ticker:
     """A Python thread that counts while it holds the GIL, sleeping (GIL released) 0.2 ms
     between counts. With the interpreter's switch interval at 100 s the thread that holds the
