@@ -88,6 +88,26 @@ def stop(service) -> dict:
     return json.loads(out.strip().splitlines()[-1])["status"]
 
 
+def wait_until_no_engine(socket, deadline_s: float = 60.0) -> None:
+    """Waits until the service has seen every engine go (a disconnect is handled on the
+    service's own thread, after the engine's shutdown has returned)."""
+    import time
+
+    kvtier_bin = os.environ.get("KVTIER_BIN")
+    if not kvtier_bin:
+        return
+    deadline = time.monotonic() + deadline_s
+    while True:
+        out = subprocess.run(
+            [kvtier_bin, "service", "status", "--socket", str(socket), "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        if json.loads(out.stdout)["engines"] == []:
+            return
+        assert time.monotonic() < deadline, f"engines still connected: {out.stdout}"
+        time.sleep(0.05)
+
+
 def test_two_vllm_processes_share_one_g3_pool_through_the_node_service(service):
     extra = service["extra"]
     a = Engine(extra)
@@ -117,6 +137,7 @@ def test_two_vllm_processes_share_one_g3_pool_through_the_node_service(service):
         assert report["namespace"] == t.namespace
     finally:
         a.shutdown()
+    wait_until_no_engine(service["socket"])
     status = stop(service)
     assert status["tier"]["used_slots"] == len(keys), status
     assert status["engines"] == [], status
