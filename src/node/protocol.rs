@@ -329,10 +329,38 @@ impl Writer {
 /// Reads a body.
 struct Reader<'a> {
     b: &'a [u8],
+    /// The frame's kind, for errors.
     what: &'static str,
 }
 
+/// The name of frame kind `kind` (as in the `KIND_*` constants), for errors.
+fn kind_name(kind: u16) -> &'static str {
+    match kind {
+        KIND_HELLO => "HELLO",
+        KIND_REGISTER_PATH => "REGISTER_PATH",
+        KIND_REGISTER_FD => "REGISTER_FD",
+        KIND_LOOKUP => "LOOKUP",
+        KIND_STORE => "STORE",
+        KIND_LOAD => "LOAD",
+        KIND_STATUS => "STATUS",
+        KIND_WELCOME => "WELCOME",
+        KIND_REGISTERED => "REGISTERED",
+        KIND_LOOKUP_RESULT => "LOOKUP_RESULT",
+        KIND_JOB_DONE => "JOB_DONE",
+        KIND_STATUS_REPLY => "STATUS",
+        KIND_ERROR => "ERROR",
+        _ => "unknown",
+    }
+}
+
 impl<'a> Reader<'a> {
+    /// A reader of `f`'s body.
+    fn of(f: &'a Frame) -> Self {
+        Reader {
+            b: &f.body,
+            what: kind_name(f.kind),
+        }
+    }
     fn take(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.b.len() < n {
             return Err(malformed(format!(
@@ -349,17 +377,13 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
     fn u16(&mut self) -> Result<u16> {
-        let b = self.take(2)?;
-        Ok(u16::from_le_bytes([b[0], b[1]]))
+        Ok(u16::from_le_bytes(self.array()?))
     }
     fn u32(&mut self) -> Result<u32> {
-        let b = self.take(4)?;
-        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        Ok(u32::from_le_bytes(self.array()?))
     }
     fn u64(&mut self) -> Result<u64> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
+        Ok(u64::from_le_bytes(self.array()?))
     }
     fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
         let mut a = [0u8; N];
@@ -501,13 +525,9 @@ impl Request {
 
     /// Reads a request frame.
     pub fn from_frame(f: &Frame) -> Result<Request> {
-        let mut r = Reader {
-            b: &f.body,
-            what: "request",
-        };
+        let mut r = Reader::of(f);
         let req = match f.kind {
             KIND_HELLO => {
-                r.what = "HELLO";
                 let (row_stride, digest, engine) = r.greeting("client")?;
                 Request::Hello {
                     row_stride,
@@ -515,29 +535,17 @@ impl Request {
                     engine,
                 }
             }
-            KIND_REGISTER_PATH => {
-                r.what = "REGISTER_PATH";
-                Request::RegisterPath {
-                    num_rows: r.u64()?,
-                    path: r.str16()?,
-                }
-            }
-            KIND_REGISTER_FD => {
-                r.what = "REGISTER_FD";
-                Request::RegisterFd { num_rows: r.u64()? }
-            }
+            KIND_REGISTER_PATH => Request::RegisterPath {
+                num_rows: r.u64()?,
+                path: r.str16()?,
+            },
+            KIND_REGISTER_FD => Request::RegisterFd { num_rows: r.u64()? },
             KIND_LOOKUP => {
-                r.what = "LOOKUP";
                 let n = r.count(2)?;
                 let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
                 Request::Lookup { keys }
             }
             KIND_STORE | KIND_LOAD => {
-                r.what = if f.kind == KIND_STORE {
-                    "STORE"
-                } else {
-                    "LOAD"
-                };
                 let job_id = r.u64()?;
                 let n = r.count(6)?;
                 let mut rows = Vec::with_capacity(n);
@@ -628,13 +636,9 @@ impl Reply {
 
     /// Reads a reply frame.
     pub fn from_frame(f: &Frame) -> Result<Reply> {
-        let mut r = Reader {
-            b: &f.body,
-            what: "reply",
-        };
+        let mut r = Reader::of(f);
         let reply = match f.kind {
             KIND_WELCOME => {
-                r.what = "WELCOME";
                 let (row_stride, digest, version) = r.greeting("service")?;
                 Reply::Welcome {
                     row_stride,
@@ -642,12 +646,8 @@ impl Reply {
                     version,
                 }
             }
-            KIND_REGISTERED => {
-                r.what = "REGISTERED";
-                Reply::Registered { num_rows: r.u64()? }
-            }
+            KIND_REGISTERED => Reply::Registered { num_rows: r.u64()? },
             KIND_LOOKUP_RESULT => {
-                r.what = "LOOKUP_RESULT";
                 let n = r.count(1)?;
                 let results = (0..n)
                     .map(|_| match r.u8()? {
@@ -660,7 +660,6 @@ impl Reply {
                 Reply::Lookup(results)
             }
             KIND_JOB_DONE => {
-                r.what = "JOB_DONE";
                 let job_id = r.u64()?;
                 let success = r.u8()? != 0;
                 r.take(3)?;
@@ -697,14 +696,12 @@ impl Reply {
                 })
             }
             KIND_STATUS_REPLY => {
-                r.what = "STATUS";
                 let n = r.u32()? as usize;
                 let json = String::from_utf8(r.take(n)?.to_vec())
                     .map_err(|_| malformed("the status is not UTF-8"))?;
                 Reply::Status(json)
             }
             KIND_ERROR => {
-                r.what = "ERROR";
                 let kind = r.str16()?;
                 let message = r.str16()?;
                 Reply::Error {

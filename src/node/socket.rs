@@ -113,8 +113,12 @@ fn closed_mid_frame() -> Error {
 }
 
 /// Writes a whole frame.
-pub fn write_frame(mut stream: &UnixStream, frame: &Frame) -> Result<()> {
-    stream.write_all(&frame.to_bytes()).map_err(|e| {
+pub fn write_frame(stream: &UnixStream, frame: &Frame) -> Result<()> {
+    write_all(stream, &frame.to_bytes())
+}
+
+fn write_all(mut stream: &UnixStream, bytes: &[u8]) -> Result<()> {
+    stream.write_all(bytes).map_err(|e| {
         Error::new(
             ErrorKind::Closed,
             format!("writing to the node socket failed: {e}"),
@@ -147,14 +151,7 @@ pub fn write_frame_with_fd(stream: &UnixStream, frame: &Frame, fd: BorrowedFd<'_
             }
         }
     };
-    let mut s = stream;
-    s.write_all(&bytes[sent..]).map_err(|e| {
-        Error::new(
-            ErrorKind::Closed,
-            format!("writing to the node socket failed: {e}"),
-        )
-        .with_source(e)
-    })
+    write_all(stream, &bytes[sent..])
 }
 
 /// The uid and pid of the process at the other end (`SO_PEERCRED`, taken at connect).
