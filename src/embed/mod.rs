@@ -365,7 +365,8 @@ pub fn tier_config_info_keys(tier_type: &str) -> Option<&'static [&'static str]>
     is_nvme(tier_type).then_some(&crate::g3::tier::CONFIG_INFO_KEYS[..])
 }
 
-fn is_nvme(tier_type: &str) -> bool {
+/// Whether a tier of `tier_type` is a G3 tier (`nvme`, or [`VLLM_TIER_CLASS`], the same tier).
+pub(crate) fn is_nvme(tier_type: &str) -> bool {
     tier_type == "nvme" || tier_type == VLLM_TIER_CLASS
 }
 

@@ -12,6 +12,7 @@ use parking_lot::Mutex;
 
 use crate::config::{KvtierConfig, ServiceConfig, TierConfig};
 use crate::contract::secondary::SecondaryTier;
+use crate::embed::is_nvme;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{G3Tier, G3TierConfig};
 use crate::geometry::ChunkGeometry;
@@ -20,8 +21,8 @@ use crate::node::protocol::Reply;
 use crate::node::session::{self, ServiceShared};
 use crate::node::socket::{bind_listener, peer_credentials, write_frame};
 use crate::region::PrimaryRegion;
-use crate::tiering::factory::VLLM_TIER_CLASS;
 use crate::tiering::manager::tier_label;
+use crate::tiering::telemetry::tier_metric_series;
 
 /// Live sessions: a handle on each connection (to end it) and its thread.
 type Sessions = Arc<Mutex<HashMap<u64, (UnixStream, JoinHandle<()>)>>>;
@@ -57,17 +58,10 @@ pub fn start_from_config(
             "missing: the node service needs a service section with its socket_path",
         )
     })?;
-    let nvme: Vec<&TierConfig> = config
+    let (nvme, others): (Vec<&TierConfig>, Vec<&TierConfig>) = config
         .secondary_tiers
         .iter()
-        .filter(|t| t.tier_type == "nvme" || t.tier_type == VLLM_TIER_CLASS)
-        .collect();
-    let others: Vec<String> = config
-        .secondary_tiers
-        .iter()
-        .filter(|t| !(t.tier_type == "nvme" || t.tier_type == VLLM_TIER_CLASS))
-        .map(|t| format!("{} ({})", t.key_path(), t.tier_type))
-        .collect();
+        .partition(|t| is_nvme(&t.tier_type));
     if nvme.len() != 1 || !others.is_empty() {
         return Err(Error::config(
             "secondary_tiers",
@@ -78,6 +72,10 @@ pub fn start_from_config(
                 if others.is_empty() {
                     String::new()
                 } else {
+                    let others: Vec<String> = others
+                        .iter()
+                        .map(|t| format!("{} ({})", t.key_path(), t.tier_type))
+                        .collect();
                     format!(" and tiers it cannot serve: {}", others.join(", "))
                 }
             ),
@@ -179,22 +177,11 @@ impl NodeService {
     /// metrics (label `tier`), and per connected engine (label `engine`) its jobs, bytes,
     /// failed jobs, lookups and jobs in flight, plus connections and refusals.
     pub fn metrics_text(&self, prefix: &str) -> Result<String> {
-        use crate::contract::secondary::TierMetricKind;
         use crate::metrics::{MetricKind, Registry};
         let mut reg = Registry::new(prefix)?;
-        let label = &self.tier_label;
         let tier_metrics = self.sh.tier.lock().metrics();
-        for m in tier_metrics {
-            let kind = match m.kind {
-                TierMetricKind::Counter => MetricKind::Counter,
-                TierMetricKind::Gauge => MetricKind::Gauge,
-            };
-            let mut names = vec!["tier"];
-            names.extend(m.labels.iter().map(|(k, _)| *k));
-            let mut values = vec![label.as_str()];
-            values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
-            let fam = reg.family(m.name, m.help, kind, &names)?;
-            let id = reg.series(fam, &values)?;
+        for m in &tier_metrics {
+            let id = tier_metric_series(&mut reg, &self.tier_label, m)?;
             reg.set(id, m.value);
         }
         let engines = self.sh.engines.status();

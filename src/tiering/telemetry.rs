@@ -336,16 +336,7 @@ impl TieringMetrics {
             let id = match self.tier_metric_series.get(&key) {
                 Some(id) => *id,
                 None => {
-                    let kind = match m.kind {
-                        TierMetricKind::Counter => MetricKind::Counter,
-                        TierMetricKind::Gauge => MetricKind::Gauge,
-                    };
-                    let mut names = vec!["tier"];
-                    names.extend(m.labels.iter().map(|(k, _)| *k));
-                    let mut values = vec![self.labels[tier + 1].as_str()];
-                    values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
-                    let fam = self.registry.family(m.name, m.help, kind, &names);
-                    let series = fam.and_then(|f| self.registry.series(f, &values));
+                    let series = tier_metric_series(&mut self.registry, &self.labels[tier + 1], &m);
                     let id = match series {
                         Ok(id) => Some(id),
                         Err(e) => {
@@ -362,4 +353,23 @@ impl TieringMetrics {
             self.registry.set(id, m.value);
         }
     }
+}
+
+/// The series of `m`, a metric of the tier labelled `tier_label`, in `registry`: its family
+/// (made on first use) has the label `tier` followed by the metric's own labels.
+pub(crate) fn tier_metric_series(
+    registry: &mut Registry,
+    tier_label: &str,
+    m: &TierMetric,
+) -> Result<SeriesId> {
+    let kind = match m.kind {
+        TierMetricKind::Counter => MetricKind::Counter,
+        TierMetricKind::Gauge => MetricKind::Gauge,
+    };
+    let mut names = vec!["tier"];
+    names.extend(m.labels.iter().map(|(k, _)| *k));
+    let mut values = vec![tier_label];
+    values.extend(m.labels.iter().map(|(_, v)| v.as_str()));
+    let family = registry.family(m.name, m.help, kind, &names)?;
+    registry.series(family, &values)
 }

@@ -70,10 +70,6 @@ impl Service for NodeHttp {
     }
 
     fn shutdown(&mut self) -> Result<()> {
-        let Some(s) = self.service.take() else {
-            return Ok(());
-        };
-        s.shutdown()?;
-        Ok(())
+        self.service.take().map_or(Ok(()), NodeService::shutdown)
     }
 }
