@@ -564,12 +564,15 @@ impl JobWorker {
         let mut results: Vec<Result<u32>> = (0..n)
             .map(|_| Err(Error::new(ErrorKind::Internal, "not moved")))
             .collect();
+        // A store's CRC is taken from the row before it is written; it counts only once the
+        // write has completed.
+        let mut store_crcs = vec![0u32; if load { 0 } else { n }];
         let mut reqs = Vec::new();
         for (i, g) in grant.slots.iter().enumerate() {
             if let GrantedSlot::Ready { file, offset, .. } = g {
                 let row = job.rows[i] as usize;
                 if !load {
-                    results[i] = Ok(self.row_crc(row));
+                    store_crcs[i] = self.row_crc(row);
                 }
                 reqs.push(IoRequest {
                     dir: if load { IoDir::Read } else { IoDir::Write },
@@ -602,7 +605,7 @@ impl JobWorker {
                 let i = c.tag as usize;
                 results[i] = match c.result {
                     Ok(_) if load => Ok(self.row_crc(job.rows[i] as usize)),
-                    Ok(_) => results[i].as_ref().map(|c| *c).map_err(Error::duplicate),
+                    Ok(_) => Ok(store_crcs[i]),
                     Err(e) => Err(e),
                 };
             }
