@@ -178,6 +178,9 @@ def _build_class():
             self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
             self._flat, anchor, base, length = _region(primary_kv_view)
             spec = spec_fields(offloading_spec, self.block_size_bytes)
+            self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
+            self._failures_logged_at = 0.0
+            self._failures_unlogged = 0
             socket = given.get("service_socket_path")
             if socket is not None:
                 # Client mode: the node service owns the G3 pool (docs/node-service.md).
@@ -200,9 +203,6 @@ def _build_class():
                 self._flat.release()
                 raise
             del anchor  # the native tier holds it until it has stopped
-            self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
-            self._failures_logged_at = 0.0
-            self._failures_unlogged = 0
             logger.info(
                 "kvtier tier %s: namespace %s (vLLM digest %s)",
                 self._label,
@@ -239,9 +239,6 @@ def _build_class():
             except BaseException:
                 self._flat.release()
                 raise
-            self._counters = {}
-            self._failures_logged_at = 0.0
-            self._failures_unlogged = 0
             logger.info(
                 "kvtier tier %s: client of the node service at %s (namespace %s, region %s)",
                 self._label,

@@ -167,6 +167,57 @@ impl Tier {
     }
 }
 
+/// What both constructors of [`Tier`] take from vLLM's view and spec.
+struct RegionSpec {
+    /// Rows of the primary region.
+    num_rows: usize,
+    /// The spec's namespace digest.
+    namespace: [u8; 32],
+    /// vLLM's digest of the spec, in hex.
+    vllm_digest: String,
+}
+
+impl RegionSpec {
+    /// Checks that `length` bytes are whole rows of `row_stride` bytes, the row stride of
+    /// `spec` (JSON of kvtier's `VllmSpecFields`), and computes the spec's digests.
+    fn new(length: usize, row_stride: usize, spec: &str) -> PyResult<Self> {
+        if row_stride == 0 || !length.is_multiple_of(row_stride) {
+            return Err(ConfigError::new_err(format!(
+                "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
+            )));
+        }
+        install_logger();
+        let num_rows = length / row_stride;
+        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
+        if spec.row_stride != row_stride as u64 {
+            return Err(ConfigError::new_err(format!(
+                "the view's row stride {row_stride} differs from the spec's {}",
+                spec.row_stride
+            )));
+        }
+        let namespace = spec.namespace_digest().map_err(to_py)?;
+        let vllm_digest =
+            kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
+        Ok(RegionSpec {
+            num_rows,
+            namespace,
+            vllm_digest,
+        })
+    }
+
+    /// The Python object over `tier` (`anchor`: see [`Tier::anchor`]).
+    fn tier(self, tier: Box<dyn SecondaryTier>, anchor: Option<Py<PyAny>>) -> Tier {
+        Tier {
+            tier: Mutex::new(Some(tier)),
+            anchor: Mutex::new(anchor),
+            req: RequestContext::new("kvtier.vllm"),
+            num_rows: self.num_rows,
+            vllm_digest: self.vllm_digest,
+            namespace: hex::encode(self.namespace),
+        }
+    }
+}
+
 #[pymethods]
 impl Tier {
     /// Adopts `length` bytes at `base` (rows of `row_stride` bytes) and opens
@@ -187,23 +238,8 @@ impl Tier {
         spec: &str,
         events: bool,
     ) -> PyResult<Self> {
-        if row_stride == 0 || !length.is_multiple_of(row_stride) {
-            return Err(ConfigError::new_err(format!(
-                "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
-            )));
-        }
-        install_logger();
-        let num_rows = length / row_stride;
-        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
-        if spec.row_stride != row_stride as u64 {
-            return Err(ConfigError::new_err(format!(
-                "the view's row stride {row_stride} differs from the spec's {}",
-                spec.row_stride
-            )));
-        }
-        let namespace = spec.namespace_digest().map_err(to_py)?;
-        let vllm_digest =
-            kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
+        let rs = RegionSpec::new(length, row_stride, spec)?;
+        let (num_rows, namespace) = (rs.num_rows, rs.namespace);
         let entry: serde_json::Value = serde_json::from_str(tier_entry)
             .map_err(|e| ConfigError::new_err(format!("invalid tier entry: {e}")))?;
         let tier_config = kvtier::config::resolve_tier_entry(tier_index, &entry).map_err(to_py)?;
@@ -236,14 +272,7 @@ impl Tier {
                     .build_tier(tier_index)
             })
             .map_err(to_py)?;
-        Ok(Tier {
-            tier: Mutex::new(Some(tier)),
-            anchor: Mutex::new(Some(anchor)),
-            req: RequestContext::new("kvtier.vllm"),
-            num_rows,
-            vllm_digest,
-            namespace: hex::encode(namespace),
-        })
+        Ok(rs.tier(tier, Some(anchor)))
     }
 
     /// A tier in client mode: connects to the kvtier node service at `socket` (which owns
@@ -264,17 +293,7 @@ impl Tier {
         engine: &str,
         locality: Option<&str>,
     ) -> PyResult<Self> {
-        if row_stride == 0 || !length.is_multiple_of(row_stride) {
-            return Err(ConfigError::new_err(format!(
-                "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
-            )));
-        }
-        install_logger();
-        let num_rows = length / row_stride;
-        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
-        let namespace = spec.namespace_digest().map_err(to_py)?;
-        let vllm_digest =
-            kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
+        let rs = RegionSpec::new(length, row_stride, spec)?;
         let locality = match locality {
             None => None,
             Some(l) => Some(kvtier::contract::job::Locality::parse(l).ok_or_else(|| {
@@ -284,7 +303,7 @@ impl Tier {
         let hello = kvtier::node::ClientHello {
             engine: engine.to_string(),
             row_stride: row_stride as u64,
-            digest: namespace,
+            digest: rs.namespace,
         };
         let tier = py
             .detach(|| {
@@ -292,19 +311,12 @@ impl Tier {
                     std::path::Path::new(socket),
                     &hello,
                     kvtier::node::RegionSource::Path(std::path::Path::new(region_path)),
-                    num_rows as u64,
+                    rs.num_rows as u64,
                     locality,
                 )
             })
             .map_err(to_py)?;
-        Ok(Tier {
-            tier: Mutex::new(Some(Box::new(tier))),
-            anchor: Mutex::new(None),
-            req: RequestContext::new("kvtier.vllm"),
-            num_rows,
-            vllm_digest,
-            namespace: hex::encode(namespace),
-        })
+        Ok(rs.tier(Box::new(tier), None))
     }
 
     /// 0 = MISS, 1 = HIT, 2 = RETRY (also while the index recovers).
