@@ -4,24 +4,13 @@
 
 mod cli_common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cli_common::{assert_success, kvtier, send_signal, start_serve};
+use cli_common::{assert_success, get, kvtier, send_signal, start_serve};
 use kvtier::node::{ClientHello, NodeClient};
 use kvtier::{ChunkKey, LookupResult, PrimaryRegion};
-
-fn get(addr: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
-}
 
 fn wait_for(path: &Path) {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -106,7 +95,7 @@ fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
     assert!(text.contains("cli-test"), "{text}");
     assert!(text.contains("1 stores, 1 loads, 0 failed"), "{text}");
 
-    let metrics = get(&addr, "/metrics");
+    let (_, metrics) = get(&addr, "/metrics");
     assert!(
         metrics.contains("kvtier:node_engine_jobs_total{engine=\"cli-test\",op=\"store\"} 1"),
         "{metrics}"

@@ -4,13 +4,13 @@
 
 mod cli_common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use cli_common::{assert_exit_2_one_line, assert_success, kvtier, send_signal, start_serve};
+use cli_common::{assert_exit_2_one_line, assert_success, get, kvtier, send_signal, start_serve};
 
 fn write_config(dir: &Path) -> std::path::PathBuf {
     let tier = dir.join("tier");
@@ -27,16 +27,6 @@ fn write_config(dir: &Path) -> std::path::PathBuf {
     )
     .unwrap();
     cfg
-}
-
-fn get(addr: &str, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    (head.to_string(), body.to_string())
 }
 
 fn wait_with_timeout(child: &mut Child, limit: Duration) -> std::process::ExitStatus {

@@ -115,6 +115,14 @@ fn shm_path(f: &mut Fixture, name: &str) -> PathBuf {
     p
 }
 
+/// A client in this process, its region (a memfd of `ROWS` rows) registered by descriptor.
+fn client_in_this_process(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let c = NodeClient::connect(&f.socket, &hello(name)).unwrap();
+    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    (region, c)
+}
+
 fn read_row(path: &Path, row: u64) -> Vec<u8> {
     use std::io::{Seek, SeekFrom};
     let mut file = std::fs::File::open(path).unwrap();
@@ -358,9 +366,7 @@ fn a_region_passed_by_descriptor_stores_and_loads() {
     // rank A stored must equal what a third client, in this process, stores and loads back.
     let b = spawn_child(&plan(&f, "file-b", "load", &b_file, "fd", 8), None);
     assert!(finish_child(b).contains("success true"));
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let c = NodeClient::connect(&f.socket, &hello("in-process")).unwrap();
-    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let (region, c) = client_in_this_process(&f, "in-process");
     let keys: Vec<ChunkKey> = (0..8).map(|i| key("fd", i)).collect();
     c.submit_load(7, keys, (0..8).collect());
     let r = c.wait_finished(Duration::from_secs(30)).unwrap();
@@ -432,9 +438,7 @@ fn sigkill_of_a_client_mid_store_leaves_the_service_consistent() {
     wait_no_engines(&f);
     assert_not_mapped(&a_file);
     // Every key is either absent or holds exactly rank A's bytes: load what is there.
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let c = NodeClient::connect(&f.socket, &hello("checker")).unwrap();
-    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let (region, c) = client_in_this_process(&f, "checker");
     let keys: Vec<ChunkKey> = (0..n).map(|i| key("k", i)).collect();
     let found = c.lookup(&keys).unwrap();
     let held: Vec<u32> = (0..n)
@@ -477,9 +481,7 @@ fn sigkill_of_a_client_mid_load_leaves_the_service_consistent() {
     wait_no_engines(&f);
     assert_not_mapped(&b_file);
     // Everything rank A stored still loads, with its bytes.
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let c = NodeClient::connect(&f.socket, &hello("checker")).unwrap();
-    c.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    let (region, c) = client_in_this_process(&f, "checker");
     let keys: Vec<ChunkKey> = (0..n).map(|i| key("k", i)).collect();
     c.submit_load(1, keys, (0..n).collect());
     let r = c.wait_finished(Duration::from_secs(30)).unwrap();

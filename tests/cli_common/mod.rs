@@ -80,6 +80,19 @@ pub fn send_signal(child: &Child, signal: libc::c_int) {
     assert_eq!(rc, 0);
 }
 
+/// `GET path` of the HTTP endpoint at `addr`: the response's head and body.
+pub fn get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    (head.to_string(), body.to_string())
+}
+
 /// Starts `kvtier serve` with `args` (stdout and stderr piped) and reads the bound address
 /// (`host:port`) from its first stdout line.
 pub fn start_serve(args: &[&str]) -> (Child, String) {

@@ -213,6 +213,20 @@ class Engine:
         self.manager.shutdown()
 
 
+def promote_in_another_process(extra, keys) -> dict:
+    """Runs :func:`child_main` in a second Python process over the tiers of ``extra`` and
+    returns its report (it must exit 0)."""
+    import subprocess
+
+    child = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()),
+         json.dumps({"extra": extra, "keys": [k.hex() for k in keys]})],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def child_main(argv) -> None:
     """The restart test's second process: open the tier, promote the keys, report."""
     args = json.loads(argv[0])

@@ -25,6 +25,7 @@ from kvtier_engine import (
     key,
     offloading_config,
     payload,
+    promote_in_another_process,
     tier_entry,
 )
 from vllm.v1.kv_offload.base import LookupResult
@@ -114,13 +115,7 @@ def test_a_second_process_finds_the_chunks_after_a_restart(tmp_path, engines):
     namespace = e.tier().namespace
     e.shutdown()
 
-    child = subprocess.run(
-        [sys.executable, str(HERE / "kvtier_engine.py"),
-         json.dumps({"extra": extra, "keys": [k.hex() for k in keys]})],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    report = json.loads(child.stdout.strip().splitlines()[-1])
+    report = promote_in_another_process(extra, keys)
     assert report["namespace"] == namespace
     assert set(report["last"].values()) == {"HIT"}, report
     assert all(report["equal"].values()) and len(report["equal"]) == len(keys), report

@@ -14,16 +14,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from kvtier_engine import ROW, Engine, extra_config, key, offloading_config
+from kvtier_engine import (
+    ROW,
+    Engine,
+    extra_config,
+    key,
+    offloading_config,
+    promote_in_another_process,
+)
 from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-HERE = Path(__file__).resolve().parent
 
 
 def client_entry(socket) -> dict:
@@ -121,13 +124,7 @@ def test_two_vllm_processes_share_one_g3_pool_through_the_node_service(service):
         # in the primary first, so ask the service through the tier (RETRY, then the verdict).
         t = a.tier()
         assert t.namespace == engines_digest(extra)
-        child = subprocess.run(
-            [sys.executable, str(HERE / "kvtier_engine.py"),
-             json.dumps({"extra": extra, "keys": [k.hex() for k in keys]})],
-            capture_output=True, text=True, timeout=300, check=False,
-        )
-        assert child.returncode == 0, child.stderr[-4000:]
-        report = json.loads(child.stdout.strip().splitlines()[-1])
+        report = promote_in_another_process(extra, keys)
         # Rank B's manager asked its tier, which asked the service without blocking (RETRY
         # until the verdict came); the first answer past RETRY is vLLM's HIT_PENDING (its
         # promotion started), then HIT; the rows it loaded are the bytes rank A wrote.
