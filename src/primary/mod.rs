@@ -231,10 +231,7 @@ impl PrimaryTier {
     /// The hashes of `keys`; for a batch, their first table entries are prefetched as well,
     /// so the searches that follow overlap their memory latency.
     fn hash_batch(&self, keys: &[ChunkKey]) -> Vec<u64> {
-        self.hash_batch_with(keys, keys.len() > 1)
-    }
-
-    fn hash_batch_with(&self, keys: &[ChunkKey], prefetch: bool) -> Vec<u64> {
+        let prefetch = keys.len() > 1;
         keys.iter()
             .map(|k| {
                 let h = self.hash(k);

@@ -2,23 +2,34 @@
 //! (`_RequestCacheAccess`): the keys a request met (each once, grouped by KV cache group in
 //! first-seen order), which it inserted, which it reused, and which store misses the policy
 //! has already seen for it. Committed to the policy when the request finishes.
+//!
+//! vLLM's four key sets (seen, inserted, reused, store misses) are flags of one map entry
+//! per key here: one hash lookup and no key copy per set.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use crate::hash::FastMap;
 use crate::key::ChunkKey;
 
 use super::policy::Commit;
+
+/// The request met the key (it is in its group's list).
+const SEEN: u8 = 1;
+/// The request inserted the key.
+const INSERTED: u8 = 2;
+/// The request reused the key (re-reads of its own insertions aside).
+const REUSED: u8 = 4;
+/// The policy has seen the key as a store miss of this request.
+const STORE_MISS: u8 = 8;
 
 /// One request's record.
 #[derive(Debug, Default)]
 pub(crate) struct RequestAccess {
     /// `(group index, keys in first-seen order)`, groups in first-seen order.
     groups: Vec<(u32, Vec<ChunkKey>)>,
-    seen: HashSet<ChunkKey>,
-    inserted: HashSet<ChunkKey>,
-    reused: HashSet<ChunkKey>,
-    store_misses: HashSet<ChunkKey>,
+    /// What the request did with each key it met: [`SEEN`], [`INSERTED`], [`REUSED`],
+    /// [`STORE_MISS`].
+    flags: FastMap<ChunkKey, u8>,
 }
 
 /// vLLM's `get_offload_group_idx`: the last 4 bytes of the key, big-endian (all of a shorter
@@ -31,6 +42,11 @@ fn group_of(key: &ChunkKey) -> u32 {
 }
 
 impl RequestAccess {
+    /// `key`'s flags (none yet if the request has not met it).
+    fn flags(&mut self, key: &ChunkKey) -> &mut u8 {
+        self.flags.entry(key.clone()).or_insert(0)
+    }
+
     /// Records `keys` (in the order met; keys met before are skipped) and, of `reused`, the
     /// keys the request did not insert itself.
     pub(crate) fn record<'a>(
@@ -39,10 +55,11 @@ impl RequestAccess {
         reused: impl IntoIterator<Item = &'a ChunkKey>,
     ) {
         for key in keys {
-            if self.seen.contains(key) {
+            let flags = self.flags(key);
+            if *flags & SEEN != 0 {
                 continue;
             }
-            self.seen.insert(key.clone());
+            *flags |= SEEN;
             let g = group_of(key);
             match self.groups.iter_mut().find(|(idx, _)| *idx == g) {
                 Some((_, list)) => list.push(key.clone()),
@@ -50,24 +67,26 @@ impl RequestAccess {
             }
         }
         for key in reused {
-            if !self.inserted.contains(key) {
-                self.reused.insert(key.clone());
+            let flags = self.flags(key);
+            if *flags & INSERTED == 0 {
+                *flags |= REUSED;
             }
         }
     }
 
     /// Marks `keys` as inserted by the request.
     pub(crate) fn inserted<'a>(&mut self, keys: impl IntoIterator<Item = &'a ChunkKey>) {
-        self.inserted.extend(keys.into_iter().cloned());
+        for key in keys {
+            *self.flags(key) |= INSERTED;
+        }
     }
 
     /// Whether the policy has seen `key` as a store miss of this request; records it.
     pub(crate) fn first_store_miss(&mut self, key: &ChunkKey) -> bool {
-        if self.store_misses.contains(key) {
-            return false;
-        }
-        self.store_misses.insert(key.clone());
-        true
+        let flags = self.flags(key);
+        let first = *flags & STORE_MISS == 0;
+        *flags |= STORE_MISS;
+        first
     }
 
     /// The commit plan: keys in head-to-tail order (groups by index, each in first-seen
@@ -75,17 +94,18 @@ impl RequestAccess {
     /// inserted as insertions, the rest as seen.
     fn commit_plan(mut self) -> Vec<(ChunkKey, Commit)> {
         self.groups.sort_by_key(|(g, _)| *g);
-        let mut plan = Vec::with_capacity(self.seen.len());
-        for (_, keys) in self.groups.iter().rev() {
-            for key in keys.iter().rev() {
-                let how = if self.reused.contains(key) {
+        let mut plan = Vec::with_capacity(self.flags.len());
+        for (_, keys) in self.groups.into_iter().rev() {
+            for key in keys.into_iter().rev() {
+                let flags = self.flags.get(&key).copied().unwrap_or(0);
+                let how = if flags & REUSED != 0 {
                     Commit::Reused
-                } else if self.inserted.contains(key) {
+                } else if flags & INSERTED != 0 {
                     Commit::InsertedOnly
                 } else {
                     Commit::Seen
                 };
-                plan.push((key.clone(), how));
+                plan.push((key, how));
             }
         }
         plan
@@ -95,17 +115,13 @@ impl RequestAccess {
 /// Per-request access records.
 #[derive(Debug, Default)]
 pub(crate) struct RequestLog {
-    by_req: HashMap<Arc<str>, RequestAccess>,
+    by_req: FastMap<Arc<str>, RequestAccess>,
 }
 
 impl RequestLog {
     /// `req`'s record, created on first use.
     pub(crate) fn get(&mut self, req: &Arc<str>) -> &mut RequestAccess {
-        if !self.by_req.contains_key(req.as_ref()) {
-            self.by_req
-                .insert(Arc::clone(req), RequestAccess::default());
-        }
-        self.by_req.get_mut(req.as_ref()).expect("inserted above")
+        self.by_req.entry(Arc::clone(req)).or_default()
     }
 
     /// Removes `req`'s record and returns its commit plan (empty if none).

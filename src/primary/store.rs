@@ -45,6 +45,9 @@ impl PrimaryTier {
         let mut new: Vec<(usize, u64)> = Vec::new();
         let mut seen: Option<HashSet<&[u8]>> = None;
         let mut reused: Vec<usize> = Vec::new();
+        // Indices of the keys the request's record gets (ready resident keys and first
+        // occurrences of new ones), in the order offered.
+        let mut recorded: Vec<usize> = Vec::with_capacity(keys.len());
         let mut protected: Vec<u32> = Vec::new();
         let hashes = self.hash_batch(keys);
         for (i, (key, &hash)) in keys.iter().zip(&hashes).enumerate() {
@@ -53,9 +56,13 @@ impl PrimaryTier {
                     IN_FLIGHT => {}
                     0 => {
                         reused.push(i);
+                        recorded.push(i);
                         protected.push(f.slot);
                     }
-                    _ => reused.push(i),
+                    _ => {
+                        reused.push(i);
+                        recorded.push(i);
+                    }
                 }
                 continue;
             }
@@ -74,28 +81,20 @@ impl PrimaryTier {
             };
             if !dup {
                 new.push((i, hash));
+                recorded.push(i);
             }
         }
 
         // 2. Store misses and the request's record, before any refusal (as vLLM).
         let access = self.requests.get(&req.req_id);
-        let misses: Vec<u64> = new
-            .iter()
-            .filter(|&&(i, _)| access.first_store_miss(&keys[i]))
-            .map(|&(_, h)| h)
-            .collect();
-        let mut recorded: Vec<usize> = new
-            .iter()
-            .map(|&(i, _)| i)
-            .chain(reused.iter().copied())
-            .collect();
-        recorded.sort_unstable();
         access.record(
             recorded.iter().map(|&i| &keys[i]),
             reused.iter().map(|&i| &keys[i]),
         );
-        for &h in misses.iter().rev() {
-            self.policy.on_store_miss(h);
+        for &(i, h) in new.iter().rev() {
+            if access.first_store_miss(&keys[i]) {
+                self.policy.on_store_miss(h);
+            }
         }
         if new.is_empty() {
             return Some(PrepareStoreOutput::default());
@@ -108,10 +107,9 @@ impl PrimaryTier {
         if to_evict > 0 {
             let slots = &self.slots;
             let mut fingerprint = |id: u32| slots.hash_of(id);
-            if to_evict > self.policy.num_evictable()
-                || !self
-                    .policy
-                    .evict(to_evict, &protected, &mut fingerprint, &mut victims)
+            if !self
+                .policy
+                .evict(to_evict, &protected, &mut fingerprint, &mut victims)
             {
                 self.counters.stores_refused += 1;
                 self.victims = victims;

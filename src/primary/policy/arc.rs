@@ -83,12 +83,21 @@ impl ArcPolicy {
         self.state[slot as usize] = (st & !IN_T1) | IN_T2;
     }
 
-    fn make_most_recent(&mut self, slot: u32) {
+    /// The list holding `slot` (by its state), with the links; `None`: in neither.
+    fn list_of(&mut self, slot: u32) -> Option<(&mut List, &mut [Link])> {
         let st = self.state[slot as usize];
         if st & IN_T1 != 0 {
-            self.t1.move_to_front(&mut self.links, slot);
+            Some((&mut self.t1, &mut self.links))
         } else if st & IN_T2 != 0 {
-            self.t2.move_to_front(&mut self.links, slot);
+            Some((&mut self.t2, &mut self.links))
+        } else {
+            None
+        }
+    }
+
+    fn make_most_recent(&mut self, slot: u32) {
+        if let Some((list, links)) = self.list_of(slot) {
+            list.move_to_front(links, slot);
         }
     }
 
@@ -126,13 +135,10 @@ impl EvictionPolicy for ArcPolicy {
 
     fn remove(&mut self, slot: u32) {
         let st = self.state[slot as usize];
-        if st & IN_T1 != 0 {
-            self.t1.unlink(&mut self.links, slot);
-        } else if st & IN_T2 != 0 {
-            self.t2.unlink(&mut self.links, slot);
-        } else {
+        let Some((list, links)) = self.list_of(slot) else {
             return;
-        }
+        };
+        list.unlink(links, slot);
         if st & EVICTABLE != 0 {
             self.evictable -= 1;
         }
@@ -157,15 +163,10 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn touch(&mut self, slot: u32, ready: bool) {
-        let st = self.state[slot as usize];
-        if st & IN_T1 != 0 {
-            if ready {
-                self.move_to_t2(slot);
-            } else {
-                self.t1.move_to_front(&mut self.links, slot);
-            }
-        } else if st & IN_T2 != 0 {
-            self.t2.move_to_front(&mut self.links, slot);
+        if ready && self.state[slot as usize] & IN_T1 != 0 {
+            self.move_to_t2(slot);
+        } else {
+            self.make_most_recent(slot);
         }
     }
 
@@ -174,11 +175,9 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn commit(&mut self, slot: u32, how: Commit) {
-        let st = self.state[slot as usize];
         match how {
-            Commit::InsertedOnly => self.make_most_recent(slot),
-            Commit::Reused if st & IN_T1 != 0 => self.move_to_t2(slot),
-            Commit::Reused => self.make_most_recent(slot),
+            Commit::Reused if self.state[slot as usize] & IN_T1 != 0 => self.move_to_t2(slot),
+            Commit::Reused | Commit::InsertedOnly => self.make_most_recent(slot),
             Commit::Seen => {}
         }
     }
