@@ -64,6 +64,18 @@ pub fn bool_or(v: &Value, key: &str, default: bool) -> Result<bool, String> {
     }
 }
 
+/// A chunk key given as a hex string.
+pub fn key(v: &Value) -> Result<ChunkKey, String> {
+    v.as_str()
+        .and_then(ChunkKey::from_hex)
+        .ok_or_else(|| format!("key {} is not hex", short(v)))
+}
+
+/// `value[name]` as an array of hex chunk keys, required.
+pub fn keys(value: &Value, name: &str) -> Result<Vec<ChunkKey>, String> {
+    array(value, name)?.iter().map(key).collect()
+}
+
 /// A kvtier refusal as an observation.
 pub fn error_entry(e: &kvtier::Error) -> Value {
     json!({"error": e.to_string(), "kind": e.kind().as_str()})

@@ -41,7 +41,7 @@ use kvtier::tiering::{ManagerOptions, ScheduleEndContext, TierSpec, TieringManag
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
-use crate::json::{array, field, string, uint};
+use crate::json::{array, field, key, keys, string, uint};
 
 const ROW_STRIDE: usize = 4096;
 
@@ -177,17 +177,6 @@ impl SecondaryTier for ScriptedTier {
     fn shutdown(&mut self) -> kvtier::Result<()> {
         Ok(())
     }
-}
-
-fn key(v: &Value) -> Result<ChunkKey, String> {
-    let s = v.as_str().ok_or("a key must be a hex string")?;
-    hex::decode(s)
-        .map(ChunkKey::new)
-        .map_err(|e| format!("key {s:?}: {e}"))
-}
-
-fn keys(c: &Value, name: &str) -> Result<Vec<ChunkKey>, String> {
-    array(c, name)?.iter().map(key).collect()
 }
 
 fn lookup_name(r: LookupResult) -> &'static str {

@@ -456,7 +456,7 @@ impl TieringManager {
             Some(st) => {
                 st.finished = true;
                 st.tracking = None;
-                self.maybe_finalize(&req.req_id.clone());
+                self.maybe_finalize(&req.req_id);
             }
             None => {
                 for t in &mut self.tiers {
