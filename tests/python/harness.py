@@ -75,11 +75,14 @@ def replay_path() -> str:
     return path
 
 
-def replay(command: str, payload, *, extra_args: tuple[str, ...] = ()) -> object:
-    """Runs ``kvtier-replay COMMAND`` with ``payload`` as JSON on stdin; returns its JSON."""
+def replay(
+    command: str, payload, *, extra_args: tuple[str, ...] = (), dumps=json.dumps
+) -> object:
+    """Runs ``kvtier-replay COMMAND`` with ``payload`` as JSON on stdin (written by ``dumps``);
+    returns its JSON."""
     proc = subprocess.run(
         [replay_path(), command, *extra_args],
-        input=json.dumps(payload),
+        input=dumps(payload),
         capture_output=True,
         text=True,
         check=False,

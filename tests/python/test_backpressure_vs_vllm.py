@@ -52,18 +52,7 @@ def dumps17(value) -> str:
 
 def replay_batch(scenarios):
     """kvtier's answers for a batch, the document sent as 17-digit JSON text."""
-    import subprocess
-
-    proc = subprocess.run(
-        [harness.replay_path(), "backpressure"],
-        input=dumps17({"scenarios": scenarios}),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise harness.ReplayError(proc.stderr[-4000:])
-    return json.loads(proc.stdout)["results"]
+    return harness.replay("backpressure", {"scenarios": scenarios}, dumps=dumps17)["results"]
 
 
 def through_text(value):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 
 import pytest
 
@@ -440,16 +439,7 @@ def random_scenario(rng: random.Random, kind: str, length: int):
 
 # -- kvtier and comparison -------------------------------------------------------------------
 def replay_batch(scenarios):
-    proc = subprocess.run(
-        [harness.replay_path(), "manager"],
-        input=json.dumps({"scenarios": scenarios}),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise harness.ReplayError(proc.stderr[-4000:])
-    return json.loads(proc.stdout)["results"]
+    return harness.replay("manager", {"scenarios": scenarios})["results"]
 
 
 def first_difference(want, got):
