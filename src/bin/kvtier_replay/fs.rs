@@ -27,7 +27,7 @@ use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
 use serde_json::{Value, json};
 
-use crate::json::{array, error_entry, field, run_job, string, uint};
+use crate::json::{array, error_entry, field, keys, run_job, string, uint};
 
 /// How long one job or lookup may take before the scenario fails.
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -39,17 +39,6 @@ pub fn run(input: &Value) -> Result<Value, String> {
         results.push(scenario(s)?);
     }
     Ok(json!({ "results": results }))
-}
-
-fn keys(step: &Value) -> Result<Vec<ChunkKey>, String> {
-    array(step, "keys")?
-        .iter()
-        .map(|k| {
-            k.as_str()
-                .and_then(ChunkKey::from_hex)
-                .ok_or_else(|| format!("key {k} is not hex"))
-        })
-        .collect()
 }
 
 fn scenario(s: &Value) -> Result<Value, String> {
@@ -90,7 +79,7 @@ fn scenario(s: &Value) -> Result<Value, String> {
 }
 
 fn step(t: &mut FsTier, region: &PrimaryRegion, n: u64, st: &Value) -> Result<Value, String> {
-    let ks = keys(st)?;
+    let ks = keys(st, "keys")?;
     let rows: Vec<u32> = (0..ks.len() as u32).collect();
     match string(st, "op")? {
         "paths" => {
