@@ -40,6 +40,94 @@ pub struct BitFlip {
     pub bit: u8,
 }
 
+/// The builders, equality (a gate compares by identity) and counting that [`MetaFault`] and
+/// [`DataFault`] share: both name their target (`file`, `op`) and fail the matching
+/// operations after the first `skip`, `times` of them, while `gate` is set.
+macro_rules! fault_rule {
+    ($rule:ident) => {
+        impl $rule {
+            /// Lets the first `n` matching operations through.
+            pub fn after(mut self, n: u64) -> Self {
+                self.skip = n;
+                self
+            }
+
+            /// Fails only `n` operations.
+            pub fn times(mut self, n: u64) -> Self {
+                self.times = Some(n);
+                self
+            }
+
+            /// Applies only while `gate` is true.
+            pub fn while_set(mut self, gate: Arc<AtomicBool>) -> Self {
+                self.gate = Some(gate);
+                self
+            }
+        }
+
+        impl PartialEq for $rule {
+            fn eq(&self, o: &Self) -> bool {
+                let gate = match (&self.gate, &o.gate) {
+                    (None, None) => true,
+                    (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                    _ => false,
+                };
+                gate && (self.file, self.op, self.errno, self.skip, self.times)
+                    == (o.file, o.op, o.errno, o.skip, o.times)
+            }
+        }
+
+        impl Eq for $rule {}
+
+        impl FaultRule for $rule {
+            fn gate_open(&self) -> bool {
+                self.gate.as_ref().is_none_or(|g| g.load(Ordering::SeqCst))
+            }
+            fn fails(&self, n: u64) -> bool {
+                n > self.skip && self.times.is_none_or(|t| n <= self.skip + t)
+            }
+            fn errno(&self) -> i32 {
+                self.errno
+            }
+        }
+    };
+}
+
+/// What [`first_failure`] needs of a rule (implemented by `fault_rule!`).
+trait FaultRule {
+    /// Whether the rule applies now (no gate, or its gate is set).
+    fn gate_open(&self) -> bool;
+    /// Whether the `n`-th matching operation (1-based) fails.
+    fn fails(&self, n: u64) -> bool;
+    /// The error it fails them with.
+    fn errno(&self) -> i32;
+}
+
+/// Counts an operation against every rule of `rules` that `targets` it (while its gate is
+/// open; `seen` holds the counts, one per rule) and returns the errno of the first rule that
+/// fails it.
+fn first_failure<R: FaultRule>(
+    rules: &[R],
+    seen: &mut Vec<u64>,
+    targets: impl Fn(&R) -> bool,
+) -> Option<i32> {
+    if rules.is_empty() {
+        return None;
+    }
+    seen.resize(rules.len(), 0);
+    let mut hit = None;
+    for (rule, seen) in rules.iter().zip(seen.iter_mut()) {
+        if !targets(rule) || !rule.gate_open() {
+            continue;
+        }
+        *seen += 1;
+        if rule.fails(*seen) && hit.is_none() {
+            hit = Some(rule.errno());
+        }
+    }
+    hit
+}
+
 /// Fail operations `op` on the metadata file `file` with `errno`: the matching operations
 /// after the first `skip`, `times` of them (`None`: every one), while `gate` (if any) is set.
 #[derive(Debug, Clone)]
@@ -71,39 +159,9 @@ impl MetaFault {
             gate: None,
         }
     }
-
-    /// Lets the first `n` matching operations through.
-    pub fn after(mut self, n: u64) -> Self {
-        self.skip = n;
-        self
-    }
-
-    /// Fails only `n` operations.
-    pub fn times(mut self, n: u64) -> Self {
-        self.times = Some(n);
-        self
-    }
-
-    /// Applies only while `gate` is true.
-    pub fn while_set(mut self, gate: Arc<AtomicBool>) -> Self {
-        self.gate = Some(gate);
-        self
-    }
 }
 
-impl PartialEq for MetaFault {
-    fn eq(&self, o: &Self) -> bool {
-        let gate = match (&self.gate, &o.gate) {
-            (None, None) => true,
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        };
-        gate && (self.file, self.op, self.errno, self.skip, self.times)
-            == (o.file, o.op, o.errno, o.skip, o.times)
-    }
-}
-
-impl Eq for MetaFault {}
+fault_rule!(MetaFault);
 
 /// The kind of data-file operation a [`DataFault`] matches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -153,45 +211,9 @@ impl DataFault {
         self.file = Some(file);
         self
     }
-
-    /// Lets the first `n` matching operations through.
-    pub fn after(mut self, n: u64) -> Self {
-        self.skip = n;
-        self
-    }
-
-    /// Fails only `n` operations.
-    pub fn times(mut self, n: u64) -> Self {
-        self.times = Some(n);
-        self
-    }
-
-    /// Applies only while `gate` is true.
-    pub fn while_set(mut self, gate: Arc<AtomicBool>) -> Self {
-        self.gate = Some(gate);
-        self
-    }
-
-    fn matches(&self, op: DataOp, file: usize) -> bool {
-        self.op == op
-            && self.file.is_none_or(|f| f == file)
-            && self.gate.as_ref().is_none_or(|g| g.load(Ordering::SeqCst))
-    }
 }
 
-impl PartialEq for DataFault {
-    fn eq(&self, o: &Self) -> bool {
-        let gate = match (&self.gate, &o.gate) {
-            (None, None) => true,
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        };
-        gate && (self.file, self.op, self.errno, self.skip, self.times)
-            == (o.file, o.op, o.errno, o.skip, o.times)
-    }
-}
-
-impl Eq for DataFault {}
+fault_rule!(DataFault);
 
 /// Which faults to inject. Empty (the default) injects nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -321,21 +343,9 @@ impl State {
     /// The errno of the first [`DataFault`] that fails this operation, counting it against
     /// every rule it matches.
     fn data_fault(&mut self, rules: &[DataFault], op: DataOp, file: usize) -> Option<i32> {
-        if rules.is_empty() {
-            return None;
-        }
-        self.data_seen.resize(rules.len(), 0);
-        let mut hit = None;
-        for (rule, seen) in rules.iter().zip(self.data_seen.iter_mut()) {
-            if !rule.matches(op, file) {
-                continue;
-            }
-            *seen += 1;
-            let n = *seen;
-            if n > rule.skip && rule.times.is_none_or(|t| n <= rule.skip + t) && hit.is_none() {
-                hit = Some(rule.errno);
-            }
-        }
+        let hit = first_failure(rules, &mut self.data_seen, |r| {
+            r.op == op && r.file.is_none_or(|f| f == file)
+        });
         if hit.is_some() {
             self.counts.data_failures += 1;
         }
@@ -423,6 +433,7 @@ impl FaultyEngine {
                 req,
                 &format!("file #{}", req.file),
                 done,
+                0,
                 std::io::Error::from_raw_os_error(libc::EIO),
             )
             .with("injected", "true")
@@ -448,6 +459,7 @@ impl FaultyEngine {
             return Err(os_error(
                 req,
                 &format!("file #{}", req.file),
+                0,
                 0,
                 std::io::Error::from_raw_os_error(errno),
             )
@@ -593,28 +605,9 @@ impl IoEngine for FaultyEngine {
             return None;
         }
         let mut st = self.state.lock();
-        let st = &mut *st;
-        st.meta_seen.resize(self.plan.meta.len(), 0);
-        let mut hit = None;
-        for (rule, seen) in self.plan.meta.iter().zip(st.meta_seen.iter_mut()) {
-            if rule.file != file || rule.op != op {
-                continue;
-            }
-            if rule
-                .gate
-                .as_ref()
-                .is_some_and(|g| !g.load(Ordering::SeqCst))
-            {
-                continue;
-            }
-            *seen += 1;
-            let n = *seen;
-            let fails = n > rule.skip && rule.times.is_none_or(|t| n <= rule.skip + t);
-            if fails && hit.is_none() {
-                hit = Some(rule.errno);
-            }
-        }
-        let errno = hit?;
+        let errno = first_failure(&self.plan.meta, &mut st.meta_seen, |r| {
+            r.file == file && r.op == op
+        })?;
         st.counts.meta_failures += 1;
         Some(std::io::Error::from_raw_os_error(errno))
     }

@@ -377,7 +377,6 @@ pub(crate) fn request_error(
         .with("op", dir_name(req.dir))
 }
 
-/// The error for a transfer that the OS failed with `err` after `done` of `req.len` bytes.
 /// Most times one request is resubmitted after the kernel answered EINTR or EAGAIN; the next
 /// such answer fails the request (one key), so that a file that keeps answering them cannot
 /// hold a transfer, or the thread that resubmits it, forever.
@@ -404,7 +403,15 @@ pub fn is_transient(e: &Error) -> bool {
         .is_some_and(|n| matches!(n, libc::EINTR | libc::EAGAIN | libc::ECANCELED))
 }
 
-pub(crate) fn os_error(req: &IoRequest, label: &str, done: usize, err: io::Error) -> Error {
+/// The error for a transfer that the OS failed with `err` after `done` of `req.len` bytes and
+/// `resubmissions` resubmissions after EINTR or EAGAIN (named in the context when any).
+pub(crate) fn os_error(
+    req: &IoRequest,
+    label: &str,
+    done: usize,
+    resubmissions: u32,
+    err: io::Error,
+) -> Error {
     let kind = match err.raw_os_error() {
         Some(libc::ENOSPC) | Some(libc::EDQUOT) => ErrorKind::NoSpace,
         _ => ErrorKind::Io,
@@ -422,6 +429,9 @@ pub(crate) fn os_error(req: &IoRequest, label: &str, done: usize, err: io::Error
     );
     if let Some(errno) = err.raw_os_error() {
         e = e.with("errno", errno.to_string());
+    }
+    if resubmissions > 0 {
+        e = e.with("resubmissions", resubmissions.to_string());
     }
     e.with_source(err)
 }

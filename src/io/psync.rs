@@ -126,12 +126,7 @@ fn transfer(req: &IoRequest, files: &FileTable, region: &PrimaryRegion) -> Resul
             if resubmit_transient(err.raw_os_error().unwrap_or(0), &mut retries) {
                 continue;
             }
-            let e = os_error(req, &files.label(req.file), done, err);
-            return Err(if retries > 0 {
-                e.with("resubmissions", retries.to_string())
-            } else {
-                e
-            });
+            return Err(os_error(req, &files.label(req.file), done, retries, err));
         }
         done = advance(req, files, done, rc as usize)?;
     }

@@ -241,7 +241,15 @@ impl UringEngine {
         o_direct: bool,
         max_piece: usize,
     ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
-        Self::start(region, files, queue_depth, o_direct, max_piece, |_| true)
+        Self::start(
+            region,
+            files,
+            queue_depth,
+            o_direct,
+            max_piece,
+            |_| true,
+            None,
+        )
     }
 
     /// As [`UringEngine::new`], with every CQE result passed through `filter(tag, result)`
@@ -253,7 +261,7 @@ impl UringEngine {
         files: Vec<std::fs::File>,
         filter: ring::CqeFilter,
     ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
-        Self::start_inner(
+        Self::start(
             region,
             files,
             8,
@@ -265,27 +273,9 @@ impl UringEngine {
     }
 
     /// As [`UringEngine::with_piece_limit`], treating the opcodes `allowed` rejects as missing
-    /// from the kernel too (tests stand in for older kernels with it).
+    /// from the kernel too (tests stand in for older kernels with it), and passing every CQE
+    /// result through `cqe_filter` when given (tests only, see `with_cqe_filter`).
     pub(crate) fn start(
-        region: Arc<PrimaryRegion>,
-        files: Vec<std::fs::File>,
-        queue_depth: u32,
-        o_direct: bool,
-        max_piece: usize,
-        allowed: impl Fn(u8) -> bool,
-    ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
-        Self::start_inner(
-            region,
-            files,
-            queue_depth,
-            o_direct,
-            max_piece,
-            allowed,
-            None,
-        )
-    }
-
-    fn start_inner(
         region: Arc<PrimaryRegion>,
         files: Vec<std::fs::File>,
         queue_depth: u32,

@@ -258,13 +258,6 @@ impl RingThread {
             }
             let slot = ud as usize;
             self.in_flight -= 1;
-            let res = match (
-                &mut self.cqe_filter,
-                self.ops.get(slot).and_then(Option::as_ref),
-            ) {
-                (Some(filter), Some(op)) => filter(op.req.tag, res),
-                _ => res,
-            };
             self.on_cqe(slot, res);
         }
         cqes.clear();
@@ -277,6 +270,10 @@ impl RingThread {
             return;
         };
         let req = op.req;
+        let res = match &mut self.cqe_filter {
+            Some(filter) => filter(req.tag, res),
+            None => res,
+        };
         if res < 0 {
             let errno = -res;
             // Behind newer work, so that the file gets a moment; bounded, so that a file that
@@ -285,15 +282,13 @@ impl RingThread {
                 self.ready.push_back(slot);
                 return;
             }
-            let mut err = os_error(
+            let err = os_error(
                 &req,
                 &self.files.label(req.file),
                 op.done,
+                op.retries,
                 std::io::Error::from_raw_os_error(errno),
             );
-            if op.retries > 0 {
-                err = err.with("resubmissions", op.retries.to_string());
-            }
             self.complete(slot, Err(err));
             return;
         }

@@ -157,7 +157,15 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
     let region = Arc::new(PrimaryRegion::create(2, PAGE).unwrap());
     // An older kernel: no POLL_ADD. The engine refuses, naming the opcode.
     let poll = opcode::PollAdd::CODE;
-    let refused = UringEngine::start(region.clone(), vec![open()], 4, true, PAGE, |c| c != poll);
+    let refused = UringEngine::start(
+        region.clone(),
+        vec![open()],
+        4,
+        true,
+        PAGE,
+        |c| c != poll,
+        None,
+    );
     let e = match refused {
         Ok(e) => {
             e.shutdown();
@@ -178,9 +186,15 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
     assert!(e.to_string().contains("POLL_ADD"), "{e}");
     // No READ_FIXED: plain READ / WRITE, with the reason naming it.
     let no_fixed = opcode::ReadFixed::CODE;
-    let engine = UringEngine::start(region.clone(), vec![open()], 4, true, PAGE, |c| {
-        c != no_fixed
-    })
+    let engine = UringEngine::start(
+        region.clone(),
+        vec![open()],
+        4,
+        true,
+        PAGE,
+        |c| c != no_fixed,
+        None,
+    )
     .map_err(|(e, _)| e)
     .unwrap();
     assert!(!engine.fixed_buffers());
