@@ -5,7 +5,6 @@ use std::sync::atomic::Ordering;
 
 use super::{Active, KeyStatus, Worker};
 use crate::error::{Error, ErrorKind};
-use crate::g3::config::FsyncPolicy;
 use crate::g3::record::{chunk_crc, chunk_crc_from_row_crc};
 
 impl Worker {
@@ -99,19 +98,9 @@ impl Worker {
                 self.refresh_slot_gauges(ix);
             }
         }
-        if !dropped.is_empty() {
-            // A failed key becomes a miss at once and its slot is released (no promotion
-            // livelock); the removal is journaled.
-            let sync = self.cfg.fsync == FsyncPolicy::Always;
-            if let Some(j) = self.journal.as_mut() {
-                dropped.iter().for_each(|(_, s)| j.remove(*s));
-                if j.flush(sync).is_err() {
-                    self.publish_journal_state();
-                }
-            }
-            self.note_journal_len();
-            self.event(dropped.into_iter().map(|(k, _)| k).collect(), true);
-        }
+        // A failed key becomes a miss at once and its slot is released (no promotion
+        // livelock); the removal is journaled.
+        self.journal_removals(dropped);
         let m = &self.sh.metrics;
         m.keys_loaded
             .fetch_add(loaded.len() as u64, Ordering::Relaxed);

@@ -667,14 +667,19 @@ impl Worker {
             .metrics
             .entries_fenced
             .fetch_add(dropped.len() as u64, Ordering::Relaxed);
+        self.journal_removals(dropped);
+    }
+
+    /// Journals the removal of entries `dropped` from the index and announces them as removed
+    /// events. A journal that refuses the removals is repaired by the next checkpoint, which
+    /// no longer holds these entries.
+    fn journal_removals(&mut self, dropped: Vec<(ChunkKey, Slot)>) {
         if dropped.is_empty() {
             return;
         }
         let sync = self.cfg.fsync == crate::g3::config::FsyncPolicy::Always;
         if let Some(j) = self.journal.as_mut() {
             dropped.iter().for_each(|(_, s)| j.remove(*s));
-            // A journal that refuses the removals is repaired by the next checkpoint, which
-            // no longer holds these entries.
             if j.flush(sync).is_err() {
                 self.publish_journal_state();
             }
