@@ -263,22 +263,7 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
     // Refuse a directory that takes no files before anything is removed or created.
     let dirs = slab::check_writable_dirs(paths)?;
     let _locks = slab::lock_dirs(&dirs)?;
-    let slots = crate::geometry::ChunkGeometry::slots_per_file(
-        opts.capacity_bytes,
-        dirs.len(),
-        opts.row_stride,
-    );
-    if slots == 0 {
-        return Err(Error::new(
-            ErrorKind::Config,
-            format!(
-                "capacity {} holds no slot of {} on each of {}",
-                crate::size::format_size_human(opts.capacity_bytes),
-                crate::size::format_size_human(opts.row_stride),
-                crate::size::count(dirs.len() as u64, "path")
-            ),
-        ));
-    }
+    let slots = slab::slots_in_file(opts.capacity_bytes, dirs.len(), opts.row_stride)?;
     let old = slab::lock_slabs(&dirs)?;
     slab::check_format_space(&dirs, &old, slots, opts.row_stride)?;
     slab::remove_locked(old)?;

@@ -197,29 +197,23 @@ pub fn lock_dirs(dirs: &[PathBuf]) -> Result<Vec<DirLock>> {
     let mut held = Vec::with_capacity(dirs.len());
     for d in dirs {
         let f = File::open(d).map_err(|e| Error::io("open directory", d, e))?;
-        let started = std::time::Instant::now();
-        loop {
-            match f.try_lock() {
-                Ok(()) => break,
-                Err(TryLockError::WouldBlock) if started.elapsed() < LOCK_RETRY => {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                Err(TryLockError::WouldBlock) => {
-                    let holder =
-                        lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
-                    return Err(Error::new(
-                        ErrorKind::Locked,
-                        format!(
-                            "{} is being changed by another kvtier process (pid {holder}: a \
-                             `kvtier tier format` or `repair`, or a tier creating its slabs); \
-                             try again once it has finished",
-                            d.display()
-                        ),
-                    )
-                    .with("path", d.display().to_string()));
-                }
-                Err(TryLockError::Error(e)) => return Err(Error::io("flock", d, e)),
+        match lock_retrying(&f) {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let holder =
+                    lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
+                return Err(Error::new(
+                    ErrorKind::Locked,
+                    format!(
+                        "{} is being changed by another kvtier process (pid {holder}: a \
+                         `kvtier tier format` or `repair`, or a tier creating its slabs); \
+                         try again once it has finished",
+                        d.display()
+                    ),
+                )
+                .with("path", d.display().to_string()));
             }
+            Err(TryLockError::Error(e)) => return Err(Error::io("flock", d, e)),
         }
         held.push(DirLock { _dir: f });
     }
@@ -481,20 +475,27 @@ fn check_superblock(
     Ok(())
 }
 
-fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
-    let n = slab_paths.len();
-    let slots = ChunkGeometry::slots_per_file(spec.capacity_bytes, n, spec.row_stride);
+/// Slots in each of `n` slab files that share `capacity_bytes` in slots of `row_stride` bytes
+/// ([`ChunkGeometry::slots_per_file`]); none is a `Config` error.
+pub fn slots_in_file(capacity_bytes: u64, n: usize, row_stride: u64) -> Result<u64> {
+    let slots = ChunkGeometry::slots_per_file(capacity_bytes, n, row_stride);
     if slots == 0 {
         return Err(Error::new(
             ErrorKind::Config,
             format!(
                 "capacity_bytes {} holds no slot of {} on each of {}",
-                format_size_human(spec.capacity_bytes),
-                format_size_human(spec.row_stride),
+                format_size_human(capacity_bytes),
+                format_size_human(row_stride),
                 count(n as u64, "path")
             ),
         ));
     }
+    Ok(slots)
+}
+
+fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let n = slab_paths.len();
+    let slots = slots_in_file(spec.capacity_bytes, n, spec.row_stride)?;
     let total_slots = ChunkGeometry::total_slots(spec.capacity_bytes, n, spec.row_stride);
     let set_uuid = random_uuid()?;
     let created_unix_s = std::time::SystemTime::now()
@@ -605,29 +606,36 @@ fn open_and_lock(p: &Path, create: bool, write: bool) -> Result<File> {
         rustix::fs::fcntl_setfl(&f, fl - rustix::fs::OFlags::NONBLOCK)
             .map_err(|e| Error::io("fcntl", p, e.into()))?;
     }
-    let started = std::time::Instant::now();
-    loop {
-        // `File::try_lock` is `flock(LOCK_EX | LOCK_NB)` on Linux.
-        let (err, busy) = match f.try_lock() {
-            Ok(()) => return Ok(f),
-            Err(TryLockError::WouldBlock) => {
-                (std::io::Error::from_raw_os_error(libc::EWOULDBLOCK), true)
-            }
-            Err(TryLockError::Error(e)) => (e, false),
-        };
-        // A process forked by any thread of this one holds a copy of every descriptor until
-        // its exec closes it, so the lock of a tier closed a moment ago can outlive the close
-        // by that long (measured: 275 of 300 immediate reopens failed while another thread
-        // ran a command). Retry briefly before calling the path locked.
-        if busy && started.elapsed() < LOCK_RETRY {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-            continue;
-        }
-        return Err(lock_error(p, &f, err, busy));
+    match lock_retrying(&f) {
+        Ok(()) => Ok(f),
+        Err(TryLockError::WouldBlock) => Err(lock_error(
+            p,
+            &f,
+            std::io::Error::from_raw_os_error(libc::EWOULDBLOCK),
+            true,
+        )),
+        Err(TryLockError::Error(e)) => Err(lock_error(p, &f, e, false)),
     }
 }
 
-/// How long `open_locked` retries a lock that is held (see there).
+/// `flock(LOCK_EX | LOCK_NB)` on `f` (`File::try_lock` on Linux), retrying a held lock for up
+/// to [`LOCK_RETRY`]. A process forked by any thread of this one holds a copy of every
+/// descriptor until its exec closes it, so the lock of a tier closed a moment ago can outlive
+/// the close by that long (measured: 275 of 300 immediate reopens failed while another thread
+/// ran a command). Retry briefly before calling the path locked.
+fn lock_retrying(f: &File) -> std::result::Result<(), TryLockError> {
+    let started = std::time::Instant::now();
+    loop {
+        match f.try_lock() {
+            Err(TryLockError::WouldBlock) if started.elapsed() < LOCK_RETRY => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// How long [`lock_retrying`] retries a lock that is held (see there).
 const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The error for a failed `flock` (`busy`: EWOULDBLOCK, naming the holder when known).
