@@ -560,23 +560,6 @@ fn a_wrong_total_slots_names_both_numbers() {
     assert!(!repeated.iter().any(|x| e.contains(x)), "{e}");
 }
 
-fn open_faulty(cfg: kvtier::g3::G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
-    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
-        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
-    });
-    let t = G3Tier::open_with_engine(
-        cfg,
-        r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
-        "t".into(),
-        None,
-        factory,
-    )
-    .unwrap();
-    assert!(t.wait_recovered(Duration::from_secs(30)));
-    t
-}
-
 /// Waits up to 10 s for `g3_journal_healthy` to be `want`.
 fn wait_journal_healthy(t: &G3Tier, want: f64) -> bool {
     let deadline = Instant::now() + Duration::from_secs(10);

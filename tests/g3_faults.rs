@@ -12,32 +12,13 @@ use g3_common::*;
 use kvtier::contract::job::LookupResult;
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::ErrorKind;
+use kvtier::g3::G3Tier;
 use kvtier::g3::journal::JOURNAL_FILE_NAME;
 use kvtier::g3::slab::SLAB_FILE_NAME;
-use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
-use kvtier::io::{
-    DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine,
-};
+use kvtier::io::{DataFault, DataOp, FaultPlan, MetaFault, MetaFile, MetaOp};
 use kvtier::region::PrimaryRegion;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-
-fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
-    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
-        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
-    });
-    let t = G3Tier::open_with_engine(
-        cfg,
-        r.clone(),
-        geometry_namespace(STRIDE),
-        "t".into(),
-        None,
-        factory,
-    )
-    .unwrap();
-    assert!(t.wait_recovered(Duration::from_secs(30)));
-    t
-}
 
 fn store_four(t: &mut G3Tier, r: &PrimaryRegion) {
     for i in 0..4u32 {

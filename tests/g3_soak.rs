@@ -34,9 +34,7 @@ use g3_common::*;
 use kvtier::contract::job::LookupResult;
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{G3Tier, G3TierConfig};
-use kvtier::io::{
-    DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault, MetaFile, MetaOp, open_engine,
-};
+use kvtier::io::{DataFault, DataOp, FaultPlan, MetaFault, MetaFile, MetaOp};
 use kvtier::region::PrimaryRegion;
 
 /// Rows of the region: 8 for stores, 8 for loads.
@@ -219,25 +217,6 @@ fn soak_config(fast: &Path, tmp: &Path) -> G3TierConfig {
     c
 }
 
-fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, gate: Arc<AtomicBool>) -> G3Tier {
-    let plan = FaultPlan::new()
-        .meta(MetaFault::new(MetaFile::Journal, MetaOp::Create, libc::ENOSPC).while_set(gate));
-    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
-        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
-    });
-    let t = G3Tier::open_with_engine(
-        cfg,
-        r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
-        "soak".into(),
-        None,
-        factory,
-    )
-    .unwrap();
-    assert!(t.wait_recovered(Duration::from_secs(30)));
-    t
-}
-
 /// One cycle; returns the tally. `scale` multiplies the traffic of each phase.
 fn cycle(fs: &LoopFs, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
     let fast = fs.mnt.join("tier");
@@ -245,7 +224,10 @@ fn cycle(fs: &LoopFs, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
     let cfg = soak_config(&fast, tmp);
     let r = region(ROWS as usize);
     let gate = Arc::new(AtomicBool::new(false));
-    let t = open_faulty(cfg.clone(), &r, gate.clone());
+    let plan = FaultPlan::new().meta(
+        MetaFault::new(MetaFile::Journal, MetaOp::Create, libc::ENOSPC).while_set(gate.clone()),
+    );
+    let t = open_faulty(cfg.clone(), &r, plan);
     let mut s = Soak {
         r: r.clone(),
         t,
@@ -396,19 +378,7 @@ fn soak_one_path_fails(scale: usize) {
                 .on_file(1)
                 .while_set(gate.clone()),
         );
-    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
-        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
-    });
-    let t = G3Tier::open_with_engine(
-        cfg.clone(),
-        r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
-        "soak".into(),
-        None,
-        factory,
-    )
-    .unwrap();
-    assert!(t.wait_recovered(Duration::from_secs(30)));
+    let t = open_faulty(cfg.clone(), &r, plan);
     let mut s = Soak {
         r: r.clone(),
         t,

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use kvtier::contract::job::{JobResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::{G3Tier, G3TierConfig, geometry_namespace};
+use kvtier::io::{FaultPlan, FaultyEngine, open_engine};
 use kvtier::key::ChunkKey;
 use kvtier::region::PrimaryRegion;
 
@@ -85,6 +86,24 @@ pub fn open(cfg: G3TierConfig, r: &Arc<PrimaryRegion>) -> G3Tier {
         geometry_namespace(STRIDE),
         "g3-test".into(),
         None,
+    )
+    .unwrap();
+    assert!(t.wait_recovered(Duration::from_secs(30)));
+    t
+}
+
+/// As [`open`], with an I/O engine that injects the faults of `plan`.
+pub fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -> G3Tier {
+    let factory: kvtier::g3::EngineFactory = Box::new(move |k, reg, files, opts| {
+        FaultyEngine::wrap_handle(open_engine(k, reg, files, opts)?, plan)
+    });
+    let t = G3Tier::open_with_engine(
+        cfg,
+        r.clone(),
+        geometry_namespace(STRIDE),
+        "t".into(),
+        None,
+        factory,
     )
     .unwrap();
     assert!(t.wait_recovered(Duration::from_secs(30)));
