@@ -14,7 +14,7 @@
 //! [`super::PrimaryRegion::huge_pages`].
 
 use std::ffi::c_void;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -33,11 +33,30 @@ static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 /// Maps `len` bytes of `fd` read-write and shared, at a 2 MiB-aligned address when `len` is at
 /// least one huge page.
 pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut c_void> {
-    let prot = ProtFlags::READ | ProtFlags::WRITE;
     if len < HUGE_PAGE {
         // SAFETY: a fresh mapping (no address requested) of a valid fd of at least `len` bytes.
-        return Ok(unsafe { mmap(null_mut(), len, prot, MapFlags::SHARED, fd, 0) }?);
+        return Ok(unsafe {
+            mmap(
+                null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }?);
     }
+    map_shared_aligned(fd, 0, len)
+}
+
+/// Maps `len` bytes of `fd` from `offset` read-write and shared, at a 2 MiB-aligned address.
+/// The file must hold at least `offset + len` bytes; for the mapping to take huge pages,
+/// `offset` must be a multiple of 2 MiB.
+pub(super) fn map_shared_aligned(
+    fd: impl AsFd,
+    offset: u64,
+    len: usize,
+) -> std::io::Result<*mut c_void> {
     let span = len + HUGE_PAGE;
     // SAFETY: reserves address space only (no access, no memory), at an address of the
     // kernel's choosing.
@@ -52,15 +71,15 @@ pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut c_voi
     let start = reserved as usize;
     let aligned = start.next_multiple_of(HUGE_PAGE);
     // SAFETY: `[aligned, aligned + len)` lies inside our own reservation, which MAP_FIXED
-    // replaces; `fd` has at least `len` bytes.
+    // replaces; the file has at least `offset + len` bytes (the caller's promise).
     let mapped = unsafe {
         mmap(
             aligned as *mut c_void,
             len,
-            prot,
+            ProtFlags::READ | ProtFlags::WRITE,
             MapFlags::SHARED | MapFlags::FIXED,
             fd,
-            0,
+            offset,
         )
     };
     let ptr = match mapped {
@@ -74,7 +93,7 @@ pub(super) fn map_shared(fd: &OwnedFd, len: usize) -> std::io::Result<*mut c_voi
     let head = aligned - start;
     let tail = span - head - len;
     // SAFETY: the head and tail are the unused ends of our own reservation, outside the
-    // memfd mapping. Failing to return them only leaves reserved address space behind.
+    // file mapping. Failing to return them only leaves reserved address space behind.
     unsafe {
         if head > 0 {
             let _ = munmap(reserved, head);
@@ -98,15 +117,8 @@ pub(super) fn collapse(base: *mut u8, len: usize) -> f64 {
     if whole == 0 || !(base as usize).is_multiple_of(HUGE_PAGE) {
         return 0.0;
     }
-    let mut collapsed = 0usize;
-    let mut last_error = None;
-    for i in 0..whole {
-        // SAFETY: `i * HUGE_PAGE < len`, inside the caller's mapping.
-        match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
-            Ok(()) => collapsed += 1,
-            Err(e) => last_error = Some(e),
-        }
-    }
+    // SAFETY: `whole` huge pages from `base` lie inside the caller's mapping.
+    let (collapsed, last_error) = unsafe { collapse_pages(base, whole) };
     if let Some(err) = last_error
         && !FALLBACK_LOGGED.swap(true, Ordering::Relaxed)
     {
@@ -121,10 +133,32 @@ pub(super) fn collapse(base: *mut u8, len: usize) -> f64 {
     collapsed as f64 / whole as f64
 }
 
+/// Collapses the `count` huge pages from `base` one at a time ([`collapse_one`]): how many it
+/// collapsed, and the last error of those it could not.
+///
+/// # Safety
+/// `base` is 2 MiB-aligned and `[base, base + count * HUGE_PAGE)` lies inside the caller's own
+/// mapping.
+pub(super) unsafe fn collapse_pages(
+    base: *mut u8,
+    count: usize,
+) -> (usize, Option<std::io::Error>) {
+    let mut collapsed = 0;
+    let mut last_error = None;
+    for i in 0..count {
+        // SAFETY: `i < count`, inside the caller's mapping (the caller's promise).
+        match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
+            Ok(()) => collapsed += 1,
+            Err(e) => last_error = Some(e),
+        }
+    }
+    (collapsed, last_error)
+}
+
 /// Collapses the huge page at `page` (2 MiB-aligned, inside our own mapping), asking again a
 /// few times while the kernel answers EAGAIN (page briefly busy) or ENOMEM (no free 2 MiB block
 /// yet; each try compacts memory a little).
-pub(super) fn collapse_one(page: *mut u8) -> std::io::Result<()> {
+fn collapse_one(page: *mut u8) -> std::io::Result<()> {
     let mut tries = 0;
     loop {
         // SAFETY: `page` starts a 2 MiB range of the caller's own mapping. A volatile read

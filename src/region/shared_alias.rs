@@ -23,11 +23,10 @@ use std::ffi::c_void;
 use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
-use std::ptr::null_mut;
 
-use rustix::mm::{MapFlags, ProtFlags, mmap, mmap_anonymous, munmap};
+use rustix::mm::munmap;
 
-use super::huge_pages::{HUGE_PAGE, collapse_one};
+use super::huge_pages::{HUGE_PAGE, collapse_pages, map_shared_aligned};
 
 /// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -208,7 +207,8 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
             m.path
         ));
     }
-    let map = map_aligned(&file, map_offset, map_len)
+    // `map_offset` is a multiple of 2 MiB and the file holds `map_offset + map_len` bytes.
+    let map = map_shared_aligned(&file, map_offset, map_len)
         .map_err(|e| format!("cannot map {} a second time: {e}", m.path))?;
     let alias = Alias {
         map,
@@ -217,16 +217,8 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
         base: unsafe { map.cast::<u8>().add(head) },
     };
     let whole = map_len / HUGE_PAGE;
-    let mut collapsed = 0;
-    let mut last_error = None;
-    for i in 0..whole {
-        // SAFETY: `i * HUGE_PAGE < map_len`, inside our own mapping.
-        let page = unsafe { map.cast::<u8>().add(i * HUGE_PAGE) };
-        match collapse_one(page) {
-            Ok(()) => collapsed += 1,
-            Err(e) => last_error = Some(e),
-        }
-    }
+    // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
+    let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
     if collapsed == 0 {
         let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
         return Err(format!(
@@ -247,55 +239,6 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
         share: collapsed as f64 / whole as f64,
         shortfall,
     })
-}
-
-/// Maps `len` bytes of `file` from `offset` (a multiple of 2 MiB) shared, at a 2 MiB-aligned
-/// address.
-fn map_aligned(file: &File, offset: u64, len: usize) -> std::io::Result<*mut c_void> {
-    let span = len + HUGE_PAGE;
-    // SAFETY: reserves address space only, at an address of the kernel's choosing.
-    let reserved = unsafe {
-        mmap_anonymous(
-            null_mut(),
-            span,
-            ProtFlags::empty(),
-            MapFlags::PRIVATE | MapFlags::NORESERVE,
-        )
-    }?;
-    let start = reserved as usize;
-    let aligned = start.next_multiple_of(HUGE_PAGE);
-    // SAFETY: `[aligned, aligned + len)` lies inside our own reservation, which MAP_FIXED
-    // replaces; the file has at least `offset + len` bytes (checked by the caller).
-    let mapped = unsafe {
-        mmap(
-            aligned as *mut c_void,
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::SHARED | MapFlags::FIXED,
-            file,
-            offset,
-        )
-    };
-    let head = aligned - start;
-    let tail = span - head - len;
-    // SAFETY: the unused ends of our own reservation (all of it if the file mapping failed).
-    unsafe {
-        match mapped {
-            Err(e) => {
-                let _ = munmap(reserved, span);
-                return Err(e.into());
-            }
-            Ok(_) => {
-                if head > 0 {
-                    let _ = munmap(reserved, head);
-                }
-                if tail > 0 {
-                    let _ = munmap((aligned + len) as *mut c_void, tail);
-                }
-            }
-        }
-    }
-    Ok(aligned as *mut c_void)
 }
 
 #[cfg(test)]
