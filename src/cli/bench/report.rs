@@ -204,7 +204,16 @@ pub fn render(r: &BenchReport) -> String {
             "\nregions side by side (medians of {}, alternating order):\n",
             count(rounds as u64, "round")
         ));
-        let base = r.regions.first();
+        // Ratios against the `own` region, or the first one when `own` did not run.
+        let own = r
+            .regions
+            .iter()
+            .find(|x| x.region == "own")
+            .or(r.regions.first());
+        let ratio = |x: f64, b: Option<f64>| match b {
+            Some(b) if b > 0.0 => format!("{:.2}", x / b),
+            _ => "-".to_string(),
+        };
         let mut t = Table::new([
             "region",
             "store",
@@ -216,11 +225,6 @@ pub fn render(r: &BenchReport) -> String {
             "pages",
         ]);
         for s in &r.regions {
-            let ratio = |x: f64, b: Option<f64>| match b {
-                Some(b) if b > 0.0 => format!("{:.2}", x / b),
-                _ => "-".to_string(),
-            };
-            let own = r.regions.iter().find(|x| x.region == "own").or(base);
             t.row([
                 s.region.to_string(),
                 format_gbps(s.store_gb_per_s * 1e9),

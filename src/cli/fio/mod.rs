@@ -160,7 +160,8 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         kvtier_engine = workload.describe();
         let region = workload.region();
         kvtier_pages = crate::cli::region_arg::pages_note(&region);
-        if chosen.is_none() {
+        // Chosen once, for the first row size's region (the reservation covers the largest).
+        let (choice, _) = chosen.get_or_insert_with(|| {
             let jobs = if plan.profiles.contains(&Profile::Mixed) {
                 2
             } else {
@@ -169,16 +170,8 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             let needed = memory::hugetlb_pages_needed(plan.max_row_size(), plan.max_depth(), jobs);
             // kvtier's rows count as 2 MiB pages when most of them are (a partial collapse
             // is named in the report's pages).
-            chosen = Some(memory::choose(
-                region.huge_page_share() >= 0.5,
-                shm_file.clone(),
-                needed,
-            ));
-        }
-        let choice = &chosen
-            .as_ref()
-            .map(|c| c.0.clone())
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "fio's setup was not chosen"))?;
+            memory::choose(region.huge_page_share() >= 0.5, shm_file.clone(), needed)
+        });
         for &profile in &plan.profiles {
             for &depth in &plan.depths {
                 let point = measure(
