@@ -37,7 +37,7 @@ pub use mapping::{
 };
 pub use tiling::verify_tiling;
 pub use validate::{CanonicalStatus, validate_canonical};
-pub use views::{EncodingSource, LayerView, PageEncoding, check_views};
+pub use views::{EncodingSource, LayerView, PageEncoding, check_views, resolve_encoding};
 
 /// The Llama-3.1-8B descriptor text (`layouts/llama-3.1-8b.toml`), embedded in the binary.
 pub const DEFAULT_LAYOUT_TOML: &str = include_str!("../../layouts/llama-3.1-8b.toml");

@@ -155,9 +155,25 @@ pub fn encodings_of_view(
     Ok(found)
 }
 
-fn show(v: &[u64]) -> String {
-    let items: Vec<String> = v.iter().map(u64::to_string).collect();
-    format!("[{}]", items.join(", "))
+/// `a, b, c`.
+fn join(v: &[u64]) -> String {
+    v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The page encoding to work with and where it came from: derived from `views` and checked
+/// ([`check_views`]) when the caller has them, else the descriptor's claim.
+pub fn resolve_encoding(
+    desc: &LayoutDescriptor,
+    tp: u32,
+    views: Option<&[LayerView]>,
+) -> Result<(PageEncoding, EncodingSource)> {
+    Ok(match views {
+        Some(views) => (check_views(desc, tp, views)?, EncodingSource::Views),
+        None => (
+            PageEncoding::of_descriptor(desc),
+            EncodingSource::Descriptor,
+        ),
+    })
 }
 
 /// Derives the page encoding of every layer from `views` (one per layer, in layer order) and
@@ -217,13 +233,13 @@ pub fn check_views(desc: &LayoutDescriptor, tp: u32, views: &[LayerView]) -> Res
         return Err(err(
             Some(layer),
             format!(
-                "layer {layer} ({name}): the KV-cache view (shape {}, strides {} elements) holds {holds}, but the descriptor says kv_split = {:?}, kv_layout = {:?} (a page of shape [blocks, {}] with strides [_, {}]); fix the descriptor to what the tensors hold",
-                show(&view.shape),
-                show(&view.stride),
+                "layer {layer} ({name}): the KV-cache view (shape [{}], strides [{}] elements) holds {holds}, but the descriptor says kv_split = {:?}, kv_layout = {:?} (a page of shape [blocks, {}] with strides [_, {}]); fix the descriptor to what the tensors hold",
+                join(&view.shape),
+                join(&view.stride),
                 claim.kv_split.as_str(),
                 claim.kv_layout.as_str(),
-                show(&shape).trim_start_matches('[').trim_end_matches(']'),
-                show(&strides).trim_start_matches('[').trim_end_matches(']'),
+                join(&shape),
+                join(&strides),
             ),
         ));
     }

@@ -10,8 +10,8 @@ use crate::canonical::digest::{self, NamespaceParams, VllmDigestFields};
 use crate::canonical::gather::direct_row_range;
 use crate::canonical::validate::static_portability_claim;
 use crate::canonical::{
-    EncodingSource, LayerMapping, LayerView, LayoutDescriptor, PageEncoding, ParallelConfig,
-    RowPlan, check_views, derive_all_ranks, prepare_canonical, verify_tiling,
+    LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks,
+    prepare_canonical, resolve_encoding, verify_tiling,
 };
 use crate::cli::args::name_flag;
 use crate::cli::layout_vllm;
@@ -82,11 +82,11 @@ pub fn run(args: LayoutArgs) -> Result<ExitCode> {
 /// The `show` report as JSON (the `--json` output).
 pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
     let cfg = ParallelConfig::tp(args.tp, args.rank);
-    let (encoding, source) = match &args.views {
+    let views: Option<Vec<LayerView>> = match &args.views {
         Some(file) => {
             let text =
                 std::fs::read_to_string(file).map_err(|e| Error::io("read views", file, e))?;
-            let views: Vec<LayerView> = serde_json::from_str(&text).map_err(|e| {
+            Some(serde_json::from_str(&text).map_err(|e| {
                 Error::config(
                     "--views",
                     format!(
@@ -94,14 +94,11 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
                         file.display()
                     ),
                 )
-            })?;
-            (check_views(desc, args.tp, &views)?, EncodingSource::Views)
+            })?)
         }
-        None => (
-            PageEncoding::of_descriptor(desc),
-            EncodingSource::Descriptor,
-        ),
+        None => None,
     };
+    let (encoding, source) = resolve_encoding(desc, args.tp, views.as_deref())?;
     let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)
         .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
     let (layers, plan_bytes) = if args.canonical {

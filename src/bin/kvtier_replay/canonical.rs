@@ -18,8 +18,8 @@
 use kvtier::canonical::digest::{self, NamespaceParams, VllmDigestFields};
 use kvtier::canonical::validate::static_portability_claim;
 use kvtier::canonical::{
-    EncodingSource, LayerMapping, LayerView, LayoutDescriptor, PageEncoding, ParallelConfig,
-    check_views, derive_all_ranks, prepare_canonical, verify_tiling,
+    LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, derive_all_ranks, prepare_canonical,
+    resolve_encoding, verify_tiling,
 };
 use serde_json::{Value, json};
 
@@ -81,13 +81,7 @@ fn answer(
     canonical: bool,
     views: Option<&[LayerView]>,
 ) -> kvtier::Result<Value> {
-    let (encoding, source) = match views {
-        Some(views) => (check_views(desc, tp, views)?, EncodingSource::Views),
-        None => (
-            PageEncoding::of_descriptor(desc),
-            EncodingSource::Descriptor,
-        ),
-    };
+    let (encoding, source) = resolve_encoding(desc, tp, views)?;
     let mut params = NamespaceParams::new(desc, tp, bpc, canonical)?;
     let all: Vec<Vec<LayerMapping>> = if canonical {
         let shared = static_portability_claim(desc, tp, tp, true);

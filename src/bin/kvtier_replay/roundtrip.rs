@@ -117,17 +117,16 @@ fn transfer(
             Ok(())
         })
     } else {
-        let mut filled = Ok(());
-        for (p, file) in plans.iter().zip(files) {
-            let local = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
-            // SAFETY: as above; no transfer is in flight.
-            let row = unsafe { region.row_mut(0)? };
-            if let Err(e) = p.plan.gather(&local, row, key) {
-                filled = Err(e);
-                break;
+        let fill = || -> kvtier::Result<()> {
+            for (p, file) in plans.iter().zip(files) {
+                let local = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
+                // SAFETY: as above; no transfer is in flight.
+                let row = unsafe { region.row_mut(0)? };
+                p.plan.gather(&local, row, key)?;
             }
-        }
-        filled.and_then(|()| run_job(&mut tier, key, false))
+            Ok(())
+        };
+        fill().and_then(|()| run_job(&mut tier, key, false))
     };
     tier.shutdown()?;
     result?;
