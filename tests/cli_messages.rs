@@ -7,7 +7,21 @@ mod cli_common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use cli_common::{assert_exit_2_one_line, assert_success, command, kvtier, stderr};
+use cli_common::{assert_exit_2_one_line, assert_success, command, json, kvtier, stderr};
+
+/// Runs `kvtier bench` (8 chunks of 2 MiB) in `dir` with `--keep`; the tier it leaves.
+fn kept_bench_tier(dir: &Path) -> String {
+    let v = json(&kvtier(&[
+        "bench",
+        "--bytes",
+        "16MiB",
+        "--keep",
+        "--json",
+        "--path",
+        dir.to_str().unwrap(),
+    ]));
+    v["tier"]["paths"][0].as_str().unwrap().to_string()
+}
 
 fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
@@ -120,18 +134,7 @@ fn tier_verify_shows_a_progress_bar_on_a_terminal_only() {
         return;
     }
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let out = kvtier(&[
-        "bench",
-        "--bytes",
-        "16MiB",
-        "--keep",
-        "--json",
-        "--path",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert_success(&out);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let tier = v["tier"]["paths"][0].as_str().unwrap().to_string();
+    let tier = kept_bench_tier(dir.path());
     // On a terminal (`script` runs it on a pseudo-terminal): the bar, then the summary.
     let bin = env!("CARGO_BIN_EXE_kvtier");
     let tty = Command::new("script")
@@ -157,18 +160,7 @@ fn tier_verify_shows_a_progress_bar_on_a_terminal_only() {
 #[test]
 fn tier_verify_tells_read_errors_apart_and_inspect_flags_a_truncated_slab() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
-    let out = kvtier(&[
-        "bench",
-        "--bytes",
-        "16MiB",
-        "--keep",
-        "--json",
-        "--path",
-        dir.path().to_str().unwrap(),
-    ]);
-    assert_success(&out);
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let tier = v["tier"]["paths"][0].as_str().unwrap().to_string();
+    let tier = kept_bench_tier(dir.path());
     let info: serde_json::Value =
         serde_json::from_slice(&kvtier(&["tier", "inspect", &tier, "--json"]).stdout).unwrap();
     let stride = info["files"][0]["superblock"]["row_stride"]

@@ -8,7 +8,8 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use cli_common::{assert_user_error, command, fio_installed, free_bytes, kvtier, send_signal};
+use cli_common::{assert_user_error, command, fio_installed, kvtier, send_signal};
+use kvtier::g3::slab::available_bytes;
 
 /// Starts `kvtier ARGS --path DIR`, sends `signal` once the command has made something in `dir`
 /// (`what`, if it never does), and returns its output; `None`, skipped with a note, when the
@@ -44,7 +45,7 @@ fn interrupt_once_started(
 /// other writers); skips the test with a printed reason when it has not.
 fn has_room(dir: &Path, needed: u64) -> bool {
     let spare = 64 << 20;
-    match free_bytes(dir) {
+    match available_bytes(dir) {
         Some(free) if free >= needed + spare => true,
         Some(free) => {
             kvtier::skip_test!(

@@ -66,13 +66,6 @@ pub fn fio_installed() -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Bytes an unprivileged writer can still put in the filesystem of `dir` (`statvfs`), or
-/// `None` when the filesystem cannot say.
-pub fn free_bytes(dir: &std::path::Path) -> Option<u64> {
-    let st = rustix::fs::statvfs(dir).ok()?;
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
-}
-
 /// Sends `signal` to a child this test started.
 pub fn send_signal(child: &Child, signal: libc::c_int) {
     // SAFETY: sending a signal to our own child process; no memory is involved.

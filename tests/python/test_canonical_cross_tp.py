@@ -84,11 +84,6 @@ def rank_chunks(model, tp, chunk):
     return views, chunks
 
 
-def views_json(model, views):
-    return [{"shape": list(views[n].shape), "stride": list(views[n].stride()),
-             "element_size": views[n].element_size()} for n in model.layers]
-
-
 @pytest.mark.parametrize("model", MODELS, ids=[m.path.stem for m in MODELS])
 def test_stored_at_one_tp_loads_byte_exact_at_every_other(model, tmp_path):
     tps = model.allowed_tps()
@@ -113,7 +108,7 @@ def test_stored_at_one_tp_loads_byte_exact_at_every_other(model, tmp_path):
             f.write_bytes(data)
             files.append(str(f))
         steps.append({"op": "store", "tp": tp_store, "key": tp_store,
-                      "views": views_json(model, views), "files": files})
+                      "views": vc.views_json(model, views), "files": files})
     results = replay(steps)
     for step in steps:
         for f in step["files"]:
@@ -128,7 +123,7 @@ def test_stored_at_one_tp_loads_byte_exact_at_every_other(model, tmp_path):
             files = [str(tmp_path / f"load-tp{tp_load}-from{tp_store}-r{r}")
                      for r in range(tp_load)]
             steps.append({"op": "load", "tp": tp_load, "key": tp_store,
-                          "views": views_json(model, views), "files": files})
+                          "views": vc.views_json(model, views), "files": files})
             expected.append((tp_store, files, want))
         results += replay(steps)
         for tp_store, files, want in expected:

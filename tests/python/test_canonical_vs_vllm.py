@@ -127,11 +127,6 @@ def test_the_oracle_refuses_the_split_description(model):
             assert first_difference(split, tp, 0, layer["layer_name"], vllm_m, layer)
 
 
-def view_json(view):
-    return {"shape": list(view.shape), "stride": list(view.stride()),
-            "element_size": view.element_size()}
-
-
 @pytest.mark.parametrize("model", MODELS, ids=IDS)
 def test_kvtier_derives_the_page_from_vllms_views(model):
     """Given the views vLLM's allocator creates, kvtier derives the page encoding from their
@@ -140,7 +135,7 @@ def test_kvtier_derives_the_page_from_vllms_views(model):
     queries, expect = [], []
     for tp in model.allowed_tps():
         views = vc.layer_views(model, tp)
-        as_json = [view_json(views[name]) for name in model.layers]
+        as_json = vc.views_json(model, views)
         queries.append({**query(model, tp), "views": as_json})
         expect.append((tp, True))
         if not model.mla:
@@ -199,7 +194,7 @@ def test_layout_show_names_the_page_encoding_and_its_source(tmp_path):
     assert "page        packed NHD (from the descriptor's kv_split and kv_layout" in out.stdout
     views = vc.layer_views(llama, 2)
     f = tmp_path / "views.json"
-    f.write_text(json.dumps([view_json(views[n]) for n in llama.layers]))
+    f.write_text(json.dumps(vc.views_json(llama, views)))
     out = kvtier_cli(["layout", "show", str(llama.path), "--tp", "2", "--canonical",
                       "--views", str(f)])
     assert out.returncode == 0, out.stderr

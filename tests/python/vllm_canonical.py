@@ -138,6 +138,13 @@ def layer_views(model: Model, tp: int, config: KVCacheConfig | None = None,
     return dict(zip(tensor.layers, views))
 
 
+def views_json(model: Model, views: dict) -> list:
+    """``views`` (``{layer_name: view}``) in layer order as kvtier reads them: ``{"shape",
+    "stride" (elements), "element_size"}`` each."""
+    return [{"shape": list(views[n].shape), "stride": list(views[n].stride()),
+             "element_size": views[n].element_size()} for n in model.layers]
+
+
 def vllm_config(model: Model, tp: int, rank: int, *, canonical: bool = True, bpc: int = 1):
     """The attributes of a ``VllmConfig`` that vLLM's offloading code reads."""
     cache_dtype = "auto" if model.dtype in ("bfloat16", "float16", "float32") else model.dtype
