@@ -198,8 +198,15 @@ impl PrimaryRegion {
     /// `/dev/shm/vllm_offload_<engine_id>.mmap`, or a memfd passed over a Unix socket)
     /// `MAP_SHARED`, read and write, from file offset 0, so that rows written here are the
     /// owner's rows. The file must already be that large (a shorter file is refused: touching
-    /// a page beyond its end would be `SIGBUS`). Nothing is pre-faulted; the mapping is
-    /// removed when the region is dropped (after every I/O engine holding it has stopped).
+    /// a page beyond its end would be `SIGBUS`). The mapping is removed when the region is
+    /// dropped (after every I/O engine holding it has stopped).
+    ///
+    /// Like [`PrimaryRegion::adopt_shared`], the mapping starts at a 2 MiB boundary and, when
+    /// the file is on tmpfs (vLLM's `/dev/shm` region, a memfd), is collapsed into 2 MiB pages
+    /// (`MADV_COLLAPSE`: the data stays, the owner's mapping sees the same bytes, now
+    /// physically contiguous), so that a large row is one DMA segment per 2 MiB. Where that
+    /// fails, the outcome is logged once and readable from [`PrimaryRegion::huge_page_share`]
+    /// and [`PrimaryRegion::small_pages_reason`].
     ///
     /// The owner must not shrink the file while it is mapped here (a tmpfs file cannot be
     /// sealed); the node service only maps files of peers on its uid allow list.
@@ -226,6 +233,54 @@ impl PrimaryRegion {
                 ),
             ));
         }
+        // As `adopt_shared` does for the in-process tier: a mapping at a 2 MiB boundary,
+        // collapsed into huge pages where the file is on tmpfs (vLLM's `/dev/shm` region, a
+        // memfd), so that a large row is one DMA segment per 2 MiB.
+        match shared_alias::map_collapsed(fd.as_fd(), 0, len, "the region file") {
+            Ok(m) => {
+                let mut region = PrimaryRegion {
+                    base: NonNull::new(m.alias.base).ok_or_else(|| {
+                        Error::new(ErrorKind::Internal, "the region mapping is null")
+                    })?,
+                    row_stride,
+                    num_rows,
+                    backing: Backing::AdoptedAlias { _alias: m.alias },
+                    prefault: PrefaultMethod::None,
+                    huge_pages: m.shortfall.is_none(),
+                    small_pages_reason: None,
+                    huge_page_share: m.share,
+                };
+                match &m.shortfall {
+                    None => log::info!(
+                        "mapped an engine's region ({len} bytes) in 2 MiB pages (the owner's \
+                         mapping is unchanged)"
+                    ),
+                    Some(why) => log::warn!(
+                        "mapped an engine's region ({len} bytes) with {:.0} % of it in 2 MiB \
+                         pages: {why}; O_DIRECT transfers of large rows are split into many DMA \
+                         segments and may run slower",
+                        m.share * 100.0
+                    ),
+                }
+                region.small_pages_reason = m.shortfall;
+                return Ok(region);
+            }
+            Err(why) if len >= huge_pages::HUGE_PAGE => {
+                log::warn!("mapped an engine's region ({len} bytes) in 4 KiB pages: {why}")
+            }
+            Err(_) => {}
+        }
+        Self::map_shared_small(fd, num_rows, row_stride, len)
+    }
+
+    /// [`PrimaryRegion::map_shared_file`] where no 2 MiB mapping can be made: a mapping at
+    /// an address of the kernel's choosing.
+    fn map_shared_small(
+        fd: &impl AsFd,
+        num_rows: usize,
+        row_stride: usize,
+        len: usize,
+    ) -> Result<Self> {
         // SAFETY: a fresh mapping at an address of the kernel's choosing of `len` bytes of a
         // file at least that long; nothing else refers to the new range.
         let ptr = unsafe {
@@ -254,9 +309,11 @@ impl PrimaryRegion {
             backing: Backing::SharedFile,
             prefault: PrefaultMethod::None,
             huge_pages: false,
-            small_pages_reason: Some(
-                "mapped as the owner's file (PrimaryRegion::map_shared_file)".into(),
-            ),
+            small_pages_reason: Some(if len < huge_pages::HUGE_PAGE {
+                "the region is smaller than one 2 MiB page".to_string()
+            } else {
+                "no 2 MiB-aligned mapping could be made (see the log)".to_string()
+            }),
             huge_page_share: 0.0,
         })
     }

@@ -94,16 +94,57 @@ fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
     assert!(text.contains("1 engine connected:"), "{text}");
     assert!(text.contains("cli-test"), "{text}");
     assert!(text.contains("1 stores, 1 loads, 0 failed"), "{text}");
+    assert!(text.contains("% in 2 MiB pages"), "{text}");
 
+    // A job naming a row outside the region is refused: a failed job and an error.
+    client.submit_load(3, vec![keys[0].clone()], vec![99]);
+    let r = client.wait_finished(Duration::from_secs(60)).unwrap();
+    assert!(!r.success);
     let (_, metrics) = get(&addr, "/metrics");
-    assert!(
-        metrics.contains("kvtier:node_engine_jobs_total{engine=\"cli-test\",op=\"store\"} 1"),
-        "{metrics}"
+    let value = |series: &str| -> f64 {
+        let line = metrics
+            .lines()
+            .find(|l| l.rsplit_once(' ').is_some_and(|(name, _)| name == series))
+            .unwrap_or_else(|| panic!("{series} in\n{metrics}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let e = "engine=\"cli-test\"";
+    let stored = (2 * stride) as f64;
+    for (series, want) in [
+        (
+            format!("kvtier:node_engine_jobs_total{{{e},op=\"store\"}}"),
+            1.0,
+        ),
+        (
+            format!("kvtier:node_engine_jobs_total{{{e},op=\"load\"}}"),
+            1.0,
+        ),
+        (
+            format!("kvtier:node_engine_bytes_total{{{e},op=\"store\"}}"),
+            stored,
+        ),
+        (
+            format!("kvtier:node_engine_bytes_total{{{e},op=\"load\"}}"),
+            stored,
+        ),
+        (format!("kvtier:node_engine_failed_jobs_total{{{e}}}"), 1.0),
+        (format!("kvtier:node_engine_errors_total{{{e}}}"), 1.0),
+        (format!("kvtier:node_engine_connections{{{e}}}"), 1.0),
+        ("kvtier:node_engines_connected".to_string(), 1.0),
+    ] {
+        assert_eq!(value(&series), want, "{series}");
+    }
+    // The engine's region as the service maps it; the tier's gauge is that share.
+    let engine_share = value("kvtier:node_engine_region_huge_pages{engine=\"cli-test\"}");
+    assert!((0.0..=1.0).contains(&engine_share));
+    assert_eq!(
+        value("kvtier:g3_region_huge_pages{tier=\"1:nvme\"}"),
+        engine_share
     );
-    assert!(
-        metrics.contains("kvtier:node_engines_connected 1"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("# TYPE kvtier:node_engine_errors_total counter"));
+    let (head, health) = get(&addr, "/healthz");
+    assert!(head.contains(" 200 "), "{head}\n{health}");
+    assert_eq!(health, "ok\n");
 
     drop(client);
     send_signal(&child, libc::SIGTERM);

@@ -236,3 +236,60 @@ fn vllm_shaped_region_is_adopted_through_the_same_path() {
         .count();
     assert_eq!(leftovers, 0);
 }
+
+/// The node service maps an engine's `/dev/shm` file itself (`map_shared_file`): it gets the
+/// same 2 MiB pages the in-process tier's adoption gets on this machine, and the owner's
+/// mapping sees every byte written through it.
+#[test]
+fn a_shared_file_mapped_by_the_service_gets_the_huge_pages_adoption_gets() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = Path::new("/dev/shm");
+    if !dir.is_dir() {
+        kvtier::skip_test!("skipping: no /dev/shm");
+        return;
+    }
+    const ROWS: usize = 4;
+    let path = dir.join(format!(
+        "kvtier_map_shared_test_{}.mmap",
+        std::process::id()
+    ));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file.set_len((ROWS * ROW) as u64).unwrap();
+    // The owner's mapping (the engine's), then the service's own.
+    let owner = PrimaryRegion::map_shared_file(&file, ROWS, ROW).unwrap();
+    fill_row(&owner, 1, 5);
+    let service = PrimaryRegion::map_shared_file(&file, ROWS, ROW).unwrap();
+    assert_eq!(
+        service.base_ptr() as usize % (2 << 20),
+        0,
+        "mapped at a 2 MiB boundary"
+    );
+    assert!(row_is(&service, 1, 5), "the owner's bytes stay");
+    fill_row(&service, 2, 6);
+    assert!(row_is(&owner, 2, 6), "the owner sees the service's writes");
+    let adopted = PrimaryRegion::create_vllm_shaped(ROWS, ROW, dir, AdoptHugePages::Auto).unwrap();
+    eprintln!(
+        "huge-page share: service mapping {} ({:?}), adoption {} ({:?})",
+        service.huge_page_share(),
+        service.small_pages_reason(),
+        adopted.huge_page_share(),
+        adopted.small_pages_reason()
+    );
+    if adopted.huge_page_share() > 0.0 {
+        assert!(
+            service.huge_page_share() > 0.0,
+            "adoption collapses on this machine, the service's mapping must too: {:?}",
+            service.small_pages_reason()
+        );
+    } else {
+        assert!(service.small_pages_reason().is_some());
+    }
+    assert_eq!(service.huge_pages(), service.small_pages_reason().is_none());
+}

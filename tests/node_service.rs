@@ -71,7 +71,7 @@ fn fixture_with(mode: u32, uids: Vec<u32>) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("slabs")).unwrap();
     let cfg = config(dir.path(), mode, uids);
-    let service = start_from_config(&cfg, STRIDE, DIGEST).unwrap();
+    let service = start_from_config(&cfg, STRIDE, None, DIGEST).unwrap();
     let socket = dir.path().join("kvtier.sock");
     let f = Fixture {
         dir,
@@ -533,4 +533,72 @@ fn assert_not_mapped(path: &Path) {
         !maps.lines().any(|l| l.contains(&name)),
         "{name} is still mapped by the service"
     );
+}
+
+/// The bytes of `k`'s row: a function of the key alone, so any loaded row can be checked.
+fn payload_of(k: &ChunkKey) -> Vec<u8> {
+    let mut seed = k.as_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+    }) | 1;
+    let mut row = vec![0u8; STRIDE as usize];
+    for chunk in row.chunks_mut(8) {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        chunk.copy_from_slice(&seed.to_le_bytes()[..chunk.len()]);
+    }
+    row
+}
+
+#[test]
+fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("slabs")).unwrap();
+    let cfg = config(dir.path(), 0o600, Vec::new());
+    let slot = STRIDE / 2;
+    let service = start_from_config(&cfg, STRIDE, Some(slot), DIGEST).unwrap();
+    let status: serde_json::Value = serde_json::from_str(&service.status_json()).unwrap();
+    assert_eq!(status["slot_bytes"], slot, "{status}");
+    assert_eq!(status["row_stride"], STRIDE, "{status}");
+    let socket = dir.path().join("kvtier.sock");
+    let f = Fixture {
+        dir,
+        service: Some(service),
+        socket,
+        shm_files: Vec::new(),
+    };
+    wait_ready(&f);
+    let (a_region, a) = client_in_this_process(&f, "prefix-a");
+    let (b_region, b) = client_in_this_process(&f, "prefix-b");
+    let keys: Vec<ChunkKey> = (0..4).map(|i| key("prefix", i)).collect();
+    for (row, k) in keys.iter().enumerate() {
+        // SAFETY: no job is running; this test is the regions' only user.
+        unsafe { a_region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k));
+        // SAFETY: as above.
+        unsafe { b_region.row_mut(row).unwrap() }.fill(0x77);
+    }
+    a.submit_store(1, keys.clone(), (0..4).collect());
+    let r = a.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    assert_eq!(
+        r.transfer_bytes,
+        Some(4 * slot),
+        "slots of {slot} bytes were written"
+    );
+    b.submit_load(2, keys.clone(), (0..4).collect());
+    let r = b.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    let slot = slot as usize;
+    for (row, k) in keys.iter().enumerate() {
+        // SAFETY: the jobs are reported; this test is the region's only user.
+        let got = unsafe { b_region.row(row).unwrap() };
+        assert!(
+            got[..slot] == payload_of(k)[..slot],
+            "row {row}: the slot's bytes"
+        );
+        assert!(
+            got[slot..].iter().all(|b| *b == 0x77),
+            "row {row}: the bytes past the slot were not touched"
+        );
+    }
 }

@@ -85,16 +85,20 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
     for e in engines {
         let region = match e["region"].as_object() {
             Some(r) => format!(
-                "region {} ({} rows, {} I/O)",
+                "region {} ({} rows, {} I/O, {:.0} % in 2 MiB pages)",
                 r.get("path").and_then(|p| p.as_str()).unwrap_or("?"),
                 r.get("num_rows").map_or("?".into(), |v| v.to_string()),
-                r.get("io_engine").and_then(|p| p.as_str()).unwrap_or("?")
+                r.get("io_engine").and_then(|p| p.as_str()).unwrap_or("?"),
+                r.get("huge_page_share")
+                    .and_then(serde_json::Value::as_f64)
+                    .unwrap_or(0.0)
+                    * 100.0
             ),
             None => "no region registered".to_string(),
         };
         outln!(
             "  {} (pid {}, uid {}): {region}; {} stores, {} loads, {} failed, {} in flight, \
-             {} B stored, {} B loaded, {} lookups",
+             {} B stored, {} B loaded, {} lookups, {} errors",
             e["name"].as_str().unwrap_or("?"),
             e["pid"],
             e["uid"],
@@ -104,7 +108,8 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
             e["jobs_in_flight"],
             e["bytes_stored"],
             e["bytes_loaded"],
-            e["lookups"]
+            e["lookups"],
+            e["errors"]
         )?;
     }
     Ok(ExitCode::SUCCESS)

@@ -25,10 +25,13 @@ pub struct EngineCounters {
     pub lookups: AtomicU64,
     /// Jobs queued or running now.
     pub jobs_in_flight: AtomicU64,
+    /// Requests answered with an error (malformed, out of order, a region refused, a job
+    /// refused before it started).
+    pub errors: AtomicU64,
 }
 
 /// The region an engine registered.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct RegionInfo {
     /// `path` or `fd`.
     pub source: String,
@@ -40,6 +43,10 @@ pub struct RegionInfo {
     pub row_stride: u64,
     /// The I/O engine moving its rows (`uring`, `psync`).
     pub io_engine: String,
+    /// Share (0 to 1) of the region the service maps in 2 MiB pages.
+    pub huge_page_share: f64,
+    /// Why (some of) it stays in 4 KiB pages (`None` when all of it is in 2 MiB pages).
+    pub small_pages_reason: Option<String>,
 }
 
 /// One connected engine.
@@ -86,6 +93,9 @@ pub struct EngineStatus {
     pub lookups: u64,
     /// Jobs queued or running.
     pub jobs_in_flight: u64,
+    /// Requests answered with an error.
+    #[serde(default)]
+    pub errors: u64,
 }
 
 /// Every connected engine, plus totals of those gone.
@@ -124,6 +134,18 @@ impl EngineRegistry {
         }
     }
 
+    /// Each connected engine's name and the huge-page share of its region, if registered.
+    pub fn region_huge_page_shares(&self) -> Vec<(String, f64)> {
+        self.engines
+            .lock()
+            .values()
+            .filter_map(|e| {
+                let r = e.region.lock();
+                r.as_ref().map(|r| (e.name.clone(), r.huge_page_share))
+            })
+            .collect()
+    }
+
     /// Engines connected now, by connection number.
     pub fn status(&self) -> Vec<EngineStatus> {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -149,6 +171,7 @@ impl EngineRegistry {
                     bytes_loaded: load(&c.bytes_loaded),
                     lookups: load(&c.lookups),
                     jobs_in_flight: load(&c.jobs_in_flight),
+                    errors: load(&c.errors),
                 }
             })
             .collect()

@@ -45,11 +45,14 @@ impl std::fmt::Debug for NodeService {
     }
 }
 
-/// Opens the one `nvme` tier of `config` (slots of `row_stride` bytes, slabs under the
-/// compatibility digest `digest`) and starts the service on its `service` socket.
+/// Opens the one `nvme` tier of `config` for engine rows of `row_stride` bytes (slots of
+/// `slot_bytes`, the rows' first bytes, or whole rows when `None`, as
+/// [`crate::canonical::NamespaceParams::slot_prefix`] says; slabs under the compatibility
+/// digest `digest`) and starts the service on its `service` socket.
 pub fn start_from_config(
     config: &KvtierConfig,
     row_stride: u64,
+    slot_bytes: Option<u64>,
     digest: [u8; 32],
 ) -> Result<NodeService> {
     let service = config.service.as_ref().ok_or_else(|| {
@@ -82,9 +85,11 @@ pub fn start_from_config(
         ));
     }
     let tc = nvme[0];
-    let g3 = G3TierConfig::from_tier(tc)?;
+    let mut g3 = G3TierConfig::from_tier(tc)?;
+    // Slots hold what the namespace names, as every other builder of a slot tier sets it.
+    g3.slot_bytes = slot_bytes;
     g3.validate(&tc.key_path(), Some(row_stride))?;
-    let in_flight = g3.max_bytes_in_flight_for(row_stride);
+    let in_flight = g3.max_bytes_in_flight_for(g3.slot_bytes_for(row_stride)?);
     let stride = usize::try_from(row_stride)
         .map_err(|_| Error::config("row_stride", "does not fit this machine"))?;
     // The tier's own engine never moves a row (every transfer goes through an engine's
@@ -93,22 +98,34 @@ pub fn start_from_config(
     let label = tier_label(tc.index, &tc.tier_type);
     let tier = G3Tier::open(g3, own, digest, label.clone(), tc.locality)?;
     tier.set_events_enabled(false);
-    NodeService::start(service, tier, label, digest, in_flight)
+    NodeService::start(service, tier, label, digest, row_stride, in_flight)
 }
 
 impl NodeService {
     /// Starts serving `tier` (opened with `digest` as its namespace; `tier_label` names it
-    /// in metrics, `1:nvme`) on the socket of `cfg`. `max_bytes_in_flight` bounds each
-    /// engine's I/O queue.
+    /// in metrics, `1:nvme`) on the socket of `cfg`, for engines whose rows are `row_stride`
+    /// bytes (the tier's slots hold each row's first slot-size bytes). `max_bytes_in_flight`
+    /// bounds each engine's I/O queue.
     pub fn start(
         cfg: &ServiceConfig,
         tier: G3Tier,
         tier_label: String,
         digest: [u8; 32],
+        row_stride: u64,
         max_bytes_in_flight: u64,
     ) -> Result<NodeService> {
         cfg.validate("service")?;
         let info = tier.info().clone();
+        if info.row_stride > row_stride {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "the tier's slots ({} bytes) are larger than the engines' rows ({row_stride} \
+                     bytes)",
+                    info.row_stride
+                ),
+            ));
+        }
         let slots = tier.direct_slots()?;
         let allowed_uids = if cfg.allowed_uids.is_empty() {
             vec![rustix::process::getuid().as_raw()]
@@ -127,7 +144,8 @@ impl NodeService {
             io_engine,
             o_direct: info.direct_io.iter().all(|d| *d),
             queue_depth: per_flight as u32,
-            row_stride: info.row_stride,
+            row_stride,
+            slot_bytes: info.row_stride,
             digest,
             allowed_uids,
             engines: Default::default(),
@@ -163,6 +181,11 @@ impl NodeService {
         })
     }
 
+    /// The tier's label in metrics and health (`1:nvme`).
+    pub fn tier_label(&self) -> &str {
+        &self.tier_label
+    }
+
     /// The engines connected now.
     pub fn engines(&self) -> Vec<EngineStatus> {
         self.sh.engines.status()
@@ -174,15 +197,26 @@ impl NodeService {
     }
 
     /// The service's metrics in Prometheus text (names under `prefix`): the tier's own
-    /// metrics (label `tier`), and per connected engine (label `engine`) its jobs, bytes,
-    /// failed jobs, lookups and jobs in flight, plus connections and refusals.
+    /// metrics (label `tier`), and per connected engine (label `engine`) its connections,
+    /// jobs, bytes, failed jobs, errors, lookups, jobs in flight and the share of its region
+    /// in 2 MiB pages, plus connections and refusals.
     pub fn metrics_text(&self, prefix: &str) -> Result<String> {
         use crate::metrics::{MetricKind, Registry};
         let mut reg = Registry::new(prefix)?;
         let tier_metrics = self.sh.tier.lock().metrics();
+        let shares = self.sh.engines.region_huge_page_shares();
         for m in &tier_metrics {
+            let mut value = m.value;
+            if m.name == "g3_region_huge_pages" {
+                // The tier's own one-row region moves nothing; the engines' regions are what
+                // the service moves rows through: the lowest share of those connected.
+                match shares.iter().map(|(_, s)| *s).reduce(f64::min) {
+                    Some(lowest) => value = lowest,
+                    None => continue,
+                }
+            }
             let id = tier_metric_series(&mut reg, &self.tier_label, m)?;
-            reg.set(id, m.value);
+            reg.set(id, value);
         }
         let engines = self.sh.engines.status();
         let gauge = |reg: &mut Registry, name: &str, help: &str, v: f64| -> Result<()> {
@@ -246,12 +280,35 @@ impl NodeService {
             MetricKind::Counter,
             &["engine"],
         )?;
+        let errors = reg.family(
+            "node_engine_errors_total",
+            "Requests of an engine answered with an error (malformed, out of order, a region or \
+             job refused)",
+            MetricKind::Counter,
+            &["engine"],
+        )?;
+        let connections = reg.family(
+            "node_engine_connections",
+            "Connections open per engine name",
+            MetricKind::Gauge,
+            &["engine"],
+        )?;
         let in_flight = reg.family(
             "node_engine_jobs_in_flight",
             "Jobs of an engine queued or running at the service",
             MetricKind::Gauge,
             &["engine"],
         )?;
+        let huge = reg.family(
+            "node_engine_region_huge_pages",
+            "Share (0 to 1) of an engine's registered region the service maps in 2 MiB pages",
+            MetricKind::Gauge,
+            &["engine"],
+        )?;
+        for (name, share) in &shares {
+            let id = reg.series(huge, &[name.as_str()])?;
+            reg.set(id, *share);
+        }
         for en in &engines {
             let n = en.name.as_str();
             for (op, j, b) in [
@@ -269,6 +326,10 @@ impl NodeService {
             reg.inc(id, en.lookups as f64);
             let id = reg.series(in_flight, &[n])?;
             reg.inc(id, en.jobs_in_flight as f64);
+            let id = reg.series(errors, &[n])?;
+            reg.inc(id, en.errors as f64);
+            let id = reg.series(connections, &[n])?;
+            reg.inc(id, 1.0);
         }
         Ok(reg.render())
     }

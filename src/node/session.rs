@@ -46,8 +46,11 @@ pub struct ServiceShared {
     pub o_direct: bool,
     /// Requests in flight per region's engine.
     pub queue_depth: u32,
-    /// Bytes per slot (engines must have this row stride).
+    /// Bytes per row of every engine's region (engines must present this row stride).
     pub row_stride: u64,
+    /// Bytes per slot: each row's first `slot_bytes` are stored (the whole row, or the
+    /// canonical area of a larger row).
+    pub slot_bytes: u64,
     /// The compatibility digest engines must present.
     pub digest: [u8; 32],
     /// Uids allowed to connect.
@@ -260,6 +263,12 @@ impl Session {
         send(&self.writer, &r.to_frame(seq));
     }
 
+    /// Answers request `seq` with `e`, counted as the engine's error.
+    fn refuse(&self, seq: u64, e: &Error) {
+        self.entry.counters.errors.fetch_add(1, Ordering::Relaxed);
+        self.reply(seq, &error_reply(e));
+    }
+
     fn serve(&mut self, mut reader: FrameReader) -> Result<()> {
         loop {
             if self.sh.stopping.load(Ordering::Relaxed) {
@@ -271,14 +280,14 @@ impl Session {
             let req = match Request::from_frame(&frame) {
                 Ok(r) => r,
                 Err(e) => {
-                    self.reply(frame.seq, &error_reply(&e));
+                    self.refuse(frame.seq, &e);
                     continue;
                 }
             };
             match req {
-                Request::Hello { .. } => self.reply(
+                Request::Hello { .. } => self.refuse(
                     frame.seq,
-                    &error_reply(&Error::new(ErrorKind::Contract, "HELLO was already sent")),
+                    &Error::new(ErrorKind::Contract, "HELLO was already sent"),
                 ),
                 Request::RegisterPath { num_rows, path } => {
                     let r = open_region_file(&path, self.entry.uid)
@@ -331,7 +340,7 @@ impl Session {
                     "node service: engine {:?}: region refused: {e}",
                     self.entry.name
                 );
-                self.reply(seq, &error_reply(&e));
+                self.refuse(seq, &e);
             }
         }
     }
@@ -368,6 +377,8 @@ impl Session {
             num_rows,
             row_stride: self.sh.row_stride,
             io_engine: engine.info.name.clone(),
+            huge_page_share: region.huge_page_share(),
+            small_pages_reason: region.small_pages_reason().map(str::to_string),
         });
         let mapped = Arc::new(MappedRegion { region, engine });
         let (tx, rx) = crossbeam_channel::bounded(MAX_QUEUED_JOBS_PER_ENGINE);
@@ -391,10 +402,9 @@ impl Session {
     fn enqueue(&self, seq: u64, load: bool, job: JobRequest) {
         let fail = |e: Error| {
             let r = JobResult::failed(job.job_id, e);
-            self.entry
-                .counters
-                .failed_jobs
-                .fetch_add(1, Ordering::Relaxed);
+            let c = &self.entry.counters;
+            c.failed_jobs.fetch_add(1, Ordering::Relaxed);
+            c.errors.fetch_add(1, Ordering::Relaxed);
             self.reply(seq, &Reply::JobDone(JobDone::from_result(&r, &job.keys)));
         };
         let (Some(tx), Some(mapped)) = (&self.jobs_tx, &self.region) else {
@@ -428,6 +438,7 @@ impl Session {
                     ),
                 );
                 c.failed_jobs.fetch_add(1, Ordering::Relaxed);
+                c.errors.fetch_add(1, Ordering::Relaxed);
                 self.reply(
                     q.seq,
                     &Reply::JobDone(JobDone::from_result(&r, &q.job.keys)),
@@ -489,6 +500,7 @@ pub fn status_json(sh: &ServiceShared) -> String {
         "version": env!("CARGO_PKG_VERSION"),
         "digest": hex::encode(sh.digest),
         "row_stride": sh.row_stride,
+        "slot_bytes": sh.slot_bytes,
         "tier": {
             "paths": info.slab_paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
             "total_slots": info.total_slots,
@@ -560,6 +572,7 @@ impl JobWorker {
         };
         let region = &self.mapped.region;
         let stride = region.row_stride();
+        let slot = self.sh.slot_bytes as usize;
         let n = job.keys.len();
         let mut results: Vec<Result<u32>> = (0..n)
             .map(|_| Err(Error::new(ErrorKind::Internal, "not moved")))
@@ -579,7 +592,7 @@ impl JobWorker {
                     file: *file,
                     file_offset: *offset,
                     region_offset: row * stride,
-                    len: stride,
+                    len: slot,
                     tag: i as u64,
                 });
             }
@@ -640,6 +653,7 @@ impl JobWorker {
         // or gave it to the job to fill (a load, whose bytes it reads only after JOB_DONE);
         // this thread is the only one of the service touching it now.
         let bytes = unsafe { self.mapped.region.row(row) };
-        bytes.map_or(0, crc32fast::hash)
+        // The slot holds the row's first `slot_bytes`: its CRC covers those.
+        bytes.map_or(0, |b| crc32fast::hash(&b[..self.sh.slot_bytes as usize]))
     }
 }

@@ -21,7 +21,7 @@
 
 use std::ffi::c_void;
 use std::fs::File;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
 
 use rustix::mm::munmap;
@@ -184,18 +184,56 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
         ));
     }
     let file = open_mapped_file(&m)?;
-    let fs = rustix::fs::fstatfs(file.as_fd()).map_err(|e| format!("fstatfs failed: {e}"))?;
-    if fs.f_type as i64 != TMPFS_MAGIC {
+    let offset = m.offset + (addr - m.start) as u64;
+    let mapped = map_collapsed(file.as_fd(), offset, len, &m.path)?;
+    if mapped.share == 0.0 {
+        // Nothing gained over the caller's own mapping: keep that one.
+        return Err(mapped
+            .shortfall
+            .unwrap_or_else(|| "no huge page collapsed".into()));
+    }
+    Ok(AliasOutcome::Huge {
+        alias: mapped.alias,
+        share: mapped.share,
+        shortfall: mapped.shortfall,
+    })
+}
+
+/// A 2 MiB-aligned mapping of a file range and how much of it is in huge pages.
+#[derive(Debug)]
+pub(super) struct Collapsed {
+    pub(super) alias: Alias,
+    /// Share (0 to 1) of its whole 2 MiB pages collapsed.
+    pub(super) share: f64,
+    /// Why not all (`None` when every page is huge).
+    pub(super) shortfall: Option<String>,
+}
+
+/// Maps `len` bytes of the file `fd` (`name` in messages) from `offset` shared, read-write,
+/// at an address congruent to `offset` modulo 2 MiB, and collapses the mapping into 2 MiB
+/// pages where the file is on tmpfs: what [`PrimaryRegion::adopt_shared`] does with the file
+/// behind adopted memory, and the node service with an engine's region file
+/// ([`PrimaryRegion::map_shared_file`]). Errors only when no such mapping can be made (the
+/// range is under 2 MiB, the file shorter than it, `mmap` fails); a mapping left in 4 KiB
+/// pages comes back with share 0 and the reason.
+///
+/// [`PrimaryRegion::adopt_shared`]: super::PrimaryRegion::adopt_shared
+/// [`PrimaryRegion::map_shared_file`]: super::PrimaryRegion::map_shared_file
+pub(super) fn map_collapsed(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    len: usize,
+    name: &str,
+) -> Result<Collapsed, String> {
+    if len < HUGE_PAGE {
         return Err(format!(
-            "{} is not on tmpfs/shmem (f_type {:#x})",
-            m.path, fs.f_type
+            "the region ({len} bytes) is smaller than one 2 MiB page"
         ));
     }
-    let file_len = file
-        .metadata()
-        .map_err(|e| format!("cannot stat {}: {e}", m.path))?
-        .len();
-    let offset = m.offset + (addr - m.start) as u64;
+    let file_len = rustix::fs::fstat(fd)
+        .map_err(|e| format!("cannot stat {name}: {e}"))?
+        .st_size;
+    let file_len = u64::try_from(file_len).unwrap_or(0);
     let head = (offset % HUGE_PAGE as u64) as usize;
     let map_offset = offset - head as u64;
     // Whole huge pages where the file has them, so the region's tail collapses too.
@@ -203,28 +241,43 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
     let map_len = wanted.min(file_len.saturating_sub(map_offset)) as usize;
     if map_len < head + len {
         return Err(format!(
-            "{} is shorter ({file_len} bytes) than the mapping says",
-            m.path
+            "{name} is shorter ({file_len} bytes) than the range to map"
         ));
     }
     // `map_offset` is a multiple of 2 MiB and the file holds `map_offset + map_len` bytes.
-    let map = map_shared_aligned(&file, map_offset, map_len)
-        .map_err(|e| format!("cannot map {} a second time: {e}", m.path))?;
+    let map = map_shared_aligned(fd, map_offset, map_len)
+        .map_err(|e| format!("cannot map {name} at a 2 MiB boundary: {e}"))?;
     let alias = Alias {
         map,
         map_len,
         // SAFETY: `head < map_len`; inside the mapping just made.
         base: unsafe { map.cast::<u8>().add(head) },
     };
+    let fs = rustix::fs::fstatfs(fd).map_err(|e| format!("fstatfs failed: {e}"))?;
+    if fs.f_type as i64 != TMPFS_MAGIC {
+        return Ok(Collapsed {
+            alias,
+            share: 0.0,
+            shortfall: Some(format!(
+                "{name} is not on tmpfs/shmem (f_type {:#x})",
+                fs.f_type
+            )),
+        });
+    }
     let whole = map_len / HUGE_PAGE;
     // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
     let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
     if collapsed == 0 {
         let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
-        return Err(format!(
-            "MADV_COLLAPSE failed ({e}; needs Linux >= 6.1, transparent_hugepage/shmem_enabled \
-             other than `deny`, free 2 MiB blocks of memory, and pages nobody pins)"
-        ));
+        return Ok(Collapsed {
+            alias,
+            share: 0.0,
+            shortfall: Some(format!(
+                "MADV_COLLAPSE failed ({e}; needs Linux >= 6.1, \
+                 transparent_hugepage/shmem_enabled other than `deny`, free 2 MiB blocks of \
+                 memory, and pages nobody pins)"
+            )),
+        });
     }
     // Even a partial collapse helps: every collapsed huge page is one DMA segment.
     let shortfall = last_error.map(|e| {
@@ -234,7 +287,7 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
             whole - collapsed
         )
     });
-    Ok(AliasOutcome::Huge {
+    Ok(Collapsed {
         alias,
         share: collapsed as f64 / whole as f64,
         shortfall,

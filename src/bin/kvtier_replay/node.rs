@@ -3,7 +3,8 @@
 //! computes them from vLLM's own spec) instead of from a model layout as `kvtier serve` does.
 //!
 //! Input: `{"config": {kvtier configuration with a service section and one nvme tier},
-//! "row_stride": 4096, "digest": "64 hex digits"}`. Once the socket listens the driver prints
+//! "row_stride": 4096, "digest": "64 hex digits", "slot_bytes": optional, the rows' stored
+//! prefix}`. Once the socket listens the driver prints
 //! `{"ready": true}` on a line of its own and serves until SIGTERM or SIGINT; then it stops the
 //! service and the document it prints is `{"status": {the service's last status}}`.
 
@@ -18,6 +19,10 @@ pub fn run(input: &Value) -> Result<Value, String> {
     let config =
         kvtier::config::from_value(field(input, "config")?.clone()).map_err(|e| e.to_string())?;
     let row_stride = uint(input, "row_stride")?;
+    let slot_bytes = match input.get("slot_bytes") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(uint(input, "slot_bytes")?),
+    };
     let digest_hex = string(input, "digest")?;
     let digest: [u8; 32] = hex::decode(digest_hex)
         .ok()
@@ -25,7 +30,8 @@ pub fn run(input: &Value) -> Result<Value, String> {
         .ok_or_else(|| format!("digest {digest_hex:?} is not 64 hex digits"))?;
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
         .map_err(|e| format!("signal handlers: {e}"))?;
-    let service = start_from_config(&config, row_stride, digest).map_err(|e| e.to_string())?;
+    let service =
+        start_from_config(&config, row_stride, slot_bytes, digest).map_err(|e| e.to_string())?;
     println!("{}", json!({"ready": true}));
     let _ = signals.forever().next();
     let status: Value = serde_json::from_str(&service.status_json()).map_err(|e| e.to_string())?;

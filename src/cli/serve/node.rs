@@ -25,8 +25,13 @@ pub fn run(
     metrics_prefix: &str,
 ) -> Result<()> {
     let digest = namespace_digest(layout, &plan.params);
-    let service = start_from_config(cfg, plan.geometry.row_stride, digest)
-        .map_err(|e| super::in_file(config_path, e))?;
+    let service = start_from_config(
+        cfg,
+        plan.geometry.row_stride,
+        plan.params.slot_prefix(),
+        digest,
+    )
+    .map_err(|e| super::in_file(config_path, e))?;
     if let Some(s) = &cfg.service {
         // stderr: the first stdout line stays the endpoint's address (scripts read it).
         crate::cli::output::errln!(
@@ -64,7 +69,7 @@ impl Service for NodeHttp {
 
     fn health(&mut self) -> std::result::Result<String, String> {
         match &self.service {
-            Some(s) => health_body(&[("1:nvme".to_string(), s.health())]),
+            Some(s) => health_body(&[(s.tier_label().to_string(), s.health())]),
             None => Err("stopped\n".to_string()),
         }
     }
