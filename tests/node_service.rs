@@ -535,6 +535,74 @@ fn assert_not_mapped(path: &Path) {
     );
 }
 
+// ---- the service killed and restarted under load ---------------------------------------------
+
+const SERVICE_VAR: &str = "KVTIER_NODE_SERVICE_CHILD";
+/// Slots of the tier in the restart test (every key it stores fits: nothing is evicted).
+const RESTART_SLOTS: u64 = 256;
+/// Kills of the service in the restart test.
+const KILLS: u64 = 3;
+/// Keys per store job in the restart test.
+const KEYS_PER_JOB: u32 = 4;
+
+/// Not a test: the body of the service processes the restart test starts (does nothing unless
+/// `KVTIER_NODE_SERVICE_CHILD` names the test's directory). Serves until stdin closes or it
+/// is killed.
+#[test]
+fn service_process_entry() {
+    let Ok(dir) = std::env::var(SERVICE_VAR) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let mut cfg = config(&dir, 0o600, Vec::new());
+    cfg.secondary_tiers[0]
+        .params
+        .insert("capacity_bytes".into(), json!(STRIDE * RESTART_SLOTS));
+    let service = start_from_config(&cfg, STRIDE, None, DIGEST).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !service.with_tier(|t| t.is_recovered()) {
+        assert!(Instant::now() < deadline, "the tier never recovered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("SERVICE:ready");
+    use std::io::Write;
+    std::io::stdout().flush().unwrap();
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    service.shutdown().unwrap();
+}
+
+fn spawn_service(dir: &Path) -> ChildGuard {
+    let exe = std::env::current_exe().unwrap();
+    let mut child = Command::new(exe)
+        .args([
+            "--exact",
+            "service_process_entry",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(SERVICE_VAR, dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut r = BufReader::new(out);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            r.read_line(&mut line).unwrap() > 0,
+            "the service process ended before it was ready"
+        );
+        if line.contains("SERVICE:ready") {
+            break;
+        }
+    }
+    ChildGuard(Some(child))
+}
+
 /// The bytes of `k`'s row: a function of the key alone, so any loaded row can be checked.
 fn payload_of(k: &ChunkKey) -> Vec<u8> {
     let mut seed = k.as_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
@@ -548,6 +616,274 @@ fn payload_of(k: &ChunkKey) -> Vec<u8> {
         chunk.copy_from_slice(&seed.to_le_bytes()[..chunk.len()]);
     }
     row
+}
+
+fn job(job_id: u64, keys: Vec<ChunkKey>, rows: Vec<u32>, load: bool) -> kvtier::TransferJob {
+    kvtier::TransferJob {
+        job_id,
+        keys,
+        chunk_ids: rows,
+        is_promotion: load,
+        req_id: "survival".into(),
+        submit_time: Instant::now(),
+    }
+}
+
+/// Waits (stepping the tier as an engine does) until job `id` is reported.
+fn wait_job(t: &mut kvtier::node::NodeTier, id: u64) -> kvtier::JobResult {
+    use kvtier::contract::secondary::SecondaryTier;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut done = t.get_finished_jobs();
+        if let Some(at) = done.iter().position(|r| r.job_id == id) {
+            assert_eq!(done.len(), 1, "one job at a time here: {done:?}");
+            return done.swap_remove(at);
+        }
+        assert!(done.is_empty(), "a job nobody waits for: {done:?}");
+        assert!(Instant::now() < deadline, "job {id} never reported");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The lookup verdict once it is no longer RETRY (the tier asks the service in the
+/// background; MISS while it is disconnected).
+fn settled_lookup(t: &mut kvtier::node::NodeTier, k: &ChunkKey) -> LookupResult {
+    use kvtier::contract::secondary::SecondaryTier;
+    let ctx = kvtier::RequestContext::new("survival");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match t.lookup(k, &ctx) {
+            LookupResult::Retry => {
+                assert!(Instant::now() < deadline, "lookup still RETRY after 60 s");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn node_tier(socket: &Path, name: &str, region: &PrimaryRegion) -> kvtier::node::NodeTier {
+    kvtier::node::NodeTier::connect(
+        socket,
+        &hello(name),
+        kvtier::node::RegionSource::Fd(region.fd().unwrap()),
+        ROWS,
+        None,
+    )
+    .unwrap()
+}
+
+#[derive(Debug, Default)]
+struct LoadReport {
+    jobs_ok: u64,
+    jobs_failed: u64,
+    rows_checked: u64,
+    reconnects: u64,
+    losses: u64,
+}
+
+/// Engine A: stores jobs of fresh keys (rows filled with [`payload_of`]) until `stop`;
+/// keys of jobs reported successful go to `committed`.
+fn storer(
+    socket: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
+) -> LoadReport {
+    use kvtier::contract::secondary::SecondaryTier;
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let mut t = node_tier(&socket, "storer", &region);
+    let mut rep = LoadReport::default();
+    let mut next = 0u32;
+    let mut id = 0;
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        id += 1;
+        // A failed job's keys are stored again by the next one (held ones are skipped).
+        let keys: Vec<ChunkKey> = (next..next + KEYS_PER_JOB).map(|i| key("sv", i)).collect();
+        assert!(
+            u64::from(next + KEYS_PER_JOB) <= RESTART_SLOTS,
+            "the test stores more than fits"
+        );
+        for (row, k) in keys.iter().enumerate() {
+            // SAFETY: no job of this tier is running; this thread is the region's only user.
+            unsafe { region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k));
+        }
+        t.submit_store(job(id, keys.clone(), (0..KEYS_PER_JOB).collect(), false));
+        let r = wait_job(&mut t, id);
+        if r.success {
+            rep.jobs_ok += 1;
+            next += KEYS_PER_JOB;
+            committed.lock().unwrap().extend(keys);
+        } else {
+            rep.jobs_failed += 1;
+            // Keys the job names as moved are committed too.
+            let mut c = committed.lock().unwrap();
+            for k in r.successful_keys.unwrap_or_default() {
+                if !c.contains(&k) {
+                    c.push(k);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    rep.reconnects = t.reconnects();
+    rep.losses = t.connection_losses();
+    t.shutdown().unwrap();
+    rep
+}
+
+/// Engine B: loads keys engine A committed (a HIT first) until `stop`, and checks every row a
+/// load reports moved against [`payload_of`]: a wrong byte fails the test at once.
+fn loader(
+    socket: PathBuf,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
+) -> LoadReport {
+    use kvtier::contract::secondary::SecondaryTier;
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let mut t = node_tier(&socket, "loader", &region);
+    let mut rep = LoadReport::default();
+    let mut id = 0;
+    let mut pick = 0usize;
+    while !stop.load(std::sync::atomic::Ordering::Acquire) {
+        let keys: Vec<ChunkKey> = {
+            let c = committed.lock().unwrap();
+            if c.is_empty() {
+                drop(c);
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            (0..4)
+                .map(|i| c[(pick + i * 7) % c.len()].clone())
+                .collect()
+        };
+        pick += 1;
+        let hits: Vec<ChunkKey> = keys
+            .into_iter()
+            .filter(|k| settled_lookup(&mut t, k) == LookupResult::Hit)
+            .collect();
+        if hits.is_empty() {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        for row in 0..hits.len() {
+            // SAFETY: as in `storer`; poison the rows so a load that moved nothing shows.
+            unsafe { region.row_mut(row).unwrap() }.fill(0xA5);
+        }
+        id += 1;
+        let n = hits.len() as u32;
+        t.submit_load(job(id, hits.clone(), (0..n).collect(), true));
+        let r = wait_job(&mut t, id);
+        let moved: Vec<usize> = if r.success {
+            rep.jobs_ok += 1;
+            (0..hits.len()).collect()
+        } else {
+            rep.jobs_failed += 1;
+            let ok = r.successful_keys.unwrap_or_default();
+            (0..hits.len()).filter(|i| ok.contains(&hits[*i])).collect()
+        };
+        for i in moved {
+            // SAFETY: the job is reported; this thread is the region's only user.
+            let got = unsafe { region.row(i).unwrap() };
+            assert!(
+                got == payload_of(&hits[i]).as_slice(),
+                "load job {id} reported key {} moved but its row holds other bytes",
+                hits[i]
+            );
+            rep.rows_checked += 1;
+        }
+    }
+    rep.reconnects = t.reconnects();
+    rep.losses = t.connection_losses();
+    t.shutdown().unwrap();
+    rep
+}
+
+#[test]
+fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("slabs")).unwrap();
+    let socket = dir.path().join("kvtier.sock");
+    let mut service = spawn_service(dir.path());
+    let stop = Arc::new(AtomicBool::new(false));
+    let committed: Arc<Mutex<Vec<ChunkKey>>> = Default::default();
+    let engines = [
+        std::thread::spawn({
+            let (s, st, c) = (socket.clone(), stop.clone(), committed.clone());
+            move || storer(s, st, c)
+        }),
+        std::thread::spawn({
+            let (s, st, c) = (socket.clone(), stop.clone(), committed.clone());
+            move || loader(s, st, c)
+        }),
+    ];
+    let wait_committed = |n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while committed.lock().unwrap().len() < n {
+            assert!(Instant::now() < deadline, "the engines made no progress");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    // Under load: kill the service, leave the engines without it a while, start it again;
+    // three times.
+    let mut before_kills = Vec::new();
+    for _ in 0..KILLS {
+        let n = committed.lock().unwrap().len();
+        wait_committed(n + 20);
+        service.kill().unwrap();
+        service.wait().unwrap();
+        before_kills.push(committed.lock().unwrap().len());
+        std::thread::sleep(Duration::from_millis(200));
+        service = spawn_service(dir.path());
+    }
+    let n = committed.lock().unwrap().len();
+    wait_committed(n + 20);
+    stop.store(true, Ordering::Release);
+    let [a, b] = engines.map(|t| t.join().unwrap());
+    eprintln!("storer {a:?}\nloader {b:?}");
+    for (name, r) in [("storer", &a), ("loader", &b)] {
+        assert_eq!(
+            r.losses, KILLS,
+            "{name} lost its connection at each kill: {r:?}"
+        );
+        assert_eq!(
+            r.reconnects, KILLS,
+            "{name} reconnected by itself each time: {r:?}"
+        );
+        assert!(r.jobs_ok > 0, "{name} did work: {r:?}");
+    }
+    // It stored without pause, so some of its jobs met a dead service.
+    assert!(a.jobs_failed > 0, "the storer saw failed jobs: {a:?}");
+    assert!(b.rows_checked > 0, "the loader loaded rows: {b:?}");
+    // Every key reported stored, before the kill and after, loads with its bytes from the
+    // restarted service.
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let mut t = node_tier(&socket, "checker", &region);
+    let keys = committed.lock().unwrap().clone();
+    for (j, chunk) in keys.chunks(ROWS as usize).enumerate() {
+        for k in chunk {
+            assert_eq!(settled_lookup(&mut t, k), LookupResult::Hit, "key {k}");
+        }
+        let id = j as u64 + 1;
+        let n = chunk.len() as u32;
+        kvtier::contract::secondary::SecondaryTier::submit_load(
+            &mut t,
+            job(id, chunk.to_vec(), (0..n).collect(), true),
+        );
+        let r = wait_job(&mut t, id);
+        assert!(r.success, "{:?}", r.error);
+        for (row, k) in chunk.iter().enumerate() {
+            // SAFETY: the job is reported; this test is the region's only user.
+            let got = unsafe { region.row(row).unwrap() };
+            assert!(got == payload_of(k).as_slice(), "key {k} after the restart");
+        }
+    }
+    eprintln!(
+        "{} keys stored (counts at the kills: {before_kills:?}) load byte-exact after the \
+         restarts",
+        keys.len()
+    );
 }
 
 #[test]

@@ -371,7 +371,8 @@ def _build_class():
 
         @classmethod
         def config_info_keys(cls, tier_config):
-            return tuple(_native().config_info_keys())
+            client = "service_socket_path" in (tier_config or {})
+            return tuple(_native().config_info_keys(client))
 
         def config_info(self):
             return dict(self._tier.config_info())

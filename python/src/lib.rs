@@ -480,19 +480,27 @@ fn kind_name(kind: TierMetricKind) -> &'static str {
     }
 }
 
-/// Every metric a tier reports: `(name, help, kind, label names)`, without opening one.
+/// Every metric a tier reports: `(name, help, kind, label names)`, without opening one. The
+/// in-process tier's (`g3_*`) and the client mode's (`node_client_*`): vLLM declares them per
+/// class, before it knows which mode each entry runs.
 #[pyfunction]
 fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'static str>)> {
     kvtier::embed::tier_metric_descriptors(VLLM_TIER_CLASS)
         .unwrap_or_default()
         .into_iter()
+        .chain(kvtier::node::tier::metric_descriptors())
         .map(|d| (d.name, d.help, kind_name(d.kind), d.label_names))
         .collect()
 }
 
-/// The label names of [`Tier::config_info`], without opening a tier.
+/// The label names of [`Tier::config_info`], without opening a tier: those of the in-process
+/// tier, or with `client` those of the client mode (`service_socket_path`).
 #[pyfunction]
-fn config_info_keys() -> Vec<&'static str> {
+#[pyo3(signature = (client=false))]
+fn config_info_keys(client: bool) -> Vec<&'static str> {
+    if client {
+        return kvtier::node::tier::CONFIG_INFO_KEYS.to_vec();
+    }
     kvtier::embed::tier_config_info_keys(VLLM_TIER_CLASS)
         .unwrap_or_default()
         .to_vec()

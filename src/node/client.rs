@@ -26,8 +26,11 @@ use crate::key::ChunkKey;
 use crate::node::protocol::{Frame, JobRequest, Reply, Request};
 use crate::node::socket::{FrameReader, write_frame, write_frame_with_fd};
 
-/// How long a request that expects an answer (register, lookup, status) waits for it.
+/// How long a request that expects an answer (lookup, status) waits for it.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a registration waits: the service maps the region and collapses it into 2 MiB
+/// pages first (about 0.2 s per GiB when the pages are not huge yet).
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// What an engine says about itself when it connects.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -214,6 +217,15 @@ impl NodeClient {
     }
 
     fn call(&self, req: &Request, fd: Option<BorrowedFd<'_>>) -> Result<Reply> {
+        self.call_within(req, fd, REPLY_TIMEOUT)
+    }
+
+    fn call_within(
+        &self,
+        req: &Request,
+        fd: Option<BorrowedFd<'_>>,
+        timeout: Duration,
+    ) -> Result<Reply> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let frame = req.to_frame(seq)?;
         let (tx, rx) = crossbeam_channel::bounded(1);
@@ -226,7 +238,7 @@ impl NodeClient {
             self.waiters.lock().remove(&seq);
             return Err(e);
         }
-        match rx.recv_timeout(REPLY_TIMEOUT) {
+        match rx.recv_timeout(timeout) {
             Ok(Reply::Error { kind, message }) => Err(Error::new(kind, message)),
             Ok(r) => Ok(r),
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
@@ -235,7 +247,7 @@ impl NodeClient {
                     ErrorKind::Closed,
                     format!(
                         "the kvtier node service did not answer within {} s",
-                        REPLY_TIMEOUT.as_secs()
+                        timeout.as_secs()
                     ),
                 ))
             }
@@ -263,12 +275,13 @@ impl NodeClient {
                 format!("{} is not UTF-8", path.display()),
             )
         })?;
-        let r = self.call(
+        let r = self.call_within(
             &Request::RegisterPath {
                 num_rows,
                 path: path.to_string(),
             },
             None,
+            REGISTER_TIMEOUT,
         )?;
         self.expect_registered(r)
     }
@@ -276,7 +289,11 @@ impl NodeClient {
     /// Registers the engine's region by passing `fd` (a memfd or shared file open for
     /// reading and writing) to the service.
     pub fn register_fd(&self, fd: BorrowedFd<'_>, num_rows: u64) -> Result<()> {
-        let r = self.call(&Request::RegisterFd { num_rows }, Some(fd))?;
+        let r = self.call_within(
+            &Request::RegisterFd { num_rows },
+            Some(fd),
+            REGISTER_TIMEOUT,
+        )?;
         self.expect_registered(r)
     }
 
@@ -398,6 +415,12 @@ impl NodeClient {
     /// Jobs submitted and not yet collected with [`NodeClient::finished_jobs`].
     pub fn outstanding_jobs(&self) -> usize {
         self.jobs.lock().len() + self.finished_rx.len()
+    }
+
+    /// True once the connection is lost and every job that was outstanding then has been
+    /// reported (the reply reader has stopped): nothing more will arrive on this connection.
+    pub fn is_finished(&self) -> bool {
+        !self.is_connected() && self.reader.as_ref().is_none_or(JoinHandle::is_finished)
     }
 }
 

@@ -6,19 +6,41 @@
 //! service in the background and answered RETRY (vLLM's scheduler asks again next step, when
 //! the verdict is there). A verdict is used once and only while it is fresh
 //! ([`VERDICT_TTL`]), so a chunk another engine stores becomes visible within that time.
-//! Stores and loads are forwarded as they come and reported once each; when the connection is
-//! lost every outstanding job is reported failed and lookups answer MISS.
+//! Stores and loads are forwarded as they come and reported once each.
+//!
+//! **When the service goes away** (it crashed, was killed or restarted), every job still
+//! outstanding is reported failed, never done, and lookups answer MISS. The outage is logged
+//! once; a background thread reconnects with exponential backoff
+//! ([`RECONNECT_FIRST_DELAY`] doubling up to [`RECONNECT_MAX_DELAY`]): it presents the same
+//! compatibility digest and row stride again (a service that now has another digest is
+//! refused, and the refusal logged once per outage), re-registers the same region, and the
+//! tier uses the new connection from its next call on (verdicts of the old one are dropped).
+//! Nothing of the engine's G3 data is lost: the service recovers its index from its journal
+//! and what was committed before the outage loads again. The counts are in
+//! [`NodeTier::metrics`] (`node_client_*`).
+//!
+//! Why a job the old connection reported failed can never write into a row later: the kernel
+//! finishes or cancels a dying process's I/O (its io_uring requests included) before its
+//! descriptors close, and the socket closing is how the client learns of the death.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::BorrowedFd;
-use std::path::Path;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use parking_lot::Mutex;
 
 use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, RequestContext, TransferJob,
 };
-use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth};
-use crate::error::Result;
+use crate::contract::secondary::{
+    HealthState, MetricDescriptor, SecondaryTier, TierHealth, TierMetric, TierMetricKind,
+};
+use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
 use crate::node::client::{ClientHello, NodeClient};
 
@@ -26,6 +48,18 @@ use crate::node::client::{ClientHello, NodeClient};
 pub const VERDICT_TTL: Duration = Duration::from_secs(1);
 /// Verdicts kept at most (older ones are dropped first when it is reached).
 const MAX_VERDICTS: usize = 65536;
+/// The wait before the second reconnection attempt (the first is immediate).
+pub const RECONNECT_FIRST_DELAY: Duration = Duration::from_millis(20);
+/// The longest wait between two reconnection attempts.
+pub const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+
+/// The label names of [`NodeTier::config_info`].
+pub const CONFIG_INFO_KEYS: [&str; 4] = [
+    "kvtier_service_socket",
+    "kvtier_service_region",
+    "kvtier_slot_bytes",
+    "kvtier_namespace",
+];
 
 /// Where an engine's primary region comes from.
 #[derive(Debug, Clone, Copy)]
@@ -36,24 +70,164 @@ pub enum RegionSource<'a> {
     Fd(BorrowedFd<'a>),
 }
 
+/// The region as the tier keeps it for reconnecting (the descriptor duplicated).
+#[derive(Debug)]
+enum OwnedRegion {
+    Path(PathBuf),
+    Fd(OwnedFd),
+}
+
+/// What it takes to open a session: the socket, the greeting and the region.
+#[derive(Debug)]
+struct Connector {
+    socket: PathBuf,
+    hello: ClientHello,
+    region: OwnedRegion,
+    num_rows: u64,
+}
+
+impl Connector {
+    /// Connects, checks the service's digest and row stride, registers the region.
+    fn connect(&self) -> Result<NodeClient> {
+        let client = NodeClient::connect(&self.socket, &self.hello)?;
+        let service = client.service();
+        // The service refuses another digest itself; this also catches a service that
+        // answered WELCOME with something else.
+        if service.digest != self.hello.digest || service.row_stride != self.hello.row_stride {
+            return Err(Error::new(
+                ErrorKind::IncompatibleLayout,
+                format!(
+                    "the kvtier node service at {} has digest {} and rows of {} bytes; this \
+                     engine has {} and rows of {} bytes",
+                    self.socket.display(),
+                    hex::encode(service.digest),
+                    service.row_stride,
+                    hex::encode(self.hello.digest),
+                    self.hello.row_stride
+                ),
+            ));
+        }
+        match &self.region {
+            OwnedRegion::Path(p) => client.register_path(p, self.num_rows)?,
+            OwnedRegion::Fd(fd) => client.register_fd(fd.as_fd(), self.num_rows)?,
+        }
+        Ok(client)
+    }
+
+    fn region_text(&self) -> String {
+        match &self.region {
+            OwnedRegion::Path(p) => p.display().to_string(),
+            OwnedRegion::Fd(_) => "fd".into(),
+        }
+    }
+}
+
+/// Counts of the connection's life (for [`NodeTier::metrics`]).
+#[derive(Debug, Default)]
+struct LinkStats {
+    losses: AtomicU64,
+    reconnects: AtomicU64,
+    attempts: AtomicU64,
+    failed_jobs: AtomicU64,
+    /// Why the last reconnection attempt failed (for health).
+    last_error: Mutex<Option<String>>,
+}
+
+impl LinkStats {
+    fn sample(&self, connected: bool) -> Vec<TierMetric> {
+        use TierMetricKind::{Counter, Gauge};
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        [
+            (
+                "node_client_connected",
+                "1 while the engine is connected to the kvtier node service",
+                Gauge,
+                f64::from(u8::from(connected)),
+            ),
+            (
+                "node_client_connection_losses",
+                "Connections to the node service lost (service crashed, killed or restarted)",
+                Counter,
+                load(&self.losses),
+            ),
+            (
+                "node_client_reconnects",
+                "Connections to the node service opened again after a loss",
+                Counter,
+                load(&self.reconnects),
+            ),
+            (
+                "node_client_reconnect_attempts",
+                "Attempts to reconnect to the node service",
+                Counter,
+                load(&self.attempts),
+            ),
+            (
+                "node_client_failed_jobs",
+                "Jobs of this engine reported failed (by the service or for a lost connection)",
+                Counter,
+                load(&self.failed_jobs),
+            ),
+        ]
+        .into_iter()
+        .map(|(name, help, kind, value)| TierMetric::new(name, help, kind, value))
+        .collect()
+    }
+}
+
+/// Every metric a [`NodeTier`] reports (for a host that declares its metrics before a tier
+/// opens, as vLLM does).
+pub fn metric_descriptors() -> Vec<MetricDescriptor> {
+    LinkStats::default()
+        .sample(false)
+        .into_iter()
+        .map(|m| MetricDescriptor {
+            name: m.name,
+            help: m.help,
+            kind: m.kind,
+            label_names: Vec::new(),
+        })
+        .collect()
+}
+
+/// A reconnection running in the background.
+struct Reconnect {
+    stop: Arc<AtomicBool>,
+    result: Receiver<NodeClient>,
+    thread: JoinHandle<()>,
+}
+
 /// The node service as a secondary tier (see the module docs).
 pub struct NodeTier {
+    connector: Arc<Connector>,
     client: Option<NodeClient>,
+    /// Connections that were lost, until every job they had is collected.
+    retired: Vec<NodeClient>,
+    reconnect: Option<Reconnect>,
+    /// When the connection was lost (`None` while connected).
+    outage_since: Option<Instant>,
+    /// Jobs failed here without reaching the service (no connection, shut down).
+    failed_here: Vec<JobResult>,
+    shut_down: bool,
     locality: Option<Locality>,
     verdicts: HashMap<ChunkKey, (LookupResult, Instant)>,
     asked: HashSet<ChunkKey>,
+    stats: Arc<LinkStats>,
 }
 
 impl std::fmt::Debug for NodeTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeTier")
+            .field("socket", &self.connector.socket)
             .field("client", &self.client)
+            .field("reconnecting", &self.reconnect.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl NodeTier {
-    /// Connects to the service at `socket` and registers `num_rows` rows of `region`.
+    /// Connects to the service at `socket` and registers `num_rows` rows of `region` (a
+    /// descriptor is duplicated and kept for reconnecting).
     pub fn connect(
         socket: &Path,
         hello: &ClientHello,
@@ -61,22 +235,135 @@ impl NodeTier {
         num_rows: u64,
         locality: Option<Locality>,
     ) -> Result<NodeTier> {
-        let client = NodeClient::connect(socket, hello)?;
-        match region {
-            RegionSource::Path(p) => client.register_path(p, num_rows)?,
-            RegionSource::Fd(fd) => client.register_fd(fd, num_rows)?,
-        }
+        let region = match region {
+            RegionSource::Path(p) => OwnedRegion::Path(p.to_path_buf()),
+            RegionSource::Fd(fd) => OwnedRegion::Fd(fd.try_clone_to_owned().map_err(|e| {
+                Error::new(
+                    ErrorKind::Io,
+                    format!("cannot duplicate the region fd: {e}"),
+                )
+            })?),
+        };
+        let connector = Arc::new(Connector {
+            socket: socket.to_path_buf(),
+            hello: hello.clone(),
+            region,
+            num_rows,
+        });
+        let client = connector.connect()?;
         Ok(NodeTier {
+            connector,
             client: Some(client),
+            retired: Vec::new(),
+            reconnect: None,
+            outage_since: None,
+            failed_here: Vec::new(),
+            shut_down: false,
             locality,
             verdicts: HashMap::new(),
             asked: HashSet::new(),
+            stats: Default::default(),
         })
     }
 
-    /// The connection (`None` after shutdown).
+    /// The connection in use (`None` while reconnecting and after shutdown).
     pub fn client(&self) -> Option<&NodeClient> {
-        self.client.as_ref()
+        self.client.as_ref().filter(|c| c.is_connected())
+    }
+
+    /// Connections lost since the tier opened.
+    pub fn connection_losses(&self) -> u64 {
+        self.stats.losses.load(Ordering::Relaxed)
+    }
+
+    /// Successful reconnections since the tier opened.
+    pub fn reconnects(&self) -> u64 {
+        self.stats.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// Notices a lost connection (starting the reconnection) and takes a new one in.
+    fn maintain(&mut self) {
+        if self.shut_down {
+            return;
+        }
+        if let Some(r) = &self.reconnect {
+            match r.result.try_recv() {
+                Ok(client) => self.install(client),
+                Err(crossbeam_channel::TryRecvError::Empty) => {}
+                Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                    // The thread ended without a connection (it cannot, short of a panic):
+                    // start another.
+                    self.reconnect = None;
+                    self.start_reconnect();
+                }
+            }
+        }
+        if self.client.as_ref().is_some_and(|c| !c.is_connected()) {
+            let lost = self.client.take().expect("checked");
+            self.retired.push(lost);
+            self.stats.losses.fetch_add(1, Ordering::Relaxed);
+            self.outage_since = Some(Instant::now());
+            log::warn!(
+                "kvtier node tier {:?}: the connection to the node service at {} was lost; \
+                 its jobs in flight fail, lookups answer MISS, reconnecting in the background",
+                self.connector.hello.engine,
+                self.connector.socket.display()
+            );
+            self.start_reconnect();
+        }
+    }
+
+    fn start_reconnect(&mut self) {
+        if self.reconnect.is_some() {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let connector = self.connector.clone();
+        let stats = self.stats.clone();
+        let stop2 = stop.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-node-reconnect".into())
+            .spawn(move || {
+                if let Some(c) = reconnect_loop(&connector, &stats, &stop2) {
+                    let _ = tx.send(c);
+                }
+            });
+        match spawned {
+            Ok(thread) => {
+                self.reconnect = Some(Reconnect {
+                    stop,
+                    result: rx,
+                    thread,
+                })
+            }
+            // Tried again on the next call.
+            Err(e) => log::error!("kvtier node tier: cannot start a reconnection thread: {e}"),
+        }
+    }
+
+    fn install(&mut self, client: NodeClient) {
+        if let Some(r) = self.reconnect.take() {
+            let _ = r.thread.join();
+        }
+        let outage = self
+            .outage_since
+            .take()
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+        *self.stats.last_error.lock() = None;
+        // Answers the old connection never gave are lost; its verdicts are stale.
+        self.asked.clear();
+        self.verdicts.clear();
+        log::info!(
+            "kvtier node tier {:?}: reconnected to the node service at {} after {outage:.2} s \
+             (digest {} checked, region {} registered again)",
+            self.connector.hello.engine,
+            self.connector.socket.display(),
+            &hex::encode(self.connector.hello.digest)[..16],
+            self.connector.region_text()
+        );
+        self.client = Some(client);
     }
 
     fn absorb(&mut self) {
@@ -91,6 +378,70 @@ impl NodeTier {
         if self.verdicts.len() > MAX_VERDICTS {
             self.verdicts.retain(|_, (_, t)| t.elapsed() < VERDICT_TTL);
         }
+    }
+
+    fn submit(&mut self, load: bool, job: TransferJob) {
+        self.maintain();
+        match self.client.as_ref() {
+            Some(c) if load => c.submit_load(job.job_id, job.keys, job.chunk_ids),
+            Some(c) => c.submit_store(job.job_id, job.keys, job.chunk_ids),
+            None => {
+                let why = if self.shut_down {
+                    "the node tier is shut down"
+                } else {
+                    "no connection to the kvtier node service (reconnecting)"
+                };
+                self.failed_here.push(JobResult::failed(
+                    job.job_id,
+                    Error::new(ErrorKind::Closed, why),
+                ));
+            }
+        }
+    }
+}
+
+/// Connects until it works or `stop` is set; waits between attempts with exponential backoff.
+fn reconnect_loop(c: &Connector, stats: &LinkStats, stop: &AtomicBool) -> Option<NodeClient> {
+    let mut delay = RECONNECT_FIRST_DELAY;
+    let mut refusal_logged = false;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return None;
+        }
+        stats.attempts.fetch_add(1, Ordering::Relaxed);
+        match c.connect() {
+            Ok(client) => return Some(client),
+            Err(e) => {
+                // Nothing listening yet is the normal course of a restart; a refusal (another
+                // digest, uid, row stride) will not pass by itself: said once per outage.
+                let refused = matches!(
+                    e.kind(),
+                    ErrorKind::IncompatibleLayout
+                        | ErrorKind::PermissionDenied
+                        | ErrorKind::Contract
+                );
+                if refused && !refusal_logged {
+                    refusal_logged = true;
+                    log::warn!(
+                        "kvtier node tier {:?}: the node service at {} refuses this engine \
+                         ({e}); still retrying",
+                        c.hello.engine,
+                        c.socket.display()
+                    );
+                } else {
+                    log::debug!("kvtier node tier: reconnection attempt failed: {e}");
+                }
+                *stats.last_error.lock() = Some(e.to_string());
+            }
+        }
+        let until = Instant::now() + delay;
+        while Instant::now() < until {
+            if stop.load(Ordering::Acquire) {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5).min(delay));
+        }
+        delay = (delay * 2).min(RECONNECT_MAX_DELAY);
     }
 }
 
@@ -108,6 +459,7 @@ impl SecondaryTier for NodeTier {
     }
 
     fn lookup(&mut self, key: &ChunkKey, _req: &RequestContext) -> LookupResult {
+        self.maintain();
         self.absorb();
         if let Some((verdict, at)) = self.verdicts.remove(key)
             && at.elapsed() < VERDICT_TTL
@@ -127,53 +479,103 @@ impl SecondaryTier for NodeTier {
     }
 
     fn submit_store(&mut self, job: TransferJob) {
-        match &self.client {
-            Some(c) => c.submit_store(job.job_id, job.keys, job.chunk_ids),
-            None => log::error!("node tier: store job {} after shutdown", job.job_id),
-        }
+        self.submit(false, job);
     }
 
     fn submit_load(&mut self, job: TransferJob) {
-        match &self.client {
-            Some(c) => c.submit_load(job.job_id, job.keys, job.chunk_ids),
-            None => log::error!("node tier: load job {} after shutdown", job.job_id),
-        }
+        self.submit(true, job);
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        self.client
-            .as_ref()
-            .map_or_else(Vec::new, NodeClient::finished_jobs)
+        self.maintain();
+        let mut out = std::mem::take(&mut self.failed_here);
+        // A lost connection is dropped only once its reader has reported everything.
+        let mut keep = Vec::new();
+        for old in self.retired.drain(..) {
+            let done = old.is_finished();
+            out.extend(old.finished_jobs());
+            if !done {
+                keep.push(old);
+            }
+        }
+        self.retired = keep;
+        if let Some(c) = &self.client {
+            out.extend(c.finished_jobs());
+        }
+        let failed = out.iter().filter(|r| !r.success).count() as u64;
+        self.stats.failed_jobs.fetch_add(failed, Ordering::Relaxed);
+        out
     }
 
     fn has_pending_work(&self) -> bool {
-        self.client
-            .as_ref()
-            .is_some_and(|c| c.outstanding_jobs() > 0)
+        !self.failed_here.is_empty()
+            || self
+                .retired
+                .iter()
+                .any(|c| c.outstanding_jobs() > 0 || !c.is_finished())
+            || self
+                .client
+                .as_ref()
+                .is_some_and(|c| c.outstanding_jobs() > 0)
     }
 
     fn drain_jobs(&mut self) {
+        for old in &self.retired {
+            while !old.is_finished() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
         if let Some(c) = &self.client {
             c.wait_outstanding(None);
         }
     }
 
     fn shutdown(&mut self) -> Result<()> {
+        self.shut_down = true;
+        if let Some(r) = self.reconnect.take() {
+            r.stop.store(true, Ordering::Release);
+            // A connect attempt in progress may wait for the service's answer: not joined.
+            // A connection it still makes is dropped with it, which ends that session.
+            drop(r.result);
+        }
         self.drain_jobs();
         // The service stops using this engine's region when the session ends (it unmaps it).
         drop(self.client.take());
+        self.retired.clear();
         Ok(())
+    }
+
+    fn metrics(&self) -> Vec<TierMetric> {
+        self.stats.sample(self.ready())
+    }
+
+    fn config_info(&self) -> Vec<(&'static str, String)> {
+        let values = [
+            self.connector.socket.display().to_string(),
+            self.connector.region_text(),
+            self.connector.hello.row_stride.to_string(),
+            hex::encode(self.connector.hello.digest),
+        ];
+        CONFIG_INFO_KEYS.into_iter().zip(values).collect()
     }
 
     fn health(&self) -> TierHealth {
         let mut h = TierHealth::default();
-        match &self.client {
-            Some(c) if c.is_connected() => {}
-            Some(_) => h.add(
-                HealthState::Failed,
-                "the connection to the kvtier node service was lost",
-            ),
-            None => h.add(HealthState::Failed, "shut down"),
+        if self.shut_down {
+            h.add(HealthState::Failed, "shut down");
+        } else if !self.client.as_ref().is_some_and(NodeClient::is_connected) {
+            let why = self.stats.last_error.lock().clone();
+            h.add(
+                HealthState::Degraded,
+                match why {
+                    Some(e) => format!(
+                        "the connection to the kvtier node service was lost; reconnecting \
+                         (last attempt: {e})"
+                    ),
+                    None => "the connection to the kvtier node service was lost; reconnecting"
+                        .to_string(),
+                },
+            );
         }
         h
     }

@@ -227,13 +227,49 @@ def promote_in_another_process(extra, keys) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def start_hanging_child(extra, keys, hang: str):
+    """Starts :func:`child_main` in a second process that submits its jobs and then waits to
+    be killed: ``hang="store"`` stores ``keys`` (its rows hold :func:`payload`), ``"promote"``
+    promotes them. Returns the process once its jobs are submitted."""
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()),
+         json.dumps({"extra": extra, "keys": [k.hex() for k in keys], "hang": hang})],
+        stdout=subprocess.PIPE, text=True,
+    )
+    line = child.stdout.readline()
+    assert json.loads(line) == {"submitted": hang}, line
+    return child
+
+
+def _hang(engine: Engine, keys, hang: str) -> None:
+    """Submits the jobs of ``hang`` through vLLM's manager, says so, and sleeps."""
+    req = engine.request()
+    if hang == "store":
+        engine.store(keys, req)
+    else:
+        deadline = time.monotonic() + 60
+        while any(engine.manager.lookup(k, req) is LookupResult.RETRY for k in keys):
+            assert time.monotonic() < deadline, "lookups still RETRY after 60 s"
+            engine.step_end()
+            time.sleep(0.001)
+    engine.step_end()  # the manager hands the jobs to the tiers at the step's end
+    print(json.dumps({"submitted": hang}), flush=True)
+    time.sleep(600)
+
+
 def child_main(argv) -> None:
-    """The restart test's second process: open the tier, promote the keys, report."""
+    """The restart test's second process: open the tier, promote the keys, report (or, with
+    ``hang``, submit and wait to be killed: :func:`start_hanging_child`)."""
     args = json.loads(argv[0])
     config = args.get("config", {})
     engine = Engine(args["extra"], **config)
-    req = engine.request()
     keys = [bytes.fromhex(k) for k in args["keys"]]
+    if args.get("hang"):
+        _hang(engine, keys, args["hang"])
+        return
+    req = engine.request()
     outcome = engine.promote(keys, req)
     hits = [k for k, (_, last) in outcome.items() if last is LookupResult.HIT]
     rows = engine.load(hits, req) if hits else {}

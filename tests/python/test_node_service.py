@@ -24,6 +24,7 @@ from kvtier_engine import (
     key,
     offloading_config,
     promote_in_another_process,
+    start_hanging_child,
 )
 from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -47,11 +48,23 @@ def engines_digest(extra) -> str:
     return _native.namespace_of(json.dumps(spec_fields(spec, ROW)))[1]
 
 
+def start_service(doc: dict) -> subprocess.Popen:
+    """``kvtier-replay node-serve`` on ``doc``, once its socket listens."""
+    proc = subprocess.Popen(
+        [os.environ["KVTIER_REPLAY"], "node-serve"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    proc.stdin.write(json.dumps(doc))
+    proc.stdin.close()
+    ready = proc.stdout.readline()
+    assert json.loads(ready) == {"ready": True}, ready
+    return proc
+
+
 @pytest.fixture
 def service(tmp_path):
     """A running node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``."""
-    replay = os.environ.get("KVTIER_REPLAY")
-    if not replay:
+    if not os.environ.get("KVTIER_REPLAY"):
         pytest.skip("KVTIER_REPLAY is not set (run through tests/python_suite.rs)")
     socket = tmp_path / "kvtier.sock"
     extra = extra_config(client_entry(socket))
@@ -69,15 +82,9 @@ def service(tmp_path):
         "row_stride": ROW,
         "digest": engines_digest(extra),
     }
-    proc = subprocess.Popen(
-        [replay, "node-serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    proc.stdin.write(json.dumps(doc))
-    proc.stdin.close()
-    ready = proc.stdout.readline()
-    assert json.loads(ready) == {"ready": True}, ready
-    state = {"socket": socket, "extra": extra, "proc": proc}
+    state = {"socket": socket, "extra": extra, "proc": start_service(doc), "doc": doc}
     yield state
+    proc = state["proc"]
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
@@ -158,3 +165,114 @@ def test_a_client_mode_tier_refuses_nvme_keys_naming_them(service):
     entry["paths"] = ["/tmp"]
     with pytest.raises(kvtier.ConfigError, match=r"secondary_tiers\[0\]\.paths"):
         Engine(extra_config(entry))
+
+
+def wait_until_reconnected(engine, deadline_s: float = 60.0) -> None:
+    """Steps ``engine`` until its tier is connected again (it reconnects by itself; the new
+    connection is taken in on the tier's next call)."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    req = engine.request()
+    while not engine.tier().ready:
+        assert time.monotonic() < deadline, "the tier did not reconnect within 60 s"
+        engine.settle()
+        engine.tier().lookup(key(999_999), req)  # any call of the tier takes it in
+        time.sleep(0.01)
+    engine.finish(req)
+
+
+def tier_lookup_settled(engine, k, req, deadline_s: float = 60.0):
+    """The kvtier tier's own verdict (not the manager's: the primary may hold the key)."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        r = engine.tier().lookup(k, req)
+        if r is not LookupResult.RETRY:
+            return r
+        assert time.monotonic() < deadline, "lookup still RETRY after 60 s"
+        time.sleep(0.001)
+
+
+def test_the_service_killed_under_load_and_restarted_engines_reconnect_by_themselves(service):
+    extra = service["extra"]
+    a = Engine(extra)
+    try:
+        committed = [key(i) for i in range(6)]
+        req = a.request()
+        a.store(committed, req)
+        a.settle()
+        a.finish(req)
+        # Under load: A's manager hands new cascades to kvtier and the service dies with them.
+        in_flight = [key(100 + i) for i in range(6)]
+        req = a.request()
+        a.store(in_flight, req)
+        a.step_end()
+        service["proc"].kill()
+        service["proc"].wait()
+        a.settle()  # every job is reported (failed or done), none hangs
+        a.finish(req)
+        # While the service is away the tier answers MISS, and jobs fail without waiting.
+        assert tier_lookup_settled(a, committed[0], req) is LookupResult.MISS
+        assert not a.tier().ready
+        service["proc"] = start_service(service["doc"])
+        wait_until_reconnected(a)
+        stats = {n: v for n, _, _, v in a.tier()._tier.metrics()}
+        assert stats["node_client_connection_losses"] == 1, stats
+        assert stats["node_client_reconnects"] == 1, stats
+        assert stats["node_client_connected"] == 1, stats
+        # What was committed before the kill loads with A's bytes through the restarted
+        # service; what was in flight is either there with A's bytes or a MISS, never wrong.
+        req = a.request()
+        assert tier_lookup_settled(a, committed[0], req) is LookupResult.HIT
+        report = promote_in_another_process(extra, committed + in_flight)
+        hits = [k for k, v in report["last"].items() if v == "HIT"]
+        assert {k.hex() for k in committed} <= set(hits), report
+        assert all(report["equal"].values()) and len(report["equal"]) == len(hits), report
+        # A stores again through its new connection, and another engine loads it.
+        after = [key(200 + i) for i in range(4)]
+        a.store(after, req)
+        a.settle()
+        a.finish(req)
+        report = promote_in_another_process(extra, after)
+        assert set(report["last"].values()) == {"HIT"}, report
+        assert all(report["equal"].values()) and len(report["equal"]) == len(after), report
+    finally:
+        a.shutdown()
+
+
+@pytest.mark.parametrize("hang", ["store", "promote"])
+def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(service, hang):
+    extra = service["extra"]
+    stored = [key(i) for i in range(6)]
+    a = Engine(extra)
+    try:
+        req = a.request()
+        a.store(stored, req)
+        a.settle()
+        a.finish(req)
+    finally:
+        a.shutdown()
+    # Another vLLM engine process submits its jobs and is SIGKILLed with them in flight.
+    keys = stored if hang == "promote" else [key(50 + i) for i in range(6)]
+    child = start_hanging_child(extra, keys, hang)
+    child.kill()
+    child.wait()
+    wait_until_no_engine(service["socket"])
+    # The killed engine's restart (a new process of the same configuration) loads everything
+    # committed with the bytes it was stored with; a killed store's keys are there whole or
+    # not at all.
+    # (One promotion per key set: vLLM's primary holds 8 rows.)
+    hits = set()
+    for wanted in (stored, keys) if hang == "store" else (stored,):
+        report = promote_in_another_process(extra, wanted)
+        found = {k for k, v in report["last"].items() if v == "HIT"}
+        assert all(report["equal"].values()) and len(report["equal"]) == len(found), report
+        hits |= found
+    assert {k.hex() for k in stored} <= hits, hits
+    # Nothing of the killed engine is left at the service.
+    wait_until_no_engine(service["socket"])
+    status = stop(service)
+    assert status["engines"] == [], status
+    assert status["tier"]["used_slots"] == len(hits), status
