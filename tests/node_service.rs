@@ -727,6 +727,19 @@ fn storer(
     }
     rep.reconnects = t.reconnects();
     rep.losses = t.connection_losses();
+    // The same counts as the tier reports them to vLLM.
+    let metric = |name: &str| {
+        t.metrics()
+            .into_iter()
+            .find(|m| m.name == name)
+            .unwrap_or_else(|| panic!("metric {name}"))
+            .value
+    };
+    assert_eq!(metric("node_client_reconnects"), rep.reconnects as f64);
+    assert_eq!(metric("node_client_connection_losses"), rep.losses as f64);
+    assert_eq!(metric("node_client_connected"), 1.0);
+    assert!(metric("node_client_reconnect_attempts") >= rep.reconnects as f64);
+    assert!(metric("node_client_failed_jobs") >= rep.jobs_failed as f64);
     t.shutdown().unwrap();
     rep
 }
@@ -860,6 +873,14 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
     // restarted service.
     let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
     let mut t = node_tier(&socket, "checker", &region);
+    let info: std::collections::HashMap<_, _> =
+        kvtier::contract::secondary::SecondaryTier::config_info(&t)
+            .into_iter()
+            .collect();
+    assert_eq!(info["kvtier_service_socket"], socket.display().to_string());
+    assert_eq!(info["kvtier_service_region"], "fd");
+    assert_eq!(info["kvtier_slot_bytes"], STRIDE.to_string());
+    assert_eq!(info["kvtier_namespace"], hex::encode(DIGEST));
     let keys = committed.lock().unwrap().clone();
     for (j, chunk) in keys.chunks(ROWS as usize).enumerate() {
         for k in chunk {
@@ -937,4 +958,62 @@ fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
             "row {row}: the bytes past the slot were not touched"
         );
     }
+}
+
+#[test]
+fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_returns() {
+    use kvtier::contract::secondary::{HealthState, SecondaryTier};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("kvtier.sock");
+    let start = |sub: &str, digest: [u8; 32]| {
+        let d = dir.path().join(sub);
+        std::fs::create_dir_all(d.join("slabs")).unwrap();
+        let mut cfg = config(&d, 0o600, Vec::new());
+        cfg.service.as_mut().unwrap().socket_path = socket.clone();
+        start_from_config(&cfg, STRIDE, None, digest).unwrap()
+    };
+    let service = start("a", DIGEST);
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let mut t = node_tier(&socket, "digest-check", &region);
+    service.shutdown().unwrap();
+    let other = [0x17; 32];
+    let wrong = start("b", other);
+    // The tier notices the loss on its next call, then its attempts are refused.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let why = loop {
+        let _ = t.get_finished_jobs();
+        let h = t.health();
+        if let Some(p) = h.problems.iter().find(|p| p.contains("digest")) {
+            assert_eq!(h.state, HealthState::Degraded, "{h:?}");
+            break p.clone();
+        }
+        assert!(Instant::now() < deadline, "no refusal seen: {h:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(why.contains(&hex::encode(other)), "{why}");
+    assert!(why.contains(&hex::encode(DIGEST)), "{why}");
+    assert!(!t.ready());
+    assert!(
+        wrong.engines().is_empty(),
+        "the wrong service took the engine"
+    );
+    assert_eq!(
+        t.lookup(&key("x", 0), &kvtier::RequestContext::new("r")),
+        LookupResult::Miss
+    );
+    wrong.shutdown().unwrap();
+    let _right = start("a", DIGEST);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !t.ready() {
+        let _ = t.get_finished_jobs();
+        assert!(
+            Instant::now() < deadline,
+            "never reconnected: {:?}",
+            t.health()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(t.reconnects(), 1);
+    assert_eq!(t.health().state, HealthState::Ok);
+    t.shutdown().unwrap();
 }

@@ -48,7 +48,7 @@ def engines_digest(extra) -> str:
     return _native.namespace_of(json.dumps(spec_fields(spec, ROW)))[1]
 
 
-def start_service(doc: dict) -> subprocess.Popen:
+def launch(doc) -> subprocess.Popen:
     """``kvtier-replay node-serve`` on ``doc``, once its socket listens."""
     proc = subprocess.Popen(
         [os.environ["KVTIER_REPLAY"], "node-serve"],
@@ -61,10 +61,11 @@ def start_service(doc: dict) -> subprocess.Popen:
     return proc
 
 
-@pytest.fixture
-def service(tmp_path):
-    """A running node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``."""
-    if not os.environ.get("KVTIER_REPLAY"):
+def start_service(tmp_path, **service_keys) -> dict:
+    """Starts a node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``
+    (``service_keys`` join its ``service`` section); its state, with the process."""
+    replay = os.environ.get("KVTIER_REPLAY")
+    if not replay:
         pytest.skip("KVTIER_REPLAY is not set (run through tests/python_suite.rs)")
     socket = tmp_path / "kvtier.sock"
     extra = extra_config(client_entry(socket))
@@ -73,7 +74,7 @@ def service(tmp_path):
     doc = {
         "config": {
             "cpu_bytes_to_use": 8 * ROW,
-            "service": {"socket_path": str(socket)},
+            "service": {"socket_path": str(socket), **service_keys},
             "secondary_tiers": [
                 {"type": "nvme", "paths": [str(slabs)], "capacity_bytes": 64 * ROW,
                  "direct_io": "auto"}
@@ -82,12 +83,22 @@ def service(tmp_path):
         "row_stride": ROW,
         "digest": engines_digest(extra),
     }
-    state = {"socket": socket, "extra": extra, "proc": start_service(doc), "doc": doc}
-    yield state
+    return {"socket": socket, "extra": extra, "proc": launch(doc), "doc": doc}
+
+
+def end_service(state) -> None:
     proc = state["proc"]
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A running node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``."""
+    state = start_service(tmp_path)
+    yield state
+    end_service(state)
 
 
 def stop(service) -> dict:
@@ -216,7 +227,7 @@ def test_the_service_killed_under_load_and_restarted_engines_reconnect_by_themse
         # While the service is away the tier answers MISS, and jobs fail without waiting.
         assert tier_lookup_settled(a, committed[0], req) is LookupResult.MISS
         assert not a.tier().ready
-        service["proc"] = start_service(service["doc"])
+        service["proc"] = launch(service["doc"])
         wait_until_reconnected(a)
         stats = {n: v for n, _, _, v in a.tier()._tier.metrics()}
         assert stats["node_client_connection_losses"] == 1, stats
