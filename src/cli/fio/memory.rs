@@ -58,6 +58,15 @@ impl FioMemory {
         }
     }
 
+    /// A table cell's worth: `hugetlb`, `malloc` or `tmpfs file`.
+    pub fn short(&self) -> &'static str {
+        match self {
+            FioMemory::ShmHuge => "hugetlb",
+            FioMemory::Malloc => "malloc",
+            FioMemory::ShmFile(_) => "tmpfs file",
+        }
+    }
+
     /// Whether the buffers are 2 MiB pages.
     pub fn huge(&self) -> bool {
         matches!(self, FioMemory::ShmHuge)

@@ -152,47 +152,45 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         * (1 + fio_sides);
     let bar = progress_bar(runs as u64, "fio-compare", !args.json);
     let mut points: Vec<(Profile, DepthPoint)> = Vec::new();
-    let mut chosen: Option<(FioChoice, Option<memory::HugetlbReservation>)> = None;
-    let mut kvtier_engine = String::new();
-    let mut kvtier_pages = String::new();
+    let jobs = if plan.profiles.contains(&Profile::Mixed) {
+        2
+    } else {
+        1
+    };
     for &row_size in &plan.row_sizes {
         let mut workload = Side::open(&plan, &args, row_size)?;
-        kvtier_engine = workload.describe();
+        let kvtier_engine = workload.describe();
         let region = workload.region();
-        kvtier_pages = crate::cli::region_arg::pages_note(&region);
-        // Chosen once, for the first row size's region (the reservation covers the largest).
-        let (choice, _) = chosen.get_or_insert_with(|| {
-            let jobs = if plan.profiles.contains(&Profile::Mixed) {
-                2
-            } else {
-                1
-            };
-            let needed = memory::hugetlb_pages_needed(plan.max_row_size(), plan.max_depth(), jobs);
-            // kvtier's rows count as 2 MiB pages when most of them are (a partial collapse
-            // is named in the report's pages).
-            memory::choose(region.huge_page_share() >= 0.5, shm_file.clone(), needed)
-        });
-        for &profile in &plan.profiles {
-            for &depth in &plan.depths {
-                let point = measure(
+        let kvtier_pages = crate::cli::region_arg::pages_note(&region);
+        // kvtier's rows count as 2 MiB pages when most of them are (a partial collapse is
+        // named in the report's pages).
+        let kvtier_huge = region.huge_page_share() >= 0.5;
+        for &depth in &plan.depths {
+            // fio's memory per point: the hugetlb pages this row size and depth need are
+            // reserved for it alone, so a point too large for the machine's free 2 MiB blocks
+            // is marked (and says why) while the others still run like for like.
+            let needed = memory::hugetlb_pages_needed(row_size, depth, jobs);
+            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.clone(), needed);
+            for &profile in &plan.profiles {
+                let mut point = measure(
                     &plan,
                     profile,
                     row_size,
                     depth,
-                    choice,
+                    &choice,
                     &mut workload,
                     scratch.path(),
                     &bar,
                 )?;
+                point.kvtier_pages = kvtier_pages.clone();
+                point.kvtier_engine = kvtier_engine.clone();
                 points.push((profile, point));
             }
+            drop(reservation);
         }
         workload.close()?;
     }
     bar.finish_and_clear();
-    let (choice, reservation) =
-        chosen.ok_or_else(|| Error::new(ErrorKind::Internal, "nothing was measured"))?;
-    drop(reservation);
     drop(cleanup);
 
     let mut results = Vec::new();
@@ -225,15 +223,13 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             pairs: plan.pairs,
             kvtier_side: plan.side_name,
             kvtier_region: args.region.name(),
-            kvtier_pages: kvtier_pages.clone(),
-            kvtier_engine: kvtier_engine.clone(),
+            kvtier_pages: main.kvtier_pages.clone(),
+            kvtier_engine: main.kvtier_engine.clone(),
             fio_version: fio_version.clone(),
-            fio_setup: choice.like.clone(),
-            fio_like_for_like: choice.like_for_like,
-            fio_note: choice.note.clone(),
-            fio_best_setup: choice.best.clone().or_else(|| {
-                (choice.like_for_like && choice.like.memory.huge()).then(|| choice.like.clone())
-            }),
+            fio_setup: main.fio_setup.clone(),
+            fio_like_for_like: main.fio_like_for_like,
+            fio_note: main.fio_note.clone(),
+            fio_best_setup: main.fio_best_setup.clone(),
             kvtier_samples: main.kvtier_samples,
             fio_samples: main.fio_samples,
             sweep: if args.plot.is_some() {
@@ -256,32 +252,42 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
                         at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
                     ),
                     Series::new(
-                        if choice.like_for_like {
-                            "fio, same memory"
-                        } else {
-                            "fio (not like for like)"
-                        },
+                        "fio, same memory",
                         at.iter().map(|p| p.fio_bytes_per_sec).collect(),
                     ),
                 ];
-                if choice.best.is_some() {
+                if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
                     series.push(Series::new(
                         "fio best (hugetlb)",
                         at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
                     ));
                 }
+                // Points where fio could not have the same memory are named in the title.
+                let unlike: Vec<String> = at
+                    .iter()
+                    .filter(|p| !p.fio_like_for_like)
+                    .map(|p| p.iodepth.to_string())
+                    .collect();
+                let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
+                if !unlike.is_empty() {
+                    title.push_str(&format!(
+                        " (fio NOT like for like at depth {})",
+                        unlike.join(", ")
+                    ));
+                }
                 panels.push(Panel {
-                    title: format!("{} rows, {}", format_size(row_size), r.profile),
+                    title,
                     depths: at.iter().map(|p| p.iodepth).collect(),
                     series,
                 });
             }
         }
+        let main = results.first();
         let subtitle = format!(
             "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
             args.region.name(),
-            kvtier_pages,
-            choice.like.describe(),
+            main.map_or("", |r| r.kvtier_pages.as_str()),
+            main.map_or_else(String::new, |r| r.fio_setup.describe()),
             format_size(plan.per_file * plan.paths.len() as u64),
             display_paths(&plan.paths),
             plan.pairs,
@@ -397,6 +403,15 @@ fn measure(
         kvtier_samples: samples[0].iter().map(speed).collect(),
         fio_samples: samples[1].iter().map(speed).collect(),
         fio_best_samples: b_samples,
+        fio_setup: choice.like.clone(),
+        fio_like_for_like: choice.like_for_like,
+        fio_note: choice.note.clone(),
+        fio_best_setup: choice
+            .best
+            .clone()
+            .or_else(|| best_is_like.then(|| choice.like.clone())),
+        kvtier_pages: String::new(),
+        kvtier_engine: String::new(),
     })
 }
 

@@ -40,6 +40,19 @@ pub struct DepthPoint {
     /// Every pass of fio's best configuration when it ran separately (empty when fio's
     /// same-memory setup is already its best).
     pub fio_best_samples: Vec<f64>,
+    /// fio's memory and batching at this point (hugetlb pages are reserved per point).
+    pub fio_setup: FioSetup,
+    /// Whether fio's memory at this point is the same kind as kvtier's rows.
+    pub fio_like_for_like: bool,
+    /// Why not (the hugetlb pages this point needed and how many could be had), or what was
+    /// done to make it so.
+    pub fio_note: Option<String>,
+    /// fio's best configuration at this point, when it could run.
+    pub fio_best_setup: Option<FioSetup>,
+    /// How kvtier's rows were backed for this row size (each row size gets a fresh region).
+    pub kvtier_pages: String,
+    /// kvtier's engine as it ran.
+    pub kvtier_engine: String,
 }
 
 /// The `--json` object for one profile.
@@ -138,7 +151,13 @@ pub(crate) fn render_report(
         if let Some(note) = &r.fio_note {
             out.push_str(&format!("note: {note}\n"));
         }
-        out.push_str("CPU: core-seconds per GB moved (kvtier: the whole process, CRC32 of every row included on the G3 side)\n\n");
+        out.push_str(
+            "CPU: core-seconds per GB moved (kvtier: the whole process, CRC32 of every row \
+             included on the G3 side; fio: its job threads' usr + sys). Completion work in \
+             interrupt context (hard and soft IRQ) is charged to whatever task it interrupts, \
+             seldom the one waiting for the I/O: neither figure holds all of it, which is why \
+             fio's load figure reads near 0 (docs/performance.md)\n\n",
+        );
     }
     let header = [
         "kvtier",
@@ -193,7 +212,13 @@ pub(crate) fn render_report(
     out.push_str(&table.render());
     if results.iter().any(|r| !r.sweep.is_empty()) {
         out.push('\n');
-        let mut sweep = Table::new(["profile", "row", "depth"].into_iter().chain(header));
+        let mut sweep = Table::new(
+            ["profile", "row", "depth"]
+                .into_iter()
+                .chain(header)
+                .chain(["fio memory"]),
+        );
+        let mut unlike: Vec<String> = Vec::new();
         for r in results {
             for p in &r.sweep {
                 let c = cells(
@@ -206,6 +231,11 @@ pub(crate) fn render_report(
                     p.fio_best_cpu_seconds_per_gb,
                     p.ratio_to_best,
                 );
+                let memory = if p.fio_like_for_like {
+                    p.fio_setup.memory.short().to_string()
+                } else {
+                    format!("{} (NOT like for like *)", p.fio_setup.memory.short())
+                };
                 sweep.row(
                     [
                         r.profile.to_string(),
@@ -213,11 +243,25 @@ pub(crate) fn render_report(
                         p.iodepth.to_string(),
                     ]
                     .into_iter()
-                    .chain(c),
+                    .chain(c)
+                    .chain([memory]),
                 );
+                if !p.fio_like_for_like {
+                    unlike.push(format!(
+                        "* {} {} x {}: {}",
+                        r.profile,
+                        format_size(p.row_size),
+                        p.iodepth,
+                        p.fio_note.as_deref().unwrap_or("fio's memory differs")
+                    ));
+                }
             }
         }
         out.push_str(&sweep.render());
+        for line in unlike {
+            out.push_str(&line);
+            out.push('\n');
+        }
     }
     out
 }
