@@ -133,8 +133,11 @@ pub(super) fn collapse(base: *mut u8, len: usize) -> f64 {
     collapsed as f64 / whole as f64
 }
 
-/// Collapses the `count` huge pages from `base` one at a time ([`collapse_one`]): how many it
-/// collapsed, and the last error of those it could not.
+/// Collapses the `count` huge pages from `base` one at a time ([`collapse_one`]), then tries
+/// the ones that failed once more: collapsing a huge page of 4 KiB pages copies it and frees
+/// those pages, which can make the free 2 MiB block a failed page needs. Returns how many it
+/// collapsed, and the last error of those it could not (how many only the second pass got is
+/// logged).
 ///
 /// # Safety
 /// `base` is 2 MiB-aligned and `[base, base + count * HUGE_PAGE)` lies inside the caller's own
@@ -143,16 +146,34 @@ pub(super) unsafe fn collapse_pages(
     base: *mut u8,
     count: usize,
 ) -> (usize, Option<std::io::Error>) {
-    let mut collapsed = 0;
+    let mut failed = Vec::new();
     let mut last_error = None;
     for i in 0..count {
         // SAFETY: `i < count`, inside the caller's mapping (the caller's promise).
+        if let Err(e) = collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
+            failed.push(i);
+            last_error = Some(e);
+        }
+    }
+    let first_pass = count - failed.len();
+    if first_pass == 0 || failed.is_empty() {
+        return (first_pass, last_error);
+    }
+    let mut second_pass = 0;
+    last_error = None;
+    for &i in &failed {
+        // SAFETY: as above.
         match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
-            Ok(()) => collapsed += 1,
+            Ok(()) => second_pass += 1,
             Err(e) => last_error = Some(e),
         }
     }
-    (collapsed, last_error)
+    log::info!(
+        "MADV_COLLAPSE: {first_pass} of {count} huge pages on the first pass, {second_pass} of \
+         the {} left on the second",
+        failed.len()
+    );
+    (first_pass + second_pass, last_error)
 }
 
 /// Collapses the huge page at `page` (2 MiB-aligned, inside our own mapping), asking again a
