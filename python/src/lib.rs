@@ -17,7 +17,6 @@ use pyo3::types::PyBytes;
 use kvtier::canonical::VllmSpecFields;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
-use kvtier::region::AdoptHugePages;
 use kvtier::tiering::factory::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
@@ -249,6 +248,9 @@ impl Tier {
                 tier_config.tier_type
             )));
         }
+        // `region_huge_pages`: `auto` (kvtier's own 2 MiB-page mapping of vLLM's region where
+        // it can) or `never` (vLLM's mapping, 4 KiB pages); a bad value names the key.
+        let huge_pages = kvtier::embed::region_huge_pages(&tier_config).map_err(to_py)?;
         let tier = py
             .detach(move || {
                 // SAFETY: `anchor` holds vLLM's buffer exported, so `length` bytes at `base`
@@ -256,14 +258,10 @@ impl Tier {
                 // with it every clone of the region's `Arc` held by its I/O engine) has
                 // stopped, and never drops it when stopping failed.
                 // With 2 MiB pages where vLLM's /dev/shm file allows (kvtier's own second
-                // mapping of it; vLLM's mapping and bytes stay as they are).
+                // mapping of it; vLLM's mapping and bytes stay as they are), unless the
+                // entry's `region_huge_pages` says `never`.
                 let region = unsafe {
-                    PrimaryRegion::adopt_shared(
-                        base as *mut u8,
-                        row_stride,
-                        num_rows,
-                        AdoptHugePages::Auto,
-                    )
+                    PrimaryRegion::adopt_shared(base as *mut u8, row_stride, num_rows, huge_pages)
                 }?;
                 Builder::for_tier(tier_config)
                     .region(Arc::new(region))

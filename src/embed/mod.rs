@@ -365,6 +365,14 @@ pub fn tier_config_info_keys(tier_type: &str) -> Option<&'static [&'static str]>
     is_nvme(tier_type).then_some(&crate::g3::tier::CONFIG_INFO_KEYS[..])
 }
 
+/// How a G3 tier's entry wants an adopted primary region backed (its `region_huge_pages` key:
+/// `auto`, the default, or `never`), for the embedder that adopts the region before it builds
+/// the tier (the Python tier adopts vLLM's with [`PrimaryRegion::adopt_shared`]). The whole
+/// entry is checked, so a bad value is an error naming `secondary_tiers[i].region_huge_pages`.
+pub fn region_huge_pages(tier: &TierConfig) -> Result<crate::region::AdoptHugePages> {
+    crate::g3::G3TierConfig::from_tier(tier).map(|c| c.region_huge_pages)
+}
+
 /// Whether a tier of `tier_type` is a G3 tier (`nvme`, or [`VLLM_TIER_CLASS`], the same tier).
 pub(crate) fn is_nvme(tier_type: &str) -> bool {
     tier_type == "nvme" || tier_type == VLLM_TIER_CLASS

@@ -11,6 +11,7 @@ use crate::config::model::TierConfig;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};
+use crate::region::AdoptHugePages;
 use crate::size::{count, format_size_human};
 
 /// Default cap on bytes moving between the primary and the slabs at once (unless a row is
@@ -133,6 +134,11 @@ pub struct G3TierConfig {
     /// canonical layout stores only its canonical area, which is shorter than vLLM's row for
     /// GQA models with replicated KV heads; see docs/canonical.md).
     pub slot_bytes: Option<u64>,
+    /// Whether a primary region the tier *adopts* (vLLM's `/dev/shm` region, adopted by the
+    /// Python tier) may be moved through kvtier's own 2 MiB-page mapping of it
+    /// (`region_huge_pages`: `auto` or `never`; see
+    /// [`crate::region::PrimaryRegion::adopt_shared`]). kvtier's own region ignores it.
+    pub region_huge_pages: AdoptHugePages,
 }
 
 impl G3TierConfig {
@@ -152,6 +158,7 @@ impl G3TierConfig {
             idle: IdlePolicy::default(),
             gds: GdsMode::Off,
             slot_bytes: None,
+            region_huge_pages: AdoptHugePages::Auto,
         }
     }
 
@@ -278,6 +285,19 @@ impl G3TierConfig {
                 "auto" => GdsMode::Auto,
                 "required" => GdsMode::Required,
                 other => return Err(bad_choice(&kp("gds"), other, &["off", "auto", "required"])),
+            };
+        }
+        if let Some(v) = tc.params.get("region_huge_pages") {
+            cfg.region_huge_pages = match str_value(v, &kp("region_huge_pages"))? {
+                "auto" => AdoptHugePages::Auto,
+                "never" => AdoptHugePages::Never,
+                other => {
+                    return Err(bad_choice(
+                        &kp("region_huge_pages"),
+                        other,
+                        &["auto", "never"],
+                    ));
+                }
             };
         }
         if let Some(v) = tc.params.get("idle_poll_us") {
@@ -451,6 +471,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "idle_poll_us",
     "idle_linger_ms",
     "gds",
+    "region_huge_pages",
     "module_path",
 ];
 
@@ -548,6 +569,12 @@ mod tests {
         })))
         .unwrap();
         assert_eq!(off.gds, GdsMode::Required);
+        assert_eq!(c.region_huge_pages, AdoptHugePages::Auto);
+        let never = G3TierConfig::from_tier(&tier(json!({
+            "paths": "/x", "capacity_bytes": 8192, "region_huge_pages": "never"
+        })))
+        .unwrap();
+        assert_eq!(never.region_huge_pages, AdoptHugePages::Never);
         assert_eq!(off.idle.poll_interval, Duration::from_micros(20));
         assert!(!off.idle.lingers());
         let d =
@@ -595,6 +622,14 @@ mod tests {
             (
                 json!({"paths": ["/a"], "capacity_bytes": 1, "direct_io": "off"}),
                 "secondary_tiers[2].direct_io",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "region_huge_pages": "always"}),
+                "secondary_tiers[2].region_huge_pages",
+            ),
+            (
+                json!({"paths": ["/a"], "capacity_bytes": 1, "region_huge_pages": false}),
+                "secondary_tiers[2].region_huge_pages",
             ),
             (
                 json!({"paths": ["/a"], "capacity_bytes": 1, "max_bytes_in_flight": 0}),

@@ -152,6 +152,7 @@ def test_back_pressure_drops_are_counted_and_never_stored(tmp_path, engines):
         ({"capacity_bytes": "lots"}, "secondary_tiers[1].capacity_bytes", ""),
         ({"paths": []}, "secondary_tiers[1].paths", "at least one directory"),
         ({"direct_io": "sometimes"}, "secondary_tiers[1].direct_io", "required"),
+        ({"region_huge_pages": "always"}, "secondary_tiers[1].region_huge_pages", "never"),
     ],
 )
 def test_a_bad_tier_config_raises_a_clear_error_naming_the_key(tmp_path, keys, named, why):
@@ -169,6 +170,38 @@ def test_a_bad_tier_config_raises_a_clear_error_naming_the_key(tmp_path, keys, n
     assert isinstance(err.value, kvtier.ConfigError)
     message = str(err.value)
     assert named in message and why in message, message
+
+
+@pytest.mark.parametrize("mode", ["never", "auto"])
+def test_region_huge_pages_chooses_how_vllms_region_is_moved(tmp_path, engines, mode):
+    # A 4 MiB region (1024 rows), so that two 2 MiB pages of vLLM's /dev/shm file can be
+    # collapsed; `never` keeps vLLM's 4 KiB pages, and the bytes go through either way.
+    # kvtier holds every chunk of the test (the first ones must not be evicted there too).
+    entry = tier_entry(tmp_path, region_huge_pages=mode, capacity_bytes=2048 * ROW)
+    extra = extra_config(entry, cpu_bytes_to_use=1024 * ROW)
+    e = open_engine(engines, extra)
+    req = e.request()
+    keys = [key(i) for i in range(4)]
+    e.store(keys, req)
+    e.settle()
+    e.finish(req)
+    evicted = fill_primary_with_others(e, 100, 1024)
+    assert set(keys) <= set(evicted)
+    req = e.request()
+    outcome = e.promote(keys, req)
+    assert all(last is LookupResult.HIT for _, last in outcome.values()), outcome
+    rows = e.load(keys, req)
+    assert all(rows[k] == payload(k) for k in keys)
+    e.finish(req)
+    share = e.manager.get_stats().data["data"]["vllm:kvtier_g3_region_huge_pages"][
+        ("1:KvtierTier",)
+    ]
+    if mode == "never":
+        assert share == 0
+    elif share == 0:
+        pytest.skip("MADV_COLLAPSE gave no 2 MiB page here (see the tier's log for why)")
+    else:
+        assert 0 < share <= 1
 
 
 def test_a_path_without_o_direct_is_refused_naming_path_and_filesystem(tmp_path):
