@@ -12,8 +12,13 @@
 //! that neither side pays the filesystem's first-write extent conversion), then stores a
 //! working set (primary -> G3) and loads it back (G3 -> primary) through the public
 //! `SecondaryTier` API, and reports GB/s and CPU seconds per GB (getrusage, whole process: worker, engine threads, CRC). When `fio` is
-//! installed it runs fio on the same slab file with the same block size and queue depth
-//! (`--ioengine=io_uring --direct=1`), alternating with the engine; medians are reported.
+//! installed it runs fio on the same slab file with the same block size and queue depth in
+//! fio's best configuration on the path (`--ioengine=io_uring --direct=1`, registered buffers
+//! and files, batched submit and complete, buffers in hugetlb 2 MiB pages like kvtier's region
+//! when enough are free: reserve them first, e.g. `echo 300 > /proc/sys/vm/nr_hugepages`;
+//! otherwise `malloc`, and the table says the comparison is not like for like), alternating
+//! with the engine; medians are reported. fio's figures are what `kvtier fio-compare` calls
+//! fio's best (see `docs/performance.md`).
 //! Finally it measures index recovery (checkpoint and journal replay) in entries per second.
 
 use std::path::{Path, PathBuf};
@@ -87,15 +92,51 @@ fn pass(t: &mut G3Tier, rows: usize, round: u64, load: bool, next_id: &mut u64) 
     (start.elapsed().as_secs_f64(), cpu_seconds() - cpu0)
 }
 
-/// fio on the slab file, same block size and queue depth; returns GB/s.
-fn fio(slab: &Path, write: bool, bs: usize, depth: usize, bytes: u64) -> Option<f64> {
+/// fio's buffer memory for a run of `depth` I/Os of `bs` bytes: hugetlb 2 MiB pages
+/// (`shmhuge`, as kvtier's region) when enough are free, else `malloc` with the reason (the
+/// comparison is then not like for like). fio needs each job's `bs * depth` plus one page of
+/// alignment, rounded up to 2 MiB pages, and one page more (fio 3.33, as `kvtier fio-compare`).
+fn fio_memory(bs: usize, depth: usize) -> (&'static str, Option<String>) {
+    let needed = ((bs * depth + 4096) as u64).div_ceil(2 << 20) + 1;
+    let free = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("HugePages_Free:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    if free >= needed {
+        ("shmhuge", None)
+    } else {
+        (
+            "malloc",
+            Some(format!(
+                "fio on 4 KiB malloc pages, NOT like for like: {free} hugetlb pages free,                  {needed} needed (as root: echo {needed} > /proc/sys/vm/nr_hugepages)"
+            )),
+        )
+    }
+}
+
+/// fio on the slab file, same block size and queue depth, in fio's best configuration on the
+/// path (as `fio-profiles/store.fio` and `kvtier fio-compare`'s device reference): io_uring
+/// with registered buffers and files, submit and complete in batches of up to the depth,
+/// buffers in `iomem`; returns GB/s.
+fn fio(slab: &Path, write: bool, bs: usize, depth: usize, bytes: u64, iomem: &str) -> Option<f64> {
     let out = Command::new("fio")
         .args([
             "--name=g3",
             "--ioengine=io_uring",
             "--direct=1",
+            "--fixedbufs=1",
+            "--registerfiles=1",
+            "--thread=1",
             "--output-format=json",
             "--offset=4096",
+            &format!("--iomem={iomem}"),
+            &format!("--iodepth_batch_submit={depth}"),
+            "--iodepth_batch_complete_min=1",
+            &format!("--iodepth_batch_complete_max={depth}"),
             &format!("--filename={}", slab.display()),
             &format!("--rw={}", if write { "write" } else { "read" }),
             &format!("--bs={bs}"),
@@ -125,6 +166,8 @@ struct Measured {
     load_cpu: f64,
     fio_write: Option<f64>,
     fio_read: Option<f64>,
+    /// fio's `iomem` and, when it is not hugetlb pages, why.
+    fio_memory: (&'static str, Option<String>),
 }
 
 struct Case {
@@ -148,6 +191,7 @@ fn throughput(dir: &Path, c: &Case) -> Measured {
     let (mut fw, mut fr) = (vec![], vec![]);
     let slab = slab_dir.path().join(kvtier::g3::slab::SLAB_FILE_NAME);
     let depth = (c.in_flight as usize / stride).max(1);
+    let fio_memory = fio_memory(stride, depth);
     let ns = geometry_namespace(stride);
     {
         // Warm-up, not measured: the first write into a preallocated (unwritten) extent costs
@@ -176,8 +220,8 @@ fn throughput(dir: &Path, c: &Case) -> Measured {
         }
         if c.use_fio {
             // The tier is closed (its lock released); fio uses the same file.
-            fw.extend(fio(&slab, true, stride, depth, bytes as u64));
-            fr.extend(fio(&slab, false, stride, depth, bytes as u64));
+            fw.extend(fio(&slab, true, stride, depth, bytes as u64, fio_memory.0));
+            fr.extend(fio(&slab, false, stride, depth, bytes as u64, fio_memory.0));
         }
     }
     Measured {
@@ -189,6 +233,7 @@ fn throughput(dir: &Path, c: &Case) -> Measured {
         load_cpu: median(&mut lc),
         fio_write: (!fw.is_empty()).then(|| median(&mut fw)),
         fio_read: (!fr.is_empty()).then(|| median(&mut fr)),
+        fio_memory,
     }
 }
 
@@ -269,9 +314,10 @@ fn main() {
     );
     println!(
         "\n| row | max in flight | store GB/s | store CPU s/GB | load GB/s | load CPU s/GB \
-         | fio write GB/s | fio read GB/s | store/fio | load/fio |"
+         | fio write GB/s | fio read GB/s | store/fio | load/fio | fio memory |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let mut notes = Vec::new();
     for &stride in sizes
         .iter()
         .filter(|&&s| !recovery_only && only_row.is_none_or(|r| r == s))
@@ -291,8 +337,15 @@ fn main() {
             let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
             let ratio =
                 |a: f64, b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.2}", a / b));
+            if let Some(why) = &r.fio_memory.1 {
+                notes.push(format!(
+                    "{} KiB x {} MiB: {why}",
+                    r.stride >> 10,
+                    r.in_flight >> 20
+                ));
+            }
             println!(
-                "| {} KiB | {} MiB | {:.2} | {:.3} | {:.2} | {:.3} | {} | {} | {} | {} |",
+                "| {} KiB | {} MiB | {:.2} | {:.3} | {:.2} | {:.3} | {} | {} | {} | {} | {} |",
                 r.stride >> 10,
                 r.in_flight >> 20,
                 r.store_gbs,
@@ -303,8 +356,12 @@ fn main() {
                 f(r.fio_read),
                 ratio(r.store_gbs, r.fio_write),
                 ratio(r.load_gbs, r.fio_read),
+                r.fio_memory.0,
             );
         }
+    }
+    for n in notes {
+        println!("* {n}");
     }
     recovery_bench(&dir, entries);
 }
