@@ -265,3 +265,96 @@ pub(crate) fn render_report(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::args::parse_for_test;
+    use crate::cli::fio::memory::{FioMemory, FioSetup};
+
+    fn point(depth: u32, like_for_like: bool) -> DepthPoint {
+        let memory = if like_for_like {
+            FioMemory::ShmHuge
+        } else {
+            FioMemory::Malloc
+        };
+        DepthPoint {
+            row_size: 2 << 20,
+            iodepth: depth,
+            kvtier_bytes_per_sec: 1e9,
+            fio_bytes_per_sec: 2e9,
+            ratio: 0.5,
+            fio_best_bytes_per_sec: if like_for_like { 2e9 } else { f64::NAN },
+            ratio_to_best: if like_for_like { 0.5 } else { f64::NAN },
+            kvtier_cpu_seconds_per_gb: 0.1,
+            fio_cpu_seconds_per_gb: 0.05,
+            fio_best_cpu_seconds_per_gb: 0.05,
+            kvtier_samples: vec![1e9],
+            fio_samples: vec![2e9],
+            fio_best_samples: Vec::new(),
+            fio_setup: FioSetup { memory, batch: 0 },
+            fio_like_for_like: like_for_like,
+            fio_note: (!like_for_like).then(|| {
+                "NOT like for like: only 286 of the 514 hugetlb pages fio needs could be reserved"
+                    .to_string()
+            }),
+            fio_best_setup: None,
+            kvtier_pages: "2 MiB pages".into(),
+            kvtier_engine: "G3 tier".into(),
+        }
+    }
+
+    /// A sweep point whose hugetlb pages could not be had is kept, marked and explained; the
+    /// others stay like for like.
+    #[test]
+    fn sweep_marks_points_fio_could_not_run_like_for_like() {
+        let plan =
+            Plan::from_args(&parse_for_test(&["--plot", "x.svg", "--depths", "1"])).expect("plan");
+        let (like, unlike) = (point(1, true), point(32, false));
+        let result = ProfileComparison {
+            profile: "store",
+            kvtier_bytes_per_sec: unlike.kvtier_bytes_per_sec,
+            fio_bytes_per_sec: unlike.fio_bytes_per_sec,
+            ratio: unlike.ratio,
+            fio_best_bytes_per_sec: unlike.fio_best_bytes_per_sec,
+            ratio_to_best: unlike.ratio_to_best,
+            kvtier_cpu_seconds_per_gb: 0.1,
+            fio_cpu_seconds_per_gb: 0.05,
+            fio_best_cpu_seconds_per_gb: 0.05,
+            row_size: 2 << 20,
+            iodepth: 32,
+            file_size: 1 << 30,
+            paths: plan.paths.clone(),
+            file_state: plan.file_state,
+            kvtier_side: "g3",
+            pairs: 3,
+            kvtier_region: "own",
+            kvtier_pages: "2 MiB pages".into(),
+            kvtier_engine: "G3 tier".into(),
+            fio_setup: unlike.fio_setup.clone(),
+            fio_like_for_like: false,
+            fio_note: unlike.fio_note.clone(),
+            fio_best_setup: None,
+            fio_version: "fio-3.33".into(),
+            kvtier_samples: vec![1e9],
+            fio_samples: vec![2e9],
+            sweep: vec![like, unlike],
+        };
+        let text = render_report(&plan, &[result], "fio-3.33");
+        let marked: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("NOT like for like *"))
+            .collect();
+        assert_eq!(marked.len(), 1, "{text}");
+        assert!(marked[0].contains("malloc"), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("* store 2 MiB x 32:") && l.contains("286 of the 514")),
+            "{text}"
+        );
+        assert!(
+            text.contains("fio best (device reference): could not run"),
+            "{text}"
+        );
+    }
+}
