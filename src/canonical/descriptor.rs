@@ -73,6 +73,19 @@ impl KvLayout {
 
     /// The layout of vLLM's `KVCacheLayout` member `name` (`LBNHC` is NHD, `LBHNC` is HND), as
     /// vLLM reports it in `OffloadingConfig.kv_cache_layout`.
+    pub fn vllm_name(self) -> &'static str {
+        match self {
+            KvLayout::Nhd => "LBNHC",
+            KvLayout::Hnd => "LBHNC",
+            KvLayout::Lhbnc => "LHBNC",
+            KvLayout::Blhnc => "BLHNC",
+            KvLayout::Blnhc => "BLNHC",
+            KvLayout::Bhlnc => "BHLNC",
+        }
+    }
+
+    /// The layout of vLLM's `KVCacheLayout` member `name` (the inverse of
+    /// [`KvLayout::vllm_name`]).
     pub fn from_vllm_name(name: &str) -> Option<Self> {
         Some(match name {
             "LBNHC" => KvLayout::Nhd,

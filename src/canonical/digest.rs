@@ -20,7 +20,7 @@ use crate::error::{Error, ErrorKind, Result};
 pub const NAMESPACE_VERSION: u32 = 1;
 
 /// One offloaded KV-cache group as the vLLM digest lists it.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvCacheGroupFields {
     /// DCP-adjusted tokens per block.
@@ -413,7 +413,7 @@ pub fn check_namespace(what: &str, stored: &[u8; 32], current: &[u8; 32]) -> Res
 /// and the row stride of the region it sized): the inputs of the namespace of a tier that vLLM
 /// drives, where kvtier sees no layout descriptor (the Python package's `KvtierTier` reads
 /// them from the `offloading_spec` vLLM passes). Field names follow `OffloadingConfig`.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct VllmSpecFields {
     /// `config.model.name`.
@@ -451,6 +451,44 @@ pub struct VllmSpecFields {
 }
 
 impl VllmSpecFields {
+    /// What a vLLM 0.33 engine serving `desc` with `params` presents (through the Python
+    /// package's `KvtierTier`, as `spec_fields` reads vLLM's spec): the fields vLLM's
+    /// `build_offloading_config` and its CPU spec derive for one group of full-attention (or
+    /// MLA) layers at TP `params.tp` with no other parallelism (PP, PCP, DCP 1, world size =
+    /// TP), the V1 model runner, the `mp` executor on one node and the descriptor's KV cache
+    /// layout. The node service (`kvtier serve --layout --tp`) serves the namespace of these
+    /// fields, so that engines of that model and configuration are accepted; checked against
+    /// vLLM's own code for every shipped descriptor by `tests/python/test_canonical_vs_vllm.py`.
+    pub fn of_engine(desc: &LayoutDescriptor, params: &NamespaceParams) -> Result<Self> {
+        let tp = params.tp;
+        // vLLM's gate: one full-attention group whose heads split exactly over TP ...
+        let exact_split = !desc.is_mla() && tp > 0 && desc.total_kv_heads().is_multiple_of(tp);
+        // ... widened for the canonical layout to every layer its static check certifies:
+        // MLA, and attention heads that split or replicate evenly (what `check_tp` allows).
+        let is_parallelism_agnostic = exact_split || params.canonical;
+        Ok(VllmSpecFields {
+            model_name: desc.model_name.clone(),
+            dtype: desc.dtype.clone(),
+            tokens_per_hash: desc.tokens_per_hash(),
+            blocks_per_chunk: params.blocks_per_chunk,
+            tp_size: tp,
+            pp_size: 1,
+            pcp_size: 1,
+            dcp_size: 1,
+            world_size: tp,
+            is_parallelism_agnostic,
+            kv_cache_groups: vec![KvCacheGroupFields {
+                tokens_per_block: desc.tokens_per_block,
+                layer_names: desc.layer_names(),
+            }],
+            replicated_layout: params.replicated_layout,
+            canonical_layout: params.canonical,
+            kv_cache_layout: Some(desc.kv_layout.vllm_name().to_string()),
+            worker_kv_bytes_per_block: desc.worker_kv_bytes_per_block(tp)?,
+            row_stride: params.row_stride,
+        })
+    }
+
     /// Parses the JSON object the Python package sends (every field required). Errors name
     /// the field.
     pub fn from_json(text: &str) -> Result<Self> {

@@ -204,3 +204,81 @@ def test_layout_show_names_the_page_encoding_and_its_source(tmp_path):
     out = kvtier_cli(["layout", "show", str(split), "--tp", "2", "--views", str(f)])
     assert out.returncode != 0
     assert "holds a packed NHD page" in out.stdout + out.stderr
+
+
+def vllm_engine_spec(model, tp, *, canonical, bpc):
+    """What a vLLM engine of ``model`` presents to kvtier: vLLM's ``build_offloading_config``
+    and ``TieringOffloadingSpec`` (its CPU spec sizes the row), read by ``kvtier.vllm``'s
+    ``spec_fields`` as the Python tier reads them."""
+    from kvtier.vllm import spec_fields
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    config = build_offloading_config(
+        vc.vllm_config(model, tp, 0, canonical=canonical, bpc=bpc), vc.kv_cache_config(model, tp)
+    )
+    config.extra_config["cpu_bytes_to_use"] = 1 << 30
+    spec = TieringOffloadingSpec(config)
+    return spec_fields(spec, spec.kv_bytes_per_chunk)
+
+
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+@pytest.mark.parametrize("bpc", [1, 4])
+@pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "direct"])
+def test_the_node_services_namespace_is_the_one_vllm_engines_present(model, bpc, canonical):
+    """``kvtier serve --layout --tp`` (``VllmSpecFields::of_engine``) against vLLM's own spec
+    of the same model and configuration: every field, and so the digest engines present."""
+    from kvtier import _native
+
+    for tp, answer in kvtier_by_tp(model, model.allowed_tps(), canonical=canonical,
+                                   bpc=bpc).items():
+        assert "error" not in answer, answer
+        where = f"{model.path.name} TP {tp} bpc {bpc} canonical {canonical}"
+        fields = vllm_engine_spec(model, tp, canonical=canonical, bpc=bpc)
+        assert answer["engine_spec_fields"] == fields, where
+        assert answer["engine_namespace"] == _native.namespace_of(json.dumps(fields))[1], where
+
+
+def test_kvtier_serve_runs_the_namespace_vllm_engines_present(tmp_path):
+    """The binary: ``kvtier serve --layout --tp 2`` with a service section reports (``kvtier
+    service status``) the digest vLLM's spec of that model at TP 2 gives."""
+    from kvtier import _native
+
+    kvtier_bin = os.environ.get("KVTIER_BIN")
+    if not kvtier_bin:
+        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+    model = next(m for m in MODELS if m.path.stem == "llama-3.1-8b")
+    socket = tmp_path / "kvtier.sock"
+    (tmp_path / "slabs").mkdir()
+    cfg = tmp_path / "kvtier.json"
+    cfg.write_text(json.dumps({
+        "cpu_bytes_to_use": "64MiB",
+        "service": {"socket_path": str(socket)},
+        "secondary_tiers": [{"type": "nvme", "paths": [str(tmp_path / "slabs")],
+                             "capacity_bytes": "32MiB", "direct_io": "auto"}],
+    }))
+    serve = subprocess.Popen(
+        [kvtier_bin, "serve", "--config", str(cfg), "--layout", str(model.path), "--tp", "2",
+         "--metrics-addr", "127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        import time
+
+        deadline = time.monotonic() + 60
+        while not socket.exists():
+            assert serve.poll() is None, serve.stderr.read()
+            assert time.monotonic() < deadline, "the service never listened"
+            time.sleep(0.02)
+        status = json.loads(subprocess.run(
+            [kvtier_bin, "service", "status", "--socket", str(socket), "--json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+    fields = vllm_engine_spec(model, 2, canonical=False, bpc=1)
+    assert status["digest"] == _native.namespace_of(json.dumps(fields))[1], status
+    assert status["row_stride"] == fields["row_stride"], status

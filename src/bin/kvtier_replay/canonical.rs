@@ -10,12 +10,14 @@
 //! Output: `{"results": [result, ...]}`, each result
 //! `{"tp", "canonical", "row_stride", "slot_bytes", "page_encoding": {"kv_layout", "kv_split",
 //! "source"}, "all_layers_portable", "vllm_digest",
-//! "vllm_digest_fields", "namespace", "ranks": [{"rank", "layers": [layer, ...]}]}` where a layer
+//! "vllm_digest_fields", "namespace", "engine_spec_fields", "engine_namespace", "ranks":
+//! [{"rank", "layers": [layer, ...]}]}` (`engine_*`: what vLLM engines of that configuration
+//! present to the node service, `VllmSpecFields::of_engine`) where a layer
 //! is `{"layer_name", "kind", "reason", "canonical_page_size_bytes", "local_page_size_bytes",
 //! "num_writers", "writer_index", "parallelism_agnostic", "runs": [CopyRun, ...]}` with vLLM's
 //! `CopyRun` field names; or `{"error", "kind"}` when kvtier refuses the query.
 
-use kvtier::canonical::digest::{self, NamespaceParams, VllmDigestFields};
+use kvtier::canonical::digest::{self, NamespaceParams, VllmDigestFields, VllmSpecFields};
 use kvtier::canonical::validate::static_portability_claim;
 use kvtier::canonical::{
     LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, derive_all_ranks, prepare_canonical,
@@ -83,6 +85,13 @@ fn answer(
 ) -> kvtier::Result<Value> {
     let (encoding, source) = resolve_encoding(desc, tp, views)?;
     let mut params = NamespaceParams::new(desc, tp, bpc, canonical)?;
+    // What `kvtier serve --layout --tp` serves: from the parameters before certification,
+    // as the service plans them.
+    let engine = VllmSpecFields::of_engine(desc, &params)?;
+    let engine_namespace = hex::encode(engine.namespace_digest()?);
+    let engine_fields = serde_json::to_value(&engine).map_err(|e| {
+        kvtier::Error::new(kvtier::ErrorKind::Internal, format!("spec fields: {e}"))
+    })?;
     let all: Vec<Vec<LayerMapping>> = if canonical {
         let shared = static_portability_claim(desc, tp, tp, true);
         let prepared = prepare_canonical(desc, &ParallelConfig::tp(tp, 0), bpc, shared)?;
@@ -122,6 +131,8 @@ fn answer(
         "vllm_digest": vllm_hex,
         "vllm_digest_fields": vllm_fields,
         "namespace": digest::namespace_hex(desc, &params),
+        "engine_spec_fields": engine_fields,
+        "engine_namespace": engine_namespace,
         "ranks": per_rank,
     }))
 }

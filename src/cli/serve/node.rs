@@ -5,7 +5,8 @@
 use std::net::TcpListener;
 use std::path::Path;
 
-use crate::canonical::{LayoutDescriptor, namespace_digest};
+use crate::canonical::LayoutDescriptor;
+use crate::canonical::digest::VllmSpecFields;
 use crate::cli::serve::health_body;
 use crate::cli::serve::service::{Service, serve_until_signal};
 use crate::config::KvtierConfig;
@@ -24,7 +25,11 @@ pub fn run(
     listener: TcpListener,
     metrics_prefix: &str,
 ) -> Result<()> {
-    let digest = namespace_digest(layout, &plan.params);
+    // The namespace vLLM engines of this model and configuration present (their spec's, as
+    // the Python tier computes it), not the descriptor namespace of an in-process tier.
+    let digest = VllmSpecFields::of_engine(layout, &plan.params)
+        .and_then(|f| f.namespace_digest())
+        .map_err(|e| super::in_file(config_path, e))?;
     let service = start_from_config(
         cfg,
         plan.geometry.row_stride,
