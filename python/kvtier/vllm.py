@@ -309,20 +309,34 @@ def _build_class():
         def take_events(self):
             if not self._events:
                 return ()
+            # In client mode the node service says which medium holds the keys: its DRAM
+            # staging pool (CPU) or G3 (STORAGE).
             return [
                 OffloadingEvent(
                     keys=[OffloadKey(k) for k in keys],
-                    medium=Medium.STORAGE,
+                    medium=Medium(medium),
                     removed=removed,
                     locality=self.locality,
                     ownership=self._label,
                     removal_expected=True,
                 )
-                for keys, removed in self._tier.take_events()
+                for keys, removed, medium in self._tier.take_events()
             ]
 
         def on_new_request(self, req_context):
+            # vLLM's KvHintsEnvelope (msgspec) travels as JSON; kvtier reads its own prefetch
+            # action (docs/node-service.md) and counts the others.
+            hints = getattr(req_context, "kv_hints", None)
+            hints_json = None
+            if hints is not None:
+                import msgspec
+
+                hints_json = msgspec.json.encode(hints).decode()
+            self._tier.on_new_request(str(req_context.req_id), hints_json)
             return RequestOffloadingContext()
+
+        def on_request_finished(self, req_context):
+            self._tier.on_request_finished(str(req_context.req_id))
 
         def drain_jobs(self):
             self._tier.drain_jobs()

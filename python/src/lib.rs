@@ -391,8 +391,38 @@ impl Tier {
         py.detach(|| self.with_tier(|t| t.ready()))
     }
 
-    /// Stored / removed events since the last call: `(keys, removed)` pairs.
-    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool)>> {
+    /// A request starts; `kv_hints` is the JSON of its `KvHintsEnvelope` (vLLM's
+    /// `msgspec.to_builtins`), if it has one. A tier of the node service starts kvtier's
+    /// prefetch actions (`docs/node-service.md`); other tiers ignore hints.
+    #[pyo3(signature = (req_id, kv_hints=None))]
+    fn on_new_request(&self, py: Python<'_>, req_id: &str, kv_hints: Option<&str>) -> PyResult<()> {
+        let mut req = RequestContext::new(req_id);
+        if let Some(json) = kv_hints {
+            let envelope =
+                kvtier::contract::hints::KvHintsEnvelope::from_json(json).map_err(to_py)?;
+            req = req.with_kv_hints(envelope);
+        }
+        py.detach(|| {
+            self.with_tier(|t| {
+                // The Python side answers vLLM's RequestOffloadingContext itself.
+                let _ = t.on_new_request(&req);
+            })
+        })
+    }
+
+    /// A request finished (what its hints staged and it did not use is discarded).
+    fn on_request_finished(&self, py: Python<'_>, req_id: &str) -> PyResult<()> {
+        let req = RequestContext::new(req_id);
+        py.detach(|| self.with_tier(|t| t.on_request_finished(&req)))
+    }
+
+    /// Stored / removed events since the last call: `(keys, removed, medium)`, medium `"CPU"`
+    /// (the node service's DRAM staging pool) or `"STORAGE"` (G3).
+    #[allow(clippy::type_complexity)]
+    fn take_events<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Vec<(Vec<Bound<'py, PyBytes>>, bool, &'static str)>> {
         let events = py.detach(|| self.with_tier(|t| t.take_events()))?;
         Ok(events
             .into_iter()
@@ -402,7 +432,7 @@ impl Tier {
                     .iter()
                     .map(|k| PyBytes::new(py, k.as_bytes()))
                     .collect();
-                (keys, e.removed)
+                (keys, e.removed, e.medium.as_str())
             })
             .collect())
     }

@@ -131,6 +131,9 @@ pub struct ServiceConfig {
     /// Peer uids allowed to connect, checked with `SO_PEERCRED` (`service.allowed_uids`;
     /// empty: only the uid the service runs as).
     pub allowed_uids: Vec<u32>,
+    /// Bytes of the service's DRAM staging pool (`service.dram_bytes`; 0: none): chunks
+    /// loaded from G3 and prefetched for hints stay there for every engine.
+    pub dram_bytes: u64,
 }
 
 impl ServiceConfig {
@@ -143,6 +146,7 @@ impl ServiceConfig {
             socket_path: socket_path.into(),
             socket_mode: Self::DEFAULT_SOCKET_MODE,
             allowed_uids: Vec::new(),
+            dram_bytes: 0,
         }
     }
 }

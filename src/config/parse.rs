@@ -25,7 +25,7 @@ pub const KVTIER_KEYS: [&str; 10] = [
 ];
 
 /// Keys of the `service` object (the node-local service, `docs/node-service.md`).
-pub const SERVICE_KEYS: [&str; 3] = ["socket_path", "socket_mode", "allowed_uids"];
+pub const SERVICE_KEYS: [&str; 4] = ["socket_path", "socket_mode", "allowed_uids", "dram_bytes"];
 
 /// Keys of `kv_connector_extra_config` that belong to vLLM: accepted (type-checked) and
 /// otherwise ignored by kvtier.
@@ -341,10 +341,15 @@ fn service(path: &str, v: &Value) -> Result<ServiceConfig> {
             .collect::<Result<Vec<_>>>()?,
         Some(v) => return Err(fields::type_error(&uids_path, "a list of uids", v)),
     };
+    let dram_bytes = match obj.get("dram_bytes") {
+        None => 0,
+        Some(v) => byte_count(&key("dram_bytes"), v)?,
+    };
     Ok(ServiceConfig {
         socket_path,
         socket_mode,
         allowed_uids,
+        dram_bytes,
     })
 }
 

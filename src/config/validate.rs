@@ -101,6 +101,48 @@ impl ServiceConfig {
     }
 }
 
+impl ServiceConfig {
+    /// Slots of the DRAM staging pool for slots of `row_stride` bytes: `dram_bytes /
+    /// row_stride` (0 when `dram_bytes` is 0). A pool smaller than one slot, or larger than
+    /// `available` bytes (the caller passes `MemAvailable`), is refused naming
+    /// `service.dram_bytes`.
+    pub fn staging_slots(
+        &self,
+        service_path: &str,
+        row_stride: u64,
+        available: Option<u64>,
+    ) -> Result<usize> {
+        if self.dram_bytes == 0 {
+            return Ok(0);
+        }
+        let key = join(service_path, "dram_bytes");
+        if row_stride == 0 || self.dram_bytes < row_stride {
+            return Err(range_error(
+                &key,
+                &format!(
+                    "0 (no staging pool) or at least one slot of {row_stride} bytes (the row \
+                     stride)"
+                ),
+                self.dram_bytes,
+            ));
+        }
+        if let Some(avail) = available
+            && self.dram_bytes > avail
+        {
+            return Err(range_error(
+                &key,
+                &format!(
+                    "at most the memory available now ({} = {avail} bytes, MemAvailable)",
+                    crate::size::format_size_human(avail)
+                ),
+                self.dram_bytes,
+            ));
+        }
+        usize::try_from(self.dram_bytes / row_stride)
+            .map_err(|_| range_error(&key, "a size this machine can address", self.dram_bytes))
+    }
+}
+
 pub(crate) fn store_threshold_error(key_path: &str, found: impl ToString) -> Error {
     Error::config(
         key_path,

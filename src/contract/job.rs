@@ -120,6 +120,8 @@ pub struct RequestContext {
     pub req_id: Arc<str>,
     /// Which secondary tiers this request may load from.
     pub load_tier_filter: TierFilter,
+    /// The orchestrator's hints for this request (vLLM `ReqContext.kv_hints`), if any.
+    pub kv_hints: Option<Arc<crate::contract::hints::KvHintsEnvelope>>,
 }
 
 impl RequestContext {
@@ -128,7 +130,14 @@ impl RequestContext {
         RequestContext {
             req_id: req_id.into(),
             load_tier_filter: TierFilter::All,
+            kv_hints: None,
         }
+    }
+
+    /// This context with the orchestrator's hints.
+    pub fn with_kv_hints(mut self, hints: crate::contract::hints::KvHintsEnvelope) -> Self {
+        self.kv_hints = Some(Arc::new(hints));
+        self
     }
 }
 

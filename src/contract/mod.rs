@@ -6,11 +6,13 @@
 //!
 //! * [`job`]: transfer jobs and their results, lookup answers, media, localities, request
 //!   contexts and offloading events.
+//! * [`hints`]: the orchestrator's hints attached to a request (vLLM's `KvHintsEnvelope`).
 //! * [`secondary`]: the [`SecondaryTier`](secondary::SecondaryTier) trait every secondary tier
 //!   implements, and the tier-owned metric samples it reports.
 //! * [`ledger`]: the bookkeeping of tiers with a worker thread (jobs reported without the
 //!   worker, jobs not yet reported, the shutdown handshake).
 
+pub mod hints;
 pub mod job;
 pub mod ledger;
 pub mod secondary;

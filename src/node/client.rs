@@ -23,7 +23,7 @@ use parking_lot::Mutex;
 use crate::contract::job::{JobResult, LookupResult};
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
-use crate::node::protocol::{Frame, JobRequest, Reply, Request};
+use crate::node::protocol::{Frame, InventoryEvent, JobRequest, Reply, Request};
 use crate::node::socket::{FrameReader, write_frame, write_frame_with_fd};
 
 /// How long a request that expects an answer (lookup, status) waits for it.
@@ -61,6 +61,25 @@ type AsyncLookups = Arc<Mutex<HashMap<u64, Vec<ChunkKey>>>>;
 /// Answers to lookups sent without waiting: the keys and one verdict each.
 pub type LookupAnswer = (Vec<ChunkKey>, Vec<LookupResult>);
 
+/// Requests other than lookups and jobs sent without waiting, by request number.
+#[derive(Debug)]
+enum Pending {
+    /// A `HINT`: its request id and keys.
+    Hint(String, Vec<ChunkKey>),
+    /// A `TAKE_EVENTS`.
+    Events,
+}
+
+/// What arrived for a request sent without waiting (other than lookups).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AsyncAnswer {
+    /// The verdicts of a `HINT` (request id, keys, one verdict each).
+    Hinted(String, Vec<ChunkKey>, Vec<LookupResult>),
+    /// Inventory events.
+    Events(Vec<InventoryEvent>),
+}
+type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
+
 /// A connection to the node service (see the module docs).
 pub struct NodeClient {
     stream: UnixStream,
@@ -72,6 +91,8 @@ pub struct NodeClient {
     finished_rx: Receiver<JobResult>,
     async_lookups: AsyncLookups,
     answers_rx: Receiver<LookupAnswer>,
+    pending: PendingMap,
+    async_rx: Receiver<AsyncAnswer>,
     connected: Arc<AtomicBool>,
     reader: Option<JoinHandle<()>>,
     service: ServiceInfo,
@@ -155,8 +176,12 @@ impl NodeClient {
         let connected = Arc::new(AtomicBool::new(true));
         let async_lookups: AsyncLookups = Default::default();
         let (answers_tx, answers_rx) = crossbeam_channel::unbounded();
+        let pending: PendingMap = Default::default();
+        let (async_tx, async_rx) = crossbeam_channel::unbounded();
         let reader = {
             let routes = Routes {
+                pending: pending.clone(),
+                async_answers: async_tx,
                 waiters: waiters.clone(),
                 jobs: jobs.clone(),
                 finished: finished_tx.clone(),
@@ -179,6 +204,8 @@ impl NodeClient {
             finished_rx,
             async_lookups,
             answers_rx,
+            pending,
+            async_rx,
             connected,
             reader: Some(reader),
             service,
@@ -328,6 +355,54 @@ impl NodeClient {
         })
     }
 
+    fn send_pending(&self, req: &Request, pending: Pending) -> Result<()> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = req.to_frame(seq)?;
+        if !self.is_connected() {
+            return Err(lost());
+        }
+        self.pending.lock().insert(seq, pending);
+        self.send(&frame, None).inspect_err(|_| {
+            self.pending.lock().remove(&seq);
+        })
+    }
+
+    /// Sends a prefetch hint for request `req_id` (the service stages `keys` from G3 into
+    /// its DRAM pool and holds them until [`NodeClient::hint_done`]) and returns at once; the
+    /// verdicts arrive with [`NodeClient::async_answers`].
+    pub fn request_hint(&self, req_id: &str, keys: Vec<ChunkKey>) -> Result<()> {
+        let req = Request::Hint {
+            req_id: req_id.to_string(),
+            keys: keys.clone(),
+        };
+        self.send_pending(&req, Pending::Hint(req_id.to_string(), keys))
+    }
+
+    /// Request `req_id` finished: the service discards its hinted keys no load used. No
+    /// answer.
+    pub fn hint_done(&self, req_id: &str) -> Result<()> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = Request::HintDone {
+            req_id: req_id.to_string(),
+        }
+        .to_frame(seq)?;
+        if !self.is_connected() {
+            return Err(lost());
+        }
+        self.send(&frame, None)
+    }
+
+    /// Asks for the inventory events since the last ask (the first ask subscribes) and
+    /// returns at once; they arrive with [`NodeClient::async_answers`].
+    pub fn request_events(&self) -> Result<()> {
+        self.send_pending(&Request::TakeEvents, Pending::Events)
+    }
+
+    /// Hint verdicts and events that arrived since the last call.
+    pub fn async_answers(&self) -> Vec<AsyncAnswer> {
+        self.async_rx.try_iter().collect()
+    }
+
     /// Verdicts of [`NodeClient::request_lookup`] that arrived since the last call.
     pub fn lookup_answers(&self) -> Vec<LookupAnswer> {
         self.answers_rx.try_iter().collect()
@@ -435,6 +510,8 @@ impl Drop for NodeClient {
 
 /// Where the reader thread sends what arrives.
 struct Routes {
+    pending: PendingMap,
+    async_answers: Sender<AsyncAnswer>,
     waiters: Waiters,
     jobs: JobKeys,
     finished: Sender<JobResult>,
@@ -480,6 +557,25 @@ fn read_replies(mut reader: FrameReader, r: Routes) {
             let _ = r.answers.send((keys, verdicts));
             continue;
         }
+        if let Some(p) = r.pending.lock().remove(&frame.seq) {
+            let answer = match (p, reply) {
+                (Pending::Hint(req_id, keys), Reply::Hinted(v)) if v.len() == keys.len() => {
+                    AsyncAnswer::Hinted(req_id, keys, v)
+                }
+                (Pending::Events, Reply::Events(events)) => AsyncAnswer::Events(events),
+                (Pending::Hint(req_id, keys), other) => {
+                    log::warn!("node client: a hint was answered with {other:?}");
+                    let n = keys.len();
+                    AsyncAnswer::Hinted(req_id, keys, vec![LookupResult::Miss; n])
+                }
+                (Pending::Events, other) => {
+                    log::warn!("node client: an events request was answered with {other:?}");
+                    AsyncAnswer::Events(Vec::new())
+                }
+            };
+            let _ = r.async_answers.send(answer);
+            continue;
+        }
         if let Reply::Error { kind, message } = &reply
             && let Some((job_id, _)) = r.jobs.lock().remove(&frame.seq)
         {
@@ -495,6 +591,7 @@ fn read_replies(mut reader: FrameReader, r: Routes) {
     r.connected.store(false, Ordering::Release);
     r.waiters.lock().clear();
     r.async_lookups.lock().clear();
+    r.pending.lock().clear();
     let gone: Vec<_> = r.jobs.lock().drain().collect();
     for (_, (job_id, _)) in gone {
         let _ = r.finished.send(JobResult::failed(job_id, why.duplicate()));

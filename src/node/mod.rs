@@ -15,6 +15,11 @@
 //! * [`protocol`]: the little-endian frames, byte for byte.
 //! * [`socket`]: frames with descriptors, `SO_PEERCRED`, binding the socket with its mode.
 //! * [`engines`]: the registry of connected engines and their counters.
+//! * [`staging`]: the DRAM staging pool (`service.dram_bytes`): G3 chunks in the service's
+//!   memory for every engine.
+//! * [`prefetch`]: hints (`HINT`) and the reads from G3 into the staging pool they start.
+//! * [`hints`]: kvtier's prefetch action in a request's `kv_hints` (vLLM's `KvHintsEnvelope`).
+//! * [`events`]: inventory events (staging pool: CPU, G3: STORAGE) for the engines.
 //! * [`session`]: one engine's connection, its region and jobs, and the cleanup when it ends.
 //! * [`server`]: [`NodeService`], the listener and the peer check.
 //! * [`client`]: [`NodeClient`], the engine's side.
@@ -22,10 +27,14 @@
 
 pub mod client;
 pub mod engines;
+pub mod events;
+pub mod hints;
+pub mod prefetch;
 pub mod protocol;
 pub mod server;
 pub mod session;
 pub mod socket;
+pub mod staging;
 pub mod tier;
 
 pub use client::{ClientHello, NodeClient, ServiceInfo};

@@ -40,6 +40,12 @@ pub const KIND_STORE: u16 = 0x0005;
 pub const KIND_LOAD: u16 = 0x0006;
 /// Client: asks for the service's status (JSON).
 pub const KIND_STATUS: u16 = 0x0007;
+/// Client: a request's prefetch hint (keys to stage from G3 into the DRAM staging pool).
+pub const KIND_HINT: u16 = 0x0008;
+/// Client: the hinted request finished; what it did not use is discarded (no reply).
+pub const KIND_HINT_DONE: u16 = 0x0009;
+/// Client: asks for the inventory events since its last ask (subscribes at the first).
+pub const KIND_TAKE_EVENTS: u16 = 0x000A;
 /// Service: the session is open.
 pub const KIND_WELCOME: u16 = 0x8001;
 /// Service: the region is mapped.
@@ -50,6 +56,10 @@ pub const KIND_LOOKUP_RESULT: u16 = 0x8004;
 pub const KIND_JOB_DONE: u16 = 0x8005;
 /// Service: the status, as JSON.
 pub const KIND_STATUS_REPLY: u16 = 0x8007;
+/// Service: one verdict per key of a `HINT` (as `LOOKUP_RESULT`).
+pub const KIND_HINTED: u16 = 0x8008;
+/// Service: inventory events (which medium holds which keys).
+pub const KIND_EVENTS: u16 = 0x800A;
 /// Service: the request failed (after a refused `HELLO` the service closes the socket).
 pub const KIND_ERROR: u16 = 0x80FF;
 
@@ -167,6 +177,40 @@ pub enum Request {
     Load(JobRequest),
     /// The service's status.
     Status,
+    /// Stage `keys` for request `req_id` (answered with one verdict per key).
+    Hint {
+        /// The engine's request id.
+        req_id: String,
+        /// The keys the request will look up.
+        keys: Vec<ChunkKey>,
+    },
+    /// Request `req_id` finished: its staged keys it did not load are discarded.
+    HintDone {
+        /// The engine's request id.
+        req_id: String,
+    },
+    /// The inventory events since the last ask.
+    TakeEvents,
+}
+
+/// Which medium of the service holds the keys of an [`InventoryEvent`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventMedium {
+    /// The DRAM staging pool (vLLM `Medium.CPU`), wire value 0.
+    Cpu,
+    /// The G3 slots (vLLM `Medium.STORAGE`), wire value 1.
+    Storage,
+}
+
+/// Keys stored in or removed from one medium of the service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InventoryEvent {
+    /// Where.
+    pub medium: EventMedium,
+    /// True: the keys left that medium; false: they arrived.
+    pub removed: bool,
+    /// The keys.
+    pub keys: Vec<ChunkKey>,
 }
 
 /// The outcome of a job as it crosses the socket.
@@ -254,6 +298,10 @@ pub enum Reply {
     JobDone(JobDone),
     /// The status as JSON.
     Status(String),
+    /// One verdict per key of a `HINT`.
+    Hinted(Vec<LookupResult>),
+    /// Inventory events, oldest first.
+    Events(Vec<InventoryEvent>),
     /// The request failed.
     Error {
         /// The error's kind.
@@ -348,6 +396,11 @@ fn kind_name(kind: u16) -> &'static str {
         KIND_LOOKUP_RESULT => "LOOKUP_RESULT",
         KIND_JOB_DONE => "JOB_DONE",
         KIND_STATUS_REPLY => "STATUS",
+        KIND_HINT => "HINT",
+        KIND_HINT_DONE => "HINT_DONE",
+        KIND_TAKE_EVENTS => "TAKE_EVENTS",
+        KIND_HINTED => "HINTED",
+        KIND_EVENTS => "EVENTS",
         KIND_ERROR => "ERROR",
         _ => "unknown",
     }
@@ -509,6 +562,18 @@ impl Request {
                 }
             }
             Request::Status => KIND_STATUS,
+            Request::Hint { req_id, keys } => {
+                w.str16(req_id).u32(keys.len() as u32);
+                for k in keys {
+                    w.key16(k)?;
+                }
+                KIND_HINT
+            }
+            Request::HintDone { req_id } => {
+                w.str16(req_id);
+                KIND_HINT_DONE
+            }
+            Request::TakeEvents => KIND_TAKE_EVENTS,
         };
         let frame = w.frame(kind, seq);
         if frame.body.len() > MAX_BODY as usize {
@@ -562,6 +627,14 @@ impl Request {
                 }
             }
             KIND_STATUS => Request::Status,
+            KIND_HINT => {
+                let req_id = r.str16()?;
+                let n = r.count(2)?;
+                let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
+                Request::Hint { req_id, keys }
+            }
+            KIND_HINT_DONE => Request::HintDone { req_id: r.str16()? },
+            KIND_TAKE_EVENTS => Request::TakeEvents,
             k => {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
@@ -591,12 +664,33 @@ impl Reply {
                 w.u64(*num_rows);
                 KIND_REGISTERED
             }
-            Reply::Lookup(results) => {
+            Reply::Lookup(results) | Reply::Hinted(results) => {
                 w.u32(results.len() as u32);
                 for r in results {
                     w.u8(lookup_byte(*r));
                 }
-                KIND_LOOKUP_RESULT
+                if matches!(self, Reply::Lookup(_)) {
+                    KIND_LOOKUP_RESULT
+                } else {
+                    KIND_HINTED
+                }
+            }
+            Reply::Events(events) => {
+                w.u32(events.len() as u32);
+                for e in events {
+                    let medium = match e.medium {
+                        EventMedium::Cpu => 0,
+                        EventMedium::Storage => 1,
+                    };
+                    w.u8(medium)
+                        .u8(u8::from(e.removed))
+                        .u32(e.keys.len() as u32);
+                    for k in &e.keys {
+                        // Keys reached the service through a key16: they fit.
+                        let _ = w.key16(k);
+                    }
+                }
+                KIND_EVENTS
             }
             Reply::JobDone(d) => {
                 w.u64(d.job_id)
@@ -647,7 +741,7 @@ impl Reply {
                 }
             }
             KIND_REGISTERED => Reply::Registered { num_rows: r.u64()? },
-            KIND_LOOKUP_RESULT => {
+            KIND_LOOKUP_RESULT | KIND_HINTED => {
                 let n = r.count(1)?;
                 let results = (0..n)
                     .map(|_| match r.u8()? {
@@ -657,7 +751,31 @@ impl Reply {
                         b => Err(malformed(format!("lookup result byte {b}"))),
                     })
                     .collect::<Result<_>>()?;
-                Reply::Lookup(results)
+                if f.kind == KIND_HINTED {
+                    Reply::Hinted(results)
+                } else {
+                    Reply::Lookup(results)
+                }
+            }
+            KIND_EVENTS => {
+                let n = r.count(6)?;
+                let mut events = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let medium = match r.u8()? {
+                        0 => EventMedium::Cpu,
+                        1 => EventMedium::Storage,
+                        b => return Err(malformed(format!("event medium byte {b}"))),
+                    };
+                    let removed = r.u8()? != 0;
+                    let k = r.count(2)?;
+                    let keys = (0..k).map(|_| r.key16()).collect::<Result<_>>()?;
+                    events.push(InventoryEvent {
+                        medium,
+                        removed,
+                        keys,
+                    });
+                }
+                Reply::Events(events)
             }
             KIND_JOB_DONE => {
                 let job_id = r.u64()?;
@@ -779,6 +897,14 @@ mod tests {
             keys: vec![],
         }));
         round_trip_request(Request::Status);
+        round_trip_request(Request::Hint {
+            req_id: "req-1".into(),
+            keys: vec![ChunkKey::new([7u8; 36])],
+        });
+        round_trip_request(Request::HintDone {
+            req_id: "req-1".into(),
+        });
+        round_trip_request(Request::TakeEvents);
     }
 
     #[test]
@@ -812,6 +938,19 @@ mod tests {
                 error: None,
             }),
             Reply::Status("{\"engines\":[]}".into()),
+            Reply::Hinted(vec![LookupResult::Hit, LookupResult::Miss]),
+            Reply::Events(vec![
+                InventoryEvent {
+                    medium: EventMedium::Cpu,
+                    removed: false,
+                    keys: vec![ChunkKey::new(b"a"), ChunkKey::new(b"b")],
+                },
+                InventoryEvent {
+                    medium: EventMedium::Storage,
+                    removed: true,
+                    keys: vec![],
+                },
+            ]),
             Reply::Error {
                 kind: ErrorKind::PermissionDenied,
                 message: "uid 65534".into(),

@@ -16,10 +16,14 @@ use crate::embed::is_nvme;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{G3Tier, G3TierConfig};
 use crate::geometry::ChunkGeometry;
+use crate::io::EngineOptions;
 use crate::node::engines::EngineStatus;
+use crate::node::events::EventBus;
+use crate::node::prefetch::Staging;
 use crate::node::protocol::Reply;
 use crate::node::session::{self, ServiceShared};
 use crate::node::socket::{bind_listener, peer_credentials, write_frame};
+use crate::node::staging::StagingPool;
 use crate::region::PrimaryRegion;
 use crate::tiering::manager::tier_label;
 use crate::tiering::telemetry::tier_metric_series;
@@ -138,11 +142,35 @@ impl NodeService {
         };
         let per_flight =
             ChunkGeometry::rows_in_flight(max_bytes_in_flight, info.row_stride).clamp(1, 4096);
+        let o_direct = info.direct_io.iter().all(|d| *d);
+        let events = Arc::new(EventBus::default());
+        let staging_slots =
+            cfg.staging_slots("service", info.row_stride, crate::embed::mem_available())?;
+        let staging = if staging_slots == 0 {
+            None
+        } else {
+            let stride = usize::try_from(info.row_stride)
+                .map_err(|_| Error::config("row_stride", "does not fit this machine"))?;
+            let pool = Arc::new(StagingPool::new(staging_slots, stride, events.clone())?);
+            let opts = EngineOptions {
+                queue_depth: per_flight as u32,
+                o_direct,
+                ..EngineOptions::default()
+            };
+            let st = Staging::start(pool, slots.clone(), io_engine, &opts)?;
+            log::info!(
+                "node service: DRAM staging pool of {staging_slots} slots ({} bytes; prefetch \
+                 engine {})",
+                staging_slots as u64 * info.row_stride,
+                st.io_engine
+            );
+            Some(st)
+        };
         let sh = Arc::new(ServiceShared {
             tier: Mutex::new(tier),
             slots,
             io_engine,
-            o_direct: info.direct_io.iter().all(|d| *d),
+            o_direct,
             queue_depth: per_flight as u32,
             row_stride,
             slot_bytes: info.row_stride,
@@ -150,6 +178,8 @@ impl NodeService {
             allowed_uids,
             engines: Default::default(),
             stopping: Default::default(),
+            staging,
+            events,
         });
         let listener = bind_listener(&cfg.socket_path, cfg.socket_mode)?;
         let sessions: Sessions = Default::default();
@@ -309,6 +339,15 @@ impl NodeService {
             let id = reg.series(huge, &[name.as_str()])?;
             reg.set(id, *share);
         }
+        if let Some(st) = &self.sh.staging {
+            st.render_metrics(&mut reg)?;
+        }
+        counter(
+            &mut reg,
+            "node_events_dropped_total",
+            "Inventory events dropped from the queue of an engine that did not ask for them",
+            self.sh.events.dropped.load(Ordering::Relaxed),
+        )?;
         for en in &engines {
             let n = en.name.as_str();
             for (op, j, b) in [
@@ -367,6 +406,9 @@ impl NodeService {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.socket_path);
+        if let Some(st) = &self.sh.staging {
+            st.stop();
+        }
         self.sh.tier.lock().shutdown()
     }
 }

@@ -8,6 +8,7 @@
 //! (its reserved slots are released, its pins dropped, nothing of it is committed), stops the
 //! I/O engine, unmaps the region and leaves the registry.
 
+use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use parking_lot::Mutex;
 
-use crate::contract::job::{JobResult, RequestContext};
+use crate::contract::job::{JobResult, LookupResult, RequestContext};
 use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::G3Tier;
@@ -25,8 +26,11 @@ use crate::g3::direct::{DirectSlots, GrantedSlot};
 use crate::io::{EngineHandle, EngineOptions, IoDir, IoEngineKind, IoRequest, open_engine};
 use crate::key::ChunkKey;
 use crate::node::engines::{EngineEntry, EngineRegistry, RegionInfo};
-use crate::node::protocol::{Frame, JobDone, JobRequest, Reply, Request};
+use crate::node::events::EventBus;
+use crate::node::prefetch::Staging;
+use crate::node::protocol::{EventMedium, Frame, JobDone, JobRequest, Reply, Request};
 use crate::node::socket::{FrameReader, is_read_write, write_frame};
+use crate::node::staging::{FILL_WAIT, Reserve};
 use crate::region::PrimaryRegion;
 
 /// Jobs one engine may have queued at the service; beyond that a job fails at once.
@@ -59,6 +63,21 @@ pub struct ServiceShared {
     pub engines: EngineRegistry,
     /// Set when the service stops: sessions end.
     pub stopping: AtomicBool,
+    /// The DRAM staging pool and its prefetch thread (`service.dram_bytes` > 0).
+    pub staging: Option<Staging>,
+    /// Inventory events for the engines that ask for them.
+    pub events: Arc<EventBus>,
+}
+
+impl ServiceShared {
+    /// Moves the G3 tier's events (STORAGE) to the engines' queues.
+    fn pump_tier_events(&self) {
+        let events = self.tier.lock().take_events();
+        for e in events {
+            self.events
+                .publish(EventMedium::Storage, e.removed, &e.keys);
+        }
+    }
 }
 
 impl std::fmt::Debug for ServiceShared {
@@ -107,6 +126,7 @@ pub fn run(sh: Arc<ServiceShared>, stream: UnixStream, uid: u32, pid: i32) {
         jobs_tx: None,
         job_thread: None,
         cancelled: Arc::new(AtomicBool::new(false)),
+        hints: HashMap::new(),
     };
     let end = match stream.try_clone() {
         Ok(read_side) => s.serve(FrameReader::new(read_side)),
@@ -245,6 +265,8 @@ struct Session {
     jobs_tx: Option<Sender<QueuedJob>>,
     job_thread: Option<std::thread::JoinHandle<()>>,
     cancelled: Arc<AtomicBool>,
+    /// Keys held in the staging pool for each hinted request of this engine.
+    hints: HashMap<String, Vec<ChunkKey>>,
 }
 
 fn send(writer: &Mutex<Option<UnixStream>>, frame: &Frame) {
@@ -312,9 +334,19 @@ impl Session {
                 }
                 Request::Lookup { keys } => {
                     let ctx = RequestContext::new("node-service");
+                    let staged =
+                        |k: &ChunkKey| self.sh.staging.as_ref().is_some_and(|s| s.pool.contains(k));
                     let results = {
                         let mut tier = self.sh.tier.lock();
-                        keys.iter().map(|k| tier.lookup(k, &ctx)).collect()
+                        keys.iter()
+                            .map(|k| {
+                                if staged(k) {
+                                    LookupResult::Hit
+                                } else {
+                                    tier.lookup(k, &ctx)
+                                }
+                            })
+                            .collect()
                     };
                     self.entry
                         .counters
@@ -327,6 +359,31 @@ impl Session {
                 Request::Status => {
                     let json = status_json(&self.sh);
                     self.reply(frame.seq, &Reply::Status(json));
+                }
+                Request::Hint { req_id, keys } => {
+                    let verdicts = match &self.sh.staging {
+                        Some(st) => {
+                            let (verdicts, held) = st.hint(&self.sh.tier, &keys);
+                            self.hints.entry(req_id).or_default().extend(held);
+                            verdicts
+                        }
+                        // No pool: the verdicts are plain lookups.
+                        None => {
+                            let ctx = RequestContext::new("node-service-hint");
+                            let mut tier = self.sh.tier.lock();
+                            keys.iter().map(|k| tier.lookup(k, &ctx)).collect()
+                        }
+                    };
+                    self.reply(frame.seq, &Reply::Hinted(verdicts));
+                }
+                Request::HintDone { req_id } => self.release_hint(&req_id),
+                Request::TakeEvents => {
+                    if !self.sh.events.has_subscribers() {
+                        self.sh.tier.lock().set_events_enabled(true);
+                    }
+                    self.sh.pump_tier_events();
+                    let events = self.sh.events.take(self.entry.id);
+                    self.reply(frame.seq, &Reply::Events(events));
                 }
             }
         }
@@ -447,9 +504,29 @@ impl Session {
         }
     }
 
+    /// The hinted request finished: its staged keys no load used are discarded.
+    fn release_hint(&mut self, req_id: &str) {
+        if let (Some(keys), Some(st)) = (self.hints.remove(req_id), &self.sh.staging) {
+            for k in &keys {
+                st.pool.release(k);
+            }
+        }
+    }
+
     /// Ends the session: cancels queued jobs, waits for the running one, stops the engine and
     /// unmaps the region.
     fn close(&mut self) {
+        let hinted: Vec<String> = self.hints.keys().cloned().collect();
+        for req_id in hinted {
+            self.release_hint(&req_id);
+        }
+        self.sh.events.unsubscribe(self.entry.id);
+        if !self.sh.events.has_subscribers() {
+            let mut tier = self.sh.tier.lock();
+            tier.set_events_enabled(false);
+            // Nobody asks any more: what is buffered would be stale for the next one.
+            drop(tier.take_events());
+        }
         self.cancelled.store(true, Ordering::Release);
         drop(self.jobs_tx.take());
         if let Some(t) = self.job_thread.take() {
@@ -508,6 +585,21 @@ pub fn status_json(sh: &ServiceShared) -> String {
             "engine": info.engine,
             "ready": tier.is_recovered(),
         },
+        "staging": sh.staging.as_ref().map(|st| {
+            let c = &st.pool.counters;
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            serde_json::json!({
+                "slots": st.pool.num_slots(),
+                "used_slots": st.pool.used_slots(),
+                "held_slots": st.pool.held_slots(),
+                "hits": n(&c.hits),
+                "g3_loads": n(&c.g3_loads),
+                "evictions": n(&c.evictions),
+                "discarded": n(&c.discarded),
+                "prefetched": n(&st.counters.staged),
+            })
+        }),
+        "event_subscribers": sh.events.subscribers(),
         "engines": sh.engines.status(),
         "refused_connections": sh.engines.refused.load(Ordering::Relaxed),
         "cancelled_jobs": sh.engines.cancelled_jobs.load(Ordering::Relaxed),
@@ -556,9 +648,85 @@ impl JobWorker {
         }
     }
 
-    /// Moves the job's rows between the engine's region and the granted slots, then reports
-    /// each key's CRC (or error) to the tier, which commits or checks them.
+    /// Runs a job: a load through the staging pool when there is one, else straight between
+    /// G3 and the engine's rows.
     fn transfer(&self, load: bool, job: &JobRequest) -> JobResult {
+        match self.sh.staging.as_ref().filter(|_| load) {
+            Some(st) => self.load_through_staging(st, job),
+            None => self.transfer_g3(load, job, &mut Vec::new()),
+        }
+    }
+
+    /// A load: each key the pool holds is copied from it into the engine's row (its CRC
+    /// checked); the rest are read from G3, and what G3 vouched for is copied into the pool
+    /// for the other engines.
+    fn load_through_staging(&self, st: &Staging, job: &JobRequest) -> JobResult {
+        let started = Instant::now();
+        let region = &self.mapped.region;
+        let mut from_pool = Vec::new();
+        let (mut keys, mut rows) = (Vec::new(), Vec::new());
+        for (k, &row) in job.keys.iter().zip(&job.rows) {
+            // SAFETY: the engine gave the row to this job to fill and reads it only after
+            // JOB_DONE; this thread is the only one of the service touching it now.
+            let dst = unsafe { region.row_mut(row as usize) };
+            match dst.ok().and_then(|d| st.pool.copy_out(k, d, FILL_WAIT)) {
+                Some(_) => from_pool.push(k.clone()),
+                None => {
+                    keys.push(k.clone());
+                    rows.push(row);
+                }
+            }
+        }
+        let pool_bytes = from_pool.len() as u64 * self.sh.slot_bytes;
+        st.pool
+            .counters
+            .g3_loads
+            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        if keys.is_empty() {
+            return JobResult::ok(job.job_id, started.elapsed(), pool_bytes);
+        }
+        let rest = JobRequest {
+            job_id: job.job_id,
+            rows,
+            keys,
+        };
+        let mut crcs = Vec::new();
+        let mut r = self.transfer_g3(true, &rest, &mut crcs);
+        let (keys, rows) = (&rest.keys, &rest.rows);
+        for (i, k) in keys.iter().enumerate() {
+            let vouched = r.success || r.successful_keys.as_ref().is_some_and(|ok| ok.contains(k));
+            let (true, Some(&Some(crc))) = (vouched, crcs.get(i)) else {
+                continue;
+            };
+            if let Reserve::Reserved(slot) = st.pool.reserve(k, false) {
+                // SAFETY: as above, the row is still this job's; the slot was reserved to
+                // this thread just now.
+                match unsafe { region.row(rows[i] as usize) } {
+                    Ok(src) => {
+                        // SAFETY: the slot was reserved to this thread just now (above).
+                        let dst = unsafe { st.pool.fill_bytes(slot) };
+                        // The slot holds the row's first slot_bytes, what G3 stored.
+                        dst.copy_from_slice(&src[..dst.len()]);
+                        st.pool.commit(slot, crc);
+                    }
+                    Err(_) => st.pool.abort(slot),
+                }
+            }
+        }
+        r.transfer_time = Some(started.elapsed());
+        r.transfer_bytes = Some(r.transfer_bytes.unwrap_or(0) + pool_bytes);
+        if !r.success {
+            let mut ok = r.successful_keys.take().unwrap_or_default();
+            ok.extend(from_pool);
+            r.successful_keys = Some(ok);
+        }
+        r
+    }
+
+    /// Moves the job's rows between the engine's region and the granted slots, then reports
+    /// each key's CRC (or error) to the tier, which commits or checks them. `crcs` gets each
+    /// key's CRC as moved (`None`: not moved), what the tier checked.
+    fn transfer_g3(&self, load: bool, job: &JobRequest, crcs: &mut Vec<Option<u32>>) -> JobResult {
         let slots = &self.sh.slots;
         let keys: Vec<ChunkKey> = job.keys.clone();
         let grant = if load {
@@ -632,6 +800,7 @@ impl JobWorker {
             self.entry.name,
             started.elapsed()
         );
+        *crcs = results.iter().map(|r| r.as_ref().ok().copied()).collect();
         slots.finish(grant, results)
     }
 

@@ -22,6 +22,14 @@
 //! Why a job the old connection reported failed can never write into a row later: the kernel
 //! finishes or cancels a dying process's I/O (its io_uring requests included) before its
 //! descriptors close, and the socket closing is how the client learns of the death.
+//!
+//! A request whose `kv_hints` carry kvtier's prefetch action ([`crate::node::hints`]) has its
+//! keys sent to the service at `on_new_request` (`HINT`): the service stages them from G3 in
+//! its DRAM pool and answers a verdict per key, which the tier keeps until the request
+//! finishes, so the request's lookups of those keys answer HIT at once (no RETRY round trip)
+//! and its loads are served from DRAM. `on_request_finished` tells the service, which
+//! discards what the request did not load. Actions of other types are ignored and counted
+//! (`node_hint_actions_ignored`).
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -35,14 +43,16 @@ use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 
 use crate::contract::job::{
-    JobResult, Locality, LookupResult, Medium, RequestContext, TransferJob,
+    JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
+    TransferJob,
 };
 use crate::contract::secondary::{
     HealthState, MetricDescriptor, SecondaryTier, TierHealth, TierMetric, TierMetricKind,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
-use crate::node::client::{ClientHello, NodeClient};
+use crate::node::client::{AsyncAnswer, ClientHello, NodeClient};
+use crate::node::protocol::EventMedium;
 
 /// How long a verdict from the service stays usable.
 pub const VERDICT_TTL: Duration = Duration::from_secs(1);
@@ -181,6 +191,7 @@ pub fn metric_descriptors() -> Vec<MetricDescriptor> {
     LinkStats::default()
         .sample(false)
         .into_iter()
+        .chain(HintCounters::default().sample())
         .map(|m| MetricDescriptor {
             name: m.name,
             help: m.help,
@@ -213,7 +224,73 @@ pub struct NodeTier {
     verdicts: HashMap<ChunkKey, (LookupResult, Instant)>,
     asked: HashSet<ChunkKey>,
     stats: Arc<LinkStats>,
+    /// Hinted keys of each request not finished.
+    hint_requests: HashMap<Arc<str>, Vec<ChunkKey>>,
+    /// Per hinted key: how many unfinished requests hinted it, and the service's verdict.
+    hinted: HashMap<ChunkKey, (u32, Option<LookupResult>)>,
+    /// Events that arrived, not yet taken.
+    events: Vec<OffloadingEvent>,
+    /// A `TAKE_EVENTS` is unanswered.
+    events_asked: bool,
+    /// A `TAKE_EVENTS` was answered (the service queues events for this engine).
+    events_subscribed: bool,
+    hint_counters: HintCounters,
 }
+
+/// What the tier counted of the hints it was given.
+#[derive(Debug, Default, Clone, Copy)]
+struct HintCounters {
+    /// kvtier prefetch actions applied.
+    applied: u64,
+    /// Actions of other types (or versions), ignored.
+    ignored: u64,
+    /// kvtier prefetch actions whose payload was refused.
+    invalid: u64,
+    /// Keys sent to the service in hints.
+    keys: u64,
+    /// Lookups answered from a hint's verdict.
+    lookups_answered: u64,
+}
+
+impl HintCounters {
+    fn sample(&self) -> Vec<TierMetric> {
+        let values = [
+            self.applied,
+            self.ignored,
+            self.invalid,
+            self.keys,
+            self.lookups_answered,
+        ];
+        HINT_METRICS
+            .iter()
+            .zip(values)
+            .map(|((name, help), v)| TierMetric::new(name, help, TierMetricKind::Counter, v as f64))
+            .collect()
+    }
+}
+
+const HINT_METRICS: [(&str, &str); 5] = [
+    (
+        "node_hint_actions_applied",
+        "kvtier.prefetch hint actions sent to the node service",
+    ),
+    (
+        "node_hint_actions_ignored",
+        "Hint actions of another type or version, ignored",
+    ),
+    (
+        "node_hint_actions_invalid",
+        "kvtier.prefetch hint actions whose payload was refused",
+    ),
+    (
+        "node_hint_keys",
+        "Keys the tier asked the service to prefetch",
+    ),
+    (
+        "node_hint_lookups",
+        "Lookups answered at once from a hint's verdict",
+    ),
+];
 
 impl std::fmt::Debug for NodeTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -263,6 +340,12 @@ impl NodeTier {
             verdicts: HashMap::new(),
             asked: HashSet::new(),
             stats: Default::default(),
+            hint_requests: HashMap::new(),
+            hinted: HashMap::new(),
+            events: Vec::new(),
+            events_asked: false,
+            events_subscribed: false,
+            hint_counters: HintCounters::default(),
         })
     }
 
@@ -352,9 +435,15 @@ impl NodeTier {
             .map_or(0.0, |t| t.elapsed().as_secs_f64());
         self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
         *self.stats.last_error.lock() = None;
-        // Answers the old connection never gave are lost; its verdicts are stale.
+        // Answers the old connection never gave are lost; its verdicts are stale, and so are
+        // the hints' (a restarted service's pool is empty) and the events subscription.
         self.asked.clear();
         self.verdicts.clear();
+        for v in self.hinted.values_mut() {
+            v.1 = None;
+        }
+        self.events_asked = false;
+        self.events_subscribed = false;
         log::info!(
             "kvtier node tier {:?}: reconnected to the node service at {} after {outage:.2} s \
              (digest {} checked, region {} registered again)",
@@ -364,6 +453,18 @@ impl NodeTier {
             self.connector.region_text()
         );
         self.client = Some(client);
+    }
+
+    /// True once the service answered an events request: it queues this engine's events.
+    pub fn events_subscribed(&mut self) -> bool {
+        self.absorb();
+        self.events_subscribed
+    }
+
+    /// Hinted keys of unfinished requests whose verdict the service has given.
+    pub fn hint_verdicts(&mut self) -> usize {
+        self.absorb();
+        self.hinted.values().filter(|(_, v)| v.is_some()).count()
     }
 
     fn absorb(&mut self) {
@@ -377,6 +478,35 @@ impl NodeTier {
         }
         if self.verdicts.len() > MAX_VERDICTS {
             self.verdicts.retain(|_, (_, t)| t.elapsed() < VERDICT_TTL);
+        }
+        for answer in c.async_answers() {
+            match answer {
+                AsyncAnswer::Hinted(_, keys, verdicts) => {
+                    for (k, v) in keys.into_iter().zip(verdicts) {
+                        if let Some(entry) = self.hinted.get_mut(&k) {
+                            entry.1 = Some(v);
+                        }
+                    }
+                }
+                AsyncAnswer::Events(events) => {
+                    self.events_asked = false;
+                    self.events_subscribed = true;
+                    for e in events {
+                        self.events.push(OffloadingEvent {
+                            keys: e.keys,
+                            medium: match e.medium {
+                                EventMedium::Cpu => Medium::Cpu,
+                                EventMedium::Storage => Medium::Storage,
+                            },
+                            removed: e.removed,
+                            locality: self.locality,
+                            ownership: None,
+                            removal_expected: true,
+                            metadata_only: false,
+                        });
+                    }
+                }
+            }
         }
     }
 
@@ -461,6 +591,11 @@ impl SecondaryTier for NodeTier {
     fn lookup(&mut self, key: &ChunkKey, _req: &RequestContext) -> LookupResult {
         self.maintain();
         self.absorb();
+        // A hinted key the service staged (and holds until its request finishes).
+        if let Some((_, Some(LookupResult::Hit))) = self.hinted.get(key) {
+            self.hint_counters.lookups_answered += 1;
+            return LookupResult::Hit;
+        }
         if let Some((verdict, at)) = self.verdicts.remove(key)
             && at.elapsed() < VERDICT_TTL
         {
@@ -484,6 +619,73 @@ impl SecondaryTier for NodeTier {
 
     fn submit_load(&mut self, job: TransferJob) {
         self.submit(true, job);
+    }
+
+    fn on_new_request(&mut self, req: &RequestContext) -> OffloadPolicy {
+        let Some(envelope) = req.kv_hints.as_deref() else {
+            return OffloadPolicy::default();
+        };
+        let plan = crate::node::hints::plan(envelope);
+        let c = &mut self.hint_counters;
+        c.applied += plan.applied;
+        c.ignored += plan.ignored.len() as u64;
+        c.invalid += plan.invalid.len() as u64;
+        for (action_id, why) in &plan.invalid {
+            log::warn!(
+                "node tier: request {}: hint action {action_id:?} refused: {why}",
+                req.req_id
+            );
+        }
+        for (t, v) in &plan.ignored {
+            log::debug!(
+                "node tier: request {}: hint action {t:?} version {v:?} ignored",
+                req.req_id
+            );
+        }
+        let Some(client) = self.client.as_ref().filter(|c| c.is_connected()) else {
+            return OffloadPolicy::default();
+        };
+        if plan.keys.is_empty() || client.request_hint(&req.req_id, plan.keys.clone()).is_err() {
+            return OffloadPolicy::default();
+        }
+        c.keys += plan.keys.len() as u64;
+        for k in &plan.keys {
+            self.hinted.entry(k.clone()).or_insert((0, None)).0 += 1;
+        }
+        self.hint_requests
+            .entry(req.req_id.clone())
+            .or_default()
+            .extend(plan.keys);
+        OffloadPolicy::default()
+    }
+
+    fn on_request_finished(&mut self, req: &RequestContext) {
+        let Some(keys) = self.hint_requests.remove(&req.req_id) else {
+            return;
+        };
+        if let Some(c) = &self.client {
+            let _ = c.hint_done(&req.req_id);
+        }
+        for k in keys {
+            if let Some(entry) = self.hinted.get_mut(&k) {
+                entry.0 -= 1;
+                if entry.0 == 0 {
+                    self.hinted.remove(&k);
+                }
+            }
+        }
+    }
+
+    fn take_events(&mut self) -> Vec<OffloadingEvent> {
+        self.maintain();
+        self.absorb();
+        if !self.events_asked
+            && let Some(c) = self.client.as_ref().filter(|c| c.is_connected())
+            && c.request_events().is_ok()
+        {
+            self.events_asked = true;
+        }
+        std::mem::take(&mut self.events)
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
@@ -546,7 +748,9 @@ impl SecondaryTier for NodeTier {
     }
 
     fn metrics(&self) -> Vec<TierMetric> {
-        self.stats.sample(self.ready())
+        let mut m = self.stats.sample(self.ready());
+        m.extend(self.hint_counters.sample());
+        m
     }
 
     fn config_info(&self) -> Vec<(&'static str, String)> {

@@ -1,0 +1,176 @@
+"""The node service's DRAM staging pool and hint-driven prefetch, through vLLM 0.33.0's own
+request and hint objects (``ReqContext``, ``KvHintsEnvelope``, ``KvHintAction``) and its
+``TieringOffloadingManager`` over ``kvtier.vllm.KvtierTier`` in client mode.
+
+Rank A stores through its manager; rank B's request carries kvtier's prefetch action
+(``docs/node-service.md``) and one action of another type. vLLM's manager hands the request
+to the tier (``on_new_request``), the service stages the chunks from G3 in DRAM, and B's first
+lookup of each key already answers a hit (no RETRY round trip), its promotion is served from
+the pool (the service's counters) with A's bytes, and finishing the request discards the
+staged chunks B did not load. Inventory events reach vLLM with the medium that holds the
+chunk: CPU for the pool, STORAGE for G3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from kvtier_engine import ROW, Engine, extra_config, key, payload
+from test_node_service import client_entry, engines_digest
+from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
+
+STAGING_SLOTS = 16
+
+
+@pytest.fixture
+def service(tmp_path):
+    """A node service with a DRAM staging pool of ``STAGING_SLOTS`` slots."""
+    replay = os.environ.get("KVTIER_REPLAY")
+    kvtier_bin = os.environ.get("KVTIER_BIN")
+    if not replay or not kvtier_bin:
+        pytest.skip("KVTIER_REPLAY / KVTIER_BIN not set (run through tests/python_suite.rs)")
+    socket = tmp_path / "kvtier.sock"
+    extra = extra_config(client_entry(socket))
+    slabs = tmp_path / "slabs"
+    slabs.mkdir()
+    doc = {
+        "config": {
+            "cpu_bytes_to_use": 8 * ROW,
+            "service": {"socket_path": str(socket), "dram_bytes": STAGING_SLOTS * ROW},
+            "secondary_tiers": [
+                {"type": "nvme", "paths": [str(slabs)], "capacity_bytes": 64 * ROW,
+                 "direct_io": "auto"}
+            ],
+        },
+        "row_stride": ROW,
+        "digest": engines_digest(extra),
+    }
+    proc = subprocess.Popen(
+        [replay, "node-serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    proc.stdin.write(json.dumps(doc))
+    proc.stdin.close()
+    ready = proc.stdout.readline()
+    assert json.loads(ready) == {"ready": True}, ready
+    yield {"socket": socket, "extra": extra, "bin": kvtier_bin}
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def status(service) -> dict:
+    out = subprocess.run(
+        [service["bin"], "service", "status", "--socket", str(service["socket"]), "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def staging(service) -> dict:
+    return status(service)["staging"]
+
+
+def wait_staging(service, what, cond, timeout_s=60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = staging(service)
+        if cond(st):
+            return st
+        assert time.monotonic() < deadline, f"{what}: {st}"
+        time.sleep(0.02)
+
+
+def test_a_hint_in_vllms_request_stages_the_chunks_and_the_lookup_hits_at_once(service):
+    extra = service["extra"]
+    a = Engine(extra)
+    b = Engine(extra, events=True)
+    try:
+        # vLLM asks its tiers for events every step; the first ask subscribes B at the service.
+        deadline = time.monotonic() + 60
+        while status(service)["event_subscribers"] < 1:
+            assert time.monotonic() < deadline, "B never subscribed to events"
+            list(b.manager.take_events())
+            time.sleep(0.02)
+        keys = [key(100 + i) for i in range(6)]
+        req_a = a.request()
+        a.store(keys, req_a)
+        a.settle()
+        a.finish(req_a)
+
+        # Without a hint, B's first lookup has to ask the service: RETRY.
+        plain = b.request()
+        assert b.manager.lookup(key(100), plain) is LookupResult.RETRY
+        b.finish(plain)
+
+        hints = KvHintsEnvelope(
+            protocol_version="1",
+            message_id="orchestrator-1",
+            actions=[
+                KvHintAction(
+                    action_id="prefetch-1",
+                    action_type="kvtier.prefetch",
+                    action_version="1",
+                    payload={"keys": [k.hex() for k in keys[1:5]]},
+                ),
+                KvHintAction(
+                    action_id="route-1",
+                    action_type="router.affinity",
+                    action_version="1",
+                    payload={"worker": 2},
+                ),
+            ],
+        )
+        req = ReqContext(req_id="hinted-request", kv_hints=hints)
+        b.manager.on_new_request(req)
+        wait_staging(service, "the hinted chunks staged", lambda st: st["prefetched"] == 4)
+        tier = b.tier()
+        # The verdicts came with the hint's answer (sent before the reads, so long before the
+        # chunks were staged): the first lookup is past RETRY.
+        first = b.manager.lookup(keys[1], req)
+        lookups = {k: b.manager.lookup(k, req) for k in keys[2:3]}
+        assert first in (LookupResult.HIT, LookupResult.HIT_PENDING), first
+        assert set(lookups.values()) <= {LookupResult.HIT, LookupResult.HIT_PENDING}, lookups
+        b.step_end()
+        b.settle()
+        rows = b.load(keys[1:3], req)
+        assert rows == {k: payload(k) for k in keys[1:3]}
+        st = staging(service)
+        assert st["hits"] == 2 and st["g3_loads"] == 0, st
+        metrics = {n: v for n, _, _, v in tier._tier.metrics()}
+        assert metrics["node_hint_actions_ignored"] == 1, metrics
+        assert metrics["node_hint_actions_applied"] == 1, metrics
+        assert metrics["node_hint_lookups"] >= 1, metrics
+
+        # Finishing the request (vLLM's manager tells the tier) discards keys 3 and 4.
+        b.finish(req)
+        b.settle()
+        st = wait_staging(service, "unused chunks discarded", lambda st: st["discarded"] == 2)
+        assert st["held_slots"] == 0, st
+
+        # vLLM's manager passes on the tier's events with the medium that holds each chunk.
+        seen = {}
+        deadline = time.monotonic() + 60
+        while not ({Medium.CPU, Medium.STORAGE} <= set(seen)):
+            assert time.monotonic() < deadline, seen
+            for e in b.manager.take_events():
+                # vLLM's own CPU primary reports too (ownership None); the tier's carry its label.
+                if e.ownership == tier._label:
+                    seen.setdefault(e.medium, []).append(e)
+            b.step_end()
+            time.sleep(0.01)
+        staged = {k for e in seen[Medium.CPU] if not e.removed for k in e.keys}
+        assert set(keys[1:5]) <= staged, seen[Medium.CPU]
+        discarded = {k for e in seen[Medium.CPU] if e.removed for k in e.keys}
+        assert discarded == set(keys[3:5]), seen[Medium.CPU]
+        stored = {k for e in seen[Medium.STORAGE] if not e.removed for k in e.keys}
+        assert set(keys) <= stored, seen[Medium.STORAGE]
+    finally:
+        a.shutdown()
+        b.shutdown()
