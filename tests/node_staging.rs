@@ -93,6 +93,20 @@ fn engine(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
     (region, c)
 }
 
+/// The node service as an engine's secondary tier (client mode), its region by descriptor.
+fn client_tier(f: &Fixture, name: &str, locality: Option<Locality>) -> (PrimaryRegion, NodeTier) {
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let tier = NodeTier::connect(
+        &f.socket,
+        &hello(name),
+        RegionSource::Fd(region.fd().unwrap()),
+        ROWS,
+        locality,
+    )
+    .unwrap();
+    (region, tier)
+}
+
 fn fill(region: &PrimaryRegion, row: usize, seed: u64) -> Vec<u8> {
     // SAFETY: the test owns the region and no job uses the row now.
     let bytes = unsafe { region.row_mut(row) }.unwrap();
@@ -306,16 +320,8 @@ fn a_hint_makes_the_later_lookup_hit_from_staging_and_finishing_discards_the_unu
     let stored: Vec<Vec<u8>> = (0..4).map(|i| fill(&ra, i, 900 + i as u64)).collect();
     assert!(run(&a, false, 1, &keys, &rows));
 
-    // Rank B: the node service as its secondary tier (client mode), region by descriptor.
-    let rb = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let mut tier = NodeTier::connect(
-        &f.socket,
-        &hello("rank-b"),
-        RegionSource::Fd(rb.fd().unwrap()),
-        ROWS,
-        None,
-    )
-    .unwrap();
+    // Rank B: the node service as its secondary tier (client mode).
+    let (rb, mut tier) = client_tier(&f, "rank-b", None);
     // Without a hint the first lookup cannot know: RETRY while it asks.
     let plain = RequestContext::new("plain");
     tier.on_new_request(&plain);
@@ -390,15 +396,7 @@ fn a_hint_makes_the_later_lookup_hit_from_staging_and_finishing_discards_the_unu
 fn events_of_a_client_mode_tier_name_their_medium() {
     let f = fixture(4);
     let (ra, a) = engine(&f, "rank-a");
-    let rb = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let mut tier = NodeTier::connect(
-        &f.socket,
-        &hello("rank-b"),
-        RegionSource::Fd(rb.fd().unwrap()),
-        ROWS,
-        Some(Locality::Local),
-    )
-    .unwrap();
+    let (_rb, mut tier) = client_tier(&f, "rank-b", Some(Locality::Local));
     assert!(tier.take_events().is_empty(), "the first call subscribes");
     // Wait until the subscription is in before anything happens.
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 
 import pytest
 
-from kvtier_engine import ROW, Engine, extra_config, key, payload
-from test_node_service import client_entry, engines_digest
+from kvtier_engine import ROW, Engine, key, payload
+from test_node_service import end_service, start_service
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
 
@@ -32,37 +31,13 @@ STAGING_SLOTS = 16
 @pytest.fixture
 def service(tmp_path):
     """A node service with a DRAM staging pool of ``STAGING_SLOTS`` slots."""
-    replay = os.environ.get("KVTIER_REPLAY")
     kvtier_bin = os.environ.get("KVTIER_BIN")
-    if not replay or not kvtier_bin:
-        pytest.skip("KVTIER_REPLAY / KVTIER_BIN not set (run through tests/python_suite.rs)")
-    socket = tmp_path / "kvtier.sock"
-    extra = extra_config(client_entry(socket))
-    slabs = tmp_path / "slabs"
-    slabs.mkdir()
-    doc = {
-        "config": {
-            "cpu_bytes_to_use": 8 * ROW,
-            "service": {"socket_path": str(socket), "dram_bytes": STAGING_SLOTS * ROW},
-            "secondary_tiers": [
-                {"type": "nvme", "paths": [str(slabs)], "capacity_bytes": 64 * ROW,
-                 "direct_io": "auto"}
-            ],
-        },
-        "row_stride": ROW,
-        "digest": engines_digest(extra),
-    }
-    proc = subprocess.Popen(
-        [replay, "node-serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    proc.stdin.write(json.dumps(doc))
-    proc.stdin.close()
-    ready = proc.stdout.readline()
-    assert json.loads(ready) == {"ready": True}, ready
-    yield {"socket": socket, "extra": extra, "bin": kvtier_bin}
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+    if not kvtier_bin:
+        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+    state = start_service(tmp_path, dram_bytes=STAGING_SLOTS * ROW)
+    state["bin"] = kvtier_bin
+    yield state
+    end_service(state)
 
 
 def status(service) -> dict:
