@@ -382,7 +382,11 @@ impl StagingPool {
             return;
         };
         let v = &mut s.slots[i];
-        v.holds = v.holds.saturating_sub(1);
+        if v.holds == 0 {
+            // Not this hint's copy (its own failed and another load staged the key since).
+            return;
+        }
+        v.holds -= 1;
         if v.holds > 0 || v.used {
             return;
         }
