@@ -60,10 +60,17 @@ fn config(dir: &Path, dram_bytes: serde_json::Value) -> kvtier::Result<KvtierCon
 }
 
 fn fixture(staging_slots: u64) -> Fixture {
+    fixture_with_slots_of(staging_slots, None)
+}
+
+/// A service whose G3 slots (and staging slots) hold each row's first `slot_bytes` (`None`:
+/// whole rows).
+fn fixture_with_slots_of(staging_slots: u64, slot_bytes: Option<u64>) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("slabs")).unwrap();
-    let cfg = config(dir.path(), json!(staging_slots * STRIDE)).unwrap();
-    let service = start_from_config(&cfg, STRIDE, DIGEST).unwrap();
+    let slot = slot_bytes.unwrap_or(STRIDE);
+    let cfg = config(dir.path(), json!(staging_slots * slot)).unwrap();
+    let service = start_from_config(&cfg, STRIDE, slot_bytes, DIGEST).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     while !service.with_tier(|t| t.is_recovered()) {
         assert!(Instant::now() < deadline, "the tier never recovered");
@@ -217,6 +224,39 @@ fn rank_a_stores_rank_b_loads_from_g3_rank_c_is_served_from_staging() {
     let found = c.lookup(&keys).unwrap();
     assert_eq!(found[..3], [LookupResult::Hit; 3]);
     assert_eq!(found[3], LookupResult::Miss);
+}
+
+#[test]
+fn a_slot_shorter_than_the_row_is_staged_and_served_as_the_rows_prefix() {
+    let slot = STRIDE / 4;
+    let f = fixture_with_slots_of(4, Some(slot));
+    let (ra, a) = engine(&f, "rank-a");
+    let (_rb, b) = engine(&f, "rank-b");
+    let (rc, c) = engine(&f, "rank-c");
+    let keys: Vec<ChunkKey> = (0..2).map(|i| key("prefix", i)).collect();
+    let stored: Vec<Vec<u8>> = (0..2).map(|i| fill(&ra, i, 31 + i as u64)).collect();
+    assert!(run(&a, false, 1, &keys, &[0, 1]));
+    assert!(run(&b, true, 2, &keys, &[0, 1]));
+    for (k, bytes) in keys.iter().zip(&stored) {
+        garble_g3_slot(&f, k, &bytes[..slot as usize]);
+    }
+    // C's rows past the slot keep what C had there.
+    let tails: Vec<Vec<u8>> = (2..4).map(|i| fill(&rc, i, 500 + i as u64)).collect();
+    assert!(run(&c, true, 3, &keys, &[2, 3]));
+    for i in 0..2 {
+        let got = row(&rc, 2 + i);
+        assert_eq!(
+            got[..slot as usize],
+            stored[i][..slot as usize],
+            "row {i}'s slot"
+        );
+        assert_eq!(
+            got[slot as usize..],
+            tails[i][slot as usize..],
+            "row {i}'s tail"
+        );
+    }
+    assert_eq!(status(&f)["staging"]["hits"], 2);
 }
 
 #[test]
@@ -439,13 +479,13 @@ fn dram_bytes_mistakes_are_named() {
     let e = config(dir.path(), json!(-1)).unwrap_err();
     assert!(e.to_string().contains("service.dram_bytes"), "{e}");
     let small = config(dir.path(), json!(STRIDE - 1)).unwrap();
-    let e = start_from_config(&small, STRIDE, DIGEST).unwrap_err();
+    let e = start_from_config(&small, STRIDE, None, DIGEST).unwrap_err();
     assert!(
         e.to_string().contains("service.dram_bytes") && e.to_string().contains("one slot"),
         "{e}"
     );
     let huge = config(dir.path(), json!("1000TiB")).unwrap();
-    let e = start_from_config(&huge, STRIDE, DIGEST).unwrap_err();
+    let e = start_from_config(&huge, STRIDE, None, DIGEST).unwrap_err();
     assert!(
         e.to_string().contains("service.dram_bytes") && e.to_string().contains("MemAvailable"),
         "{e}"
