@@ -174,12 +174,22 @@ struct RegionSpec {
     namespace: [u8; 32],
     /// vLLM's digest of the spec, in hex.
     vllm_digest: String,
+    /// Bytes of each row the tier stores when a `layout` names a canonical area shorter than
+    /// the row (replicated GQA heads); `None`: whole rows.
+    slot_prefix: Option<u64>,
 }
 
 impl RegionSpec {
     /// Checks that `length` bytes are whole rows of `row_stride` bytes, the row stride of
-    /// `spec` (JSON of kvtier's `VllmSpecFields`), and computes the spec's digests.
-    fn new(length: usize, row_stride: usize, spec: &str) -> PyResult<Self> {
+    /// `spec` (JSON of kvtier's `VllmSpecFields`), and computes the spec's digests. `layout`
+    /// (`(key path, value)` of the entry's `layout`) names the canonical area the tier stores,
+    /// checked against the spec; the namespace then names the area instead of the row.
+    fn new(
+        length: usize,
+        row_stride: usize,
+        spec: &str,
+        layout: Option<(&str, &str)>,
+    ) -> PyResult<Self> {
         if row_stride == 0 || !length.is_multiple_of(row_stride) {
             return Err(ConfigError::new_err(format!(
                 "the primary region ({length} bytes) is not whole rows of {row_stride} bytes"
@@ -187,13 +197,18 @@ impl RegionSpec {
         }
         install_logger();
         let num_rows = length / row_stride;
-        let spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
+        let mut spec = VllmSpecFields::from_json(spec).map_err(to_py)?;
         if spec.row_stride != row_stride as u64 {
             return Err(ConfigError::new_err(format!(
                 "the view's row stride {row_stride} differs from the spec's {}",
                 spec.row_stride
             )));
         }
+        if let Some((key, value)) = layout {
+            let (desc, _) = kvtier::canonical::resolve_layout(key, value).map_err(to_py)?;
+            spec.slot_bytes = Some(spec.canonical_area(&desc, key).map_err(to_py)?);
+        }
+        let slot_prefix = spec.slot_bytes.filter(|&b| b < spec.row_stride);
         let namespace = spec.namespace_digest().map_err(to_py)?;
         let vllm_digest =
             kvtier::canonical::vllm_digest(&spec.vllm_digest_fields().map_err(to_py)?).0;
@@ -201,6 +216,7 @@ impl RegionSpec {
             num_rows,
             namespace,
             vllm_digest,
+            slot_prefix,
         })
     }
 
@@ -237,8 +253,6 @@ impl Tier {
         spec: &str,
         events: bool,
     ) -> PyResult<Self> {
-        let rs = RegionSpec::new(length, row_stride, spec)?;
-        let (num_rows, namespace) = (rs.num_rows, rs.namespace);
         let entry: serde_json::Value = serde_json::from_str(tier_entry)
             .map_err(|e| ConfigError::new_err(format!("invalid tier entry: {e}")))?;
         let tier_config = kvtier::config::resolve_tier_entry(tier_index, &entry).map_err(to_py)?;
@@ -251,6 +265,23 @@ impl Tier {
         // `region_huge_pages`: `auto` (kvtier's own 2 MiB-page mapping of vLLM's region where
         // it can) or `never` (vLLM's mapping, 4 KiB pages); a bad value names the key.
         let huge_pages = kvtier::embed::region_huge_pages(&tier_config).map_err(to_py)?;
+        let layout_key = format!("{}.layout", tier_config.key_path());
+        let layout = match tier_config.params.get("layout") {
+            None => None,
+            Some(serde_json::Value::String(v)) => Some(v.clone()),
+            Some(other) => {
+                return Err(ConfigError::new_err(format!(
+                    "{layout_key}: expected a shipped layout name or a descriptor path, found {other}"
+                )));
+            }
+        };
+        let rs = RegionSpec::new(
+            length,
+            row_stride,
+            spec,
+            layout.as_deref().map(|v| (layout_key.as_str(), v)),
+        )?;
+        let (num_rows, namespace, slot_prefix) = (rs.num_rows, rs.namespace, rs.slot_prefix);
         let tier = py
             .detach(move || {
                 // SAFETY: `anchor` holds vLLM's buffer exported, so `length` bytes at `base`
@@ -263,11 +294,14 @@ impl Tier {
                 let region = unsafe {
                     PrimaryRegion::adopt_shared(base as *mut u8, row_stride, num_rows, huge_pages)
                 }?;
-                Builder::for_tier(tier_config)
+                let mut builder = Builder::for_tier(tier_config)
                     .region(Arc::new(region))
                     .namespace(namespace)
-                    .events(events)
-                    .build_tier(tier_index)
+                    .events(events);
+                if let Some(bytes) = slot_prefix {
+                    builder = builder.slot_bytes(bytes);
+                }
+                builder.build_tier(tier_index)
             })
             .map_err(to_py)?;
         Ok(rs.tier(tier, Some(anchor)))
@@ -291,7 +325,7 @@ impl Tier {
         engine: &str,
         locality: Option<&str>,
     ) -> PyResult<Self> {
-        let rs = RegionSpec::new(length, row_stride, spec)?;
+        let rs = RegionSpec::new(length, row_stride, spec, None)?;
         let locality = match locality {
             None => None,
             Some(l) => Some(kvtier::contract::job::Locality::parse(l).ok_or_else(|| {

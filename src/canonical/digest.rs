@@ -448,6 +448,12 @@ pub struct VllmSpecFields {
     pub worker_kv_bytes_per_block: u64,
     /// The region's row stride (`primary_kv_view.strides[0]`).
     pub row_stride: u64,
+    /// Bytes of each row the tier stores, when a layout descriptor names the canonical area
+    /// ([`VllmSpecFields::canonical_area`]); `None` (the default, and what the Python package
+    /// sends): the whole row. Enters the namespace as `row_stride`, so replicated GQA shares
+    /// one namespace over TP sizes.
+    #[serde(default)]
+    pub slot_bytes: Option<u64>,
 }
 
 impl VllmSpecFields {
@@ -507,7 +513,7 @@ impl VllmSpecFields {
     }
 
     /// `canonical_format_id(kv_cache_layout)` when the canonical layout is on.
-    fn canonical_format(&self) -> Result<Option<String>> {
+    pub(crate) fn canonical_format(&self) -> Result<Option<String>> {
         if !self.canonical_layout {
             return Ok(None);
         }
@@ -557,7 +563,12 @@ impl VllmSpecFields {
         m.insert("vllm_fields".into(), vllm_fields);
         m.insert("vllm_digest".into(), json!(vllm_hex));
         m.insert("kv_cache_layout".into(), json!(self.kv_cache_layout));
-        m.insert("row_stride".into(), json!(self.row_stride));
+        // The bytes stored per chunk: the canonical area when a layout names it (equal to
+        // the row except for replicated GQA heads), else the row.
+        m.insert(
+            "row_stride".into(),
+            json!(self.slot_bytes.unwrap_or(self.row_stride)),
+        );
         let storage = if self.canonical_layout {
             "canonical"
         } else {
@@ -617,6 +628,7 @@ mod vllm_spec_tests {
             kv_cache_layout: Some("LBNHC".into()),
             worker_kv_bytes_per_block: 65536 / u64::from(tp),
             row_stride: 262_144,
+            slot_bytes: None,
         }
     }
 

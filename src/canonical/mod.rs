@@ -16,12 +16,18 @@
 //! Where kvtier sees the engine's tensors, [`check_views`] ([`views`]) derives the page
 //! encoding from their shapes and strides and refuses a descriptor that claims another;
 //! [`prepare_canonical_from_views`] does it before preparing.
+//!
+//! Where vLLM's workers write the canonical pages themselves (kvtier as vLLM's tier),
+//! [`VllmSpecFields::canonical_area`] sizes the area of the row they fill from a descriptor
+//! ([`shipped`] or a file), checked against vLLM's configuration.
 
 mod copy;
 pub mod descriptor;
 pub mod digest;
 pub mod gather;
 pub mod mapping;
+pub mod shipped;
+mod spec_area;
 pub mod tiling;
 pub mod validate;
 pub mod views;
@@ -35,6 +41,7 @@ pub use mapping::{
     CanonicalPageMapping, CopyRun, LayerMapping, MappingKind, ParallelConfig, canonical_page_ids,
     derive_all_ranks, derive_mappings, derive_mappings_for,
 };
+pub use shipped::{SHIPPED_LAYOUTS, resolve_layout, shipped_layout};
 pub use tiling::verify_tiling;
 pub use validate::{CanonicalStatus, validate_canonical};
 pub use views::{EncodingSource, LayerView, PageEncoding, check_views, resolve_encoding};

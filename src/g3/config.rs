@@ -139,6 +139,11 @@ pub struct G3TierConfig {
     /// (`region_huge_pages`: `auto` or `never`; see
     /// [`crate::region::PrimaryRegion::adopt_shared`]). kvtier's own region ignores it.
     pub region_huge_pages: AdoptHugePages,
+    /// `layout`, only in vLLM's entry (type `KvtierTier`): the layout descriptor (a shipped
+    /// name or a path) that names the canonical area of vLLM's rows; the Python package
+    /// checks it against vLLM's configuration and sets [`G3TierConfig::slot_bytes`] from it
+    /// (docs/canonical.md). `None`: whole rows.
+    pub layout: Option<String>,
 }
 
 impl G3TierConfig {
@@ -159,6 +164,7 @@ impl G3TierConfig {
             gds: GdsMode::Off,
             slot_bytes: None,
             region_huge_pages: AdoptHugePages::Auto,
+            layout: None,
         }
     }
 
@@ -299,6 +305,10 @@ impl G3TierConfig {
                     ));
                 }
             };
+        }
+        if let Some(v) = tc.params.get("layout") {
+            // Only vLLM's entry may carry it; the tier factory refuses it elsewhere.
+            cfg.layout = Some(str_value(v, &kp("layout"))?.to_string());
         }
         if let Some(v) = tc.params.get("idle_poll_us") {
             cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &kp("idle_poll_us"))?);
@@ -473,6 +483,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "gds",
     "region_huge_pages",
     "module_path",
+    "layout",
 ];
 
 fn closest_key(key: &str) -> Option<&'static str> {
@@ -596,6 +607,16 @@ mod tests {
             Some("secondary_tiers[2].max_bytes_inflight")
         );
         assert_eq!(e.context_value("did_you_mean"), Some("max_bytes_in_flight"));
+    }
+
+    #[test]
+    fn layout_is_a_string() {
+        let mut t = tier(json!({"paths": ["/a"], "capacity_bytes": 1, "layout": "qwen2.5-3b"}));
+        let cfg = G3TierConfig::from_tier(&t).unwrap();
+        assert_eq!(cfg.layout.as_deref(), Some("qwen2.5-3b"));
+        t.params.insert("layout".into(), json!(3));
+        let e = G3TierConfig::from_tier(&t).unwrap_err();
+        assert_eq!(e.context_value("key"), Some("secondary_tiers[2].layout"));
     }
 
     #[test]

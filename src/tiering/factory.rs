@@ -210,7 +210,23 @@ fn param_u64(cfg: &TierConfig, key: &str) -> Result<Option<u64>> {
 /// The rules of an `nvme` tier's params for rows of `row_stride` bytes
 /// ([`G3TierConfig::from_tier`] and [`G3TierConfig::validate`]).
 pub fn check_nvme_tier(cfg: &TierConfig, row_stride: u64) -> Result<()> {
-    G3TierConfig::from_tier(cfg)?.validate(&cfg.key_path(), Some(row_stride))
+    let g3 = G3TierConfig::from_tier(cfg)?;
+    refuse_layout_outside_vllm(cfg, &g3)?;
+    g3.validate(&cfg.key_path(), Some(row_stride))
+}
+
+/// `layout` belongs to vLLM's entry ([`VLLM_TIER_CLASS`]), where the Python package sizes the
+/// canonical area from it; kvtier's own `nvme` entries take the layout from `--layout` or
+/// [`crate::Builder::layout`].
+fn refuse_layout_outside_vllm(cfg: &TierConfig, g3: &G3TierConfig) -> Result<()> {
+    if g3.layout.is_some() && cfg.tier_type != VLLM_TIER_CLASS {
+        return Err(Error::config(
+            format!("{}.layout", cfg.key_path()),
+            "only in vLLM's entry (type KvtierTier); kvtier's own configuration takes the \
+             layout from --layout (kvtier serve, bench, tier format) or Builder::layout",
+        ));
+    }
+    Ok(())
 }
 
 /// The rules of an `fs` tier's params for rows of `row_stride` bytes
@@ -222,6 +238,7 @@ pub fn check_fs_tier(cfg: &TierConfig, row_stride: u64) -> Result<()> {
 /// Builds an `nvme` tier ([`G3Tier`]) from its params (see `docs/g3.md`).
 pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
     let mut g3 = G3TierConfig::from_tier(cfg)?;
+    refuse_layout_outside_vllm(cfg, &g3)?;
     g3.slot_bytes = ctx.slot_bytes;
     g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
     let tier = G3Tier::open(
@@ -312,6 +329,14 @@ mod tests {
             backpressure: None,
             params: params.as_object().cloned().unwrap_or_default(),
         }
+    }
+
+    #[test]
+    fn layout_is_taken_in_vllms_entry_and_refused_in_an_nvme_one() {
+        let params = serde_json::json!({"paths": ["/a"], "capacity_bytes": 4096, "layout": "x"});
+        let e = check_nvme_tier(&tier_cfg("nvme", params.clone()), 4096).unwrap_err();
+        assert_eq!(e.context_value("key"), Some("secondary_tiers[2].layout"));
+        check_nvme_tier(&tier_cfg(VLLM_TIER_CLASS, params), 4096).unwrap();
     }
 
     #[test]

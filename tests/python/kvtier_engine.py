@@ -126,10 +126,17 @@ def payload(k: bytes) -> bytes:
 class Engine:
     """vLLM's spec and manager with kvtier as (one of) its secondary tiers."""
 
-    def __init__(self, extra: dict, **config):
-        self.spec = TieringOffloadingSpec(offloading_config(copy.deepcopy(extra), **config))
+    def __init__(self, extra: dict, *, offloading: OffloadingConfig | None = None, **config):
+        """``offloading``: an ``OffloadingConfig`` built elsewhere (vLLM's own
+        ``build_offloading_config`` for a real model, ``vllm_canonical``), used as it is;
+        otherwise :func:`offloading_config` of ``extra`` and ``config``."""
+        if offloading is None:
+            offloading = offloading_config(copy.deepcopy(extra), **config)
+        self.spec = TieringOffloadingSpec(offloading)
         self.manager = self.spec.get_manager()
         self.view = self.manager.primary_tier.get_kv_memoryview()
+        #: Bytes of one primary row (vLLM's ``strides[0]``).
+        self.row = self.view.strides[0]
         self._requests = 0
 
     def tier(self, i: int = 0):
@@ -139,11 +146,11 @@ class Engine:
 
     def write_row(self, chunk_id: int, data: bytes) -> None:
         with self.view.cast("B") as flat:
-            flat[chunk_id * ROW : (chunk_id + 1) * ROW] = data
+            flat[chunk_id * self.row : (chunk_id + 1) * self.row] = data
 
     def read_row(self, chunk_id: int) -> bytes:
         with self.view.cast("B") as flat:
-            return flat[chunk_id * ROW : (chunk_id + 1) * ROW].tobytes()
+            return flat[chunk_id * self.row : (chunk_id + 1) * self.row].tobytes()
 
     # ---- the scheduler's side -------------------------------------------------------------
 

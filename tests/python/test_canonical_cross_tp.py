@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import re
 
-import numpy as np
 import pytest
 
 import harness
 import vllm_canonical as vc
+import vllm_worker as vw
 
 LAYOUT_DIR = harness.repo_root() / "layouts"
 FULL_SIZE = {"qwen2.5-3b"}
@@ -42,40 +42,18 @@ def model_for(path):
 MODELS = [model_for(p) for p in sorted(LAYOUT_DIR.glob("*.toml"))]
 
 
-def kv_value(layer, block, head, token, content_byte):
-    """The KV byte the model computes at these coordinates (any fixed, well-mixed function)."""
-    u = np.uint64
-    x = (np.asarray(layer, dtype=u) * u(0xD6E8FEB86659FD93) + np.asarray(block, dtype=u) * u(0xA0761D6478BD642F)
-         + np.asarray(head, dtype=u) * u(0xE7037ED1A0B428DB)
-         + np.asarray(token, dtype=u) * u(0x8EBC6AF09C88C6E3)
-         + np.asarray(content_byte, dtype=u) * u(0x589965CC75374CC3))
-    x = (x ^ (x >> u(31))) * u(0x9E3779B97F4A7C15)
-    return (x >> u(56)).astype(np.uint8)
-
-
 def rank_chunks(model, tp, chunk):
-    """Every rank's local chunk at `tp`, written through vLLM's views."""
+    """Every rank's local chunk at `tp`, written through vLLM's views (``vllm_worker``)."""
     config = vc.kv_cache_config(model, tp, num_blocks=BPC)
     views = vc.layer_views(model, tp, config)
-    (tensor,) = config.kv_cache_tensors
     chunks = []
     for rank in range(tp):
-        buf = np.zeros(tensor.size, dtype=np.uint8)
+        buf = vw.rank_buffer(model, tp, rank, config, views, chunk * BPC)
         out = []
-        for li, name in enumerate(model.layers):
+        for name in model.layers:
             v = views[name]
-            blocks, heads, tokens, content = v.shape
+            _, heads, tokens, content = v.shape
             e = v.element_size()
-            through_view = np.lib.stride_tricks.as_strided(
-                buf[v.storage_offset() * e:],
-                shape=(blocks, heads, tokens, content * e),
-                strides=tuple(s * e for s in v.stride()[:3]) + (1,),
-            )
-            b = np.arange(blocks).reshape(-1, 1, 1, 1)
-            h = np.array([vc.head_of(model, tp, rank, i) for i in range(heads)]).reshape(1, -1, 1, 1)
-            t = np.arange(tokens).reshape(1, 1, -1, 1)
-            c = np.arange(content * e).reshape(1, 1, 1, -1)
-            through_view[...] = kv_value(li, chunk * BPC + b, h, t, c)
             page = heads * tokens * content * e
             for blk in range(BPC):
                 start = v[blk].storage_offset() * e

@@ -145,8 +145,10 @@ def views_json(model: Model, views: dict) -> list:
              "element_size": views[n].element_size()} for n in model.layers]
 
 
-def vllm_config(model: Model, tp: int, rank: int, *, canonical: bool = True, bpc: int = 1):
-    """The attributes of a ``VllmConfig`` that vLLM's offloading code reads."""
+def vllm_config(model: Model, tp: int, rank: int, *, canonical: bool = True, bpc: int = 1,
+                extra: dict | None = None, engine_id: str = "kvtier-canonical-test"):
+    """The attributes of a ``VllmConfig`` that vLLM's offloading code reads (``extra``: more
+    ``kv_connector_extra_config`` keys, e.g. the tiering spec's)."""
     cache_dtype = "auto" if model.dtype in ("bfloat16", "float16", "float32") else model.dtype
     return NS(
         parallel_config=NS(
@@ -178,8 +180,10 @@ def vllm_config(model: Model, tp: int, rank: int, *, canonical: bool = True, bpc
             kv_cache_layout=model.layout.name,
         ),
         kv_transfer_config=NS(
-            kv_connector_extra_config={"canonical_layout": canonical, "blocks_per_chunk": bpc},
-            engine_id="kvtier-canonical-test",
+            kv_connector_extra_config={
+                **(extra or {}), "canonical_layout": canonical, "blocks_per_chunk": bpc,
+            },
+            engine_id=engine_id,
         ),
         use_v2_model_runner=False,
         kv_events_config=None,
