@@ -452,7 +452,7 @@ pub struct VllmSpecFields {
     /// ([`VllmSpecFields::canonical_area`]); `None` (the default, and what the Python package
     /// sends): the whole row. Enters the namespace as `row_stride`, so replicated GQA shares
     /// one namespace over TP sizes.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot_bytes: Option<u64>,
 }
 
@@ -492,6 +492,7 @@ impl VllmSpecFields {
             kv_cache_layout: Some(desc.kv_layout.vllm_name().to_string()),
             worker_kv_bytes_per_block: desc.worker_kv_bytes_per_block(tp)?,
             row_stride: params.row_stride,
+            slot_bytes: None,
         })
     }
 

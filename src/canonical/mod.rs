@@ -44,7 +44,10 @@ pub use mapping::{
 pub use shipped::{SHIPPED_LAYOUTS, resolve_layout, shipped_layout};
 pub use tiling::verify_tiling;
 pub use validate::{CanonicalStatus, validate_canonical};
-pub use views::{EncodingSource, LayerView, PageEncoding, check_views, resolve_encoding};
+pub use views::{
+    EncodingSource, LayerView, PageEncoding, allocated_encoding, allocator_views, check_views,
+    resolve_encoding,
+};
 
 /// The Llama-3.1-8B descriptor text (`layouts/llama-3.1-8b.toml`), embedded in the binary.
 pub const DEFAULT_LAYOUT_TOML: &str = include_str!("../../layouts/llama-3.1-8b.toml");

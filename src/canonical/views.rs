@@ -69,16 +69,69 @@ pub enum EncodingSource {
     Descriptor,
     /// Derived from the layers' views and checked against the descriptor.
     Views,
+    /// Derived from the layer tensors kvtier allocated itself as vLLM 0.33's allocator does
+    /// ([`allocator_views`]: `kvtier bench`, `--gds`) and checked against the descriptor.
+    Allocated,
 }
 
 impl EncodingSource {
-    /// `descriptor` or `views`.
+    /// `descriptor`, `views` or `allocated`.
     pub fn as_str(self) -> &'static str {
         match self {
             EncodingSource::Descriptor => "descriptor",
             EncodingSource::Views => "views",
+            EncodingSource::Allocated => "allocated",
         }
     }
+}
+
+/// The per-layer KV-cache views vLLM 0.33.0's allocator creates for `desc`'s model at TP
+/// `tp` over `num_blocks` blocks (`allocate_kv_cache` -> `create_kv_cache_views` over one
+/// buffer, layers outermost): every attention layer `[blocks, heads, tokens, 2*dim]` (K and V
+/// side by side in the last dimension, strides NHD `[page, 2*dim, heads*2*dim, 1]` or HND
+/// `[page, tokens*2*dim, 2*dim, 1]`), an MLA layer `[blocks, 1, tokens, lora+rope]`. Built
+/// from the model's geometry and its `kv_layout`, never from its `kv_split`, so
+/// [`check_views`] over them checks the descriptor's encoding against what vLLM allocates
+/// (`tests/python/test_canonical_vs_vllm.py` compares them with vLLM's own views). `None` for
+/// the uncertified layouts (`LHBNC`, cross-layer `BL*`), whose pages are moved opaquely.
+pub fn allocator_views(
+    desc: &LayoutDescriptor,
+    tp: u32,
+    num_blocks: u64,
+) -> Result<Option<Vec<LayerView>>> {
+    let tokens = u64::from(desc.tokens_per_block);
+    let heads = u64::from(desc.local_kv_heads(tp)?);
+    let content = desc.elements_per_token_head();
+    let page = heads * tokens * content;
+    let stride = match (desc.is_mla(), desc.kv_layout) {
+        (true, _) => vec![page, content, content, 1],
+        (false, KvLayout::Nhd) => vec![page, content, heads * content, 1],
+        (false, KvLayout::Hnd) => vec![page, tokens * content, content, 1],
+        _ => return Ok(None),
+    };
+    let view = LayerView {
+        shape: vec![num_blocks, heads, tokens, content],
+        stride,
+        element_size: desc.element_size().unwrap_or(1),
+    };
+    Ok(Some(vec![view; desc.num_layers as usize]))
+}
+
+/// The page encoding of the layer tensors kvtier allocates itself for `desc` at TP `tp`, as
+/// vLLM's allocator would ([`allocator_views`], checked by [`check_views`]: a descriptor that
+/// claims another encoding is refused), and its source; for an uncertified layout, the
+/// descriptor's own claim.
+pub fn allocated_encoding(
+    desc: &LayoutDescriptor,
+    tp: u32,
+) -> Result<(PageEncoding, EncodingSource)> {
+    let views = allocator_views(desc, tp, 1)?;
+    let (encoding, source) = resolve_encoding(desc, tp, views.as_deref())?;
+    let source = match source {
+        EncodingSource::Views => EncodingSource::Allocated,
+        other => other,
+    };
+    Ok((encoding, source))
 }
 
 /// The shape and the in-page strides (after the block dimension) a page of `encoding` has
@@ -287,6 +340,33 @@ mod tests {
         );
         assert!(msg.contains("holds a packed NHD page"), "{msg}");
         assert!(msg.contains("kv_split = \"split\""), "{msg}");
+    }
+
+    #[test]
+    fn allocated_tensors_confirm_packed_descriptors_and_refuse_split_ones() {
+        let d = qwen_3b();
+        let views = allocator_views(&d, 1, 4).unwrap().unwrap();
+        assert_eq!(views[0], packed_nhd(2));
+        assert_eq!(
+            allocator_views(&d, 4, 4).unwrap().unwrap()[35],
+            packed_nhd(1)
+        );
+        let (e, source) = allocated_encoding(&d, 2).unwrap();
+        assert_eq!(
+            (e.describe().as_str(), source),
+            ("packed NHD", EncodingSource::Allocated)
+        );
+        let mut split = d.clone();
+        split.kv_split = Some(KvSplit::Split);
+        let err = allocated_encoding(&split, 2).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::IncompatibleLayout);
+        assert!(err.to_string().contains("holds a packed NHD page"), "{err}");
+        let mut lhbnc = d;
+        lhbnc.kv_layout = KvLayout::Lhbnc;
+        assert_eq!(
+            allocated_encoding(&lhbnc, 1).unwrap().1,
+            EncodingSource::Descriptor
+        );
     }
 
     #[test]

@@ -10,8 +10,8 @@ use crate::canonical::digest::{self, NamespaceParams, VllmDigestFields};
 use crate::canonical::gather::direct_row_range;
 use crate::canonical::validate::static_portability_claim;
 use crate::canonical::{
-    LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, RowPlan, derive_all_ranks,
-    prepare_canonical, resolve_encoding, verify_tiling,
+    LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, RowPlan, allocated_encoding,
+    allocator_views, derive_all_ranks, prepare_canonical, resolve_encoding, verify_tiling,
 };
 use crate::cli::args::name_flag;
 use crate::cli::layout_vllm;
@@ -62,6 +62,11 @@ pub struct ShowArgs {
     /// from them and checked against the descriptor instead of taken from it.
     #[arg(long, value_name = "FILE")]
     pub views: Option<PathBuf>,
+    /// Derive the page encoding from the layer tensors kvtier allocates itself as vLLM 0.33's
+    /// allocator does (what `kvtier bench` and `--gds` use) and check the descriptor against
+    /// it; `--json` adds the views (`allocated_views`).
+    #[arg(long, conflicts_with = "views")]
+    pub allocate: bool,
 }
 
 /// `kvtier layout check DIR`
@@ -98,7 +103,16 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
         }
         None => None,
     };
-    let (encoding, source) = resolve_encoding(desc, args.tp, views.as_deref())?;
+    let (encoding, source) = if args.allocate {
+        allocated_encoding(desc, args.tp)?
+    } else {
+        resolve_encoding(desc, args.tp, views.as_deref())?
+    };
+    let allocated_views = if args.allocate {
+        allocator_views(desc, args.tp, 1)?
+    } else {
+        None
+    };
     let mut params = NamespaceParams::new(desc, args.tp, args.blocks_per_chunk, args.canonical)
         .map_err(|e| name_flag(e, "blocks_per_chunk", "--blocks-per-chunk"))?;
     let (layers, plan_bytes) = if args.canonical {
@@ -152,6 +166,7 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
             "source": source.as_str(),
             "views_file": args.views.as_ref().map(|f| f.display().to_string()),
         },
+        "allocated_views": allocated_views,
         "row_stride": params.row_stride,
         "slot_bytes": params.slot_bytes,
         "canonical_row_stride": desc.canonical_row_stride(args.blocks_per_chunk)?,
@@ -230,12 +245,14 @@ fn print_text(r: &Value) -> Result<()> {
         s("replicated_layout")
     )?;
     let page = &r["page_encoding"];
-    let from = match page["views_file"].as_str() {
-        Some(f) => format!("derived from the views in {f}, which agree with the descriptor"),
-        None => {
-            "from the descriptor's kv_split and kv_layout; no KV-cache views checked: --views FILE"
-                .into()
-        }
+    let from = match (page["views_file"].as_str(), page["source"].as_str()) {
+        (Some(f), _) => format!("derived from the views in {f}, which agree with the descriptor"),
+        (None, Some("allocated")) => "derived from the layer tensors kvtier allocates as vLLM \
+             0.33's allocator does (kvtier bench, --gds), which agree with the descriptor"
+            .into(),
+        _ => "from the descriptor's kv_split and kv_layout; no KV-cache views checked: \
+              --views FILE or --allocate"
+            .into(),
     };
     outln!(
         "page        {} {} ({from})",

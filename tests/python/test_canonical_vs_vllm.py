@@ -282,3 +282,60 @@ def test_kvtier_serve_runs_the_namespace_vllm_engines_present(tmp_path):
     fields = vllm_engine_spec(model, 2, canonical=False, bpc=1)
     assert status["digest"] == _native.namespace_of(json.dumps(fields))[1], status
     assert status["row_stride"] == fields["row_stride"], status
+
+
+def hnd_variant(model):
+    return vc.Model(model.path, model.text.replace('kv_layout = "NHD"', 'kv_layout = "HND"'))
+
+
+@pytest.mark.parametrize("model", MODELS, ids=IDS)
+def test_the_tensors_kvtier_allocates_are_the_views_vllms_allocator_creates(model, tmp_path):
+    """Where kvtier gathers from tensors it allocates itself (``kvtier bench``, ``--gds``), it
+    shapes them as vLLM's allocator does and derives the page encoding from them: kvtier's
+    views (``kvtier layout show --allocate --json``) equal vLLM's ``create_kv_cache_views``
+    (shape and strides, NHD and HND) at every TP size, and a split description is refused on
+    that path, naming the layer and what the tensors hold."""
+    variants = [model] if model.mla else [model, hnd_variant(model)]
+    for variant in variants:
+        f = tmp_path / f"{model.path.stem}-{variant.layout.name}.toml"
+        f.write_text(variant.text)
+        for tp in variant.allowed_tps():
+            out = kvtier_cli(["layout", "show", str(f), "--tp", str(tp), "--canonical",
+                              "--allocate", "--json"])
+            assert out.returncode == 0, out.stderr
+            report = json.loads(out.stdout)
+            assert report["page_encoding"]["source"] == "allocated", report["page_encoding"]
+            vllm = vc.layer_views(variant, tp, vc.kv_cache_config(variant, tp, num_blocks=1))
+            want = [{"shape": list(vllm[n].shape), "stride": list(vllm[n].stride()),
+                     "element_size": vllm[n].element_size()} for n in variant.layers]
+            assert report["allocated_views"] == want, (f.name, tp)
+    if model.mla:
+        return
+    split = tmp_path / "split.toml"
+    split.write_text(split_variant(model).text)
+    out = kvtier_cli(["layout", "show", str(split), "--tp", "1", "--allocate"])
+    assert out.returncode != 0, out.stdout
+    assert f"layer 0 ({model.layers[0]})" in out.stderr and "holds a packed" in out.stderr, \
+        out.stderr
+    text = kvtier_cli(["layout", "show", str(model.path), "--tp", "1", "--allocate"]).stdout
+    assert "(derived from the layer tensors kvtier allocates as vLLM 0.33's allocator" in text
+
+
+def test_kvtier_bench_refuses_a_descriptor_its_tensors_contradict(tmp_path):
+    """``kvtier bench`` sizes and (with ``--gds``) gathers pages from tensors shaped as vLLM
+    allocates them; a descriptor claiming the split encoding is refused before anything runs,
+    and the shipped one runs, saying where its page encoding came from."""
+    llama = next(m for m in MODELS if m.path.stem == "llama-3.1-8b")
+    split = tmp_path / "split.toml"
+    split.write_text(split_variant(llama).text)
+    (tmp_path / "t").mkdir()
+    args = ["bench", "--path", str(tmp_path / "t"), "--tp", "2", "--bytes", "8MiB",
+            "--rounds", "1"]
+    out = kvtier_cli([*args, "--layout", str(split)])
+    assert out.returncode != 0, out.stdout
+    assert "holds a packed NHD page" in out.stderr and 'kv_split = "split"' in out.stderr, \
+        out.stderr
+    assert not any((tmp_path / "t").iterdir()), "nothing was written for a refused layout"
+    out = kvtier_cli([*args, "--layout", str(llama.path)])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "packed NHD pages from the tensors as vLLM allocates them" in out.stdout, out.stdout

@@ -37,7 +37,10 @@ mod gpu {
     use kvtier_gds::plan::{GpuLayout, LayerPages, plan_chunk};
 
     use super::{BenchArgs, Error, ErrorKind, Result};
-    use crate::canonical::{Direction, RowPlan, derive_mappings, namespace_digest};
+    use crate::canonical::{
+        Direction, EncodingSource, LayerView, ParallelConfig, RowPlan, allocator_views,
+        namespace_digest, prepare_canonical_from_views,
+    };
     use crate::cli::bench::plan::Plan;
     use crate::cli::output::{errln, outln};
     use crate::cli::size::format_size;
@@ -48,9 +51,16 @@ mod gpu {
     use crate::key::ChunkKey;
     use crate::region::PrimaryRegion;
 
-    /// The chunks' "KV cache": one contiguous tensor per layer, block `b` at `b * page`.
+    /// The chunks' "KV cache": one tensor per layer, shaped and strided as vLLM's allocator
+    /// creates it (`allocator_views`), block `b` at `b * stride[0]`.
     struct Kv {
         bases: Vec<u64>,
+    }
+
+    /// Bytes between blocks and bytes of one page of a layer's view.
+    fn block_and_page_bytes(view: &LayerView) -> (u64, u64) {
+        let page: u64 = view.shape[1..].iter().product();
+        (view.stride[0] * view.element_size, page * view.element_size)
     }
 
     fn pattern(n: usize, seed: u64) -> Vec<u8> {
@@ -65,10 +75,10 @@ mod gpu {
             .collect()
     }
 
-    fn alloc_kv(dev: &CudaDevice, plan: &RowPlan, blocks: u64, fill: bool) -> Result<Kv> {
+    fn alloc_kv(dev: &CudaDevice, views: &[LayerView], blocks: u64, fill: bool) -> Result<Kv> {
         let mut bases = Vec::new();
-        for (l, lp) in plan.layers.iter().enumerate() {
-            let len = lp.mapping.local_page_size_bytes * blocks;
+        for (l, view) in views.iter().enumerate() {
+            let len = block_and_page_bytes(view).0 * blocks;
             let base = dev.alloc(len).map_err(gds_error)?;
             if fill {
                 dev.upload(base, &pattern(len as usize, l as u64 + 1))
@@ -79,14 +89,14 @@ mod gpu {
         Ok(Kv { bases })
     }
 
-    fn table(plan: &RowPlan, kv: &Kv) -> Result<GpuLayout> {
+    fn table(plan: &RowPlan, views: &[LayerView], kv: &Kv) -> Result<GpuLayout> {
         GpuLayout::new(
-            plan.layers
+            views
                 .iter()
                 .zip(&kv.bases)
-                .map(|(lp, &b)| {
-                    let page = lp.mapping.local_page_size_bytes;
-                    LayerPages::contiguous(page, b, page)
+                .map(|(view, &b)| {
+                    let (block_stride, page) = block_and_page_bytes(view);
+                    LayerPages::contiguous(page, b, block_stride)
                 })
                 .collect(),
             u64::from(plan.blocks_per_chunk),
@@ -143,7 +153,29 @@ mod gpu {
         let stride = plan.row_stride;
         let chunks = plan.chunks;
         let bpc = args.row.blocks_per_chunk;
-        let rplan = RowPlan::new(&derive_mappings(&plan.layout, 1, 0)?, bpc)?;
+        // The GPU tensors are allocated as vLLM's allocator creates them, and the page
+        // encoding the gather assumes is derived from their views (the descriptor checked).
+        let blocks = chunks * u64::from(bpc);
+        let views = allocator_views(&plan.layout, 1, blocks)?.ok_or_else(|| {
+            Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "kvtier bench --gds allocates its KV tensors as vLLM's allocator does, which \
+                     covers NHD and HND layouts, not {}",
+                    plan.layout.kv_layout.as_str()
+                ),
+            )
+        })?;
+        let prepared = prepare_canonical_from_views(
+            &plan.layout,
+            &ParallelConfig::tp(1, 0),
+            bpc,
+            true,
+            &views,
+        )?;
+        debug_assert_eq!(prepared.encoding_source, EncodingSource::Views);
+        let prepared_encoding = prepared.encoding.describe();
+        let rplan: RowPlan = prepared.plan;
         let dev = CudaDevice::open(0).map_err(|e| {
             Error::new(
                 ErrorKind::Unsupported,
@@ -177,10 +209,9 @@ mod gpu {
         tier.wait_recovered(Duration::from_secs(60));
         // SAFETY: the region stays mapped (held by `region`) until unpinned below.
         unsafe { dev.pin_host(region.base_ptr(), rows * stride as usize) }.map_err(gds_error)?;
-        let blocks = chunks * u64::from(bpc);
-        let src = alloc_kv(&dev, &rplan, blocks, true)?;
-        let dst = alloc_kv(&dev, &rplan, blocks, false)?;
-        let (src_t, dst_t) = (table(&rplan, &src)?, table(&rplan, &dst)?);
+        let src = alloc_kv(&dev, &views, blocks, true)?;
+        let dst = alloc_kv(&dev, &views, blocks, false)?;
+        let (src_t, dst_t) = (table(&rplan, &views, &src)?, table(&rplan, &views, &dst)?);
         let block_ids = |c: u64| {
             (0..u64::from(bpc))
                 .map(|j| c * u64::from(bpc) + j)
@@ -340,9 +371,11 @@ mod gpu {
         // SAFETY: pinned above; every copy has finished.
         unsafe { dev.unpin_host(region.base_ptr()) }.map_err(gds_error)?;
         outln!(
-            "kvtier bench --gds: {} ({}), {} chunks of {} ({}), {} in flight, cuFile mode {mode}",
+            "kvtier bench --gds: {} ({}, {} pages derived from its tensors, allocated as vLLM \
+             allocates them), {} chunks of {} ({}), {} in flight, cuFile mode {mode}",
             dev.describe(),
             plan.layout.model_name,
+            prepared_encoding,
             chunks,
             format_size(stride),
             format_size(total),

@@ -212,6 +212,8 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             blocks_per_chunk: args.row.blocks_per_chunk,
             tokens_per_chunk: plan.layout.tokens_per_block * args.row.blocks_per_chunk,
             row_stride: plan.row_stride,
+            page_encoding: plan.encoding.0.describe(),
+            page_encoding_source: plan.encoding.1.as_str(),
             namespace: hex::encode(namespace),
         },
         tier: TierReport {

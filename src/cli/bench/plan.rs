@@ -2,7 +2,9 @@
 //! (layout, row stride, chunk count, job size and window, tier capacity), with the argument
 //! checks that need those figures.
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams};
+use crate::canonical::{
+    EncodingSource, LayoutDescriptor, NamespaceParams, PageEncoding, allocated_encoding,
+};
 use crate::cli::bench::BenchArgs;
 use crate::cli::size::format_size;
 use crate::embed::mem_available;
@@ -15,6 +17,9 @@ use crate::size::count;
 pub(crate) struct Plan {
     pub(crate) layout: LayoutDescriptor,
     pub(crate) params: NamespaceParams,
+    /// The page encoding of the layer tensors kvtier allocates as vLLM's allocator does
+    /// (`--gds` gathers from them), checked against the descriptor, and its source.
+    pub(crate) encoding: (PageEncoding, EncodingSource),
     pub(crate) row_stride: u64,
     pub(crate) chunks: u64,
     pub(crate) chunks_per_job: usize,
@@ -33,6 +38,9 @@ impl Plan {
         let params =
             NamespaceParams::new(&layout, args.row.model.tp, args.row.blocks_per_chunk, true)
                 .map_err(|e| flag_error("--tp", e))?;
+        // A descriptor is a claim: the tensors vLLM allocates for this geometry say which
+        // page encoding the bytes have, and a descriptor that says otherwise is refused.
+        let encoding = allocated_encoding(&layout, args.row.model.tp)?;
         let row_stride = params.row_stride;
         if args.bytes == 0 {
             return Err(Error::config(
@@ -77,6 +85,7 @@ impl Plan {
         Ok(Plan {
             layout,
             params,
+            encoding,
             row_stride,
             chunks,
             chunks_per_job,

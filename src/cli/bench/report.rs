@@ -45,6 +45,13 @@ pub struct LayoutReport {
     pub tokens_per_chunk: u32,
     /// Bytes per primary row and G3 slot.
     pub row_stride: u64,
+    /// The page encoding (`packed NHD`) of the layer tensors a canonical gather works with,
+    /// derived from those kvtier allocates as vLLM's allocator does, checked against the
+    /// descriptor.
+    pub page_encoding: String,
+    /// Where [`LayoutReport::page_encoding`] came from: `allocated`, or `descriptor` for a
+    /// layout vLLM's certified views do not cover.
+    pub page_encoding_source: &'static str,
     /// The namespace digest written into the slab superblocks (hex).
     pub namespace: String,
 }
@@ -156,12 +163,17 @@ impl RegionSummary {
 /// The human report.
 pub fn render(r: &BenchReport) -> String {
     let mut out = format!(
-        "kvtier bench: {} of {} ({}, TP {}, {} tokens per chunk) = {}\n",
+        "kvtier bench: {} of {} ({}, TP {}, {} tokens per chunk, {} pages from the {}) = {}\n",
         count(r.chunks, "chunk"),
         format_size(r.layout.row_stride),
         r.layout.model,
         r.layout.tp,
         r.layout.tokens_per_chunk,
+        r.layout.page_encoding,
+        match r.layout.page_encoding_source {
+            "allocated" => "tensors as vLLM allocates them",
+            _ => "descriptor",
+        },
         format_size(r.chunks * r.layout.row_stride)
     );
     let paths: Vec<String> = r
