@@ -18,18 +18,36 @@
 //! call: its buffers warm, preempted calls dropped. The round's two ratios (memcpy time over
 //! gather / scatter time) are recorded; the table prints their median over the rounds with the
 //! 10th-90th percentile spread, and the median throughputs.
+//!
+//! The page encoding is the shipped descriptor's (`packed`, what vLLM 0.33 allocates);
+//! `KVTIER_BENCH_KV_SPLIT=split` measures the `split` description the descriptors carried
+//! before issue 13, for side-by-side runs.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvtier::canonical::{ParallelConfig, RowPlan, default_layout, prepare_canonical};
+use kvtier::canonical::{
+    KvSplit, LayoutDescriptor, ParallelConfig, RowPlan, default_layout, prepare_canonical,
+};
 
 const TPS: [u32; 4] = [1, 2, 4, 8];
 const BLOCKS_PER_CHUNK: u32 = 1;
 /// Consecutive calls of each side per round; a round keeps each side's fastest call (buffers
 /// warm, preempted calls dropped).
 const CALLS_PER_ROUND: usize = 8;
+
+/// Llama-3.1-8B, with the page encoding `KVTIER_BENCH_KV_SPLIT` names (`packed`, the default,
+/// or `split`).
+fn bench_layout() -> LayoutDescriptor {
+    let mut desc = default_layout();
+    match std::env::var("KVTIER_BENCH_KV_SPLIT").as_deref() {
+        Err(_) | Ok("packed") => {}
+        Ok("split") => desc.kv_split = Some(KvSplit::Split),
+        Ok(other) => panic!("KVTIER_BENCH_KV_SPLIT={other}: expected packed or split"),
+    }
+    desc
+}
 
 /// Every buffer starts this many bytes past a page boundary (`KVTIER_BENCH_OFFSET`, default 0).
 fn buffer_offset() -> usize {
@@ -81,7 +99,7 @@ struct Setup {
 }
 
 fn setup(tp: u32) -> Setup {
-    let desc = default_layout();
+    let desc = bench_layout();
     let plans: Vec<RowPlan> = (0..tp)
         .map(|rank| {
             prepare_canonical(&desc, &ParallelConfig::tp(tp, rank), BLOCKS_PER_CHUNK, true)
@@ -190,7 +208,9 @@ fn ratio_row(tp: u32, rounds: usize, src: &[u8], dst: &mut [u8]) {
 }
 
 fn main() {
-    let bytes = default_layout().canonical_bytes_per_block() * u64::from(BLOCKS_PER_CHUNK);
+    let desc = bench_layout();
+    let bytes = desc.canonical_bytes_per_block() * u64::from(BLOCKS_PER_CHUNK);
+    let encoding = desc.split().as_str();
     let src_buf = Buf::pattern(bytes, 7);
     let mut dst_buf = Buf::pattern(bytes, 3);
     let (src, dst) = (src_buf.get(), dst_buf.get_mut());
@@ -202,7 +222,7 @@ fn main() {
     let offset = buffer_offset();
     let table = |dst: &mut [u8]| {
         println!(
-            "canonical gather/scatter vs memcpy, Llama-3.1-8B, {bytes} bytes per chunk, buffers {offset} B past a page, {rounds} rounds of the best of {CALLS_PER_ROUND} calls per side, median ratio (p10-p90)"
+            "canonical gather/scatter vs memcpy, Llama-3.1-8B ({encoding} pages), {bytes} bytes per chunk, buffers {offset} B past a page, {rounds} rounds of the best of {CALLS_PER_ROUND} calls per side, median ratio (p10-p90)"
         );
         for tp in TPS {
             ratio_row(tp, rounds, src, dst);
