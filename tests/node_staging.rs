@@ -495,3 +495,56 @@ fn dram_bytes_mistakes_are_named() {
     s.dram_bytes = 3 * STRIDE + 5;
     assert_eq!(s.staging_slots("service", STRIDE, None).unwrap(), 3);
 }
+
+#[test]
+fn service_bench_reports_each_side_and_the_hint_side_comes_from_the_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
+        .args(["service", "bench", "--dir"])
+        .arg(dir.path())
+        .args([
+            "--row-size",
+            "64KiB",
+            "--chunks",
+            "4",
+            "--rounds",
+            "2",
+            "--lead-ms",
+            "20",
+            "--step-us",
+            "500",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let side = |name: &str| {
+        doc["sides"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["side"] == name)
+            .unwrap_or_else(|| panic!("no side {name} in {doc}"))
+            .clone()
+    };
+    // Behaviour, not timing: without a hint the lookups answer RETRY first and the chunks
+    // come from G3; with one they HIT at once and every chunk comes from the pool; a second
+    // engine's load of chunks the first one staged comes from the pool too.
+    let (g3, hint, staged) = (side("g3"), side("hint"), side("staged"));
+    assert!(g3["retry_steps_median"].as_f64().unwrap() >= 1.0, "{doc}");
+    assert_eq!(g3["pool_hits_per_round_median"], 0.0, "{doc}");
+    assert_eq!(hint["retry_steps_median"], 0.0, "{doc}");
+    assert_eq!(hint["pool_hits_per_round_median"], 4.0, "{doc}");
+    assert_eq!(staged["pool_hits_per_round_median"], 4.0, "{doc}");
+    assert!(doc["store_gbps_median"].as_f64().unwrap() > 0.0, "{doc}");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "the benchmark removes its folder"
+    );
+}

@@ -7,7 +7,7 @@
 //! * [`fio`]: `kvtier fio-compare` (fio runner, test files, the kvtier and G3 workloads,
 //!   report, plot).
 //! * [`serve`]: `kvtier serve` (manager service or node service, metrics endpoint);
-//!   [`service_cmd`]: `kvtier service status`.
+//!   [`service_cmd`]: `kvtier service status`; [`service_bench`]: `kvtier service bench`.
 //! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
 //! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
 //!   `kvtier layout show|check`, `kvtier version`.
@@ -30,6 +30,7 @@ pub mod logger;
 pub mod output;
 pub mod region_arg;
 pub mod serve;
+pub mod service_bench;
 pub mod service_cmd;
 pub mod sigpipe;
 pub mod size;

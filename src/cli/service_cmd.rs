@@ -1,3 +1,5 @@
+//! `kvtier service bench` is [`crate::cli::service_bench`].
+//!
 //! `kvtier service status --socket PATH [--json]`: asks a running node service
 //! (`kvtier serve` with a `service` section) which engines are connected, their regions and
 //! counters, and how full its tier is.
@@ -24,6 +26,9 @@ pub struct ServiceArgs {
 pub enum ServiceCommand {
     /// List the connected engines, their regions and counters, and the tier's fill.
     Status(StatusArgs),
+    /// Measure what the DRAM staging pool and prefetch hints save on the service path
+    /// (a service of its own, in this process).
+    Bench(crate::cli::service_bench::BenchArgs),
 }
 
 /// Arguments of `kvtier service status`.
@@ -43,6 +48,7 @@ pub struct StatusArgs {
 pub fn run(args: ServiceArgs) -> Result<ExitCode> {
     match args.command {
         ServiceCommand::Status(a) => status(a),
+        ServiceCommand::Bench(a) => crate::cli::service_bench::run(a),
     }
 }
 
