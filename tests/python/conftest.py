@@ -6,10 +6,14 @@ Order matters and is fixed here, before any test module imports vLLM:
 2. ``harness`` installs the switchable ``time.monotonic``;
 3. the vLLM sources: ``$KVTIER_VLLM_SRC`` (set by tests/python_suite.rs after its fetch
    step), else ``fetch_vllm.ensure()`` (downloads into the cache on first use).
+
+Every test is checked for vLLM region files it leaves in ``/dev/shm`` (see
+:func:`no_vllm_region_left_behind`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -46,6 +50,45 @@ sys.path.insert(0, str(VLLM_SRC))
 def vllm_src() -> Path:
     """The unpacked vLLM source directory (on ``sys.path``)."""
     return VLLM_SRC
+
+
+def pytest_configure(config):
+    # This run's id, inherited by the Python processes the tests start (harness.engine_id):
+    # the region files of this run are told apart from those of runs in other checkouts.
+    os.environ[harness.RUN_ID_ENV] = str(os.getpid())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.kvtier_call_passed = report.passed
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_region_left_behind(request):
+    """Fails a passing test that leaves a vLLM region file of this run in ``/dev/shm``.
+
+    vLLM 0.33's scheduler side creates ``/dev/shm/vllm_offload_<engine_id>.mmap`` and removes
+    it only in the manager's shutdown, so a test that drops a manager without shutting it down
+    leaks the file (its memory too) for good. Files the test made are removed here either way;
+    a failed test is not failed twice for them. Only files named by ``harness.engine_id`` for
+    this run count, so runs in other checkouts at the same time do not disturb the check.
+    """
+    before = harness.region_files()
+    yield
+    left = sorted(harness.region_files() - before)
+    for path in left:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    if left and getattr(request.node, "kvtier_call_passed", False):
+        pytest.fail(
+            f"the test left {len(left)} vLLM region file(s) in /dev/shm (removed now): "
+            f"{', '.join(p.name for p in left)}; shut down the manager that made each "
+            "(manager.shutdown() removes its region), also when the test fails",
+            pytrace=False,
+        )
 
 
 def pytest_report_header(config):

@@ -6,13 +6,17 @@
 * :func:`float_diff`: exact float comparison with a readable message.
 * :func:`shrink`: the shortest diverging prefix of a sequence, then its items removed one by
   one while it still diverges.
+* :func:`engine_id`, :func:`region_files`: vLLM engine ids that name this test run, and the
+  ``/dev/shm`` region files vLLM created for them (conftest fails a test that leaves one).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -58,6 +62,44 @@ class SwitchableMonotonic:
 
 clock = SwitchableMonotonic()
 time.monotonic = clock
+
+#: Carries this test run's id (the pytest process's pid, set by conftest) to the Python
+#: processes its tests start, so that the engine ids they make name the run too.
+RUN_ID_ENV = "KVTIER_TEST_RUN"
+
+#: Where vLLM 0.33 puts its shared offload region: ``vllm_offload_<engine_id>.mmap``.
+SHM_DIR = Path("/dev/shm")
+
+_engine_ids = itertools.count()
+
+
+def run_id() -> str:
+    """This test run's id: ``$KVTIER_TEST_RUN``, else this process's pid."""
+    return os.environ.get(RUN_ID_ENV) or str(os.getpid())
+
+
+def engine_id(kind: str) -> str:
+    """A vLLM engine id unique to this process that names this run: ``kvtier-KIND-RUN-PID-N``.
+
+    vLLM's scheduler side (``TieringOffloadingSpec.get_manager``) creates
+    ``/dev/shm/vllm_offload_<engine_id>.mmap`` for it and removes it only when the manager shuts
+    down (vLLM 0.33 unlinks the region early only when its workers share a barrier)."""
+    return f"kvtier-{kind}-{run_id()}-{os.getpid()}-{next(_engine_ids)}"
+
+
+def region_files(run: str | None = None, pid: int | None = None) -> set[Path]:
+    """The ``/dev/shm`` region files (and segment files) of engines named by :func:`engine_id`
+    in test run ``run`` (this one by default), by process ``pid`` if given; other runs' files,
+    however many run at once, are never among them."""
+    by = r"\d+" if pid is None else str(pid)
+    name = re.compile(
+        rf"vllm_offload_kvtier-[a-z]+-{re.escape(run or run_id())}-{by}-\d+\.mmap(\.\d+)?"
+    )
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return set()
+    return {SHM_DIR / n for n in names if name.fullmatch(n)}
 
 
 class ReplayError(AssertionError):

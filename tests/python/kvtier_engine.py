@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ if __name__ == "__main__":  # the restart test's second process: the harness set
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401  (stand-ins, clock, vLLM on sys.path)
 
+import harness
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
@@ -40,8 +39,6 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 ROW = 4096
 #: Rows of the primary region.
 PRIMARY_ROWS = 8
-
-_ids = itertools.count()
 
 
 def tier_entry(path, **keys) -> dict:
@@ -88,7 +85,7 @@ def offloading_config(
         worker_kv_bytes_per_block=ROW // tp,
         enable_kv_cache_events=events,
         extra_config=extra,
-        engine_id=f"kvtier-contract-{os.getpid()}-{next(_ids)}",
+        engine_id=harness.engine_id("contract"),
         model=OffloadingModelConfig(name=model, dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
@@ -245,9 +242,22 @@ def start_hanging_child(extra, keys, hang: str):
          json.dumps({"extra": extra, "keys": [k.hex() for k in keys], "hang": hang})],
         stdout=subprocess.PIPE, text=True,
     )
-    line = child.stdout.readline()
-    assert json.loads(line) == {"submitted": hang}, line
+    try:
+        line = child.stdout.readline()
+        assert json.loads(line) == {"submitted": hang}, line
+    except BaseException:
+        kill_hanging_child(child)
+        raise
     return child
+
+
+def kill_hanging_child(child) -> None:
+    """SIGKILLs a process of :func:`start_hanging_child` and waits for it; then removes the
+    ``/dev/shm`` region vLLM made for its engine, which a killed process cannot remove."""
+    child.kill()
+    child.wait()
+    for path in harness.region_files(pid=child.pid):
+        path.unlink(missing_ok=True)
 
 
 def _hang(engine: Engine, keys, hang: str) -> None:
@@ -272,23 +282,27 @@ def child_main(argv) -> None:
     args = json.loads(argv[0])
     config = args.get("config", {})
     engine = Engine(args["extra"], **config)
-    keys = [bytes.fromhex(k) for k in args["keys"]]
-    if args.get("hang"):
-        _hang(engine, keys, args["hang"])
-        return
-    req = engine.request()
-    outcome = engine.promote(keys, req)
-    hits = [k for k, (_, last) in outcome.items() if last is LookupResult.HIT]
-    rows = engine.load(hits, req) if hits else {}
-    report = {
-        "first": {k.hex(): first.name for k, (first, _) in outcome.items()},
-        "last": {k.hex(): last.name for k, (_, last) in outcome.items()},
-        "equal": {k.hex(): rows[k] == payload(k) for k in hits},
-        "namespace": engine.tier().namespace,
-    }
-    engine.finish(req)
-    engine.settle()
-    engine.shutdown()
+    try:
+        keys = [bytes.fromhex(k) for k in args["keys"]]
+        if args.get("hang"):
+            # Killed while it waits: the test that kills it removes its region.
+            _hang(engine, keys, args["hang"])
+            return
+        req = engine.request()
+        outcome = engine.promote(keys, req)
+        hits = [k for k, (_, last) in outcome.items() if last is LookupResult.HIT]
+        rows = engine.load(hits, req) if hits else {}
+        report = {
+            "first": {k.hex(): first.name for k, (first, _) in outcome.items()},
+            "last": {k.hex(): last.name for k, (_, last) in outcome.items()},
+            "equal": {k.hex(): rows[k] == payload(k) for k in hits},
+            "namespace": engine.tier().namespace,
+        }
+        engine.finish(req)
+        engine.settle()
+    finally:
+        # Also on failure: the shutdown removes vLLM's /dev/shm region of this process.
+        engine.shutdown()
     print(json.dumps(report))
 
 

@@ -21,6 +21,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 
 import harness
 import vllm_side
@@ -32,18 +33,24 @@ STRIDE = vllm_side.ROW_STRIDE
 SEED = 1414
 
 
-def vllm_fs_tier(root_dir):
-    """vLLM's spec and manager with one ``fs`` tier on ``root_dir``; returns the tier."""
+@pytest.fixture
+def vllm_fs_tier(tmp_path):
+    """vLLM's spec and manager with one ``fs`` tier on ``tmp_path``; yields the tier. The
+    manager is shut down at the end, also when the test fails: that shuts the tier down and
+    removes vLLM's ``/dev/shm`` region, which nothing else removes."""
     extra = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": 64 * STRIDE,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root_dir)}],
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path)}],
     }
-    spec, manager = vllm_side.tiering_manager(extra)
-    (tier,) = manager.secondary_tiers
-    assert isinstance(tier, FileSystemTierManager)
-    assert tier.block_size_bytes == STRIDE
-    return manager, tier
+    _, manager = vllm_side.tiering_manager(extra)
+    try:
+        (tier,) = manager.secondary_tiers
+        assert isinstance(tier, FileSystemTierManager)
+        assert tier.block_size_bytes == STRIDE
+        yield tier
+    finally:
+        manager.shutdown()
 
 
 def random_keys(rng, n):
@@ -84,9 +91,9 @@ def vllm_rows(tier):
     return tier._primary_kv_view.cast("B")
 
 
-def test_paths_folder_and_config_json_are_vllms(tmp_path):
+def test_paths_folder_and_config_json_are_vllms(tmp_path, vllm_fs_tier):
     rng = random.Random(SEED)
-    _, tier = vllm_fs_tier(tmp_path)
+    tier = vllm_fs_tier
     fields = tier.file_mapper.get_run_config()
     keys = random_keys(rng, 200)
     (paths,) = kvtier(tmp_path, fields, [{"op": "paths", "keys": [k.hex() for k in keys]}])
@@ -98,12 +105,11 @@ def test_paths_folder_and_config_json_are_vllms(tmp_path):
     # whose fields differ) and would write exactly the same bytes.
     with open(tier.file_mapper.get_config_file_path(), encoding="utf-8") as f:
         assert f.read() == paths["config_json"]
-    tier.shutdown()
 
 
-def test_vllm_stores_kvtier_loads(tmp_path):
+def test_vllm_stores_kvtier_loads(tmp_path, vllm_fs_tier):
     rng = random.Random(SEED + 1)
-    manager, tier = vllm_fs_tier(tmp_path)
+    tier = vllm_fs_tier
     keys = random_keys(rng, 24)
     rows = rows_for(rng, len(keys))
     view = vllm_rows(tier)
@@ -125,12 +131,11 @@ def test_vllm_stores_kvtier_loads(tmp_path):
     for key, want, got in zip(keys, rows, load["rows"]):
         assert got is not None and bytes.fromhex(got) == want, key.hex()
     assert (load["verified"], load["unverified"]) == (0, len(keys))
-    tier.shutdown()
 
 
-def test_kvtier_stores_vllm_loads(tmp_path):
+def test_kvtier_stores_vllm_loads(tmp_path, vllm_fs_tier):
     rng = random.Random(SEED + 2)
-    _, tier = vllm_fs_tier(tmp_path)
+    tier = vllm_fs_tier
     fields = tier.file_mapper.get_run_config()
     keys = random_keys(rng, 24)
     rows = rows_for(rng, len(keys))
@@ -155,12 +160,11 @@ def test_kvtier_stores_vllm_loads(tmp_path):
     for c, (key, want) in enumerate(zip(keys, rows)):
         assert bytes(view[c * STRIDE:(c + 1) * STRIDE]) == want, key.hex()
     tier.on_request_finished(req)
-    tier.shutdown()
 
 
-def test_a_flipped_byte_fails_the_key_in_kvtier_only(tmp_path):
+def test_a_flipped_byte_fails_the_key_in_kvtier_only(tmp_path, vllm_fs_tier):
     rng = random.Random(SEED + 3)
-    _, tier = vllm_fs_tier(tmp_path)
+    tier = vllm_fs_tier
     fields = tier.file_mapper.get_run_config()
     keys = random_keys(rng, 4)
     rows = rows_for(rng, len(keys))
@@ -178,4 +182,3 @@ def test_a_flipped_byte_fails_the_key_in_kvtier_only(tmp_path):
     for i in (0, 2, 3):
         assert bytes.fromhex(load["rows"][i]) == rows[i]
     assert load["verified"] == 3
-    tier.shutdown()

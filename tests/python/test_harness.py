@@ -2,6 +2,7 @@
 
 import importlib
 import importlib.metadata
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,31 @@ def test_switchable_clock_drives_vllm_time():
         job = TransferJob(job_id=0, keys=[], chunk_ids=None, is_promotion=False, req_context=None)
         assert job.submit_time == 1000.0 + 1 / 512
     assert time.monotonic() != 1000.0 + 1 / 512
+
+
+def test_region_files_are_the_regions_vllm_makes_for_this_runs_engines():
+    """harness.region_files (what conftest's leak check looks at) finds the file vLLM's own
+    SharedOffloadRegion creates for an engine id of this run, and only for this run."""
+    import os
+
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    assert os.environ[harness.RUN_ID_ENV] == str(os.getpid()), "set by conftest for this run"
+    before = harness.region_files()
+    region = SharedOffloadRegion(
+        engine_id=harness.engine_id("test"),
+        num_chunks=2,
+        rank=None,
+        kv_bytes_per_chunk=4096,
+        cpu_page_size=4096,
+    )
+    try:
+        made = harness.region_files() - before
+        assert made == {Path(region.mmap_path)}, (made, region.mmap_path)
+        assert not harness.region_files(run=f"{os.getpid()}0") & made, "another run's files"
+        assert harness.region_files(pid=os.getpid()) >= made
+        assert not harness.region_files(pid=os.getpid() + 1) & made, "another process's files"
+    finally:
+        region.cleanup()
+    assert not Path(region.mmap_path).exists()
+    assert harness.region_files() == before

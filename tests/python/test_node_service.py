@@ -22,6 +22,7 @@ from kvtier_engine import (
     Engine,
     extra_config,
     key,
+    kill_hanging_child,
     offloading_config,
     promote_in_another_process,
     start_hanging_child,
@@ -268,8 +269,7 @@ def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(service, han
     # Another vLLM engine process submits its jobs and is SIGKILLed with them in flight.
     keys = stored if hang == "promote" else [key(50 + i) for i in range(6)]
     child = start_hanging_child(extra, keys, hang)
-    child.kill()
-    child.wait()
+    kill_hanging_child(child)
     wait_until_no_engine(service["socket"])
     # The killed engine's restart (a new process of the same configuration) loads everything
     # committed with the bytes it was stored with; a killed store's keys are there whole or

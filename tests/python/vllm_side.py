@@ -12,9 +12,8 @@ Only the secondary tiers are scripted; everything between the test and the tiers
 from __future__ import annotations
 
 import copy
-import itertools
-import os
 
+import harness
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -32,9 +31,6 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
 #: Bytes of one worker's KV per block of the synthetic model: one 4 KiB row per chunk.
 ROW_STRIDE = 4096
 
-_engine_ids = itertools.count()
-
-
 def offloading_config(extra_config: dict, *, worker_kv_bytes_per_block: int = ROW_STRIDE):
     """vLLM's normalized offloading config for a one-layer, one-worker synthetic model."""
     return OffloadingConfig(
@@ -42,7 +38,7 @@ def offloading_config(extra_config: dict, *, worker_kv_bytes_per_block: int = RO
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
         enable_kv_cache_events=False,
         extra_config=extra_config,
-        engine_id=f"kvtier-test-{os.getpid()}-{next(_engine_ids)}",
+        engine_id=harness.engine_id("test"),
         model=OffloadingModelConfig(name="kvtier/replay", dtype="bfloat16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
