@@ -1,8 +1,9 @@
 //! Spawning kvtier's background I/O threads.
 //!
 //! Every thread that a scheduler call hands work to (the G3 worker, the ring thread, psync
-//! workers, the memory tier's executor) is woken by that call. Under Linux's default policy a
-//! freshly woken thread may preempt the waker on the waker's CPU, so the scheduler's
+//! workers, the memory tier's executor, the node service's job and prefetch threads) is woken
+//! by that call. Under Linux's default policy a freshly woken thread may preempt the waker on
+//! the waker's CPU, so the scheduler's
 //! microsecond call would wait for the I/O thread's whole burst of work (measured on a 2-vCPU
 //! VM: a send to a sleeping thread took 18-20 us at the median that way, 2-3 us without it).
 //! These threads therefore run under `SCHED_BATCH`: same priority and share of CPU as normal

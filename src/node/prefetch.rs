@@ -87,15 +87,14 @@ impl Staging {
             engine,
             counters: counters.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name("kvtier-node-prefetch".into())
-            .spawn(move || worker.run(rx))
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Io,
-                    format!("cannot start the prefetch thread: {e}"),
-                )
-            })?;
+        let thread =
+            crate::io::spawn_io_thread("kvtier-node-prefetch".into(), move || worker.run(rx))
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Io,
+                        format!("cannot start the prefetch thread: {e}"),
+                    )
+                })?;
         Ok(Staging {
             pool,
             counters,

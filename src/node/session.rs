@@ -446,9 +446,10 @@ impl Session {
             mapped: mapped.clone(),
             cancelled: self.cancelled.clone(),
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("kvtier-node-{}", self.entry.id))
-            .spawn(move || worker.run(rx))
+        let thread =
+            crate::io::spawn_io_thread(format!("kvtier-node-{}", self.entry.id), move || {
+                worker.run(rx)
+            })
             .map_err(|e| Error::new(ErrorKind::Io, format!("cannot start a job thread: {e}")))?;
         self.region = Some(mapped);
         self.jobs_tx = Some(tx);
