@@ -321,6 +321,121 @@ fn the_pool_evicts_least_recently_used_and_says_so_in_cpu_events() {
     assert_eq!(g3_stored, keys, "G3's stores come as STORAGE events");
 }
 
+/// Whether G3's own index holds `k` (not the pool): a direct load grant is ready only for a
+/// committed key. The grant is finished with the key's own CRC, so nothing is dropped.
+fn g3_holds(f: &Fixture, k: &ChunkKey) -> bool {
+    let slots = f
+        .service
+        .as_ref()
+        .unwrap()
+        .with_tier(|t| t.direct_slots())
+        .unwrap();
+    let grant = slots.begin_load(u64::MAX - 2, vec![k.clone()]).unwrap();
+    let held = match grant.slots[0] {
+        GrantedSlot::Ready { crc, .. } => Some(crc),
+        _ => None,
+    };
+    let r = slots.finish(
+        grant,
+        vec![held.ok_or_else(|| kvtier::Error::new(kvtier::ErrorKind::Internal, "not held"))],
+    );
+    assert_eq!(r.success, held.is_some(), "{r:?}");
+    held.is_some()
+}
+
+#[test]
+fn chunks_served_only_from_the_pool_stay_recent_in_g3_and_untouched_ones_are_evicted() {
+    let f = fixture(4);
+    let total = status(&f)["tier"]["total_slots"].as_u64().unwrap() as u32;
+    let (ra, a) = engine(&f, "rank-a");
+    let (rb, b) = engine(&f, "rank-b");
+    let (rc, c) = engine(&f, "rank-c");
+    let keys: Vec<ChunkKey> = (0..total + 3).map(|i| key("recency", i)).collect();
+    // A fills G3 to capacity, ROWS keys a job.
+    let mut stored = Vec::new();
+    let mut job = 0;
+    for first in (0..total).step_by(ROWS as usize) {
+        let n = (total - first).min(ROWS as u32);
+        let rows: Vec<u32> = (0..n).collect();
+        for r in 0..n {
+            stored.push(fill(&ra, r as usize, 3000 + u64::from(first + r)));
+        }
+        job += 1;
+        assert!(run(
+            &a,
+            false,
+            job,
+            &keys[first as usize..(first + n) as usize],
+            &rows
+        ));
+    }
+    assert_eq!(status(&f)["tier"]["used_slots"], total, "G3 is full");
+    // B loads 0, 1 and 2 from G3: G3 pins them (its most recently used) and the pool keeps
+    // them.
+    job += 1;
+    assert!(run(&b, true, job, &keys[..3], &[0, 1, 2]));
+    assert_eq!(row(&rb, 2), stored[2]);
+    // G3's lookups of every other key (none staged) make 0, 1 and 2 its least recently used.
+    let rest = &keys[3..total as usize];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while b
+        .lookup(rest)
+        .unwrap()
+        .iter()
+        .any(|r| *r != LookupResult::Hit)
+    {
+        assert!(Instant::now() < deadline, "G3 lookups never all HIT");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // C is served only by the pool: a load of 0, a lookup of 1, a hint of 2.
+    let before = status(&f)["staging"].clone();
+    job += 1;
+    assert!(run(&c, true, job, &keys[..1], &[0]));
+    assert_eq!(row(&rc, 0), stored[0]);
+    assert_eq!(c.lookup(&keys[1..2]).unwrap(), [LookupResult::Hit]);
+    c.request_hint("req-r", keys[2..3].to_vec()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    'hinted: loop {
+        for ans in c.async_answers() {
+            if let AsyncAnswer::Hinted(_, _, verdicts) = ans {
+                assert_eq!(verdicts, [LookupResult::Hit]);
+                break 'hinted;
+            }
+        }
+        assert!(Instant::now() < deadline, "no answer to the HINT");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let after = status(&f)["staging"].clone();
+    assert_eq!(
+        after["hits"],
+        before["hits"].as_u64().unwrap() + 1,
+        "{after}"
+    );
+    assert_eq!(
+        after["g3_loads"], before["g3_loads"],
+        "C read nothing from G3: {after}"
+    );
+    assert_eq!(after["prefetched"], before["prefetched"], "{after}");
+
+    // A stores three more keys: G3 evicts three, its least recently used.
+    let fresh = &keys[total as usize..];
+    for r in 0..3 {
+        fill(&ra, r, 9000 + r as u64);
+    }
+    job += 1;
+    assert!(run(&a, false, job, fresh, &[0, 1, 2]));
+    let evicted: Vec<usize> = (0..total as usize + 3)
+        .filter(|&i| !g3_holds(&f, &keys[i]))
+        .collect();
+    assert_eq!(
+        evicted,
+        [3, 4, 5],
+        "the keys the pool served (0, 1, 2) were accessed after 3, 4, 5"
+    );
+    assert_eq!(metric(&f, "node_staging_g3_touches_total"), 3.0);
+    assert_eq!(metric(&f, "node_staging_g3_touches_dropped_total"), 0.0);
+}
+
 fn prefetch_envelope(keys: &[ChunkKey]) -> KvHintsEnvelope {
     let hex: Vec<String> = keys.iter().map(|k| hex::encode(k.as_bytes())).collect();
     KvHintsEnvelope::from_json(

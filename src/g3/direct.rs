@@ -84,6 +84,15 @@ impl DirectSlots {
         self.begin(job_id, keys, true)
     }
 
+    /// Marks `keys` most recently used in the tier's index, as a load of each would (the keys
+    /// it does not hold are ignored), for another copy of the chunks that served a read (the
+    /// node service's staging pool). Never waits: the touch is queued for the tier's worker,
+    /// which applies it before any later request of this handle. False, and nothing changes,
+    /// when the worker's queue is full or the tier is shut down.
+    pub fn touch(&self, keys: Vec<ChunkKey>) -> bool {
+        keys.is_empty() || self.cmd_tx.try_send(Cmd::Touch(keys)).is_ok()
+    }
+
     /// Reports each key's outcome (the CRC-32 of the row written or read, or the error;
     /// entries for keys not [`GrantedSlot::Ready`] are ignored) and waits for the commit or
     /// check. The result is the job's, by the tier's rules.

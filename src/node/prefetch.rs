@@ -43,6 +43,11 @@ pub struct PrefetchCounters {
     pub failed: AtomicU64,
     /// Keys not prefetched: the pool had no free slot or the queue was full.
     pub dropped: AtomicU64,
+    /// Keys served from the pool (loads, lookups, hints) whose recency in G3's LRU was
+    /// refreshed, as a G3 read of them would have refreshed it.
+    pub g3_touches: AtomicU64,
+    /// Keys served from the pool whose G3 touch was dropped (the G3 worker's queue was full).
+    pub g3_touches_dropped: AtomicU64,
 }
 
 /// A batch of reserved slots to fill: `(key, slot)`.
@@ -56,6 +61,8 @@ pub struct Staging {
     pub counters: Arc<PrefetchCounters>,
     tx: Mutex<Option<Sender<Batch>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// G3's slots (touches of keys the pool served).
+    g3: DirectSlots,
     /// The prefetch engine's name (`uring`, `psync`).
     pub io_engine: String,
 }
@@ -83,7 +90,7 @@ impl Staging {
         let (tx, rx) = crossbeam_channel::bounded(MAX_QUEUED_BATCHES);
         let worker = Worker {
             pool: pool.clone(),
-            slots,
+            slots: slots.clone(),
             engine,
             counters: counters.clone(),
         };
@@ -100,8 +107,34 @@ impl Staging {
             counters,
             tx: Mutex::new(Some(tx)),
             thread: Mutex::new(Some(thread)),
+            g3: slots,
             io_engine,
         })
+    }
+
+    /// Counts `keys`, served from the pool, as accesses in G3's LRU, exactly as a G3 read of
+    /// them would (a pin moves a key to the most recently used end), so that G3 does not
+    /// evict a chunk only because the pool keeps serving it. Never waits: one batch is queued
+    /// for G3's worker, which applies it before any later store (every transfer of the service
+    /// goes through the same queue). A full queue drops the batch: counted, and logged once.
+    pub fn touch_g3(&self, keys: Vec<ChunkKey>) {
+        let n = keys.len() as u64;
+        if n == 0 {
+            return;
+        }
+        if self.g3.touch(keys) {
+            self.counters.g3_touches.fetch_add(n, Ordering::Relaxed);
+        } else if self
+            .counters
+            .g3_touches_dropped
+            .fetch_add(n, Ordering::Relaxed)
+            == 0
+        {
+            log::warn!(
+                "node service: G3's worker queue is full or closed; chunks served from the \
+                 staging pool are not refreshed in G3's LRU (node_staging_g3_touches_dropped_total)"
+            );
+        }
     }
 
     /// A hint's verdicts: HIT for keys the pool holds (held once more) or G3 holds (a slot is
@@ -119,9 +152,11 @@ impl Staging {
         let mut held = Vec::new();
         let mut batch = Batch::new();
         let ctx = RequestContext::new("node-service-hint");
+        let mut staged = Vec::new();
         for k in keys {
             if self.pool.hold_if_present(k) {
                 held.push(k.clone());
+                staged.push(k.clone());
                 verdicts.push(LookupResult::Hit);
                 continue;
             }
@@ -142,6 +177,9 @@ impl Staging {
                 }
             }
         }
+        // A staged key's hint is a lookup served by the pool: it counts in G3 as the G3
+        // lookup of an unstaged key does.
+        self.touch_g3(staged);
         if !batch.is_empty() {
             let n = batch.len() as u64;
             let sent = match self.tx.lock().as_ref() {
@@ -256,6 +294,18 @@ impl Staging {
                 "node_prefetch_dropped_total",
                 "Hinted keys not prefetched (no free slot, or the prefetch queue was full)",
                 load(&c.dropped),
+            ),
+            (
+                "node_staging_g3_touches_total",
+                "Keys served from the staging pool (loads, lookups, hints) counted as accesses \
+                 in G3's LRU",
+                load(&c.g3_touches),
+            ),
+            (
+                "node_staging_g3_touches_dropped_total",
+                "Keys served from the staging pool whose G3 LRU touch was dropped (G3's worker \
+                 queue full)",
+                load(&c.g3_touches_dropped),
             ),
         ];
         for (name, help, v) in counters {

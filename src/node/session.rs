@@ -336,11 +336,13 @@ impl Session {
                     let ctx = RequestContext::new("node-service");
                     let staged =
                         |k: &ChunkKey| self.sh.staging.as_ref().is_some_and(|s| s.pool.contains(k));
+                    let mut from_pool = Vec::new();
                     let results = {
                         let mut tier = self.sh.tier.lock();
                         keys.iter()
                             .map(|k| {
                                 if staged(k) {
+                                    from_pool.push(k.clone());
                                     LookupResult::Hit
                                 } else {
                                     tier.lookup(k, &ctx)
@@ -348,6 +350,10 @@ impl Session {
                             })
                             .collect()
                     };
+                    // G3's lookup refreshes a key's recency; the pool's answer does as well.
+                    if let Some(st) = &self.sh.staging {
+                        st.touch_g3(from_pool);
+                    }
                     self.entry
                         .counters
                         .lookups
@@ -679,6 +685,8 @@ impl JobWorker {
             }
         }
         let pool_bytes = from_pool.len() as u64 * self.sh.slot_bytes;
+        // A G3 load would have pinned these keys, making them G3's most recently used.
+        st.touch_g3(from_pool.clone());
         st.pool
             .counters
             .g3_loads

@@ -66,6 +66,9 @@ pub(crate) enum Cmd {
     DirectStart(DirectStart),
     /// The other data path's per-key outcome: commit, release, report to the sender.
     DirectFinish(DirectOutcome),
+    /// Keys another copy of the chunks served (the node service's staging pool): each one
+    /// the index holds moves to the most recently used end, as a load of it would.
+    Touch(Vec<ChunkKey>),
 }
 
 /// State shared between the tier (caller side) and its worker.
@@ -301,7 +304,7 @@ impl Worker {
                 },
                 recv(cmds) -> msg => match msg {
                     Ok(cmd) => {
-                        self.last_work = Instant::now();
+                        self.note_work(&cmd);
                         self.command(cmd);
                     }
                     Err(_) => {
@@ -342,6 +345,13 @@ impl Worker {
             .store(ix.total_slots() as u64 - free, Ordering::Relaxed);
     }
 
+    /// A command other than a touch is work: the idle linger starts again from now.
+    fn note_work(&mut self, cmd: &Cmd) {
+        if !matches!(cmd, Cmd::Touch(_)) {
+            self.last_work = Instant::now();
+        }
+    }
+
     fn command(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Load(job) => self.queue.push_back((job, true)),
@@ -351,6 +361,13 @@ impl Worker {
             }
             Cmd::DirectStart(start) => self.start_direct(start),
             Cmd::DirectFinish(outcome) => self.finish_direct(outcome),
+            Cmd::Touch(keys) => {
+                if let Some(ix) = self.sh.index.lock().as_mut() {
+                    for k in &keys {
+                        ix.touch(k);
+                    }
+                }
+            }
             Cmd::Shutdown(ack, checkpoint) => {
                 self.abandon_direct();
                 self.start_then_cancel_the_rest();
@@ -365,7 +382,7 @@ impl Worker {
         loop {
             match self.cmd_rx.try_recv() {
                 Ok(cmd) => {
-                    self.last_work = Instant::now();
+                    self.note_work(&cmd);
                     self.command(cmd);
                 }
                 Err(crossbeam_channel::TryRecvError::Empty) => return true,
