@@ -284,9 +284,10 @@ fn user_mistakes_exit_2_with_one_line() {
     );
 }
 
-/// `kvtier tier format PATH --capacity SIZE` and then `kvtier serve` with a config that leaves
-/// `canonical_layout` at its default must agree on the namespace; a `--canonical` tier is
-/// refused by that config with one line saying what to format instead.
+/// `kvtier tier format PATH --capacity SIZE --for in-process` and then `kvtier serve` (in
+/// process) with a config that leaves `canonical_layout` at its default must agree on the
+/// namespace; a `--canonical` tier is refused by that config with one line saying what to
+/// format instead.
 #[test]
 fn a_formatted_tier_is_served_by_the_default_config() {
     let dir = tempfile::tempdir_in("/tmp").unwrap();
@@ -294,7 +295,16 @@ fn a_formatted_tier_is_served_by_the_default_config() {
     let cfg = cfg.to_str().unwrap();
     let tier = dir.path().join("tier");
     let tier = tier.to_str().unwrap();
-    let fmt = kvtier(&["tier", "format", tier, "--capacity", "16MiB", "--yes"]);
+    let fmt = kvtier(&[
+        "tier",
+        "format",
+        tier,
+        "--capacity",
+        "16MiB",
+        "--yes",
+        "--for",
+        "in-process",
+    ]);
     assert_success(&fmt);
 
     let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
@@ -311,9 +321,112 @@ fn a_formatted_tier_is_served_by_the_default_config() {
         "16MiB",
         "--yes",
         "--canonical",
+        "--for",
+        "in-process",
     ]);
     assert_success(&fmt);
     let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
     assert_exit_2_one_line(&out, "canonical_layout = false");
     assert!(String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"));
+}
+
+/// The `kvtier tier format` command a refusal names (between backticks), without `kvtier`.
+fn format_command_in(message: &str) -> Vec<String> {
+    let start = message
+        .find("`kvtier tier format ")
+        .unwrap_or_else(|| panic!("no format command in: {message}"));
+    let rest = &message[start + 1..];
+    let command = &rest[..rest.find('`').expect("the command's closing backtick")];
+    command
+        .split_whitespace()
+        .skip(1)
+        .map(String::from)
+        .collect()
+}
+
+/// `kvtier tier format` writes the namespace vLLM engines and the node service present by
+/// default (`--for vllm`): the in-process `kvtier serve` refuses that tier, and its refusal
+/// names the exact command that formats one it opens (paths, capacity, layout, TP, blocks
+/// per chunk, `--for in-process`), which works.
+#[test]
+fn in_process_serve_refuses_a_tier_formatted_for_vllm_naming_the_command_that_works() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cfg = write_config(dir.path());
+    let cfg = cfg.to_str().unwrap();
+    let tier = dir.path().join("tier");
+    let tier = tier.to_str().unwrap();
+    let out = kvtier(&[
+        "tier",
+        "format",
+        tier,
+        "--capacity",
+        "16MiB",
+        "--yes",
+        "--json",
+    ]);
+    assert_success(&out);
+    let formatted: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(formatted["namespace_for"], "vllm");
+    let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    assert_exit_2_one_line(&out, "--for in-process");
+    let message = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        message.contains("the tier was formatted for vLLM engines and the node service"),
+        "{message}"
+    );
+    let mut command = format_command_in(&message);
+    assert!(command.iter().any(|w| w == tier), "{message}");
+    assert!(
+        command.windows(2).any(|w| w == ["--capacity", "16777216"]),
+        "{message}"
+    );
+    command.push("--yes".into());
+    let command: Vec<&str> = command.iter().map(String::as_str).collect();
+    assert_success(&kvtier(&command));
+    let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    let (head, _) = get(&addr, "/healthz");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    send_signal(&child, libc::SIGTERM);
+    assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
+}
+
+/// `--layout` takes a shipped layout's name as the vLLM tier entry's `layout` key does.
+#[test]
+fn layout_takes_a_shipped_name() {
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let tier = tier.to_str().unwrap();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/qwen2.5-3b.toml");
+    let namespace = |layout: &str| {
+        let out = kvtier(&[
+            "tier",
+            "format",
+            tier,
+            "--capacity",
+            "16MiB",
+            "--yes",
+            "--json",
+            "--layout",
+            layout,
+            "--tp",
+            "4",
+            "--canonical",
+        ]);
+        assert_success(&out);
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["files"][0]["superblock"]["namespace"].clone()
+    };
+    assert_eq!(namespace("qwen2.5-3b"), namespace(path));
+    let out = kvtier(&[
+        "tier",
+        "format",
+        tier,
+        "--capacity",
+        "16MiB",
+        "--layout",
+        "qwen9",
+    ]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("qwen9"));
 }

@@ -389,12 +389,121 @@ fn another_digest_is_refused_at_connect_with_both_digests() {
     let msg = e.to_string();
     assert!(msg.contains(&hex::encode([0x17u8; 32])), "{msg}");
     assert!(msg.contains(&hex::encode(DIGEST)), "{msg}");
+    // Rows that cannot hold a slot (an engine of one namespace may have larger rows, never
+    // smaller ones: `engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides`).
     let mut h = hello("other-rows");
-    h.row_stride = STRIDE * 2;
+    h.row_stride = STRIDE / 2;
     let e = NodeClient::connect(&f.socket, &h).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::IncompatibleLayout, "{e}");
     assert!(e.to_string().contains("row stride"), "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("rows of {} bytes, smaller", STRIDE / 2)),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(&format!("slots of {STRIDE} bytes")),
+        "{e}"
+    );
     assert!(f.service.as_ref().unwrap().engines().is_empty());
+}
+
+/// Engines of one namespace whose rows differ (vLLM's rows for replicated GQA heads at other
+/// TP sizes) share the pool: each registers its region with its own row stride, the service
+/// moves each row's first slot bytes and leaves the rest alone, through G3 and through the
+/// DRAM staging pool. (The digest says what a slot holds; a row only has to hold one.)
+#[test]
+fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
+    for dram_bytes in [0, STRIDE * 8] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("slabs")).unwrap();
+        let mut cfg = config(dir.path(), 0o600, Vec::new());
+        cfg.service.as_mut().unwrap().dram_bytes = dram_bytes;
+        let service = start_from_config(&cfg, STRIDE, None, DIGEST).unwrap();
+        let socket = dir.path().join("kvtier.sock");
+        let f = Fixture {
+            dir,
+            service: Some(service),
+            socket,
+            shm_files: Vec::new(),
+        };
+        wait_ready(&f);
+        let connect = |name: &str, stride: u64| {
+            let region = PrimaryRegion::create(4, stride as usize).unwrap();
+            let mut h = hello(name);
+            h.row_stride = stride;
+            let c = NodeClient::connect(&f.socket, &h).unwrap();
+            assert_eq!(c.service().row_stride, STRIDE, "the WELCOME names the slot");
+            c.register_fd(region.fd().unwrap(), 4).unwrap();
+            (region, c)
+        };
+        let (a_region, a) = connect("rows-1x", STRIDE);
+        let (b_region, b) = connect("rows-4x", 4 * STRIDE);
+        let status: serde_json::Value =
+            serde_json::from_str(&f.service.as_ref().unwrap().status_json()).unwrap();
+        let mut strides: Vec<u64> = status["engines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["region"]["row_stride"].as_u64().unwrap())
+            .collect();
+        strides.sort_unstable();
+        assert_eq!(strides, vec![STRIDE, 4 * STRIDE], "{status}");
+        let slot = STRIDE as usize;
+        let a_keys: Vec<ChunkKey> = (0..2).map(|i| key("rows-a", i)).collect();
+        let b_keys: Vec<ChunkKey> = (0..2).map(|i| key("rows-b", i)).collect();
+        for i in 0..2 {
+            // SAFETY: no job is running; this test is the regions' only user.
+            unsafe { a_region.row_mut(i).unwrap() }.copy_from_slice(&payload_of(&a_keys[i]));
+            // SAFETY: as above.
+            let row = unsafe { b_region.row_mut(i).unwrap() };
+            row.fill(0x77);
+            row[..slot].copy_from_slice(&payload_of(&b_keys[i]));
+            // SAFETY: as above.
+            unsafe { b_region.row_mut(i + 2).unwrap() }.fill(0x77);
+        }
+        a.submit_store(1, a_keys.clone(), vec![0, 1]);
+        b.submit_store(1, b_keys.clone(), vec![0, 1]);
+        for c in [&a, &b] {
+            let r = c.wait_finished(Duration::from_secs(30)).unwrap();
+            assert!(r.success, "{:?}", r.error);
+            assert_eq!(r.transfer_bytes, Some(2 * STRIDE), "slots were written");
+        }
+        // Twice: the second load of each key comes from the staging pool when there is one.
+        for round in 0..2u64 {
+            b.submit_load(2 + round, a_keys.clone(), vec![2, 3]);
+            let r = b.wait_finished(Duration::from_secs(30)).unwrap();
+            assert!(r.success, "{:?}", r.error);
+            for (i, k) in a_keys.iter().enumerate() {
+                // SAFETY: the load is reported; this test is the region's only user.
+                let got = unsafe { b_region.row(i + 2).unwrap() };
+                assert!(got[..slot] == payload_of(k)[..], "row {i}: the slot");
+                assert!(
+                    got[slot..].iter().all(|b| *b == 0x77),
+                    "dram {dram_bytes}, round {round}, row {i}: the bytes past the slot \
+                     were not touched"
+                );
+                // SAFETY: as above.
+                unsafe { b_region.row_mut(i + 2).unwrap() }.fill(0x77);
+            }
+            a.submit_load(2 + round, b_keys.clone(), vec![2, 3]);
+            let r = a.wait_finished(Duration::from_secs(30)).unwrap();
+            assert!(r.success, "{:?}", r.error);
+            for (i, k) in b_keys.iter().enumerate() {
+                // SAFETY: the load is reported; this test is the region's only user.
+                let got = unsafe { a_region.row(i + 2).unwrap() };
+                assert!(got == payload_of(k).as_slice(), "row {i}");
+            }
+        }
+        if dram_bytes > 0 {
+            let status: serde_json::Value =
+                serde_json::from_str(&f.service.as_ref().unwrap().status_json()).unwrap();
+            assert!(
+                status["staging"]["hits"].as_u64().unwrap() >= 4,
+                "the second round came from the pool: {status}"
+            );
+        }
+    }
 }
 
 #[test]

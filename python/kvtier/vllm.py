@@ -211,12 +211,18 @@ def _build_class():
             )
 
         def _connect(self, offloading_spec, socket, given, length, spec):
-            wrong = sorted(set(given) - {"service_socket_path", "locality"})
+            wrong = sorted(set(given) - {"service_socket_path", "locality", "layout"})
             if wrong:
                 raise _native().ConfigError(
                     f"secondary_tiers[{self._index}].{wrong[0]}: a tier with "
-                    "service_socket_path takes only locality; the node service's own "
-                    "configuration holds the nvme keys (docs/node-service.md)"
+                    "service_socket_path takes only locality and layout; the node service's "
+                    "own configuration holds the nvme keys (docs/node-service.md)"
+                )
+            layout = given.get("layout")
+            if layout is not None and not isinstance(layout, (str, os.PathLike)):
+                raise _native().ConfigError(
+                    f"secondary_tiers[{self._index}].layout: expected a shipped layout name "
+                    f"or a descriptor path, found {layout!r}"
                 )
             if not isinstance(socket, (str, os.PathLike)):
                 raise _native().ConfigError(
@@ -235,6 +241,8 @@ def _build_class():
                     json.dumps(spec),
                     str(engine_id),
                     given.get("locality"),
+                    None if layout is None else os.fspath(layout),
+                    self._index,
                 )
             except BaseException:
                 self._flat.release()

@@ -311,9 +311,12 @@ impl Tier {
     /// the G3 pool of the host), presents the namespace digest of `spec` (JSON of kvtier's
     /// `VllmSpecFields`) and registers vLLM's primary region by the path of its shared file
     /// (`region_path`, `length` bytes of rows of `row_stride` bytes). `engine` names this
-    /// engine in the service's status.
+    /// engine in the service's status. `layout` (the tier entry's `layout` key, a shipped
+    /// layout name or a descriptor path; errors name `secondary_tiers[tier_index].layout`)
+    /// names the canonical area the service stores, checked against `spec` as in process: the
+    /// namespace then names the area instead of the row (replicated GQA heads).
     #[staticmethod]
-    #[pyo3(signature = (socket, region_path, length, row_stride, spec, engine, locality=None))]
+    #[pyo3(signature = (socket, region_path, length, row_stride, spec, engine, locality=None, layout=None, tier_index=0))]
     #[allow(clippy::too_many_arguments)]
     fn connect(
         py: Python<'_>,
@@ -324,8 +327,16 @@ impl Tier {
         spec: &str,
         engine: &str,
         locality: Option<&str>,
+        layout: Option<&str>,
+        tier_index: usize,
     ) -> PyResult<Self> {
-        let rs = RegionSpec::new(length, row_stride, spec, None)?;
+        let layout_key = format!("secondary_tiers[{tier_index}].layout");
+        let rs = RegionSpec::new(
+            length,
+            row_stride,
+            spec,
+            layout.map(|v| (layout_key.as_str(), v)),
+        )?;
         let locality = match locality {
             None => None,
             Some(l) => Some(kvtier::contract::job::Locality::parse(l).ok_or_else(|| {

@@ -388,6 +388,18 @@ pub fn namespace_digest(desc: &LayoutDescriptor, params: &NamespaceParams) -> [u
     Sha256::digest(text.as_bytes()).into()
 }
 
+/// The namespace of a pool that vLLM engines serving `desc` with `params` open, as they
+/// present it with the tier entry's `layout` key ([`VllmSpecFields::of_layout_engine`]): what
+/// `kvtier serve` with a `service` section serves and `kvtier tier format` writes by default.
+/// kvtier's in-process tiers (`kvtier serve` without a service section, `kvtier bench`,
+/// [`crate::Builder::layout`]) use the descriptor namespace [`namespace_digest`] instead.
+pub fn engine_pool_namespace(
+    desc: &LayoutDescriptor,
+    params: &NamespaceParams,
+) -> Result<[u8; 32]> {
+    VllmSpecFields::of_layout_engine(desc, params)?.namespace_digest()
+}
+
 /// [`namespace_digest`] as 64 lower-case hex digits.
 pub fn namespace_hex(desc: &LayoutDescriptor, params: &NamespaceParams) -> String {
     hex::encode(namespace_digest(desc, params))
@@ -493,6 +505,20 @@ impl VllmSpecFields {
             worker_kv_bytes_per_block: desc.worker_kv_bytes_per_block(tp)?,
             row_stride: params.row_stride,
             slot_bytes: None,
+        })
+    }
+
+    /// What a vLLM 0.33 engine serving `desc` with `params` presents when its tier entry
+    /// names the layout (the `layout` key of `kvtier.vllm.KvtierTier`, in process or in
+    /// client mode): [`VllmSpecFields::of_engine`] with `slot_bytes` the canonical area where
+    /// it is shorter than the row ([`NamespaceParams::slot_prefix`]). The namespace names the
+    /// bytes a pool stores, so replicated GQA (Qwen2.5-3B at TP 4 and 8, rows of two and four
+    /// times the area) shares one namespace over TP sizes; where the area is the row (every
+    /// other shipped layout, and the direct layout) it is [`VllmSpecFields::of_engine`]'s.
+    pub fn of_layout_engine(desc: &LayoutDescriptor, params: &NamespaceParams) -> Result<Self> {
+        Ok(VllmSpecFields {
+            slot_bytes: params.slot_prefix(),
+            ..Self::of_engine(desc, params)?
         })
     }
 

@@ -34,7 +34,8 @@ pub mod views;
 
 pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
 pub use digest::{
-    NamespaceParams, VllmDigestFields, VllmSpecFields, namespace_digest, vllm_digest,
+    NamespaceParams, VllmDigestFields, VllmSpecFields, engine_pool_namespace, namespace_digest,
+    vllm_digest,
 };
 pub use gather::{ByteCopy, Direction, RowPlan, gather, scatter};
 pub use mapping::{

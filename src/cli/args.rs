@@ -14,7 +14,8 @@ use crate::io::IoEngineKind;
 /// `--layout FILE --tp N`: the model whose rows a command sizes, and the tensor-parallel size.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ModelArgs {
-    /// Model layout descriptor (TOML) that sizes the rows. Default: Llama-3.1-8B, bf16,
+    /// Model layout descriptor (a TOML file, or the name of a shipped one: `qwen2.5-3b`,
+    /// `llama-3.1-8b`, ... as in `layouts/`) that sizes the rows. Default: Llama-3.1-8B, bf16,
     /// 16-token blocks.
     #[arg(long, value_name = "FILE")]
     pub layout: Option<PathBuf>,
@@ -148,6 +149,12 @@ pub fn path_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
 /// The `--layout` descriptor, or the default layout (Llama-3.1-8B) without one.
 pub fn load_layout(path: Option<&Path>) -> Result<LayoutDescriptor> {
     match path {
+        // A shipped layout's name (`qwen2.5-3b`, as the vLLM tier entry's `layout` key takes
+        // it) where no such file exists.
+        Some(p) if !p.exists() => match p.to_str().and_then(crate::canonical::shipped_layout) {
+            Some(shipped) => shipped,
+            None => LayoutDescriptor::load(p),
+        },
         Some(p) => LayoutDescriptor::load(p),
         None => Ok(default_layout()),
     }

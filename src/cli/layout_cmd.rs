@@ -176,6 +176,9 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
         "vllm_digest": vllm_hex,
         "vllm_digest_fields": vllm_fields,
         "namespace": digest::namespace_hex(desc, &params),
+        // What vLLM engines with the tier entry's `layout` key and the node service present
+        // (`kvtier tier format --for vllm`, the default); `namespace` is kvtier's in-process one.
+        "engine_namespace": hex::encode(digest::engine_pool_namespace(desc, &params)?),
     }))
 }
 
@@ -315,7 +318,14 @@ fn print_text(r: &Value) -> Result<()> {
         i = j + 1;
     }
     outln!("vllm_digest {}", s("vllm_digest"))?;
-    outln!("namespace   {}", s("namespace"))
+    outln!(
+        "namespace   {} (kvtier's in-process tiers: tier format --for in-process)",
+        s("namespace")
+    )?;
+    outln!(
+        "engine ns   {} (vLLM engines with the layout key, the node service: tier format)",
+        s("engine_namespace")
+    )
 }
 
 /// Checks one descriptor at every TP in {1, 2, 4, 8} it allows; returns those TP sizes.

@@ -64,11 +64,12 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
         .map_err(|e| Error::new(ErrorKind::Contract, format!("bad status document: {e}")))?;
     let tier = &doc["tier"];
     outln!(
-        "kvtier node service {} on {}: digest {}, rows of {} bytes",
+        "kvtier node service {} on {}: digest {}, slots of {} bytes (each engine's rows hold \
+         at least that many)",
         doc["version"].as_str().unwrap_or("?"),
         args.socket.display(),
         doc["digest"].as_str().unwrap_or("?"),
-        doc["row_stride"]
+        doc["slot_bytes"]
     )?;
     outln!(
         "tier: {} of {} slots used, engine {}, {}",
@@ -91,9 +92,10 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
     for e in engines {
         let region = match e["region"].as_object() {
             Some(r) => format!(
-                "region {} ({} rows, {} I/O, {:.0} % in 2 MiB pages)",
+                "region {} ({} rows of {} bytes, {} I/O, {:.0} % in 2 MiB pages)",
                 r.get("path").and_then(|p| p.as_str()).unwrap_or("?"),
                 r.get("num_rows").map_or("?".into(), |v| v.to_string()),
+                r.get("row_stride").map_or("?".into(), |v| v.to_string()),
                 r.get("io_engine").and_then(|p| p.as_str()).unwrap_or("?"),
                 r.get("huge_page_share")
                     .and_then(serde_json::Value::as_f64)

@@ -46,7 +46,8 @@ pub struct ClientHello {
 /// What the service said when the session opened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceInfo {
-    /// The service's slot size.
+    /// The service's slot size: the bytes of each engine row it stores (the row's first
+    /// ones; an engine's rows must be at least this large).
     pub row_stride: u64,
     /// The service's compatibility digest.
     pub digest: [u8; 32],

@@ -1,5 +1,5 @@
-//! One engine's connection to the node service: the handshake (compatibility digest and row
-//! stride), its region (mapped here, with an I/O engine of its own over the G3 slab files),
+//! One engine's connection to the node service: the handshake (compatibility digest, and a
+//! row stride whose rows hold the service's slot: each engine has its own), its region (mapped here, with an I/O engine of its own over the G3 slab files),
 //! lookups, and its store and load jobs, which move rows directly between G3 slots and the
 //! engine's rows through the tier's direct-slot grants (`crate::g3::direct`).
 //!
@@ -50,7 +50,10 @@ pub struct ServiceShared {
     pub o_direct: bool,
     /// Requests in flight per region's engine.
     pub queue_depth: u32,
-    /// Bytes per row of every engine's region (engines must present this row stride).
+    /// Bytes per row the service was planned for (`kvtier serve --layout --tp`; the status
+    /// document's `row_stride`). Each engine presents its own row stride, at least
+    /// `slot_bytes`: engines of one namespace at other TP sizes may have larger rows
+    /// (replicated GQA heads).
     pub row_stride: u64,
     /// Bytes per slot: each row's first `slot_bytes` are stored (the whole row, or the
     /// canonical area of a larger row).
@@ -104,8 +107,8 @@ struct QueuedJob {
 
 /// Runs one connection until it ends (the peer's uid is already checked).
 pub fn run(sh: Arc<ServiceShared>, stream: UnixStream, uid: u32, pid: i32) {
-    let entry = match handshake(&sh, &stream, uid, pid) {
-        Ok(Some(entry)) => entry,
+    let (entry, row_stride) = match handshake(&sh, &stream, uid, pid) {
+        Ok(Some(accepted)) => accepted,
         Ok(None) => return observe(&sh, stream),
         Err(e) => {
             sh.engines.refused.fetch_add(1, Ordering::Relaxed);
@@ -121,6 +124,7 @@ pub fn run(sh: Arc<ServiceShared>, stream: UnixStream, uid: u32, pid: i32) {
     let mut s = Session {
         sh: sh.clone(),
         entry: entry.clone(),
+        row_stride,
         writer: Arc::new(Mutex::new(stream.try_clone().ok())),
         region: None,
         jobs_tx: None,
@@ -147,7 +151,8 @@ pub fn run(sh: Arc<ServiceShared>, stream: UnixStream, uid: u32, pid: i32) {
     sh.engines.remove(entry.id);
 }
 
-/// Reads the `HELLO`, checks the digest and row stride, answers `WELCOME` or the refusal.
+/// Reads the `HELLO`, checks the digest and that the engine's rows hold a slot, answers
+/// `WELCOME` (with the slot size) or the refusal. Returns the engine and its row stride.
 ///
 /// A `HELLO` with row stride 0 and an all-zero digest opens an observer session (`kvtier
 /// service status`): `Ok(None)`.
@@ -156,7 +161,7 @@ fn handshake(
     stream: &UnixStream,
     uid: u32,
     pid: i32,
-) -> Result<Option<Arc<EngineEntry>>> {
+) -> Result<Option<(Arc<EngineEntry>, u64)>> {
     stream
         .set_read_timeout(Some(SOCKET_TIMEOUT))
         .and_then(|()| stream.set_write_timeout(Some(SOCKET_TIMEOUT)))
@@ -188,7 +193,7 @@ fn handshake(
         Err(e) => return Err(refuse(e)),
     };
     let welcome = Reply::Welcome {
-        row_stride: sh.row_stride,
+        row_stride: sh.slot_bytes,
         digest: sh.digest,
         version: env!("CARGO_PKG_VERSION").to_string(),
     };
@@ -197,25 +202,38 @@ fn handshake(
         return Ok(None);
     }
     if digest != sh.digest {
+        // An engine whose rows are larger than the slots presents its whole row unless its
+        // tier entry names the layout (the canonical area, replicated GQA heads).
+        let layout_hint = if row_stride > sh.slot_bytes {
+            format!(
+                "; its rows ({row_stride} bytes) are larger than the service's slots ({} \
+                 bytes): if they hold the model's canonical area (replicated KV heads with \
+                 canonical_layout), set the tier entry's layout key (a shipped layout name \
+                 or a descriptor path) so that the engine presents the area",
+                sh.slot_bytes
+            )
+        } else {
+            String::new()
+        };
         return Err(refuse(Error::new(
             ErrorKind::IncompatibleLayout,
             format!(
                 "compatibility digest mismatch: engine {engine:?} has {}, the service has {} \
                  (the model, dtype, layout, TP size, blocks per chunk or canonical_layout \
                  differ; start the engine with the service's configuration or run a service \
-                 for it)",
+                 for it){layout_hint}",
                 hex::encode(digest),
                 hex::encode(sh.digest)
             ),
         )));
     }
-    if row_stride != sh.row_stride {
+    if row_stride < sh.slot_bytes {
         return Err(refuse(Error::new(
             ErrorKind::IncompatibleLayout,
             format!(
-                "row stride mismatch: engine {engine:?} has rows of {row_stride} bytes, the \
-                 service's slots are {} bytes",
-                sh.row_stride
+                "row stride mismatch: engine {engine:?} has rows of {row_stride} bytes, smaller \
+                 than the service's slots of {} bytes (each row must hold a slot)",
+                sh.slot_bytes
             ),
         )));
     }
@@ -225,7 +243,7 @@ fn handshake(
         .set_read_timeout(None)
         .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeout: {e}")))?;
     write_frame(stream, &welcome.to_frame(frame.seq))?;
-    Ok(Some(sh.engines.add(engine, uid, pid)))
+    Ok(Some((sh.engines.add(engine, uid, pid), row_stride)))
 }
 
 /// An observer session: `STATUS` only, until the peer closes or a read times out.
@@ -259,6 +277,8 @@ fn error_reply(e: &Error) -> Reply {
 struct Session {
     sh: Arc<ServiceShared>,
     entry: Arc<EngineEntry>,
+    /// Bytes per row of this engine's region (at least the service's slot).
+    row_stride: u64,
     /// The write side; `None` once it failed (the engine is gone or stalled).
     writer: Arc<Mutex<Option<UnixStream>>>,
     region: Option<Arc<MappedRegion>>,
@@ -417,11 +437,9 @@ impl Session {
         }
         let rows = usize::try_from(num_rows)
             .map_err(|_| Error::new(ErrorKind::Config, "num_rows does not fit this machine"))?;
-        let region = Arc::new(PrimaryRegion::map_shared_file(
-            &fd,
-            rows,
-            self.sh.row_stride as usize,
-        )?);
+        let stride = usize::try_from(self.row_stride)
+            .map_err(|_| Error::new(ErrorKind::Config, "row_stride does not fit this machine"))?;
+        let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, stride)?);
         drop(fd);
         let opts = EngineOptions {
             queue_depth: self.sh.queue_depth,
@@ -438,7 +456,7 @@ impl Session {
             source: source.to_string(),
             path,
             num_rows,
-            row_stride: self.sh.row_stride,
+            row_stride: self.row_stride,
             io_engine: engine.info.name.clone(),
             huge_page_share: region.huge_page_share(),
             small_pages_reason: region.small_pages_reason().map(str::to_string),

@@ -97,17 +97,18 @@ struct Connector {
 }
 
 impl Connector {
-    /// Connects, checks the service's digest and row stride, registers the region.
+    /// Connects, checks the service's digest and that its slots fit this engine's rows,
+    /// registers the region.
     fn connect(&self) -> Result<NodeClient> {
         let client = NodeClient::connect(&self.socket, &self.hello)?;
         let service = client.service();
         // The service refuses another digest itself; this also catches a service that
         // answered WELCOME with something else.
-        if service.digest != self.hello.digest || service.row_stride != self.hello.row_stride {
+        if service.digest != self.hello.digest || service.row_stride > self.hello.row_stride {
             return Err(Error::new(
                 ErrorKind::IncompatibleLayout,
                 format!(
-                    "the kvtier node service at {} has digest {} and rows of {} bytes; this \
+                    "the kvtier node service at {} has digest {} and slots of {} bytes; this \
                      engine has {} and rows of {} bytes",
                     self.socket.display(),
                     hex::encode(service.digest),
@@ -757,7 +758,11 @@ impl SecondaryTier for NodeTier {
         let values = [
             self.connector.socket.display().to_string(),
             self.connector.region_text(),
-            self.connector.hello.row_stride.to_string(),
+            // The bytes of each row the service stores (its WELCOME), the row until connected.
+            self.client
+                .as_ref()
+                .map_or(self.connector.hello.row_stride, |c| c.service().row_stride)
+                .to_string(),
             hex::encode(self.connector.hello.digest),
         ];
         CONFIG_INFO_KEYS.into_iter().zip(values).collect()

@@ -56,9 +56,9 @@ def entry(path, **keys):
 QWEN_AREA = 36 * 16 * 2 * 128 * 2 * 2 * BPC
 
 
-def offloading(model, tp, tier):
+def offloading(model, tp, tier, engine_id=None):
     """vLLM's own ``OffloadingConfig`` for ``model`` at ``tp`` with ``tier`` as its one
-    secondary tier (canonical layout on)."""
+    secondary tier (canonical layout on); ``engine_id`` names the engine (its region file)."""
     row_guess = 4 * QWEN_AREA  # the primary's size only; vLLM sizes the rows
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": PRIMARY_ROWS * row_guess,
              "secondary_tiers": [tier]}
@@ -66,15 +66,16 @@ def offloading(model, tp, tier):
         vc.vllm_config(model, tp, 0, canonical=True, bpc=BPC, extra=extra),
         vc.kv_cache_config(model, tp, num_blocks=BPC),
     )
-    return dataclasses.replace(config, engine_id=f"kvtier-gqa-{os.getpid()}-{next(_ids)}")
+    return dataclasses.replace(
+        config, engine_id=engine_id or f"kvtier-gqa-{os.getpid()}-{next(_ids)}")
 
 
 class Deployment:
     """vLLM at one TP size over kvtier: the scheduler's manager and every rank's worker."""
 
-    def __init__(self, model, tp, tier):
+    def __init__(self, model, tp, tier, engine_id=None):
         self.model, self.tp = model, tp
-        self.engine = Engine({}, offloading=offloading(model, tp, tier))
+        self.engine = Engine({}, offloading=offloading(model, tp, tier, engine_id))
         self.config = vc.kv_cache_config(model, tp, num_blocks=BPC)
         self.views = vc.layer_views(model, tp, self.config)
         flat = self.engine.view.cast("B")

@@ -61,14 +61,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
     let listener = http::bind(&args.metrics_addr)?;
     if cfg.service.is_some() {
-        node::run(
-            &args.config,
-            &cfg,
-            &layout,
-            &plan,
-            listener,
-            &args.metrics_prefix,
-        )?;
+        node::run(&args, &cfg, &layout, &plan, listener)?;
         return Ok(ExitCode::SUCCESS);
     }
     let manager = builder.build().map_err(|e| {
@@ -76,27 +69,86 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             return e;
         }
         // Say which inputs make the namespace and how to format a tier that matches.
-        Error::new(
-            ErrorKind::IncompatibleLayout,
-            format!(
-                "{}; serve derives it from {} at --tp {}, blocks_per_chunk and \
-                 canonical_layout = {} in {}: format the tier to match (`kvtier tier format \
-                 PATH... --capacity SIZE --layout FILE --tp N --blocks-per-chunk N{}`)",
-                e.message(),
-                layout.model_name,
-                args.model.tp,
-                cfg.canonical_layout,
-                args.config.display(),
-                if cfg.canonical_layout {
-                    " --canonical"
-                } else {
-                    ""
-                }
-            ),
+        namespace_hint(
+            e,
+            &args,
+            &cfg,
+            &plan.params,
+            crate::cli::tier::FormatFor::InProcess,
         )
     })?;
     serve_until_signal(listener, Box::new(ManagerService { manager }))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// A namespace refusal `e` (a tier formatted for another model, TP size, row layout or
+/// opener) with the inputs serve derives its namespace from and the exact `kvtier tier
+/// format` command that makes a tier it opens (`for_`: the in-process tiers' namespace, or
+/// the node service's, which vLLM engines present).
+fn namespace_hint(
+    e: Error,
+    args: &ServeArgs,
+    cfg: &KvtierConfig,
+    params: &crate::canonical::NamespaceParams,
+    for_: crate::cli::tier::FormatFor,
+) -> Error {
+    use crate::cli::tier::FormatFor;
+    let blocks_per_chunk = params.blocks_per_chunk;
+    let model = args.model.load().ok();
+    // A tier formatted for this model but for the other opener says so.
+    let other = model.as_ref().and_then(|layout| match for_ {
+        FormatFor::InProcess => crate::canonical::engine_pool_namespace(layout, params)
+            .ok()
+            .map(|d| (d, "vLLM engines and the node service (--for vllm)")),
+        FormatFor::Vllm => Some((
+            crate::canonical::namespace_digest(layout, params),
+            "kvtier's in-process tiers (--for in-process)",
+        )),
+    });
+    let formatted_for = match (other, e.context_value("found")) {
+        (Some((digest, who)), Some(found)) if hex::encode(digest) == found => {
+            format!(" (the tier was formatted for {who})")
+        }
+        _ => String::new(),
+    };
+    let (who, flag) = match for_ {
+        FormatFor::InProcess => (
+            "kvtier serve without a service section opens tiers with the in-process namespace",
+            "--for in-process",
+        ),
+        FormatFor::Vllm => (
+            "the node service opens tiers with the namespace vLLM engines present (with the \
+             tier entry's layout key)",
+            "--for vllm, the default",
+        ),
+    };
+    let command = crate::cli::tier::format_command(
+        cfg,
+        args.model.layout.as_deref(),
+        args.model.tp,
+        blocks_per_chunk,
+        for_,
+    );
+    let model = model.map_or_else(|| "the --layout model".to_string(), |l| l.model_name);
+    let mut out = Error::new(
+        ErrorKind::IncompatibleLayout,
+        format!(
+            "{}{formatted_for}; {who} ({flag}), derived from {model} at --tp {}, \
+             blocks_per_chunk {} and canonical_layout = {} in {}: format the tier to match, \
+             which discards the chunks it holds (`{command}`)",
+            e.message(),
+            args.model.tp,
+            blocks_per_chunk,
+            cfg.canonical_layout,
+            args.config.display(),
+        ),
+    );
+    for key in ["expected", "found"] {
+        if let Some(v) = e.context_value(key) {
+            out = out.with(key, v.to_string());
+        }
+    }
+    out
 }
 
 /// A plan error names the configuration file unless it is about a flag (`--tp`).

@@ -3,12 +3,13 @@
 //! socket (`docs/node-service.md`), with `/metrics` and `/healthz` on the HTTP endpoint.
 
 use std::net::TcpListener;
-use std::path::Path;
 
 use crate::canonical::LayoutDescriptor;
-use crate::canonical::digest::VllmSpecFields;
+use crate::canonical::engine_pool_namespace;
+use crate::cli::serve::ServeArgs;
 use crate::cli::serve::health_body;
 use crate::cli::serve::service::{Service, serve_until_signal};
+use crate::cli::tier::FormatFor;
 use crate::config::KvtierConfig;
 use crate::embed::Plan;
 use crate::error::{Error, ErrorKind, Result};
@@ -18,39 +19,46 @@ use crate::node::server::start_from_config;
 /// Starts the node service for `cfg` (planned as `plan` for `layout`) and serves until a
 /// signal.
 pub fn run(
-    config_path: &Path,
+    args: &ServeArgs,
     cfg: &KvtierConfig,
     layout: &LayoutDescriptor,
     plan: &Plan,
     listener: TcpListener,
-    metrics_prefix: &str,
 ) -> Result<()> {
-    // The namespace vLLM engines of this model and configuration present (their spec's, as
-    // the Python tier computes it), not the descriptor namespace of an in-process tier.
-    let digest = VllmSpecFields::of_engine(layout, &plan.params)
-        .and_then(|f| f.namespace_digest())
-        .map_err(|e| super::in_file(config_path, e))?;
+    let config_path = args.config.as_path();
+    // The namespace vLLM engines of this model and configuration present with the tier
+    // entry's `layout` key (its canonical area where that is shorter than the row), not the
+    // descriptor namespace of an in-process tier; `kvtier tier format` writes it by default.
+    let digest =
+        engine_pool_namespace(layout, &plan.params).map_err(|e| super::in_file(config_path, e))?;
     let service = start_from_config(
         cfg,
         plan.geometry.row_stride,
         plan.params.slot_prefix(),
         digest,
     )
-    .map_err(|e| super::in_file(config_path, e))?;
+    .map_err(|e| {
+        if e.kind() == ErrorKind::IncompatibleLayout {
+            super::namespace_hint(e, args, cfg, &plan.params, FormatFor::Vllm)
+        } else {
+            super::in_file(config_path, e)
+        }
+    })?;
     if let Some(s) = &cfg.service {
         // stderr: the first stdout line stays the endpoint's address (scripts read it).
         crate::cli::output::errln!(
-            "kvtier serve: node service on {} (digest {}, rows of {} bytes)",
+            "kvtier serve: node service on {} (digest {}, slots of {} bytes: engines' rows \
+             of at least that many bytes, their first ones stored)",
             s.socket_path.display(),
             hex::encode(digest),
-            plan.geometry.row_stride
+            plan.params.slot_bytes
         );
     }
     serve_until_signal(
         listener,
         Box::new(NodeHttp {
             service: Some(service),
-            prefix: metrics_prefix.to_string(),
+            prefix: args.metrics_prefix.clone(),
         }),
     )
 }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use crate::canonical::{NamespaceParams, namespace_digest};
+use crate::canonical::{NamespaceParams, engine_pool_namespace, namespace_digest};
 use crate::cli::args::RowArgs;
 use crate::cli::args::name_flag;
 use crate::cli::output::{
@@ -44,7 +44,9 @@ pub enum TierCommand {
     /// Create an empty tier (discarding what the paths held).
     #[command(after_help = "Examples:
   kvtier tier format /mnt/nvme0 --capacity 512GiB
-  kvtier tier format /mnt/nvme0 /mnt/nvme1 --layout layouts/qwen3-32b.toml --tp 2 --capacity 2T --yes")]
+  kvtier tier format /mnt/nvme0 /mnt/nvme1 --layout layouts/qwen3-32b.toml --tp 2 --capacity 2T --yes
+  kvtier tier format /mnt/nvme0 --layout qwen2.5-3b --tp 4 --canonical --capacity 1T   # vLLM engines, node service
+  kvtier tier format /mnt/nvme0 --capacity 64GiB --for in-process                     # kvtier serve without a service section")]
     Format(FormatArgs),
     /// Show superblocks, geometry, namespace, used/free slots, journal and checkpoint.
     #[command(after_help = "Example:\n  kvtier tier inspect /mnt/nvme0 /mnt/nvme1 --json")]
@@ -108,6 +110,13 @@ pub struct FormatArgs {
     /// default. The two have different namespace digests, so this must match the config.
     #[arg(long)]
     pub canonical: bool,
+    /// Who opens the tier, which decides its namespace digest: `vllm` (vLLM engines through
+    /// `kvtier.vllm.KvtierTier` with the tier entry's `layout` key, in process or in client
+    /// mode, and the node service, `kvtier serve` with a `service` section) or `in-process`
+    /// (kvtier's own in-process tiers: `kvtier serve` without a `service` section and the
+    /// Rust `Builder::layout`).
+    #[arg(long = "for", value_enum, default_value_t = FormatFor::Vllm, value_name = "WHO")]
+    pub for_: FormatFor,
     /// O_DIRECT policy: required (a path without it is an error) or auto.
     #[arg(long, default_value = "required", value_parser = parse_direct_io, value_name = "MODE")]
     pub direct_io: DirectIoMode,
@@ -117,6 +126,80 @@ pub struct FormatArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `kvtier tier format --for`: who opens the tier (its namespace digest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FormatFor {
+    /// vLLM engines (with the entry's `layout` key) and the node service:
+    /// [`engine_pool_namespace`].
+    Vllm,
+    /// kvtier's in-process tiers: the descriptor namespace [`namespace_digest`].
+    InProcess,
+}
+
+impl FormatFor {
+    /// The `--for` value as typed.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FormatFor::Vllm => "vllm",
+            FormatFor::InProcess => "in-process",
+        }
+    }
+}
+
+/// The `kvtier tier format` command line that formats the `nvme` tiers of `cfg` so that a
+/// tier opener for (`for_`) the model of `layout` (`--layout` as the user gave it; `None`: the
+/// default layout) at TP `tp` with `blocks_per_chunk` finds its namespace: one command per
+/// tier, joined by `; `, each with the tier's paths, capacity and O_DIRECT policy.
+pub fn format_command(
+    cfg: &crate::config::KvtierConfig,
+    layout: Option<&Path>,
+    tp: u32,
+    blocks_per_chunk: u32,
+    for_: FormatFor,
+) -> String {
+    let commands: Vec<String> = cfg
+        .secondary_tiers
+        .iter()
+        .filter(|t| crate::embed::is_nvme(&t.tier_type))
+        .filter_map(|t| G3TierConfig::from_tier(t).ok())
+        .map(|g3| {
+            let mut words = vec!["kvtier".to_string(), "tier".into(), "format".into()];
+            words.extend(
+                g3.paths
+                    .iter()
+                    .map(|p| shell_word(&p.display().to_string())),
+            );
+            words.push(format!("--capacity {}", g3.capacity_bytes));
+            if let Some(l) = layout {
+                words.push(format!("--layout {}", shell_word(&l.display().to_string())));
+            }
+            words.push(format!("--tp {tp} --blocks-per-chunk {blocks_per_chunk}"));
+            if cfg.canonical_layout {
+                words.push("--canonical".into());
+            }
+            if g3.direct_io == DirectIoMode::Auto {
+                words.push("--direct-io auto".into());
+            }
+            words.push(format!("--for {}", for_.as_str()));
+            words.join(" ")
+        })
+        .collect();
+    commands.join("; ")
+}
+
+/// `s` as one shell word (single-quoted unless it is plain).
+fn shell_word(s: &str) -> String {
+    let plain = !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"/._-+:=@%,".contains(&b));
+    if plain {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 fn parse_direct_io(s: &str) -> std::result::Result<DirectIoMode, String> {
@@ -169,21 +252,43 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             // Slots of what the tier will store: the canonical area or the whole row.
             row_stride: params.slot_bytes,
             capacity_bytes: a.capacity,
-            namespace: namespace_digest(&layout, &params),
+            namespace: match a.for_ {
+                FormatFor::Vllm => engine_pool_namespace(&layout, &params)?,
+                FormatFor::InProcess => namespace_digest(&layout, &params),
+            },
             direct_io: a.direct_io,
         },
     )?;
     if !a.json {
         outln!(
-            "formatted {} for {} (TP {}, {} per chunk, {} layout)",
+            "formatted {} for {} (TP {}, {} per chunk, {} layout), namespace for {}",
             count(a.paths.len() as u64, "path"),
             layout.model_name,
             a.row.model.tp,
             count(u64::from(a.row.blocks_per_chunk), "block"),
-            if a.canonical { "canonical" } else { "direct" }
+            if a.canonical { "canonical" } else { "direct" },
+            match a.for_ {
+                FormatFor::Vllm => "vLLM engines and the node service (--for vllm)",
+                FormatFor::InProcess => "kvtier's in-process tiers (--for in-process)",
+            }
         )?;
+        return print_inspect(&InspectOutput::new(&report, &a.paths), false);
     }
-    print_inspect(&InspectOutput::new(&report, &a.paths), a.json)
+    print_json(&FormatOutput {
+        inspect: InspectOutput::new(&report, &a.paths),
+        namespace_for: a.for_,
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `format --json`: the tier as `inspect --json` shows it, and who its namespace is for.
+#[derive(Debug, Serialize)]
+pub struct FormatOutput<'a> {
+    /// What `inspect --json` prints.
+    #[serde(flatten)]
+    pub inspect: InspectOutput<'a>,
+    /// The `--for` value (`vllm` or `in-process`).
+    pub namespace_for: FormatFor,
 }
 
 /// `inspect --json` (and `format --json`): the admin report plus the checkpoint size.
