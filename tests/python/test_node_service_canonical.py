@@ -86,9 +86,10 @@ class Node:
                 "--tp", str(self.tp), "--metrics-addr", "127.0.0.1:0"]
 
     def format(self, *extra) -> dict:
-        """``kvtier tier format`` of the pool for the model (``extra``: more flags)."""
+        """``kvtier tier format`` of the pool for the model, named as a shipped layout
+        (``--layout qwen2.5-3b``; the service gets the descriptor file), ``extra``: more flags."""
         out = kvtier(["tier", "format", str(self.slabs), "--capacity", CAPACITY, "--layout",
-                      str(self.model.path), "--tp", str(self.tp), "--blocks-per-chunk",
+                      self.model.path.stem, "--tp", str(self.tp), "--blocks-per-chunk",
                       str(BPC), "--canonical", "--direct-io", "auto", "--yes", "--json",
                       *extra], check=True)
         return json.loads(out.stdout)
