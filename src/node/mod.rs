@@ -24,6 +24,7 @@
 //! * [`server`]: [`NodeService`], the listener and the peer check.
 //! * [`client`]: [`NodeClient`], the engine's side.
 //! * [`tier`]: [`NodeTier`], the service as an engine's secondary tier (client mode).
+//! * [`test_hold`]: a hook for tests that holds jobs in flight (`KVTIER_TEST_NODE_HOLD_FILE`).
 
 pub mod client;
 pub mod engines;
@@ -35,6 +36,7 @@ pub mod server;
 pub mod session;
 pub mod socket;
 pub mod staging;
+pub mod test_hold;
 pub mod tier;
 
 pub use client::{ClientHello, NodeClient, ServiceInfo};

@@ -607,6 +607,12 @@ pub fn status_json(sh: &ServiceShared) -> String {
             "paths": info.slab_paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
             "total_slots": info.total_slots,
             "used_slots": tier.len(),
+            // Transfers started and not finished: each holds pins (load) or reserved slots.
+            "active_transfers": tier
+                .metrics()
+                .iter()
+                .find(|m| m.name == "g3_active_jobs")
+                .map_or(0.0, |m| m.value),
             "engine": info.engine,
             "ready": tier.is_recovered(),
         },
@@ -629,6 +635,7 @@ pub fn status_json(sh: &ServiceShared) -> String {
         "refused_connections": sh.engines.refused.load(Ordering::Relaxed),
         "cancelled_jobs": sh.engines.cancelled_jobs.load(Ordering::Relaxed),
         "disconnects": sh.engines.disconnects.load(Ordering::Relaxed),
+        "test_hold": crate::node::test_hold::status(),
     });
     doc.to_string()
 }
@@ -818,6 +825,7 @@ impl JobWorker {
                 };
             }
         }
+        crate::node::test_hold::hold(&self.cancelled);
         if !load && self.cancelled.load(Ordering::Acquire) {
             return self.cancel(grant, n);
         }

@@ -231,20 +231,28 @@ def promote_in_another_process(extra, keys) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
-def start_hanging_child(extra, keys, hang: str):
+def start_hanging_child(extra, keys, hang: str, hold_file=None):
     """Starts :func:`child_main` in a second process that submits its jobs and then waits to
     be killed: ``hang="store"`` stores ``keys`` (its rows hold :func:`payload`), ``"promote"``
-    promotes them. Returns the process once its jobs are submitted."""
+    promotes them. Returns the process once its jobs are submitted.
+
+    With ``hold_file`` (the node service's ``KVTIER_TEST_NODE_HOLD_FILE``) the child creates
+    that file before the job the service is to hold in flight: a store first stores half the
+    keys and waits until vLLM's manager has them reported done (``child.completed``: those
+    keys), then creates the file and stores the rest; a promotion creates it first."""
     import subprocess
 
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()),
-         json.dumps({"extra": extra, "keys": [k.hex() for k in keys], "hang": hang})],
+         json.dumps({"extra": extra, "keys": [k.hex() for k in keys], "hang": hang,
+                     "hold_file": None if hold_file is None else str(hold_file)})],
         stdout=subprocess.PIPE, text=True,
     )
     try:
         line = child.stdout.readline()
-        assert json.loads(line) == {"submitted": hang}, line
+        said = json.loads(line)
+        assert said["submitted"] == hang, line
+        child.completed = [bytes.fromhex(k) for k in said["completed"]]
     except BaseException:
         kill_hanging_child(child)
         raise
@@ -260,19 +268,28 @@ def kill_hanging_child(child) -> None:
         path.unlink(missing_ok=True)
 
 
-def _hang(engine: Engine, keys, hang: str) -> None:
-    """Submits the jobs of ``hang`` through vLLM's manager, says so, and sleeps."""
+def _hang(engine: Engine, keys, hang: str, hold_file: str | None) -> None:
+    """Submits the jobs of ``hang`` through vLLM's manager, says so, and sleeps (see
+    :func:`start_hanging_child` for ``hold_file``)."""
     req = engine.request()
+    completed = []
     if hang == "store":
+        if hold_file is not None:
+            completed, keys = keys[: len(keys) // 2], keys[len(keys) // 2 :]
+            engine.store(completed, req)
+            engine.settle()
+            Path(hold_file).touch()
         engine.store(keys, req)
     else:
+        if hold_file is not None:
+            Path(hold_file).touch()
         deadline = time.monotonic() + 60
         while any(engine.manager.lookup(k, req) is LookupResult.RETRY for k in keys):
             assert time.monotonic() < deadline, "lookups still RETRY after 60 s"
             engine.step_end()
             time.sleep(0.001)
     engine.step_end()  # the manager hands the jobs to the tiers at the step's end
-    print(json.dumps({"submitted": hang}), flush=True)
+    print(json.dumps({"submitted": hang, "completed": [k.hex() for k in completed]}), flush=True)
     time.sleep(600)
 
 
@@ -286,7 +303,7 @@ def child_main(argv) -> None:
         keys = [bytes.fromhex(k) for k in args["keys"]]
         if args.get("hang"):
             # Killed while it waits: the test that kills it removes its region.
-            _hang(engine, keys, args["hang"])
+            _hang(engine, keys, args["hang"], args.get("hold_file"))
             return
         req = engine.request()
         outcome = engine.promote(keys, req)

@@ -14,9 +14,11 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
+import harness
 from kvtier_engine import (
     ROW,
     Engine,
@@ -49,11 +51,13 @@ def engines_digest(extra) -> str:
     return _native.namespace_of(json.dumps(spec_fields(spec, ROW)))[1]
 
 
-def launch(doc) -> subprocess.Popen:
-    """``kvtier-replay node-serve`` on ``doc``, once its socket listens."""
+def launch(doc, env=None) -> subprocess.Popen:
+    """``kvtier-replay node-serve`` on ``doc`` (``env`` joins its environment), once its
+    socket listens."""
     proc = subprocess.Popen(
         [os.environ["KVTIER_REPLAY"], "node-serve"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=None if env is None else {**os.environ, **env},
     )
     proc.stdin.write(json.dumps(doc))
     proc.stdin.close()
@@ -62,9 +66,10 @@ def launch(doc) -> subprocess.Popen:
     return proc
 
 
-def start_service(tmp_path, **service_keys) -> dict:
+def start_service(tmp_path, env=None, **service_keys) -> dict:
     """Starts a node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``
-    (``service_keys`` join its ``service`` section); its state, with the process."""
+    (``service_keys`` join its ``service`` section, ``env`` its environment); its state, with
+    the process."""
     replay = os.environ.get("KVTIER_REPLAY")
     if not replay:
         pytest.skip("KVTIER_REPLAY is not set (run through tests/python_suite.rs)")
@@ -84,7 +89,7 @@ def start_service(tmp_path, **service_keys) -> dict:
         "row_stride": ROW,
         "digest": engines_digest(extra),
     }
-    return {"socket": socket, "extra": extra, "proc": launch(doc), "doc": doc}
+    return {"socket": socket, "extra": extra, "proc": launch(doc, env), "doc": doc}
 
 
 def end_service(state) -> None:
@@ -108,6 +113,15 @@ def stop(service) -> dict:
     out = proc.stdout.read()
     assert proc.wait(timeout=60) == 0, out
     return json.loads(out.strip().splitlines()[-1])["status"]
+
+
+def service_status(socket) -> dict:
+    """``kvtier service status --json`` of the service at ``socket``."""
+    out = subprocess.run(
+        [os.environ["KVTIER_BIN"], "service", "status", "--socket", str(socket), "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    return json.loads(out.stdout)
 
 
 def wait_until_no_engine(socket, deadline_s: float = 60.0) -> None:
@@ -254,9 +268,30 @@ def test_the_service_killed_under_load_and_restarted_engines_reconnect_by_themse
         a.shutdown()
 
 
+def mapped_by(pid: int, paths) -> set:
+    """The ones of ``paths`` (files) that process ``pid`` maps now."""
+    with open(f"/proc/{pid}/maps") as f:
+        maps = f.read()
+    return {p for p in paths if str(p) in maps}
+
+
 @pytest.mark.parametrize("hang", ["store", "promote"])
-def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(service, hang):
-    extra = service["extra"]
+def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(tmp_path, hang):
+    """The kill lands while the service holds the job in flight: its G3 I/O done, not yet
+    committed or reported (the service's test hook ``KVTIER_TEST_NODE_HOLD_FILE``, shown in
+    its status); whatever the row size, the job cannot have finished before the kill."""
+    if not os.environ.get("KVTIER_BIN"):
+        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+    hold = tmp_path / "hold-jobs"
+    service = start_service(tmp_path, env={"KVTIER_TEST_NODE_HOLD_FILE": str(hold)})
+    try:
+        _killed_mid_job(service, hang, hold)
+    finally:
+        end_service(service)
+
+
+def _killed_mid_job(service, hang, hold) -> None:
+    extra, socket = service["extra"], service["socket"]
     stored = [key(i) for i in range(6)]
     a = Engine(extra)
     try:
@@ -266,14 +301,50 @@ def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(service, han
         a.finish(req)
     finally:
         a.shutdown()
-    # Another vLLM engine process submits its jobs and is SIGKILLed with them in flight.
+    # Another vLLM engine process submits its jobs; the service holds one of them in flight.
+    # A store first completes half its keys (a job reported done), then the held job has the
+    # rest; a promotion's one load job is held.
     keys = stored if hang == "promote" else [key(50 + i) for i in range(6)]
-    child = start_hanging_child(extra, keys, hang)
-    kill_hanging_child(child)
-    wait_until_no_engine(service["socket"])
+    child = start_hanging_child(extra, keys, hang, hold_file=hold)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            status = service_status(socket)
+            if status["test_hold"]["held_jobs"] == 1:
+                break
+            assert time.monotonic() < deadline, f"no job held: {status}"
+            time.sleep(0.01)
+        [engine] = [e for e in status["engines"] if e["pid"] == child.pid]
+        # Queued behind the held job: none for the store; the promotion's other jobs (vLLM's
+        # manager submits one load job per chunk).
+        queued = engine["jobs_in_flight"] - 1
+        if hang == "store":
+            assert queued == 0, engine
+            assert engine["stores"] == 1 and len(child.completed) == 3, (engine, child.completed)
+        else:
+            assert queued == len(keys) - 1 and engine["loads"] == 0, engine
+            assert child.completed == [], child.completed
+        assert status["tier"]["active_transfers"] == 1, status
+        region = harness.region_files(pid=child.pid)
+        assert region and mapped_by(service["proc"].pid, region) == region, region
+        cancelled_before = status["cancelled_jobs"]
+    finally:
+        kill_hanging_child(child)
+    wait_until_no_engine(socket)
+    # The service let go of everything of the killed engine: the held job ended (a store
+    # abandoned, its reserved slots released; a load completed, its pins released), the
+    # region unmapped.
+    status = service_status(socket)
+    assert status["test_hold"]["held_jobs"] == 0, status
+    # Cancelled: the queued jobs, and the held store (a load in flight is completed).
+    cancelled = queued + (1 if hang == "store" else 0)
+    assert status["cancelled_jobs"] - cancelled_before == cancelled, status
+    assert status["tier"]["active_transfers"] == 0, status
+    assert mapped_by(service["proc"].pid, region) == set(), region
+    hold.unlink()
     # The killed engine's restart (a new process of the same configuration) loads everything
-    # committed with the bytes it was stored with; a killed store's keys are there whole or
-    # not at all.
+    # committed with the bytes it was stored with: A's keys, and the killed engine's keys
+    # of the job reported done; the held store's keys are a MISS, never other bytes.
     # (One promotion per key set: vLLM's primary holds 8 rows.)
     hits = set()
     for wanted in (stored, keys) if hang == "store" else (stored,):
@@ -281,9 +352,12 @@ def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(service, han
         found = {k for k, v in report["last"].items() if v == "HIT"}
         assert all(report["equal"].values()) and len(report["equal"]) == len(found), report
         hits |= found
-    assert {k.hex() for k in stored} <= hits, hits
-    # Nothing of the killed engine is left at the service.
-    wait_until_no_engine(service["socket"])
+    expected = stored + (child.completed if hang == "store" else [])
+    assert hits == {k.hex() for k in expected}, (hits, expected)
+    # Nothing of the killed engine is left at the service, and no slot is taken but the
+    # committed ones.
+    wait_until_no_engine(socket)
     status = stop(service)
     assert status["engines"] == [], status
     assert status["tier"]["used_slots"] == len(hits), status
+    assert status["tier"]["active_transfers"] == 0, status
