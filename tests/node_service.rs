@@ -1126,3 +1126,75 @@ fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_return
     assert_eq!(t.health().state, HealthState::Ok);
     t.shutdown().unwrap();
 }
+
+/// Descriptors of this process open on `path`.
+fn descriptors_on(path: &Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target == path)
+        .count()
+}
+
+#[test]
+fn shutdown_stops_and_joins_a_reconnection_waiting_for_a_service_that_never_answers() {
+    use kvtier::contract::secondary::SecondaryTier;
+    use std::os::unix::net::UnixListener;
+    let mut f = fixture();
+    let region_path = shm_path(&mut f, "reconnect-stop");
+    let region = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&region_path)
+        .unwrap();
+    region.set_len(ROWS * STRIDE).unwrap();
+    let mut t = kvtier::node::NodeTier::connect(
+        &f.socket,
+        &hello("reconnect-stop"),
+        kvtier::node::RegionSource::Fd(region.as_fd()),
+        ROWS,
+        None,
+    )
+    .unwrap();
+    // The tier keeps a duplicate of the region's descriptor to register it again; so does its
+    // reconnection thread, through the tier's connector.
+    assert_eq!(descriptors_on(&region_path), 2);
+    // The service goes, and something that accepts connections and never answers takes its
+    // socket.
+    f.service.take().unwrap().shutdown().unwrap();
+    let listener = UnixListener::bind(&f.socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut attempt = loop {
+        // The tier notices the loss on its next call and starts reconnecting.
+        let _ = t.get_finished_jobs();
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => panic!("accept: {e}"),
+        }
+        assert!(Instant::now() < deadline, "no reconnection attempt");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    attempt.set_nonblocking(false).unwrap();
+    attempt
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    // The attempt sent its HELLO and now waits for the answer (for up to 30 s).
+    let mut header = [0u8; 16];
+    attempt.read_exact(&mut header).unwrap();
+    assert_eq!(u16::from_le_bytes([header[4], header[5]]), 0x0001, "HELLO");
+    t.shutdown().unwrap();
+    drop(t);
+    // The reconnection thread is gone: nothing holds the tier's connector (and its duplicate
+    // of the region's descriptor) any more...
+    assert_eq!(
+        descriptors_on(&region_path),
+        1,
+        "the reconnection thread outlived the tier's shutdown"
+    );
+    // ... and its attempt's socket is closed: this side reads the end of the stream.
+    let mut rest = Vec::new();
+    attempt.read_to_end(&mut rest).unwrap();
+}

@@ -115,13 +115,85 @@ fn lost() -> Error {
     )
 }
 
+/// Ends connection attempts from another thread ([`NodeClient::connect_abortable`]): the
+/// socket of the attempt in progress is shut down, so that a handshake or a registration
+/// waiting for the service's answer returns at once with an error, and every later attempt
+/// fails before it connects. (A `connect` the kernel itself holds, on a listener whose
+/// backlog is full, is not interrupted.)
+#[derive(Debug, Default)]
+pub struct ConnectAbort {
+    aborted: AtomicBool,
+    /// The socket of the attempt in progress (a duplicate), until [`ConnectAbort::release`].
+    socket: Mutex<Option<UnixStream>>,
+}
+
+impl ConnectAbort {
+    /// Aborts the attempt in progress and every later one.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        if let Some(s) = self.socket.lock().take() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// True once [`ConnectAbort::abort`] was called.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Forgets the socket of the last attempt (its connection is then no longer ended by an
+    /// abort): call once the attempt is over, the connection in use or dropped.
+    pub fn release(&self) {
+        drop(self.socket.lock().take());
+    }
+
+    /// Keeps a duplicate of `stream` to shut down on abort; an error if already aborted.
+    fn watch(&self, stream: &UnixStream) -> Result<()> {
+        let mut held = self.socket.lock();
+        // Checked under the lock `abort` takes after setting the flag: either this sees the
+        // flag, or `abort` sees the socket.
+        if self.is_aborted() {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "connection attempt to the kvtier node service aborted",
+            ));
+        }
+        *held = Some(
+            stream
+                .try_clone()
+                .map_err(|e| Error::new(ErrorKind::Io, format!("cannot clone the socket: {e}")))?,
+        );
+        Ok(())
+    }
+}
+
 impl NodeClient {
     /// Connects to the service at `socket_path` and opens a session. Refusals (uid not
     /// allowed, another digest or row stride, another protocol version) are errors carrying
     /// the service's message.
     pub fn connect(socket_path: &Path, hello: &ClientHello) -> Result<NodeClient> {
+        Self::connect_abortable(socket_path, hello, None)
+    }
+
+    /// [`NodeClient::connect`], which another thread can end through `abort` while it waits
+    /// for the service (the socket stays watched by `abort` until
+    /// [`ConnectAbort::release`]: a registration on the new connection is aborted as well).
+    pub fn connect_abortable(
+        socket_path: &Path,
+        hello: &ClientHello,
+        abort: Option<&ConnectAbort>,
+    ) -> Result<NodeClient> {
+        if abort.is_some_and(ConnectAbort::is_aborted) {
+            return Err(Error::new(
+                ErrorKind::Cancelled,
+                "connection attempt to the kvtier node service aborted",
+            ));
+        }
         let stream = UnixStream::connect(socket_path)
             .map_err(|e| Error::io("connect to the kvtier node service at", socket_path, e))?;
+        if let Some(a) = abort {
+            a.watch(&stream)?;
+        }
         stream
             .set_read_timeout(Some(REPLY_TIMEOUT))
             .map_err(|e| Error::new(ErrorKind::Io, format!("socket timeout: {e}")))?;

@@ -17,7 +17,8 @@
 //! tier uses the new connection from its next call on (verdicts of the old one are dropped).
 //! Nothing of the engine's G3 data is lost: the service recovers its index from its journal
 //! and what was committed before the outage loads again. The counts are in
-//! [`NodeTier::metrics`] (`node_client_*`).
+//! [`NodeTier::metrics`] (`node_client_*`). Shutdown stops the reconnection and joins its
+//! thread, ending an attempt that waits for the service's answer (see `stop_reconnect`).
 //!
 //! Why a job the old connection reported failed can never write into a row later: the kernel
 //! finishes or cancels a dying process's I/O (its io_uring requests included) before its
@@ -35,7 +36,7 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,7 +52,7 @@ use crate::contract::secondary::{
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
-use crate::node::client::{AsyncAnswer, ClientHello, NodeClient};
+use crate::node::client::{AsyncAnswer, ClientHello, ConnectAbort, NodeClient};
 use crate::node::protocol::EventMedium;
 
 /// How long a verdict from the service stays usable.
@@ -62,6 +63,8 @@ const MAX_VERDICTS: usize = 65536;
 pub const RECONNECT_FIRST_DELAY: Duration = Duration::from_millis(20);
 /// The longest wait between two reconnection attempts.
 pub const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
+/// How long shutdown waits for the reconnection thread to stop (see `stop_reconnect`).
+pub const RECONNECT_JOIN_WAIT: Duration = Duration::from_secs(5);
 
 /// The label names of [`NodeTier::config_info`].
 pub const CONFIG_INFO_KEYS: [&str; 4] = [
@@ -98,9 +101,17 @@ struct Connector {
 
 impl Connector {
     /// Connects, checks the service's digest and that its slots fit this engine's rows,
-    /// registers the region.
-    fn connect(&self) -> Result<NodeClient> {
-        let client = NodeClient::connect(&self.socket, &self.hello)?;
+    /// registers the region; `abort` ends an attempt waiting for the service.
+    fn connect(&self, abort: Option<&ConnectAbort>) -> Result<NodeClient> {
+        let r = self.connect_and_register(abort);
+        if let Some(a) = abort {
+            a.release();
+        }
+        r
+    }
+
+    fn connect_and_register(&self, abort: Option<&ConnectAbort>) -> Result<NodeClient> {
+        let client = NodeClient::connect_abortable(&self.socket, &self.hello, abort)?;
         let service = client.service();
         // The service refuses another digest itself; this also catches a service that
         // answered WELCOME with something else.
@@ -204,7 +215,8 @@ pub fn metric_descriptors() -> Vec<MetricDescriptor> {
 
 /// A reconnection running in the background.
 struct Reconnect {
-    stop: Arc<AtomicBool>,
+    /// Stops it, also in the middle of a connect attempt.
+    abort: Arc<ConnectAbort>,
     result: Receiver<NodeClient>,
     thread: JoinHandle<()>,
 }
@@ -328,7 +340,7 @@ impl NodeTier {
             region,
             num_rows,
         });
-        let client = connector.connect()?;
+        let client = connector.connect(None)?;
         Ok(NodeTier {
             connector,
             client: Some(client),
@@ -401,22 +413,22 @@ impl NodeTier {
         if self.reconnect.is_some() {
             return;
         }
-        let stop = Arc::new(AtomicBool::new(false));
+        let abort = Arc::new(ConnectAbort::default());
         let (tx, rx) = crossbeam_channel::bounded(1);
         let connector = self.connector.clone();
         let stats = self.stats.clone();
-        let stop2 = stop.clone();
+        let abort2 = abort.clone();
         let spawned = std::thread::Builder::new()
             .name("kvtier-node-reconnect".into())
             .spawn(move || {
-                if let Some(c) = reconnect_loop(&connector, &stats, &stop2) {
+                if let Some(c) = reconnect_loop(&connector, &stats, &abort2) {
                     let _ = tx.send(c);
                 }
             });
         match spawned {
             Ok(thread) => {
                 self.reconnect = Some(Reconnect {
-                    stop,
+                    abort,
                     result: rx,
                     thread,
                 })
@@ -531,16 +543,41 @@ impl NodeTier {
     }
 }
 
-/// Connects until it works or `stop` is set; waits between attempts with exponential backoff.
-fn reconnect_loop(c: &Connector, stats: &LinkStats, stop: &AtomicBool) -> Option<NodeClient> {
+/// Stops a reconnection and joins its thread: an attempt waiting for the service's answer
+/// (handshake or registration) is ended by shutting its socket down, and a connection already
+/// made is dropped, which ends that session at the service. Waits at most
+/// [`RECONNECT_JOIN_WAIT`]: only a `connect` the kernel holds (a listener whose backlog is
+/// full) outlasts it, and that thread is then left to end by itself (logged).
+fn stop_reconnect(r: Reconnect, engine: &str) {
+    r.abort.abort();
+    drop(r.result);
+    let deadline = Instant::now() + RECONNECT_JOIN_WAIT;
+    while !r.thread.is_finished() {
+        if Instant::now() >= deadline {
+            log::warn!(
+                "kvtier node tier {engine:?}: the reconnection thread did not stop within {} s \
+                 (a connect to the service's socket is still held by the kernel); left to end \
+                 by itself",
+                RECONNECT_JOIN_WAIT.as_secs()
+            );
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = r.thread.join();
+}
+
+/// Connects until it works or `abort` is aborted; waits between attempts with exponential
+/// backoff.
+fn reconnect_loop(c: &Connector, stats: &LinkStats, abort: &ConnectAbort) -> Option<NodeClient> {
     let mut delay = RECONNECT_FIRST_DELAY;
     let mut refusal_logged = false;
     loop {
-        if stop.load(Ordering::Acquire) {
+        if abort.is_aborted() {
             return None;
         }
         stats.attempts.fetch_add(1, Ordering::Relaxed);
-        match c.connect() {
+        match c.connect(Some(abort)) {
             Ok(client) => return Some(client),
             Err(e) => {
                 // Nothing listening yet is the normal course of a restart; a refusal (another
@@ -567,7 +604,7 @@ fn reconnect_loop(c: &Connector, stats: &LinkStats, stop: &AtomicBool) -> Option
         }
         let until = Instant::now() + delay;
         while Instant::now() < until {
-            if stop.load(Ordering::Acquire) {
+            if abort.is_aborted() {
                 return None;
             }
             std::thread::sleep(Duration::from_millis(5).min(delay));
@@ -736,10 +773,7 @@ impl SecondaryTier for NodeTier {
     fn shutdown(&mut self) -> Result<()> {
         self.shut_down = true;
         if let Some(r) = self.reconnect.take() {
-            r.stop.store(true, Ordering::Release);
-            // A connect attempt in progress may wait for the service's answer: not joined.
-            // A connection it still makes is dropped with it, which ends that session.
-            drop(r.result);
+            stop_reconnect(r, &self.connector.hello.engine);
         }
         self.drain_jobs();
         // The service stops using this engine's region when the session ends (it unmaps it).
