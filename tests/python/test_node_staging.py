@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from kvtier_engine import ROW, Engine, key, payload
+from kvtier_engine import ROW, Engine, extra_config, key, payload
 from test_node_service import end_service, start_service
 from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
 from vllm.v1.kv_offload.base import LookupResult, Medium, ReqContext
@@ -149,3 +149,105 @@ def test_a_hint_in_vllms_request_stages_the_chunks_and_the_lookup_hits_at_once(s
     finally:
         a.shutdown()
         b.shutdown()
+
+
+def storage_stores(events) -> set:
+    """Keys of the STORAGE ``stored`` events among ``events`` (a secondary tier's: vLLM's own
+    CPU primary reports CPU with no ownership)."""
+    return {
+        k for e in events if e.medium is Medium.STORAGE and not e.removed for k in e.keys
+    }
+
+
+def drain_events(engine, until=lambda events: True, timeout_s=60.0) -> list:
+    """The manager's events over engine steps until ``until(events)`` holds, then ten steps
+    more (what else would come)."""
+    out = []
+    deadline = time.monotonic() + timeout_s
+    while not until(out):
+        assert time.monotonic() < deadline, f"events so far: {out}"
+        out.extend(engine.manager.take_events())
+        engine.step_end()
+        time.sleep(0.005)
+    for _ in range(10):
+        out.extend(engine.manager.take_events())
+        engine.step_end()
+        time.sleep(0.005)
+    return out
+
+
+def test_events_begin_at_the_consumers_first_ask_as_with_vllms_own_fs_tier(service, tmp_path):
+    """vLLM 0.33 announces no initial inventory: its ``fs`` tier, opened over a directory
+    that holds chunks (the restart of an engine), finds them (lookups HIT) and emits no event
+    for them; it reports only what it stores from then on. kvtier's service does the same for
+    an engine that connects (and first asks for events) after chunks are in G3."""
+    fs_root = tmp_path / "fs"
+    fs_root.mkdir()
+    fs_extra = extra_config({"type": "fs", "root_dir": str(fs_root), "enable_kv_events": True})
+    old = [key(300 + i) for i in range(3)]
+    new = key(399)
+
+    def restart_finds_old_and_reports_only_new(make_engine, before_lookups=lambda e: None):
+        engine = make_engine()
+        try:
+            before_lookups(engine)
+            req = engine.request()
+            found = {k: engine.lookup_settled(k, req) for k in old}
+            assert set(found.values()) <= {LookupResult.HIT, LookupResult.HIT_PENDING}, found
+            engine.step_end()
+            engine.settle()
+            engine.store([new], req)
+            engine.settle()
+            engine.finish(req)
+            engine.settle()
+            events = drain_events(engine, lambda ev: new in storage_stores(ev))
+            return storage_stores(events)
+        finally:
+            engine.shutdown()
+
+    # vLLM's fs tier: one engine stores (and reports it), a new one over the same directory.
+    first = Engine(fs_extra, events=True)
+    try:
+        req = first.request()
+        first.store(old, req)
+        first.settle()
+        first.finish(req)
+        assert set(old) <= storage_stores(
+            drain_events(first, lambda ev: set(old) <= storage_stores(ev))
+        )
+    finally:
+        first.shutdown()
+    vllm_seen = restart_finds_old_and_reports_only_new(lambda: Engine(fs_extra, events=True))
+    assert vllm_seen == {new}, vllm_seen
+
+    # kvtier's service: C asks for events from the start, A stores, and C is told; B
+    # connects afterwards, asks for events first, and is told only of its own store.
+    extra = service["extra"]
+
+    def subscribe(engine, subscribers):
+        deadline = time.monotonic() + 60
+        while status(service)["event_subscribers"] < subscribers:
+            assert time.monotonic() < deadline, "the engine never subscribed to events"
+            list(engine.manager.take_events())
+            time.sleep(0.02)
+
+    c = Engine(extra, events=True)
+    try:
+        subscribe(c, 1)
+        a = Engine(extra)
+        try:
+            req = a.request()
+            a.store(old, req)
+            a.settle()
+            a.finish(req)
+        finally:
+            a.shutdown()
+        assert set(old) <= storage_stores(
+            drain_events(c, lambda ev: set(old) <= storage_stores(ev))
+        )
+        kvtier_seen = restart_finds_old_and_reports_only_new(
+            lambda: Engine(extra, events=True), lambda b: subscribe(b, 2)
+        )
+    finally:
+        c.shutdown()
+    assert kvtier_seen == vllm_seen == {new}, kvtier_seen
