@@ -45,6 +45,9 @@ pub enum ErrorKind {
     Internal,
     /// A peer is not allowed (its uid is not on the node service's allow list).
     PermissionDenied,
+    /// The memory a transfer moves rows to or from is gone: an engine's region file was shrunk
+    /// while the node service had it mapped. The stored chunks are not at fault.
+    RegionLost,
 }
 
 impl ErrorKind {
@@ -68,11 +71,12 @@ impl ErrorKind {
             ErrorKind::Contract => "contract",
             ErrorKind::Internal => "internal",
             ErrorKind::PermissionDenied => "permission_denied",
+            ErrorKind::RegionLost => "region_lost",
         }
     }
 
     /// Every kind, in declaration order.
-    pub const ALL: [ErrorKind; 17] = [
+    pub const ALL: [ErrorKind; 18] = [
         ErrorKind::Config,
         ErrorKind::Io,
         ErrorKind::ShortIo,
@@ -90,6 +94,7 @@ impl ErrorKind {
         ErrorKind::Contract,
         ErrorKind::Internal,
         ErrorKind::PermissionDenied,
+        ErrorKind::RegionLost,
     ];
 
     /// The kind named `name` ([`ErrorKind::as_str`]), if any.

@@ -120,5 +120,20 @@ fn status(args: StatusArgs) -> Result<ExitCode> {
             e["errors"]
         )?;
     }
+    if let Some(n) = doc["regions_lost"].as_u64().filter(|n| *n > 0) {
+        let last = &doc["last_region_lost"];
+        outln!(
+            "{n} region{} lost (shrunk by its engine while registered); the last: \
+             engine {} (pid {}), region {}, {} bytes registered, {} bytes found",
+            if n == 1 { "" } else { "s" },
+            last["engine"].as_str().unwrap_or("?"),
+            last["pid"],
+            last["path"].as_str().unwrap_or("?"),
+            last["expected_bytes"],
+            last["found_bytes"]
+                .as_u64()
+                .map_or_else(|| "an unknown number of".to_string(), |b| b.to_string())
+        )?;
+    }
     Ok(ExitCode::SUCCESS)
 }

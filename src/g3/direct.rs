@@ -11,8 +11,10 @@
 //! 3. [`DirectSlots::finish`] with each key's CRC or error: stores are committed exactly like
 //!    the tier's own (fdatasync of the slabs under `fsync = always`, one journal record per
 //!    key, then the index); loads are checked against the indexed CRC, and a failed key
-//!    becomes a miss. The returned [`JobResult`] follows the tier's rules: success only if
-//!    every key moved (or was skipped as held).
+//!    becomes a miss, except one failed with [`ErrorKind::RegionLost`] (the caller's memory
+//!    was lost, not the slot's bytes): its chunk stays, and a store failed that way fences no
+//!    path. The returned [`JobResult`] follows the tier's rules: success only if every key
+//!    moved (or was skipped as held).
 //!
 //! A slot written this way is an ordinary slot: the CPU path loads it, and the reverse. The
 //! calls wait for the worker (microseconds, longer while it writes a checkpoint): call them

@@ -66,6 +66,23 @@ pub struct EngineEntry {
     pub counters: EngineCounters,
 }
 
+/// An engine's region that was lost: its file was shrunk while registered.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct LostRegion {
+    /// The engine's name.
+    pub engine: String,
+    /// Its pid.
+    pub pid: i32,
+    /// The region's path (`fd` for a descriptor).
+    pub path: String,
+    /// Bytes registered.
+    pub expected_bytes: u64,
+    /// Bytes the file held when the loss was seen (`None`: its size could not be read).
+    pub found_bytes: Option<u64>,
+    /// The error the engine's job failed with.
+    pub error: String,
+}
+
 /// One engine as `STATUS` shows it.
 #[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct EngineStatus {
@@ -109,6 +126,11 @@ pub struct EngineRegistry {
     pub cancelled_jobs: AtomicU64,
     /// Sessions ended.
     pub disconnects: AtomicU64,
+    /// Regions lost (an engine shrank its region file while registered; each ended
+    /// its session).
+    pub regions_lost: AtomicU64,
+    /// The last region lost.
+    pub last_region_lost: Mutex<Option<LostRegion>>,
 }
 
 impl EngineRegistry {
@@ -132,6 +154,22 @@ impl EngineRegistry {
         if self.engines.lock().remove(&id).is_some() {
             self.disconnects.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Records that `engine`'s region was lost with `e` (an [`crate::ErrorKind::RegionLost`]
+    /// error, whose context names the path and sizes).
+    pub fn region_lost(&self, engine: &EngineEntry, e: &crate::error::Error) {
+        let number = |key: &str| e.context_value(key).and_then(|v| v.parse::<u64>().ok());
+        let lost = LostRegion {
+            engine: engine.name.clone(),
+            pid: engine.pid,
+            path: e.context_value("path").unwrap_or("?").to_string(),
+            expected_bytes: number("expected_bytes").unwrap_or(0),
+            found_bytes: number("found_bytes"),
+            error: e.to_string(),
+        };
+        self.regions_lost.fetch_add(1, Ordering::Relaxed);
+        *self.last_region_lost.lock() = Some(lost);
     }
 
     /// Each connected engine's name and the huge-page share of its region, if registered.

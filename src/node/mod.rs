@@ -10,7 +10,9 @@
 //! `SCM_RIGHTS`. The service maps the region and moves rows between it and the G3 slots with
 //! an I/O engine of that region's own (io_uring with the region registered as fixed buffers
 //! where possible), through the tier's direct-slot grants: no byte of KV crosses the socket.
-//! A chunk stored by one engine is loadable by every other.
+//! A chunk stored by one engine is loadable by every other. The service's own threads touch
+//! an engine's rows only through kernel copies on the region file ([`region_file`]), so an
+//! engine that shrinks its file fails its own jobs and never brings the service down.
 //!
 //! * [`protocol`]: the little-endian frames, byte for byte.
 //! * [`socket`]: frames with descriptors, `SO_PEERCRED`, binding the socket with its mode.
@@ -20,6 +22,8 @@
 //! * [`prefetch`]: hints (`HINT`) and the reads from G3 into the staging pool they start.
 //! * [`hints`]: kvtier's prefetch action in a request's `kv_hints` (vLLM's `KvHintsEnvelope`).
 //! * [`events`]: inventory events (staging pool: CPU, G3: STORAGE) for the engines.
+//! * [`region_file`]: an engine's region file, read and written through the kernel, checked
+//!   for a resize before and after every job.
 //! * [`session`]: one engine's connection, its region and jobs, and the cleanup when it ends.
 //! * [`server`]: [`NodeService`], the listener and the peer check.
 //! * [`client`]: [`NodeClient`], the engine's side.
@@ -32,6 +36,7 @@ pub mod events;
 pub mod hints;
 pub mod prefetch;
 pub mod protocol;
+pub mod region_file;
 pub mod server;
 pub mod session;
 pub mod socket;

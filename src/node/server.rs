@@ -286,6 +286,13 @@ impl NodeService {
             "Engine sessions ended",
             e.disconnects.load(Ordering::Relaxed),
         )?;
+        counter(
+            &mut reg,
+            "node_regions_lost_total",
+            "Engine regions lost: the engine shrank its region file while registered \
+             (its jobs failed, its session ended; see `kvtier service status`)",
+            e.regions_lost.load(Ordering::Relaxed),
+        )?;
         let jobs = reg.family(
             "node_engine_jobs_total",
             "Jobs finished per engine and operation",

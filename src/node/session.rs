@@ -3,11 +3,17 @@
 //! lookups, and its store and load jobs, which move rows directly between G3 slots and the
 //! engine's rows through the tier's direct-slot grants (`crate::g3::direct`).
 //!
+//! The service's threads never load or store an engine's rows through the mapping: CRCs and
+//! copies go through the region file's descriptor (`crate::node::region_file`), so an engine
+//! that shrinks its region file fails its own jobs ([`ErrorKind::RegionLost`]) and its session
+//! ends, where a CPU access would have raised `SIGBUS` in the whole service.
+//!
 //! When the connection ends, for any reason (a clean close, SIGKILL of the engine, a protocol
-//! error), the session cancels the jobs still queued, finishes the one in flight as failed
-//! (its reserved slots are released, its pins dropped, nothing of it is committed), stops the
-//! I/O engine, unmaps the region and leaves the registry.
+//! error, its region lost), the session cancels the jobs still queued, finishes the one in
+//! flight as failed (its reserved slots are released, its pins dropped, nothing of it is
+//! committed), stops the I/O engine, unmaps the region and leaves the registry.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -29,6 +35,7 @@ use crate::node::engines::{EngineEntry, EngineRegistry, RegionInfo};
 use crate::node::events::EventBus;
 use crate::node::prefetch::Staging;
 use crate::node::protocol::{EventMedium, Frame, JobDone, JobRequest, Reply, Request};
+use crate::node::region_file::{CRC_CHUNK, RegionFile};
 use crate::node::socket::{FrameReader, is_read_write, write_frame};
 use crate::node::staging::{FILL_WAIT, Reserve};
 use crate::region::PrimaryRegion;
@@ -96,6 +103,10 @@ impl std::fmt::Debug for ServiceShared {
 struct MappedRegion {
     region: Arc<PrimaryRegion>,
     engine: EngineHandle,
+    /// The region file: every CPU access to the rows goes through it.
+    file: RegionFile,
+    /// Why the region is lost, once it is (every later job fails with it).
+    lost: Mutex<Option<Error>>,
 }
 
 /// A job on its way to the session's job thread.
@@ -440,7 +451,8 @@ impl Session {
         let stride = usize::try_from(self.row_stride)
             .map_err(|_| Error::new(ErrorKind::Config, "row_stride does not fit this machine"))?;
         let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, stride)?);
-        drop(fd);
+        // Before io_uring pins its pages: any shrink from here on is seen (`RegionFile`).
+        let file = RegionFile::new(fd, &self.entry.name, &path, region.len() as u64)?;
         let opts = EngineOptions {
             queue_depth: self.sh.queue_depth,
             o_direct: self.sh.o_direct,
@@ -461,7 +473,12 @@ impl Session {
             huge_page_share: region.huge_page_share(),
             small_pages_reason: region.small_pages_reason().map(str::to_string),
         });
-        let mapped = Arc::new(MappedRegion { region, engine });
+        let mapped = Arc::new(MappedRegion {
+            region,
+            engine,
+            file,
+            lost: Mutex::new(None),
+        });
         let (tx, rx) = crossbeam_channel::bounded(MAX_QUEUED_JOBS_PER_ENGINE);
         let worker = JobWorker {
             sh: self.sh.clone(),
@@ -469,6 +486,7 @@ impl Session {
             writer: self.writer.clone(),
             mapped: mapped.clone(),
             cancelled: self.cancelled.clone(),
+            chunk: RefCell::new(vec![0; CRC_CHUNK]),
         };
         let thread =
             crate::io::spawn_io_thread(format!("kvtier-node-{}", self.entry.id), move || {
@@ -495,6 +513,9 @@ impl Session {
                 "no region is registered on this connection (REGISTER_PATH or REGISTER_FD first)",
             ));
         };
+        if let Some(e) = mapped.lost.lock().as_ref() {
+            return fail(e.duplicate());
+        }
         let rows = mapped.region.num_rows();
         if let Some(bad) = job.rows.iter().find(|r| **r as usize >= rows) {
             return fail(Error::new(
@@ -636,6 +657,8 @@ pub fn status_json(sh: &ServiceShared) -> String {
         "cancelled_jobs": sh.engines.cancelled_jobs.load(Ordering::Relaxed),
         "disconnects": sh.engines.disconnects.load(Ordering::Relaxed),
         "test_hold": crate::node::test_hold::status(),
+        "regions_lost": sh.engines.regions_lost.load(Ordering::Relaxed),
+        "last_region_lost": sh.engines.last_region_lost.lock().clone(),
     });
     doc.to_string()
 }
@@ -647,46 +670,99 @@ struct JobWorker {
     writer: Arc<Mutex<Option<UnixStream>>>,
     mapped: Arc<MappedRegion>,
     cancelled: Arc<AtomicBool>,
+    /// The buffer rows are read through for their CRC ([`CRC_CHUNK`] bytes).
+    chunk: RefCell<Vec<u8>>,
 }
 
 impl JobWorker {
     fn run(self, rx: Receiver<QueuedJob>) {
-        for q in rx {
-            let c = &self.entry.counters;
+        for q in rx.iter() {
             if self.cancelled.load(Ordering::Acquire) {
                 self.sh
                     .engines
                     .cancelled_jobs
                     .fetch_add(1, Ordering::Relaxed);
+                let c = &self.entry.counters;
                 c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
                 continue;
             }
-            let r = self.transfer(q.load, &q.job);
-            let done = JobDone::from_result(&r, &q.job.keys);
-            if q.load {
-                c.loads.fetch_add(1, Ordering::Relaxed);
-                c.bytes_loaded
-                    .fetch_add(done.transfer_bytes, Ordering::Relaxed);
-            } else {
-                c.stores.fetch_add(1, Ordering::Relaxed);
-                c.bytes_stored
-                    .fetch_add(done.transfer_bytes, Ordering::Relaxed);
+            let lost = self.mapped.lost.lock().as_ref().map(Error::duplicate);
+            let r = match lost {
+                Some(e) => JobResult::failed(q.job.job_id, e),
+                None => self.transfer(q.load, &q.job),
+            };
+            let newly_lost = match &r.error {
+                Some(e) if e.kind() == ErrorKind::RegionLost => {
+                    self.mapped.lost.lock().is_none().then(|| e.duplicate())
+                }
+                _ => None,
+            };
+            self.report(&q, &r);
+            if let Some(e) = newly_lost {
+                self.end_for_lost_region(e, &rx);
             }
-            if !r.success {
-                c.failed_jobs.fetch_add(1, Ordering::Relaxed);
-            }
-            c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
-            send(&self.writer, &Reply::JobDone(done).to_frame(q.seq));
+        }
+    }
+
+    /// Counts a finished job and sends its `JOB_DONE`.
+    fn report(&self, q: &QueuedJob, r: &JobResult) {
+        let c = &self.entry.counters;
+        let done = JobDone::from_result(r, &q.job.keys);
+        if q.load {
+            c.loads.fetch_add(1, Ordering::Relaxed);
+            c.bytes_loaded
+                .fetch_add(done.transfer_bytes, Ordering::Relaxed);
+        } else {
+            c.stores.fetch_add(1, Ordering::Relaxed);
+            c.bytes_stored
+                .fetch_add(done.transfer_bytes, Ordering::Relaxed);
+        }
+        if !r.success {
+            c.failed_jobs.fetch_add(1, Ordering::Relaxed);
+        }
+        c.jobs_in_flight.fetch_sub(1, Ordering::Relaxed);
+        send(&self.writer, &Reply::JobDone(done).to_frame(q.seq));
+    }
+
+    /// The engine's region file was shrunk: the region is marked lost (later jobs
+    /// fail with `e` at once), the jobs already queued fail with it, the loss is recorded for
+    /// `STATUS` and `/metrics`, and the session ends (its reader sees the socket's read side
+    /// shut), which unmaps the region and releases the pages io_uring pinned.
+    fn end_for_lost_region(&self, e: Error, rx: &Receiver<QueuedJob>) {
+        log::warn!("node service: {e}");
+        self.sh.engines.region_lost(&self.entry, &e);
+        *self.mapped.lost.lock() = Some(e.duplicate());
+        while let Ok(q) = rx.try_recv() {
+            self.report(&q, &JobResult::failed(q.job.job_id, e.duplicate()));
+        }
+        if let Some(stream) = self.writer.lock().as_ref() {
+            let _ = stream.shutdown(std::net::Shutdown::Read);
         }
     }
 
     /// Runs a job: a load through the staging pool when there is one, else straight between
     /// G3 and the engine's rows.
+    ///
+    /// The region file is checked before (a region already shrunk fails at once, saying what
+    /// happened) and after: no key of a job whose region shrank meanwhile reports success
+    /// (the G3 part checks it again before anything is committed).
     fn transfer(&self, load: bool, job: &JobRequest) -> JobResult {
-        match self.sh.staging.as_ref().filter(|_| load) {
+        if let Err(e) = self.mapped.file.check("before the job") {
+            return JobResult::failed(job.job_id, e);
+        }
+        let r = match self.sh.staging.as_ref().filter(|_| load) {
             Some(st) => self.load_through_staging(st, job),
             None => self.transfer_g3(load, job, &mut Vec::new()),
+        };
+        if let Err(e) = self.mapped.file.check("after the job") {
+            // A copy that failed says more than the check.
+            let e = match r.error {
+                Some(copy) if copy.kind() == ErrorKind::RegionLost => copy,
+                _ => e,
+            };
+            return JobResult::failed(job.job_id, e);
         }
+        r
     }
 
     /// A load: each key the pool holds is copied from it into the engine's row (its CRC
@@ -694,19 +770,43 @@ impl JobWorker {
     /// for the other engines.
     fn load_through_staging(&self, st: &Staging, job: &JobRequest) -> JobResult {
         let started = Instant::now();
-        let region = &self.mapped.region;
+        let (region, file) = (&self.mapped.region, &self.mapped.file);
+        let stride = region.row_stride() as u64;
+        let pool_stride = st.pool.row_stride() as u64;
         let mut from_pool = Vec::new();
         let (mut keys, mut rows) = (Vec::new(), Vec::new());
         for (k, &row) in job.keys.iter().zip(&job.rows) {
-            // SAFETY: the engine gave the row to this job to fill and reads it only after
-            // JOB_DONE; this thread is the only one of the service touching it now.
-            let dst = unsafe { region.row_mut(row as usize) };
-            match dst.ok().and_then(|d| st.pool.copy_out(k, d, FILL_WAIT)) {
-                Some(_) => from_pool.push(k.clone()),
-                None => {
+            let Ok(dst) = region.row_ptr(row as usize) else {
+                keys.push(k.clone());
+                rows.push(row);
+                continue;
+            };
+            let copy = |slot: usize, bytes: &[u8]| {
+                let pool_fd = st.pool.region().fd().ok_or_else(|| {
+                    Error::new(ErrorKind::Internal, "the staging pool has no descriptor")
+                })?;
+                // SAFETY: `dst` is the service's mapping of the engine's row `row`, a whole
+                // row (at least a slot) long, mapped while this job runs; the engine gave the
+                // row to this job to fill and reads it only after JOB_DONE; this thread is
+                // the only one of the service touching it now.
+                unsafe {
+                    file.copy_into_row(
+                        dst,
+                        u64::from(row) * stride,
+                        bytes.len(),
+                        pool_fd,
+                        slot as u64 * pool_stride,
+                    )
+                }
+            };
+            match st.pool.copy_out_with(k, FILL_WAIT, copy) {
+                Ok(Some(_)) => from_pool.push(k.clone()),
+                Ok(None) => {
                     keys.push(k.clone());
                     rows.push(row);
                 }
+                // The engine's row is gone (its region file was shrunk): the job fails.
+                Err(e) => return JobResult::failed(job.job_id, e),
             }
         }
         let pool_bytes = from_pool.len() as u64 * self.sh.slot_bytes;
@@ -733,14 +833,12 @@ impl JobWorker {
                 continue;
             };
             if let Reserve::Reserved(slot) = st.pool.reserve(k, false) {
-                // SAFETY: as above, the row is still this job's; the slot was reserved to
-                // this thread just now.
-                match unsafe { region.row(rows[i] as usize) } {
-                    Ok(src) => {
-                        // SAFETY: the slot was reserved to this thread just now (above).
-                        let dst = unsafe { st.pool.fill_bytes(slot) };
-                        // The slot holds the row's first slot_bytes, what G3 stored.
-                        dst.copy_from_slice(&src[..dst.len()]);
+                // SAFETY: the slot was reserved to this thread just now.
+                let dst = unsafe { st.pool.fill_bytes(slot) };
+                // The slot holds the row's first slot_bytes, what G3 stored; read through
+                // the region file (a lost row fails the copy, and the job, see `transfer`).
+                match file.read_into(u64::from(rows[i]) * stride, dst) {
+                    Ok(()) => {
                         st.pool.commit(slot, crc);
                     }
                     Err(_) => st.pool.abort(slot),
@@ -787,7 +885,13 @@ impl JobWorker {
             if let GrantedSlot::Ready { file, offset, .. } = g {
                 let row = job.rows[i] as usize;
                 if !load {
-                    store_crcs[i] = self.row_crc(row);
+                    match self.row_crc(row) {
+                        Ok(crc) => store_crcs[i] = crc,
+                        Err(e) => {
+                            let all = (0..n).map(|_| Err(e.duplicate())).collect();
+                            return slots.finish(grant, all);
+                        }
+                    }
                 }
                 reqs.push(IoRequest {
                     dir: if load { IoDir::Read } else { IoDir::Write },
@@ -819,7 +923,7 @@ impl JobWorker {
                 };
                 let i = c.tag as usize;
                 results[i] = match c.result {
-                    Ok(_) if load => Ok(self.row_crc(job.rows[i] as usize)),
+                    Ok(_) if load => self.row_crc(job.rows[i] as usize),
                     Ok(_) => Ok(store_crcs[i]),
                     Err(e) => Err(e),
                 };
@@ -835,6 +939,12 @@ impl JobWorker {
             self.entry.name,
             started.elapsed()
         );
+        // A region shrunk while its rows moved: nothing of the job commits (a store's bytes
+        // may have come from pages the file no longer holds) and no chunk is blamed (a load
+        // keeps its chunk, a store fences no path: `ErrorKind::RegionLost`).
+        if let Err(e) = self.mapped.file.check("after the transfer") {
+            results = (0..n).map(|_| Err(e.duplicate())).collect();
+        }
         *crcs = results.iter().map(|r| r.as_ref().ok().copied()).collect();
         slots.finish(grant, results)
     }
@@ -852,12 +962,13 @@ impl JobWorker {
             .finish(grant, (0..n).map(|_| Err(e())).collect())
     }
 
-    fn row_crc(&self, row: usize) -> u32 {
-        // SAFETY: the engine pinned the row for this job (its manager's promise for a store)
-        // or gave it to the job to fill (a load, whose bytes it reads only after JOB_DONE);
-        // this thread is the only one of the service touching it now.
-        let bytes = unsafe { self.mapped.region.row(row) };
-        // The slot holds the row's first `slot_bytes`: its CRC covers those.
-        bytes.map_or(0, |b| crc32fast::hash(&b[..self.sh.slot_bytes as usize]))
+    /// The CRC-32 of the row's first `slot_bytes` (what its slot holds), read through the
+    /// region file: a row the file lost is an error ([`ErrorKind::RegionLost`]), not a signal.
+    fn row_crc(&self, row: usize) -> Result<u32> {
+        let offset = row as u64 * self.mapped.region.row_stride() as u64;
+        let mut chunk = self.chunk.borrow_mut();
+        self.mapped
+            .file
+            .crc(offset, self.sh.slot_bytes as usize, &mut chunk)
     }
 }

@@ -9,12 +9,15 @@
 //! * Otherwise the least recently used chunk that no load is copying and no hint holds is
 //!   evicted when a slot is needed.
 //!
-//! Slots are rows of one anonymous mapping ([`PrimaryRegion`]): page-aligned, each one row of
+//! Slots are rows of one memfd mapping ([`PrimaryRegion`]): page-aligned, each one row of
 //! the service's row stride. Every staged copy carries the CRC-32 its bytes had when G3's
 //! indexed CRC vouched for them (checked on the way in: a copy whose bytes do not match is
-//! not kept). A load served from the pool checks the CRC of the row it wrote against it and
-//! falls back to G3 for a key that does not match, so a damaged copy can cost a G3 read,
-//! never wrong bytes.
+//! not kept). A load served from the pool checks the copy's CRC against it before copying
+//! it out and falls back to G3 for a key that does not match, so a damaged copy can cost a
+//! G3 read, never wrong bytes. The copy into an engine's row is the caller's
+//! ([`StagingPool::copy_out_with`]); the node service makes it a kernel copy from the pool's
+//! memfd (`crate::node::region_file`), so that a row the engine's file lost fails the copy
+//! instead of raising `SIGBUS`.
 //!
 //! Concurrency: the pool's state is one mutex; bytes are copied outside it. A slot being
 //! filled is owned by its filler; a slot being copied out has a reader count and is never
@@ -27,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
 use crate::node::events::EventBus;
 use crate::node::protocol::EventMedium;
@@ -307,24 +310,54 @@ impl StagingPool {
         self.changed.notify_all();
     }
 
-    /// Copies `key`'s staged bytes into the start of `dst` (the engine's row, at least one
-    /// slot long) and checks their CRC-32 there against the staged one. Waits up to `wait` for a copy still being filled. `None`: not
-    /// staged (or the copy did not match; it is then dropped): read G3. `Some(crc)`: `dst`
-    /// holds the key's bytes.
+    /// Copies `key`'s staged bytes into the start of `dst` (at least one slot long), as
+    /// [`StagingPool::copy_out_with`] does. `None`: not staged, its CRC did not match (the copy
+    /// is then dropped), or `dst` is shorter than a slot: read G3.
     pub fn copy_out(&self, key: &ChunkKey, dst: &mut [u8], wait: Duration) -> Option<u32> {
+        let copy = |_: usize, src: &[u8]| match dst.get_mut(..src.len()) {
+            Some(d) => {
+                d.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "a row of {} bytes cannot take a slot of {}",
+                    dst.len(),
+                    src.len()
+                ),
+            )),
+        };
+        self.copy_out_with(key, wait, copy).ok().flatten()
+    }
+
+    /// Serves `key` from the pool: checks its staged bytes against their CRC-32 and hands them
+    /// to `copy` (with the slot's number, whose bytes lie at `slot * row_stride` in the pool's
+    /// memfd) to put into the engine's row. Waits up to `wait` for a copy still being filled.
+    /// `Ok(None)`: not staged, or the copy did not match (it is then dropped): read G3.
+    /// `Ok(Some(crc))`: `copy` put the key's bytes, of CRC `crc`, in place. `Err`: `copy`
+    /// failed; the staged copy stays.
+    pub fn copy_out_with(
+        &self,
+        key: &ChunkKey,
+        wait: Duration,
+        copy: impl FnOnce(usize, &[u8]) -> Result<()>,
+    ) -> Result<Option<u32>> {
         let deadline = Instant::now() + wait;
         let mut guard = self.state.lock();
         let (slot, crc) = loop {
-            let i = *guard.map.get(key)?;
+            let Some(&i) = guard.map.get(key) else {
+                return Ok(None);
+            };
             match guard.slots[i].state {
                 SlotState::Ready => break (i, guard.slots[i].crc),
                 SlotState::Filling => {
                     self.counters.fill_waits.fetch_add(1, Ordering::Relaxed);
                     if self.changed.wait_until(&mut guard, deadline).timed_out() {
-                        return None;
+                        return Ok(None);
                     }
                 }
-                SlotState::Free => return None,
+                SlotState::Free => return Ok(None),
             }
         };
         {
@@ -341,11 +374,10 @@ impl StagingPool {
         // SAFETY: the slot is Ready and counted as read: nobody writes, evicts or reuses it
         // until the count drops (below).
         let src = unsafe { self.region.row(slot) }.expect("a staged slot is a row of the pool");
-        let n = dst.len().min(src.len());
-        dst[..n].copy_from_slice(&src[..n]);
         // A row may be longer than the slot (vLLM's row past its canonical area): the slot's
         // bytes are its first ones, and the CRC covers them.
-        let ok = n == src.len() && crc32fast::hash(&dst[..n]) == crc;
+        let ok = crc32fast::hash(src) == crc;
+        let copied = if ok { copy(slot, src) } else { Ok(()) };
         let mut guard = self.state.lock();
         let s = &mut *guard;
         s.slots[slot].readers -= 1;
@@ -365,11 +397,13 @@ impl StagingPool {
             s.slots[slot] = Slot::empty();
             s.free.push(slot);
         }
-        if ok {
-            self.counters.hits.fetch_add(1, Ordering::Relaxed);
-            Some(crc)
-        } else {
-            None
+        match (ok, copied) {
+            (false, _) => Ok(None),
+            (true, Ok(())) => {
+                self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(crc))
+            }
+            (true, Err(e)) => Err(e),
         }
     }
 

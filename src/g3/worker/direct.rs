@@ -79,6 +79,9 @@ pub(crate) struct DirectState {
     pub reply: Option<Sender<JobResult>>,
     /// Per key, the CRC the other data path found (loads).
     pub crcs: Vec<u32>,
+    /// Per key, whether its failure was the destination's and not the slot's (a load into a
+    /// region that was lost, [`ErrorKind::RegionLost`]): the chunk stays.
+    pub keep: Vec<bool>,
 }
 
 impl Worker {
@@ -100,6 +103,7 @@ impl Worker {
             direct: Some(DirectState {
                 reply: None,
                 crcs: vec![0; n],
+                keep: vec![false; n],
             }),
         };
         self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
@@ -190,6 +194,11 @@ impl Worker {
                     ctr.fetch_add(stride, Ordering::Relaxed);
                 }
                 Err(e) => {
+                    if let (ErrorKind::RegionLost, Some(d)) = (e.kind(), a.direct.as_mut()) {
+                        // Nothing was wrong with the slot: a load keeps its chunk, a store
+                        // fences no path.
+                        d.keep[i] = true;
+                    }
                     if e.kind() == ErrorKind::Checksum {
                         self.sh
                             .metrics

@@ -88,7 +88,10 @@ impl Worker {
                     let Some((slot, _)) = a.slots[i] else {
                         continue;
                     };
+                    // A key whose destination was lost (not its slot) stays.
+                    let kept = a.direct.as_ref().is_some_and(|d| d.keep[i]);
                     if a.status[i] == KeyStatus::Failed
+                        && !kept
                         && let Some(k) = ix.drop_slot(slot)
                     {
                         dropped.push((k, slot));
