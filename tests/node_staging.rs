@@ -613,6 +613,13 @@ fn dram_bytes_mistakes_are_named() {
 
 #[test]
 fn service_bench_reports_each_side_and_the_hint_side_comes_from_the_pool() {
+    // One request per side, then three at once (each from an engine of its own).
+    for concurrent in [1, 3] {
+        service_bench_run(concurrent);
+    }
+}
+
+fn service_bench_run(concurrent: u32) {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvtier"))
         .args(["service", "bench", "--dir"])
@@ -628,6 +635,8 @@ fn service_bench_reports_each_side_and_the_hint_side_comes_from_the_pool() {
             "20",
             "--step-us",
             "500",
+            "--concurrent-requests",
+            &concurrent.to_string(),
             "--json",
         ])
         .output()
@@ -657,6 +666,15 @@ fn service_bench_reports_each_side_and_the_hint_side_comes_from_the_pool() {
     assert_eq!(hint["pool_hits_per_round_median"], 4.0, "{doc}");
     assert_eq!(staged["pool_hits_per_round_median"], 4.0, "{doc}");
     assert!(doc["store_gbps_median"].as_f64().unwrap() > 0.0, "{doc}");
+    assert_eq!(doc["concurrent_requests"], concurrent, "{doc}");
+    for s in [&g3, &hint, &staged] {
+        // Every request of every round is measured.
+        assert_eq!(
+            s["lookup_to_loaded_ms"].as_array().unwrap().len(),
+            2 * concurrent as usize,
+            "{doc}"
+        );
+    }
     assert_eq!(
         std::fs::read_dir(dir.path()).unwrap().count(),
         0,

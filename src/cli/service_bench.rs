@@ -19,6 +19,12 @@
 //! Reported per side: the median over rounds of the time from the first lookup to loaded,
 //! of the load job alone (submit to reported) and its throughput, the steps that answered
 //! RETRY, and the loads the pool served (the service's counters); and the stores' throughput.
+//!
+//! With `--concurrent-requests N` every side runs N requests at once, each on an engine (a
+//! client-mode tier and region) of its own, in its own thread, started together: N hints
+//! queue on the service's one prefetch thread, N unhinted loads on N sessions' job threads.
+//! Medians are then over every request of every round, and the slowest request of each round
+//! is reported as well (its median over rounds).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -62,6 +68,9 @@ pub struct BenchArgs {
     /// Scheduler step: how often lookups are asked again and jobs polled, in microseconds.
     #[arg(long, default_value_t = 1000, value_name = "US")]
     pub step_us: u64,
+    /// Requests each side runs at once, each from an engine of its own (1 to 64).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub concurrent_requests: u32,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -82,7 +91,8 @@ struct Sample {
 /// Runs `kvtier service bench`.
 pub fn run(args: BenchArgs) -> Result<ExitCode> {
     let b = Bench::start(&args)?;
-    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); SIDES.len()];
+    // Per side, per round: one sample per concurrent request.
+    let mut samples: Vec<Vec<Vec<Sample>>> = vec![Vec::new(); SIDES.len()];
     let mut store_s = Vec::new();
     for round in 0..args.rounds {
         let (g3_keys, hint_keys, s) = b.store_round(round)?;
@@ -96,22 +106,22 @@ pub fn run(args: BenchArgs) -> Result<ExitCode> {
         };
         for &side in order {
             let keys = if side == 1 { &hint_keys } else { &g3_keys };
-            let s = b.measure(side, round, keys)?;
+            let s = b.measure_concurrently(side, round, keys)?;
             samples[side].push(s);
         }
+        let slowest = |side: usize| {
+            samples[side].last().map_or(0.0, |r| {
+                r.iter().map(|s| s.lookup_to_loaded_s).fold(0.0, f64::max) * 1e3
+            })
+        };
         eprintln!(
-            "round {}/{}: g3 {:.2} ms, hint {:.2} ms, staged {:.2} ms (lookup to loaded)",
+            "round {}/{}: g3 {:.2} ms, hint {:.2} ms, staged {:.2} ms (lookup to loaded{})",
             round + 1,
             args.rounds,
-            samples[0]
-                .last()
-                .map_or(0.0, |s| s.lookup_to_loaded_s * 1e3),
-            samples[1]
-                .last()
-                .map_or(0.0, |s| s.lookup_to_loaded_s * 1e3),
-            samples[2]
-                .last()
-                .map_or(0.0, |s| s.lookup_to_loaded_s * 1e3),
+            slowest(0),
+            slowest(1),
+            slowest(2),
+            if b.lanes > 1 { ", slowest request" } else { "" },
         );
     }
     b.report(&args, &samples, &store_s)?;
@@ -124,8 +134,11 @@ struct Bench {
     _dir: tempfile::TempDir,
     a: NodeClient,
     a_region: PrimaryRegion,
-    tiers: [parking_lot::Mutex<NodeTier>; 2],
-    _regions: [PrimaryRegion; 2],
+    /// Per concurrent request: the engine of the `g3` and `hint` sides, and of `staged`.
+    tiers: Vec<[parking_lot::Mutex<NodeTier>; 2]>,
+    _regions: Vec<PrimaryRegion>,
+    /// Requests per side at once (`--concurrent-requests`).
+    lanes: usize,
     chunks: u32,
     row: u64,
     lead: Duration,
@@ -148,8 +161,16 @@ impl Bench {
         if args.chunks == 0 || args.rounds == 0 {
             return Err(bench_error("--chunks and --rounds must be at least 1"));
         }
+        if !(1..=64).contains(&args.concurrent_requests) {
+            return Err(bench_error(format!(
+                "--concurrent-requests {}: expected 1 to 64",
+                args.concurrent_requests
+            )));
+        }
+        let lanes = args.concurrent_requests as usize;
         let row = args.row_size;
-        let per_set = row * u64::from(args.chunks);
+        // The chunks of one side's requests of one round.
+        let per_set = row * u64::from(args.chunks) * lanes as u64;
         // G3 keeps two sets per round for two rounds; the pool holds the sets of one round.
         let capacity = 4 * per_set;
         let need = capacity + (16 << 20);
@@ -212,30 +233,39 @@ impl Bench {
         a.register_fd(fd, rows as u64)?;
         let mut regions = Vec::new();
         let mut tiers = Vec::new();
-        for name in ["bench-b", "bench-c"] {
-            let r = PrimaryRegion::create(rows, stride)?;
-            let fd = r
-                .fd()
-                .ok_or_else(|| Error::new(ErrorKind::Internal, "the region has no descriptor"))?;
-            let t = NodeTier::connect(
-                &socket,
-                &hello(name),
-                RegionSource::Fd(fd),
-                rows as u64,
-                None,
-            )?;
-            tiers.push(parking_lot::Mutex::new(t));
-            regions.push(r);
+        for lane in 0..lanes {
+            let mut pair = Vec::new();
+            for name in ["bench-b", "bench-c"] {
+                let r = PrimaryRegion::create(rows, stride)?;
+                let fd = r.fd().ok_or_else(|| {
+                    Error::new(ErrorKind::Internal, "the region has no descriptor")
+                })?;
+                let name = if lanes == 1 {
+                    name.to_string()
+                } else {
+                    format!("{name}-{lane}")
+                };
+                let t = NodeTier::connect(
+                    &socket,
+                    &hello(&name),
+                    RegionSource::Fd(fd),
+                    rows as u64,
+                    None,
+                )?;
+                pair.push(parking_lot::Mutex::new(t));
+                regions.push(r);
+            }
+            let [tb, tc]: [_; 2] = pair.try_into().map_err(|_| bench_error("two tiers"))?;
+            tiers.push([tb, tc]);
         }
-        let [tb, tc]: [_; 2] = tiers.try_into().map_err(|_| bench_error("two tiers"))?;
-        let [rb, rc]: [_; 2] = regions.try_into().map_err(|_| bench_error("two regions"))?;
         Ok(Bench {
             service: Some(svc),
             _dir: dir,
             a,
             a_region,
-            tiers: [tb, tc],
-            _regions: [rb, rc],
+            tiers,
+            _regions: regions,
+            lanes,
             chunks: args.chunks,
             row,
             lead: Duration::from_millis(args.lead_ms),
@@ -249,18 +279,25 @@ impl Bench {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Stores two fresh sets of chunks (one per side that reads G3); returns them and the
-    /// seconds the stores took.
-    fn store_round(&self, round: u32) -> Result<(Vec<ChunkKey>, Vec<ChunkKey>, f64)> {
-        let keys = |tag: &str| -> Vec<ChunkKey> {
-            (0..self.chunks)
-                .map(|i| ChunkKey::new(format!("bench-{round}-{tag}-{i}").as_bytes()))
+    /// Stores fresh chunks for each request of the two sides that read G3; returns them
+    /// (per request) and the seconds the stores took.
+    #[allow(clippy::type_complexity)]
+    fn store_round(&self, round: u32) -> Result<(Vec<Vec<ChunkKey>>, Vec<Vec<ChunkKey>>, f64)> {
+        let keys = |tag: &str| -> Vec<Vec<ChunkKey>> {
+            (0..self.lanes)
+                .map(|lane| {
+                    (0..self.chunks)
+                        .map(|i| {
+                            ChunkKey::new(format!("bench-{round}-{tag}-{lane}-{i}").as_bytes())
+                        })
+                        .collect()
+                })
                 .collect()
         };
         let (g3, hint) = (keys("g3"), keys("hint"));
         let rows: Vec<u32> = (0..self.chunks).collect();
         let started = Instant::now();
-        for set in [&g3, &hint] {
+        for set in g3.iter().chain(&hint) {
             let len = self.a_region.len();
             // SAFETY: the region is this command's own and no job uses it now.
             let all = unsafe { std::slice::from_raw_parts_mut(self.a_region.base_ptr(), len) };
@@ -295,10 +332,57 @@ impl Bench {
         doc["staging"]["hits"].as_u64().unwrap_or(0)
     }
 
+    /// The requests of `side` (one per lane, over `keys[lane]`) at once, each in a thread of
+    /// its own, started together; their pool hits are the service's count over all of them,
+    /// shared out evenly.
+    fn measure_concurrently(
+        &self,
+        side: usize,
+        round: u32,
+        keys: &[Vec<ChunkKey>],
+    ) -> Result<Vec<Sample>> {
+        let hits_before = self.pool_hits();
+        let start = std::sync::Barrier::new(self.lanes);
+        let results: Vec<Result<Sample>> = std::thread::scope(|scope| {
+            let threads: Vec<_> = keys
+                .iter()
+                .enumerate()
+                .map(|(lane, keys)| {
+                    let start = &start;
+                    scope.spawn(move || {
+                        let mut tier = self.tiers[lane][usize::from(side == 2)].lock();
+                        start.wait();
+                        self.measure(&mut tier, side, round, lane, keys)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| {
+                    t.join().unwrap_or_else(|_| {
+                        Err(Error::new(ErrorKind::Internal, "a request thread panicked"))
+                    })
+                })
+                .collect()
+        });
+        let mut samples = results.into_iter().collect::<Result<Vec<Sample>>>()?;
+        let hits = self.pool_hits() - hits_before;
+        for s in &mut samples {
+            s.pool_hits = hits / self.lanes as u64;
+        }
+        Ok(samples)
+    }
+
     /// One request of `side` over `keys`, as vLLM's scheduler would run it.
-    fn measure(&self, side: usize, round: u32, keys: &[ChunkKey]) -> Result<Sample> {
-        let mut tier = self.tiers[usize::from(side == 2)].lock();
-        let mut req = RequestContext::new(format!("bench-{round}-{}", SIDES[side]));
+    fn measure(
+        &self,
+        tier: &mut NodeTier,
+        side: usize,
+        round: u32,
+        lane: usize,
+        keys: &[ChunkKey],
+    ) -> Result<Sample> {
+        let mut req = RequestContext::new(format!("bench-{round}-{}-{lane}", SIDES[side]));
         if side == 1 {
             let hex: Vec<String> = keys.iter().map(|k| hex::encode(k.as_bytes())).collect();
             let envelope = serde_json::json!({
@@ -309,7 +393,6 @@ impl Bench {
             });
             req = req.with_kv_hints(KvHintsEnvelope::from_json(&envelope.to_string())?);
         }
-        let hits_before = self.pool_hits();
         tier.on_new_request(&req);
         std::thread::sleep(self.lead);
         let started = Instant::now();
@@ -368,14 +451,28 @@ impl Bench {
             lookup_to_loaded_s: (loaded - started).as_secs_f64(),
             load_job_s: (loaded - submitted).as_secs_f64(),
             retry_steps,
-            pool_hits: self.pool_hits() - hits_before,
+            pool_hits: 0,
         })
     }
 
-    fn report(&self, args: &BenchArgs, samples: &[Vec<Sample>], store_s: &[f64]) -> Result<()> {
+    fn report(
+        &self,
+        args: &BenchArgs,
+        samples: &[Vec<Vec<Sample>>],
+        store_s: &[f64],
+    ) -> Result<()> {
         let bytes = self.row * u64::from(self.chunks);
+        // Over every request of every round.
         let med = |side: usize, f: fn(&Sample) -> f64| {
-            median(&samples[side].iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+            median(&samples[side].iter().flatten().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+        };
+        // Over rounds, of each round's slowest request.
+        let slowest = |side: usize| {
+            let per_round: Vec<f64> = samples[side]
+                .iter()
+                .map(|r| r.iter().map(|s| s.lookup_to_loaded_s).fold(0.0, f64::max))
+                .collect();
+            median(&per_round).unwrap_or(f64::NAN)
         };
         let sides: Vec<serde_json::Value> = SIDES
             .iter()
@@ -389,7 +486,8 @@ impl Bench {
                     "load_gbps_median": bytes as f64 / job / 1e9,
                     "retry_steps_median": med(i, |s| f64::from(s.retry_steps)),
                     "pool_hits_per_round_median": med(i, |s| s.pool_hits as f64),
-                    "lookup_to_loaded_ms": samples[i].iter().map(|s| s.lookup_to_loaded_s * 1e3).collect::<Vec<_>>(),
+                    "slowest_lookup_to_loaded_ms_median": slowest(i) * 1e3,
+                    "lookup_to_loaded_ms": samples[i].iter().flatten().map(|s| s.lookup_to_loaded_s * 1e3).collect::<Vec<_>>(),
                 })
             })
             .collect();
@@ -400,8 +498,9 @@ impl Bench {
             "rounds": args.rounds,
             "lead_ms": args.lead_ms,
             "step_us": args.step_us,
+            "concurrent_requests": self.lanes,
             "dir": args.dir.display().to_string(),
-            "store_gbps_median": (2 * bytes) as f64 / store / 1e9,
+            "store_gbps_median": (2 * bytes * self.lanes as u64) as f64 / store / 1e9,
             "sides": sides,
         });
         if args.json {
@@ -409,45 +508,48 @@ impl Bench {
             return Ok(());
         }
         outln!(
-            "kvtier service bench: {} chunks of {} per request, {} rounds (medians), lead {} ms, \
-             step {} us, slabs in {}",
+            "kvtier service bench: {} chunks of {} per request, {} request(s) at once, {} rounds \
+             (medians), lead {} ms, step {} us, slabs in {}",
             self.chunks,
             format_size(self.row),
+            self.lanes,
             args.rounds,
             args.lead_ms,
             args.step_us,
             args.dir.display()
         )?;
         outln!(
-            "{:<8} {:>22} {:>14} {:>12} {:>12} {:>10}",
+            "{:<8} {:>22} {:>14} {:>12} {:>12} {:>10} {:>14}",
             "side",
             "lookup->loaded (ms)",
             "load job (ms)",
             "load",
             "RETRY steps",
-            "pool hits"
+            "pool hits",
+            "slowest (ms)"
         )?;
         for (i, name) in SIDES.iter().enumerate() {
             let job = med(i, |s| s.load_job_s);
             outln!(
-                "{:<8} {:>22.2} {:>14.2} {:>12} {:>12} {:>10}",
+                "{:<8} {:>22.2} {:>14.2} {:>12} {:>12} {:>10} {:>14.2}",
                 name,
                 med(i, |s| s.lookup_to_loaded_s) * 1e3,
                 job * 1e3,
                 format_gbps(bytes as f64 / job),
                 med(i, |s| f64::from(s.retry_steps)),
-                med(i, |s| s.pool_hits as f64)
+                med(i, |s| s.pool_hits as f64),
+                slowest(i) * 1e3
             )?;
         }
         outln!(
             "stores (service path, primary -> G3): {}",
-            format_gbps((2 * bytes) as f64 / store)
+            format_gbps((2 * bytes * self.lanes as u64) as f64 / store)
         )?;
         Ok(())
     }
 
     fn shutdown(mut self) -> Result<()> {
-        for t in &self.tiers {
+        for t in self.tiers.iter().flatten() {
             t.lock().shutdown()?;
         }
         match self.service.take() {
