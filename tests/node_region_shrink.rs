@@ -387,3 +387,103 @@ fn a_shrink_while_jobs_run_fails_the_job_it_hits_and_the_service_stays_up() {
         "in {rounds} rounds no shrink landed inside a job"
     );
 }
+
+/// Engine A as vLLM's tier in client mode (`NodeTier`): after its region was lost, its
+/// reconnection attempts are refused while the file is short (health says why), and once the
+/// file is whole again it reconnects by itself and stores and loads equal bytes.
+#[test]
+fn a_node_tier_whose_region_was_lost_reconnects_once_its_file_is_whole_again() {
+    use kvtier::contract::secondary::HealthState;
+    use kvtier::contract::secondary::SecondaryTier;
+    let f = fixture();
+    let bytes: Vec<u8> = (0..2)
+        .flat_map(|i| payload_of(&key("t", i)))
+        .chain(std::iter::repeat_n(0, ((ROWS - 2) * STRIDE) as usize))
+        .collect();
+    std::fs::write(&f.shm_file, &bytes).unwrap();
+    let mut t = kvtier::node::NodeTier::connect(
+        &f.socket,
+        &ClientHello {
+            engine: "tier-a".into(),
+            row_stride: STRIDE,
+            digest: DIGEST,
+        },
+        kvtier::node::RegionSource::Path(&f.shm_file),
+        ROWS,
+        None,
+    )
+    .unwrap();
+    let job = |id: u64, load: bool, keys: Vec<ChunkKey>, rows: Vec<u32>| kvtier::TransferJob {
+        job_id: id,
+        keys,
+        chunk_ids: rows,
+        is_promotion: load,
+        req_id: "shrink".into(),
+        submit_time: Instant::now(),
+    };
+    let wait = |t: &mut kvtier::node::NodeTier, id: u64| -> JobResult {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(r) = t.get_finished_jobs().into_iter().find(|r| r.job_id == id) {
+                return r;
+            }
+            assert!(Instant::now() < deadline, "job {id} never reported");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f.shm_file)
+        .unwrap();
+    file.set_len(0).unwrap();
+    t.submit_store(job(1, false, vec![key("t", 0)], vec![0]));
+    let r = wait(&mut t, 1);
+    assert!(!r.success);
+    assert_eq!(
+        r.error.as_ref().map(|e| e.kind()),
+        Some(ErrorKind::RegionLost),
+        "{r:?}"
+    );
+    // Refused while the file is short: health says why.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let _ = t.get_finished_jobs();
+        let h = t.health();
+        if h.problems.iter().any(|p| p.contains("holds 0 bytes")) {
+            assert_eq!(h.state, HealthState::Degraded, "{h:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no refusal seen: {h:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(!t.ready());
+    // The engine makes its file whole again (its rows rewritten): the tier reconnects by
+    // itself, and what it stores loads back equal.
+    std::fs::write(&f.shm_file, &bytes).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !t.ready() {
+        let _ = t.get_finished_jobs();
+        assert!(
+            Instant::now() < deadline,
+            "never reconnected: {:?}",
+            t.health()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(t.health().state, HealthState::Ok);
+    t.submit_store(job(2, false, vec![key("t", 0), key("t", 1)], vec![0, 1]));
+    let r = wait(&mut t, 2);
+    assert!(r.success, "{:?}", r.error);
+    t.submit_load(job(3, true, vec![key("t", 0), key("t", 1)], vec![8, 9]));
+    let r = wait(&mut t, 3);
+    assert!(r.success, "{:?}", r.error);
+    let now = std::fs::read(&f.shm_file).unwrap();
+    for (i, row) in [8usize, 9].into_iter().enumerate() {
+        let got = &now[row * STRIDE as usize..][..STRIDE as usize];
+        assert!(
+            got == payload_of(&key("t", i as u32)).as_slice(),
+            "row {row}"
+        );
+    }
+    t.shutdown().unwrap();
+}

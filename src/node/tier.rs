@@ -581,12 +581,14 @@ fn reconnect_loop(c: &Connector, stats: &LinkStats, abort: &ConnectAbort) -> Opt
             Ok(client) => return Some(client),
             Err(e) => {
                 // Nothing listening yet is the normal course of a restart; a refusal (another
-                // digest, uid, row stride) will not pass by itself: said once per outage.
+                // digest, uid, row stride, a region file now too short) will not pass by
+                // itself: said once per outage.
                 let refused = matches!(
                     e.kind(),
                     ErrorKind::IncompatibleLayout
                         | ErrorKind::PermissionDenied
                         | ErrorKind::Contract
+                        | ErrorKind::Config
                 );
                 if refused && !refusal_logged {
                     refusal_logged = true;
