@@ -321,6 +321,27 @@ fn the_pool_evicts_least_recently_used_and_says_so_in_cpu_events() {
     assert_eq!(g3_stored, keys, "G3's stores come as STORAGE events");
 }
 
+/// Stores `keys` through engine `c` (region `region`), ROWS keys a job (jobs 1, 2, ...),
+/// the bytes of key i seeded with `seed + i`; returns the bytes and the last job id.
+fn fill_g3(
+    region: &PrimaryRegion,
+    c: &NodeClient,
+    keys: &[ChunkKey],
+    seed: u64,
+) -> (Vec<Vec<u8>>, u64) {
+    let mut stored = Vec::new();
+    let mut job = 0;
+    for (j, chunk) in keys.chunks(ROWS as usize).enumerate() {
+        let rows: Vec<u32> = (0..chunk.len() as u32).collect();
+        for r in 0..chunk.len() {
+            stored.push(fill(region, r, seed + (j * ROWS as usize + r) as u64));
+        }
+        job += 1;
+        assert!(run(c, false, job, chunk, &rows));
+    }
+    (stored, job)
+}
+
 /// Whether G3's own index holds `k` (not the pool): a direct load grant is ready only for a
 /// committed key. The grant is finished with the key's own CRC, so nothing is dropped.
 fn g3_holds(f: &Fixture, k: &ChunkKey) -> bool {
@@ -352,23 +373,7 @@ fn chunks_served_only_from_the_pool_stay_recent_in_g3_and_untouched_ones_are_evi
     let (rc, c) = engine(&f, "rank-c");
     let keys: Vec<ChunkKey> = (0..total + 3).map(|i| key("recency", i)).collect();
     // A fills G3 to capacity, ROWS keys a job.
-    let mut stored = Vec::new();
-    let mut job = 0;
-    for first in (0..total).step_by(ROWS as usize) {
-        let n = (total - first).min(ROWS as u32);
-        let rows: Vec<u32> = (0..n).collect();
-        for r in 0..n {
-            stored.push(fill(&ra, r as usize, 3000 + u64::from(first + r)));
-        }
-        job += 1;
-        assert!(run(
-            &a,
-            false,
-            job,
-            &keys[first as usize..(first + n) as usize],
-            &rows
-        ));
-    }
+    let (stored, mut job) = fill_g3(&ra, &a, &keys[..total as usize], 3000);
     assert_eq!(status(&f)["tier"]["used_slots"], total, "G3 is full");
     // B loads 0, 1 and 2 from G3: G3 pins them (its most recently used) and the pool keeps
     // them.
@@ -680,4 +685,45 @@ fn service_bench_run(concurrent: u32) {
         0,
         "the benchmark removes its folder"
     );
+}
+
+#[test]
+fn vllms_touch_through_a_client_mode_tier_refreshes_g3s_lru() {
+    let f = fixture(4);
+    let total = status(&f)["tier"]["total_slots"].as_u64().unwrap() as u32;
+    let (ra, a) = engine(&f, "rank-a");
+    let keys: Vec<ChunkKey> = (0..total + 2).map(|i| key("touched", i)).collect();
+    let (_, mut job) = fill_g3(&ra, &a, &keys[..total as usize], 7000);
+    // G3's lookups of all but keys 0 and 1 make those two its least recently used.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while a
+        .lookup(&keys[2..total as usize])
+        .unwrap()
+        .iter()
+        .any(|r| *r != LookupResult::Hit)
+    {
+        assert!(Instant::now() < deadline, "G3 lookups never all HIT");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // vLLM's manager touches key 0 in every tier; the client-mode tier tells the service.
+    let (_rb, mut tier) = client_tier(&f, "rank-b", None);
+    tier.touch(&keys[..1], &RequestContext::new("touching"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(&f, "node_staging_g3_touches_total") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the touch never reached the service"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Two new keys: G3 evicts its two least recently used, now 1 and 2.
+    fill(&ra, 0, 1);
+    fill(&ra, 1, 2);
+    job += 1;
+    assert!(run(&a, false, job, &keys[total as usize..], &[0, 1]));
+    let evicted: Vec<usize> = (0..total as usize + 2)
+        .filter(|&i| !g3_holds(&f, &keys[i]))
+        .collect();
+    assert_eq!(evicted, [1, 2], "key 0 was touched after 1 and 2");
+    tier.shutdown().unwrap();
 }

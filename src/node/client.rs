@@ -465,6 +465,17 @@ impl NodeClient {
         self.send(&frame, None)
     }
 
+    /// Tells the service that `keys` were used (vLLM's `touch`): it moves the ones G3 holds
+    /// to the most recently used end of G3's LRU. No answer.
+    pub fn touch(&self, keys: Vec<ChunkKey>) -> Result<()> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = Request::Touch { keys }.to_frame(seq)?;
+        if !self.is_connected() {
+            return Err(lost());
+        }
+        self.send(&frame, None)
+    }
+
     /// Asks for the inventory events since the last ask (the first ask subscribes) and
     /// returns at once; they arrive with [`NodeClient::async_answers`].
     pub fn request_events(&self) -> Result<()> {

@@ -46,6 +46,8 @@ pub const KIND_HINT: u16 = 0x0008;
 pub const KIND_HINT_DONE: u16 = 0x0009;
 /// Client: asks for the inventory events since its last ask (subscribes at the first).
 pub const KIND_TAKE_EVENTS: u16 = 0x000A;
+/// Client: keys recently used (vLLM's `touch`), for G3's LRU (no reply).
+pub const KIND_TOUCH: u16 = 0x000B;
 /// Service: the session is open.
 pub const KIND_WELCOME: u16 = 0x8001;
 /// Service: the region is mapped.
@@ -191,6 +193,11 @@ pub enum Request {
     },
     /// The inventory events since the last ask.
     TakeEvents,
+    /// The keys were used (vLLM's `touch`): most recently used in G3's LRU.
+    Touch {
+        /// The keys.
+        keys: Vec<ChunkKey>,
+    },
 }
 
 /// Which medium of the service holds the keys of an [`InventoryEvent`].
@@ -399,6 +406,7 @@ fn kind_name(kind: u16) -> &'static str {
         KIND_HINT => "HINT",
         KIND_HINT_DONE => "HINT_DONE",
         KIND_TAKE_EVENTS => "TAKE_EVENTS",
+        KIND_TOUCH => "TOUCH",
         KIND_HINTED => "HINTED",
         KIND_EVENTS => "EVENTS",
         KIND_ERROR => "ERROR",
@@ -574,6 +582,13 @@ impl Request {
                 KIND_HINT_DONE
             }
             Request::TakeEvents => KIND_TAKE_EVENTS,
+            Request::Touch { keys } => {
+                w.u32(keys.len() as u32);
+                for k in keys {
+                    w.key16(k)?;
+                }
+                KIND_TOUCH
+            }
         };
         let frame = w.frame(kind, seq);
         if frame.body.len() > MAX_BODY as usize {
@@ -635,6 +650,11 @@ impl Request {
             }
             KIND_HINT_DONE => Request::HintDone { req_id: r.str16()? },
             KIND_TAKE_EVENTS => Request::TakeEvents,
+            KIND_TOUCH => {
+                let n = r.count(2)?;
+                let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
+                Request::Touch { keys }
+            }
             k => {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
@@ -905,6 +925,9 @@ mod tests {
             req_id: "req-1".into(),
         });
         round_trip_request(Request::TakeEvents);
+        round_trip_request(Request::Touch {
+            keys: vec![ChunkKey::new([3u8; 36]), ChunkKey::new(b"t")],
+        });
     }
 
     #[test]

@@ -414,6 +414,13 @@ impl Session {
                     self.reply(frame.seq, &Reply::Hinted(verdicts));
                 }
                 Request::HintDone { req_id } => self.release_hint(&req_id),
+                // vLLM's touch: G3's LRU, through its worker's queue (never waits).
+                Request::Touch { keys } => match &self.sh.staging {
+                    Some(st) => st.touch_g3(keys),
+                    None => {
+                        self.sh.slots.touch(keys);
+                    }
+                },
                 Request::TakeEvents => {
                     if !self.sh.events.has_subscribers() {
                         self.sh.tier.lock().set_events_enabled(true);

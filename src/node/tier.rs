@@ -716,6 +716,17 @@ impl SecondaryTier for NodeTier {
         }
     }
 
+    /// vLLM's `touch` (forwarded by its manager to every tier): sent to the service without
+    /// waiting, which refreshes the keys in G3's LRU. Lost while disconnected.
+    fn touch(&mut self, keys: &[ChunkKey], _req: &RequestContext) {
+        if keys.is_empty() {
+            return;
+        }
+        if let Some(c) = &self.client {
+            let _ = c.touch(keys.to_vec());
+        }
+    }
+
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
         self.maintain();
         self.absorb();
