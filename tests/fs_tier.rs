@@ -75,9 +75,11 @@ fn a_second_tier_on_the_same_root_finds_and_loads_the_chunks() {
     let d = tmp();
     let r = region(8);
     let mut a = open(config(d.path(), 64), &r);
-    assert!(store(&mut a, &r, 1, &[1, 2]).success);
     let r2 = region(8);
     let mut b = open(config(d.path(), 64), &r2);
+    // b's start-up scan ends before a stores (else it may find the files first: a HIT).
+    assert!(b.wait_scanned(Duration::from_secs(10)));
+    assert!(store(&mut a, &r, 1, &[1, 2]).success);
     let rq = req("r1");
     // Unknown to b: RETRY first, then HIT once its background check ran.
     assert_eq!(b.lookup(&key(1), &rq), LookupResult::Retry);
