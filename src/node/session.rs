@@ -656,6 +656,7 @@ pub fn status_json(sh: &ServiceShared) -> String {
                 "evictions": n(&c.evictions),
                 "discarded": n(&c.discarded),
                 "prefetched": n(&st.counters.staged),
+                "g3_touches": n(&st.counters.g3_touches),
             })
         }),
         "event_subscribers": sh.events.subscribers(),

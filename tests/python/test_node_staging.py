@@ -251,3 +251,23 @@ def test_events_begin_at_the_consumers_first_ask_as_with_vllms_own_fs_tier(servi
     finally:
         c.shutdown()
     assert kvtier_seen == vllm_seen == {new}, kvtier_seen
+
+
+def test_vllms_touch_reaches_the_services_g3(service):
+    """vLLM's manager forwards ``touch`` to every tier; kvtier's client-mode tier passes it
+    to the service, which refreshes the keys in G3's LRU (counted in its status)."""
+    extra = service["extra"]
+    a = Engine(extra)
+    try:
+        keys = [key(500 + i) for i in range(3)]
+        req = a.request()
+        a.store(keys, req)
+        a.settle()
+        before = staging(service)["g3_touches"]
+        a.manager.touch(keys, req)
+        a.finish(req)
+        wait_staging(
+            service, "vLLM's touch counted", lambda st: st["g3_touches"] == before + len(keys)
+        )
+    finally:
+        a.shutdown()
