@@ -65,6 +65,21 @@ fn bench_bytes_zero_is_refused() {
     assert_user_error(&kvtier(&["bench", "--bytes", "0"]), "--bytes");
 }
 
+/// `kvtier service bench` sizes its slabs from `--row-size` x `--chunks` x
+/// `--concurrent-requests`: a product past `u64` is refused (it panicked with an overflow).
+#[test]
+fn service_bench_sizes_past_u64_are_refused() {
+    let out = kvtier(&[
+        "service",
+        "bench",
+        "--row-size",
+        "4611686018427387904", // 2^62 bytes, a multiple of 4096; times 4 chunks is 2^64
+        "--chunks",
+        "4",
+    ]);
+    assert_user_error(&out, "--row-size");
+}
+
 #[test]
 fn serve_refuses_a_primary_larger_than_memory_before_allocating_it() {
     if std::fs::read_to_string("/proc/meminfo").is_err() {

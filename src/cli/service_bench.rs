@@ -169,11 +169,22 @@ impl Bench {
         }
         let lanes = args.concurrent_requests as usize;
         let row = args.row_size;
-        // The chunks of one side's requests of one round.
-        let per_set = row * u64::from(args.chunks) * lanes as u64;
-        // G3 keeps two sets per round for two rounds; the pool holds the sets of one round.
-        let capacity = 4 * per_set;
-        let need = capacity + (16 << 20);
+        // The chunks of one side's requests of one round. G3 keeps two sets per round for
+        // two rounds; the pool holds the sets of one round.
+        let sizes = row
+            .checked_mul(u64::from(args.chunks))
+            .and_then(|b| b.checked_mul(lanes as u64))
+            .and_then(|per_set| {
+                let capacity = per_set.checked_mul(4)?;
+                Some((per_set, capacity, capacity.checked_add(16 << 20)?))
+            });
+        let Some((per_set, capacity, need)) = sizes else {
+            return Err(bench_error(format!(
+                "--row-size {row} times --chunks {} times --concurrent-requests {lanes}: more \
+                 bytes than a machine holds",
+                args.chunks
+            )));
+        };
         if let Some(free) = crate::g3::slab::available_bytes(&args.dir)
             && free < need
         {
