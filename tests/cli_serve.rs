@@ -55,6 +55,15 @@ fn wait_for_health(addr: &str, done: impl Fn(&str, &str) -> bool) -> (String, St
     }
 }
 
+/// `kvtier serve --config CFG` opens its tier (`/healthz` answers 200) and exits 0 on SIGTERM.
+fn assert_serves_healthy(cfg: &str) {
+    let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
+    let (head, _) = get(&addr, "/healthz");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    send_signal(&child, libc::SIGTERM);
+    assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
+}
+
 fn stop(child: &mut Child) -> (Option<i32>, String) {
     send_signal(child, libc::SIGTERM);
     let status = wait_with_timeout(child, Duration::from_secs(60));
@@ -307,11 +316,7 @@ fn a_formatted_tier_is_served_by_the_default_config() {
     ]);
     assert_success(&fmt);
 
-    let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
-    let (head, _) = get(&addr, "/healthz");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    send_signal(&child, libc::SIGTERM);
-    assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
+    assert_serves_healthy(cfg);
 
     let fmt = kvtier(&[
         "tier",
@@ -383,11 +388,7 @@ fn in_process_serve_refuses_a_tier_formatted_for_vllm_naming_the_command_that_wo
     command.push("--yes".into());
     let command: Vec<&str> = command.iter().map(String::as_str).collect();
     assert_success(&kvtier(&command));
-    let (mut child, addr) = start_serve(&["--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
-    let (head, _) = get(&addr, "/healthz");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    send_signal(&child, libc::SIGTERM);
-    assert!(wait_with_timeout(&mut child, Duration::from_secs(60)).success());
+    assert_serves_healthy(cfg);
 }
 
 /// `--layout` takes a shipped layout's name as the vLLM tier entry's `layout` key does.

@@ -69,9 +69,15 @@ fn config(dir: &Path, mode: u32, uids: Vec<u32>) -> KvtierConfig {
 
 fn fixture_with(mode: u32, uids: Vec<u32>) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("slabs")).unwrap();
     let cfg = config(dir.path(), mode, uids);
-    let service = start_from_config(&cfg, STRIDE, None, DIGEST).unwrap();
+    fixture_of(dir, &cfg, None)
+}
+
+/// The service of `cfg` (made by [`config`] for `dir`), storing `slot` bytes of each row
+/// (`None`: the whole row), once its tier is ready.
+fn fixture_of(dir: tempfile::TempDir, cfg: &KvtierConfig, slot: Option<u64>) -> Fixture {
+    std::fs::create_dir(dir.path().join("slabs")).unwrap();
+    let service = start_from_config(cfg, STRIDE, slot, DIGEST).unwrap();
     let socket = dir.path().join("kvtier.sock");
     let f = Fixture {
         dir,
@@ -416,18 +422,9 @@ fn another_digest_is_refused_at_connect_with_both_digests() {
 fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
     for dram_bytes in [0, STRIDE * 8] {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("slabs")).unwrap();
         let mut cfg = config(dir.path(), 0o600, Vec::new());
         cfg.service.as_mut().unwrap().dram_bytes = dram_bytes;
-        let service = start_from_config(&cfg, STRIDE, None, DIGEST).unwrap();
-        let socket = dir.path().join("kvtier.sock");
-        let f = Fixture {
-            dir,
-            service: Some(service),
-            socket,
-            shm_files: Vec::new(),
-        };
-        wait_ready(&f);
+        let f = fixture_of(dir, &cfg, None);
         let connect = |name: &str, stride: u64| {
             let region = PrimaryRegion::create(4, stride as usize).unwrap();
             let mut h = hello(name);
@@ -1019,21 +1016,13 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
 #[test]
 fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::create_dir(dir.path().join("slabs")).unwrap();
     let cfg = config(dir.path(), 0o600, Vec::new());
     let slot = STRIDE / 2;
-    let service = start_from_config(&cfg, STRIDE, Some(slot), DIGEST).unwrap();
-    let status: serde_json::Value = serde_json::from_str(&service.status_json()).unwrap();
+    let f = fixture_of(dir, &cfg, Some(slot));
+    let status: serde_json::Value =
+        serde_json::from_str(&f.service.as_ref().unwrap().status_json()).unwrap();
     assert_eq!(status["slot_bytes"], slot, "{status}");
     assert_eq!(status["row_stride"], STRIDE, "{status}");
-    let socket = dir.path().join("kvtier.sock");
-    let f = Fixture {
-        dir,
-        service: Some(service),
-        socket,
-        shm_files: Vec::new(),
-    };
-    wait_ready(&f);
     let (a_region, a) = client_in_this_process(&f, "prefix-a");
     let (b_region, b) = client_in_this_process(&f, "prefix-b");
     let keys: Vec<ChunkKey> = (0..4).map(|i| key("prefix", i)).collect();

@@ -32,7 +32,8 @@ import pytest
 import harness
 import vllm_canonical as vc
 from kvtier_engine import key
-from test_kvtier_vllm_canonical import BPC, QWEN, QWEN_AREA, Deployment, offloading
+from test_kvtier_vllm_canonical import (  # noqa: F401  (deployments: a pytest fixture)
+    BPC, QWEN, QWEN_AREA, Deployment, deployments, offloading)
 from vllm.v1.kv_offload.base import LookupResult
 
 LLAMA = vc.Model(harness.repo_root() / "layouts" / "llama-3.1-8b.toml")
@@ -145,17 +146,6 @@ def nodes():
     yield started
     for n in started:
         n.stop()
-
-
-@pytest.fixture
-def deployments():
-    opened = []
-    yield opened
-    for d in opened:
-        try:
-            d.shutdown()
-        except Exception:
-            pass
 
 
 def deploy(opened, model, tp, tier):
