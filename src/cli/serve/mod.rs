@@ -73,6 +73,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             e,
             &args,
             &cfg,
+            &layout,
             &plan.params,
             crate::cli::tier::FormatFor::InProcess,
         )
@@ -82,21 +83,21 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
 }
 
 /// A namespace refusal `e` (a tier formatted for another model, TP size, row layout or
-/// opener) with the inputs serve derives its namespace from and the exact `kvtier tier
-/// format` command that makes a tier it opens (`for_`: the in-process tiers' namespace, or
-/// the node service's, which vLLM engines present).
+/// opener) with the inputs serve derives its namespace from (`layout`: the `--layout` model)
+/// and the exact `kvtier tier format` command that makes a tier it opens (`for_`: the
+/// in-process tiers' namespace, or the node service's, which vLLM engines present).
 fn namespace_hint(
     e: Error,
     args: &ServeArgs,
     cfg: &KvtierConfig,
+    layout: &crate::canonical::LayoutDescriptor,
     params: &crate::canonical::NamespaceParams,
     for_: crate::cli::tier::FormatFor,
 ) -> Error {
     use crate::cli::tier::FormatFor;
     let blocks_per_chunk = params.blocks_per_chunk;
-    let model = args.model.load().ok();
     // A tier formatted for this model but for the other opener says so.
-    let other = model.as_ref().and_then(|layout| match for_ {
+    let other = match for_ {
         FormatFor::InProcess => crate::canonical::engine_pool_namespace(layout, params)
             .ok()
             .map(|d| (d, "vLLM engines and the node service (--for vllm)")),
@@ -104,7 +105,7 @@ fn namespace_hint(
             crate::canonical::namespace_digest(layout, params),
             "kvtier's in-process tiers (--for in-process)",
         )),
-    });
+    };
     let formatted_for = match (other, e.context_value("found")) {
         (Some((digest, who)), Some(found)) if hex::encode(digest) == found => {
             format!(" (the tier was formatted for {who})")
@@ -129,14 +130,14 @@ fn namespace_hint(
         blocks_per_chunk,
         for_,
     );
-    let model = model.map_or_else(|| "the --layout model".to_string(), |l| l.model_name);
     let mut out = Error::new(
         ErrorKind::IncompatibleLayout,
         format!(
-            "{}{formatted_for}; {who} ({flag}), derived from {model} at --tp {}, \
+            "{}{formatted_for}; {who} ({flag}), derived from {} at --tp {}, \
              blocks_per_chunk {} and canonical_layout = {} in {}: format the tier to match, \
              which discards the chunks it holds (`{command}`)",
             e.message(),
+            layout.model_name,
             args.model.tp,
             blocks_per_chunk,
             cfg.canonical_layout,

@@ -39,7 +39,7 @@ pub fn run(
     )
     .map_err(|e| {
         if e.kind() == ErrorKind::IncompatibleLayout {
-            super::namespace_hint(e, args, cfg, &plan.params, FormatFor::Vllm)
+            super::namespace_hint(e, args, cfg, layout, &plan.params, FormatFor::Vllm)
         } else {
             super::in_file(config_path, e)
         }
