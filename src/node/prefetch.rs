@@ -402,7 +402,8 @@ impl Worker {
         for (i, (k, slot)) in batch.iter().enumerate() {
             let vouched = r.success || r.successful_keys.as_ref().is_some_and(|ok| ok.contains(k));
             match crcs[i] {
-                Some(crc) if vouched && self.pool.commit(*slot, crc) => {
+                // `crc` is the slot's own hash (above): G3 vouched for it, not hashed again.
+                Some(crc) if vouched && self.pool.commit_hashed(*slot, crc, crc) => {
                     self.counters.staged.fetch_add(1, Ordering::Relaxed);
                 }
                 // commit found a CRC mismatch or a finished request (counted there): freed.

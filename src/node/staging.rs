@@ -267,6 +267,12 @@ impl StagingPool {
     pub fn commit(&self, slot: usize, crc: u32) -> bool {
         // SAFETY: the caller still owns the filling slot; reading it here is the filler's read.
         let actual = crc32fast::hash(unsafe { self.fill_bytes(slot) });
+        self.commit_hashed(slot, crc, actual)
+    }
+
+    /// [`StagingPool::commit`] for a filler that computed `actual`, the CRC-32 of the slot's
+    /// bytes, itself (a prefetch hashes them for G3's check): not hashed again.
+    pub fn commit_hashed(&self, slot: usize, crc: u32, actual: u32) -> bool {
         if actual != crc {
             self.counters.crc_mismatches.fetch_add(1, Ordering::Relaxed);
             self.abort(slot);
