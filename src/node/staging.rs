@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::Result;
 use crate::key::ChunkKey;
 use crate::node::events::EventBus;
 use crate::node::protocol::EventMedium;
@@ -316,27 +316,6 @@ impl StagingPool {
         self.changed.notify_all();
     }
 
-    /// Copies `key`'s staged bytes into the start of `dst` (at least one slot long), as
-    /// [`StagingPool::copy_out_with`] does. `None`: not staged, its CRC did not match (the copy
-    /// is then dropped), or `dst` is shorter than a slot: read G3.
-    pub fn copy_out(&self, key: &ChunkKey, dst: &mut [u8], wait: Duration) -> Option<u32> {
-        let copy = |_: usize, src: &[u8]| match dst.get_mut(..src.len()) {
-            Some(d) => {
-                d.copy_from_slice(src);
-                Ok(())
-            }
-            None => Err(Error::new(
-                ErrorKind::Contract,
-                format!(
-                    "a row of {} bytes cannot take a slot of {}",
-                    dst.len(),
-                    src.len()
-                ),
-            )),
-        };
-        self.copy_out_with(key, wait, copy).ok().flatten()
-    }
-
     /// Serves `key` from the pool: checks its staged bytes against their CRC-32 and hands them
     /// to `copy` (with the slot's number, whose bytes lie at `slot * row_stride` in the pool's
     /// memfd) to put into the engine's row. Waits up to `wait` for a copy still being filled.
@@ -451,6 +430,28 @@ impl StagingPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::{Error, ErrorKind};
+
+    /// Copies `key`'s staged bytes into the start of `dst` (at least one slot long) through
+    /// [`StagingPool::copy_out_with`]. `None`: not staged, its CRC did not match (the copy is
+    /// then dropped), or `dst` is shorter than a slot: read G3.
+    fn copy_out(pool: &StagingPool, key: &ChunkKey, dst: &mut [u8], wait: Duration) -> Option<u32> {
+        let copy = |_: usize, src: &[u8]| match dst.get_mut(..src.len()) {
+            Some(d) => {
+                d.copy_from_slice(src);
+                Ok(())
+            }
+            None => Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "a row of {} bytes cannot take a slot of {}",
+                    dst.len(),
+                    src.len()
+                ),
+            )),
+        };
+        pool.copy_out_with(key, wait, copy).ok().flatten()
+    }
 
     fn k(i: u32) -> ChunkKey {
         ChunkKey::new(format!("key-{i}").as_bytes())
@@ -478,7 +479,7 @@ mod tests {
         assert!(stage(&pool, &k(1), 2, true));
         let mut row = vec![0u8; 4096];
         // k(0) is used more recently than k(1), but k(1) is held: k(0) goes.
-        assert!(pool.copy_out(&k(0), &mut row, FILL_WAIT).is_some());
+        assert!(copy_out(&pool, &k(0), &mut row, FILL_WAIT).is_some());
         assert!(stage(&pool, &k(2), 3, false));
         assert!(!pool.contains(&k(0)));
         assert!(pool.contains(&k(1)));
@@ -487,7 +488,7 @@ mod tests {
         assert!(stage(&pool, &k(3), 4, true));
         assert_eq!(pool.reserve(&k(4), false), Reserve::Full);
         assert_eq!(pool.counters.full.load(Ordering::Relaxed), 1);
-        assert!(pool.copy_out(&k(1), &mut row, FILL_WAIT).is_some());
+        assert!(copy_out(&pool, &k(1), &mut row, FILL_WAIT).is_some());
         assert!(row.iter().all(|b| *b == 2));
         let events = bus.take(1);
         let removed: Vec<_> = events.iter().filter(|e| e.removed).collect();
@@ -501,7 +502,7 @@ mod tests {
         assert!(stage(&pool, &k(0), 1, true));
         assert!(stage(&pool, &k(1), 2, true));
         let mut row = vec![0u8; 4096];
-        assert!(pool.copy_out(&k(1), &mut row, FILL_WAIT).is_some());
+        assert!(copy_out(&pool, &k(1), &mut row, FILL_WAIT).is_some());
         pool.release(&k(0));
         pool.release(&k(1));
         assert!(!pool.contains(&k(0)), "unused: discarded");
@@ -535,7 +536,7 @@ mod tests {
         // SAFETY: this test is the only user of the pool now.
         unsafe { pool.region.row_mut(i) }.unwrap()[100] ^= 1;
         let mut row = vec![0u8; 4096];
-        assert_eq!(pool.copy_out(&k(1), &mut row, FILL_WAIT), None);
+        assert_eq!(copy_out(&pool, &k(1), &mut row, FILL_WAIT), None);
         assert!(!pool.contains(&k(1)));
         assert_eq!(pool.used_slots(), 0);
         assert_eq!(pool.counters.crc_mismatches.load(Ordering::Relaxed), 2);
@@ -551,7 +552,7 @@ mod tests {
             let pool = pool.clone();
             std::thread::spawn(move || {
                 let mut row = vec![0u8; 4096];
-                let crc = pool.copy_out(&k(0), &mut row, FILL_WAIT);
+                let crc = copy_out(&pool, &k(0), &mut row, FILL_WAIT);
                 (crc, row[0])
             })
         };
