@@ -83,21 +83,6 @@ impl RegionFile {
         })
     }
 
-    /// Bytes registered.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Whether no byte is registered (never: a region has rows).
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The path of the region file (`fd` for one passed as a descriptor).
-    pub fn path(&self) -> &str {
-        &self.path
-    }
-
     /// Whether the file still holds the registered bytes (one `fstat`). The error
     /// ([`ErrorKind::RegionLost`]) names the engine, the path, the bytes registered, what the
     /// file holds now, and `when` the loss was seen (`before the job`, ...).
