@@ -8,6 +8,7 @@
 //! pool (not evicted) until the engine says the request finished (`HINT_DONE`) or
 //! disconnects; then the ones no load copied are discarded.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -192,10 +193,12 @@ impl Staging {
                 }
                 Err(TrySendError::Full(b)) | Err(TrySendError::Disconnected(b)) => {
                     c.dropped.fetch_add(n, Ordering::Relaxed);
+                    let mut unread = HashSet::with_capacity(b.len());
                     for (k, slot) in b {
                         self.pool.abort(slot);
-                        held.retain(|h| h != &k);
+                        unread.insert(k);
                     }
+                    held.retain(|h| !unread.contains(h));
                 }
             }
         }
