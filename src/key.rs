@@ -42,6 +42,23 @@ impl ChunkKey {
         hex::decode(s).ok().map(ChunkKey::new)
     }
 
+    /// vLLM's offload key for a block (`make_offload_key`): the block hash followed by the
+    /// KV-cache-group id, 4 bytes big-endian.
+    ///
+    /// ```
+    /// let k = kvtier::ChunkKey::vllm_offload_key(&[0xab; 32], 2);
+    /// assert_eq!(k.len(), 36);
+    /// assert_eq!(k.vllm_group_id(), Some(2));
+    /// ```
+    pub fn vllm_offload_key(block_hash: &[u8], group: u32) -> Self {
+        let mut bytes = Vec::with_capacity(block_hash.len() + 4);
+        bytes.extend_from_slice(block_hash);
+        // vLLM's key layout fixes big-endian for the group id suffix.
+        #[allow(clippy::big_endian_bytes)]
+        bytes.extend_from_slice(&group.to_be_bytes());
+        ChunkKey::from(bytes)
+    }
+
     /// vLLM's KV-cache-group id (the last 4 bytes, big-endian), when the key is long enough.
     pub fn vllm_group_id(&self) -> Option<u32> {
         let n = self.0.len();

@@ -142,11 +142,8 @@ impl FileMapper {
             return None;
         }
         let group: u32 = group.parse().ok()?;
-        let mut bytes = hex::decode(hex).ok()?;
-        // vLLM's key layout fixes big-endian for the group id suffix.
-        #[allow(clippy::big_endian_bytes)]
-        bytes.extend_from_slice(&group.to_be_bytes());
-        Some(ChunkKey::from(bytes))
+        let hash = hex::decode(hex).ok()?;
+        Some(ChunkKey::vllm_offload_key(&hash, group))
     }
 
     /// The text vLLM writes to `config.json`: `json.dump(fields, f, indent=2, sort_keys=True)`

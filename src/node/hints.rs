@@ -123,13 +123,8 @@ fn payload_keys(
         .into_iter()
         .map(ChunkKey::new)
         .collect();
-    for mut h in hex_list(payload, "block_hashes")? {
-        // vLLM's make_offload_key: the block hash, then the group index (4 bytes); vLLM's key
-        // layout fixes big-endian for it.
-        #[allow(clippy::big_endian_bytes)]
-        let suffix = group.to_be_bytes();
-        h.extend_from_slice(&suffix);
-        keys.push(ChunkKey::new(h));
+    for h in hex_list(payload, "block_hashes")? {
+        keys.push(ChunkKey::vllm_offload_key(&h, group));
     }
     if keys.is_empty() {
         return Err("payload: no keys (give keys or block_hashes)".into());
