@@ -363,6 +363,14 @@ impl Writer {
         })?;
         Ok(self.u16(len).bytes(k.as_bytes()))
     }
+    /// A u32 count and that many `key16`s.
+    fn keys16(&mut self, keys: &[ChunkKey]) -> Result<&mut Self> {
+        self.u32(keys.len() as u32);
+        for k in keys {
+            self.key16(k)?;
+        }
+        Ok(self)
+    }
     /// The body of `HELLO` and `WELCOME`: magic, version, reserved, row stride, digest, text.
     fn greeting(&mut self, row_stride: u64, digest: &[u8; 32], text: &str) {
         self.bytes(&MAGIC)
@@ -486,6 +494,11 @@ impl<'a> Reader<'a> {
         let n = self.u16()? as usize;
         Ok(ChunkKey::new(self.take(n)?))
     }
+    /// A u32 count and that many `key16`s (each at least its 2-byte length).
+    fn keys16(&mut self) -> Result<Vec<ChunkKey>> {
+        let n = self.count(2)?;
+        (0..n).map(|_| self.key16()).collect()
+    }
     /// A count of items each at least `min_item` bytes long, checked against what is left.
     fn count(&mut self, min_item: usize) -> Result<usize> {
         let n = self.u32()? as usize;
@@ -541,10 +554,7 @@ impl Request {
                 KIND_REGISTER_FD
             }
             Request::Lookup { keys } => {
-                w.u32(keys.len() as u32);
-                for k in keys {
-                    w.key16(k)?;
-                }
+                w.keys16(keys)?;
                 KIND_LOOKUP
             }
             Request::Store(j) | Request::Load(j) => {
@@ -571,10 +581,7 @@ impl Request {
             }
             Request::Status => KIND_STATUS,
             Request::Hint { req_id, keys } => {
-                w.str16(req_id).u32(keys.len() as u32);
-                for k in keys {
-                    w.key16(k)?;
-                }
+                w.str16(req_id).keys16(keys)?;
                 KIND_HINT
             }
             Request::HintDone { req_id } => {
@@ -583,10 +590,7 @@ impl Request {
             }
             Request::TakeEvents => KIND_TAKE_EVENTS,
             Request::Touch { keys } => {
-                w.u32(keys.len() as u32);
-                for k in keys {
-                    w.key16(k)?;
-                }
+                w.keys16(keys)?;
                 KIND_TOUCH
             }
         };
@@ -620,11 +624,7 @@ impl Request {
                 path: r.str16()?,
             },
             KIND_REGISTER_FD => Request::RegisterFd { num_rows: r.u64()? },
-            KIND_LOOKUP => {
-                let n = r.count(2)?;
-                let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
-                Request::Lookup { keys }
-            }
+            KIND_LOOKUP => Request::Lookup { keys: r.keys16()? },
             KIND_STORE | KIND_LOAD => {
                 let job_id = r.u64()?;
                 let n = r.count(6)?;
@@ -642,19 +642,13 @@ impl Request {
                 }
             }
             KIND_STATUS => Request::Status,
-            KIND_HINT => {
-                let req_id = r.str16()?;
-                let n = r.count(2)?;
-                let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
-                Request::Hint { req_id, keys }
-            }
+            KIND_HINT => Request::Hint {
+                req_id: r.str16()?,
+                keys: r.keys16()?,
+            },
             KIND_HINT_DONE => Request::HintDone { req_id: r.str16()? },
             KIND_TAKE_EVENTS => Request::TakeEvents,
-            KIND_TOUCH => {
-                let n = r.count(2)?;
-                let keys = (0..n).map(|_| r.key16()).collect::<Result<_>>()?;
-                Request::Touch { keys }
-            }
+            KIND_TOUCH => Request::Touch { keys: r.keys16()? },
             k => {
                 return Err(Error::new(
                     ErrorKind::Unsupported,
@@ -787,12 +781,10 @@ impl Reply {
                         b => return Err(malformed(format!("event medium byte {b}"))),
                     };
                     let removed = r.u8()? != 0;
-                    let k = r.count(2)?;
-                    let keys = (0..k).map(|_| r.key16()).collect::<Result<_>>()?;
                     events.push(InventoryEvent {
                         medium,
                         removed,
-                        keys,
+                        keys: r.keys16()?,
                     });
                 }
                 Reply::Events(events)
