@@ -428,6 +428,16 @@ impl NodeClient {
         })
     }
 
+    /// Sends a request the service does not answer.
+    fn send_unanswered(&self, req: &Request) -> Result<()> {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let frame = req.to_frame(seq)?;
+        if !self.is_connected() {
+            return Err(lost());
+        }
+        self.send(&frame, None)
+    }
+
     fn send_pending(&self, req: &Request, pending: Pending) -> Result<()> {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
         let frame = req.to_frame(seq)?;
@@ -454,26 +464,15 @@ impl NodeClient {
     /// Request `req_id` finished: the service discards its hinted keys no load used. No
     /// answer.
     pub fn hint_done(&self, req_id: &str) -> Result<()> {
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let frame = Request::HintDone {
+        self.send_unanswered(&Request::HintDone {
             req_id: req_id.to_string(),
-        }
-        .to_frame(seq)?;
-        if !self.is_connected() {
-            return Err(lost());
-        }
-        self.send(&frame, None)
+        })
     }
 
     /// Tells the service that `keys` were used (vLLM's `touch`): it moves the ones G3 holds
     /// to the most recently used end of G3's LRU. No answer.
     pub fn touch(&self, keys: Vec<ChunkKey>) -> Result<()> {
-        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let frame = Request::Touch { keys }.to_frame(seq)?;
-        if !self.is_connected() {
-            return Err(lost());
-        }
-        self.send(&frame, None)
+        self.send_unanswered(&Request::Touch { keys })
     }
 
     /// Asks for the inventory events since the last ask (the first ask subscribes) and
