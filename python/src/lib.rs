@@ -266,20 +266,16 @@ impl Tier {
         // it can) or `never` (vLLM's mapping, 4 KiB pages); a bad value names the key.
         let huge_pages = kvtier::embed::region_huge_pages(&tier_config).map_err(to_py)?;
         let layout_key = format!("{}.layout", tier_config.key_path());
-        let layout = match tier_config.params.get("layout") {
-            None => None,
-            Some(serde_json::Value::String(v)) => Some(v.clone()),
-            Some(other) => {
-                return Err(ConfigError::new_err(format!(
-                    "{layout_key}: expected a shipped layout name or a descriptor path, found {other}"
-                )));
-            }
-        };
+        // A `layout` that is not a string was refused with the whole entry just above.
+        let layout = tier_config
+            .params
+            .get("layout")
+            .and_then(serde_json::Value::as_str);
         let rs = RegionSpec::new(
             length,
             row_stride,
             spec,
-            layout.as_deref().map(|v| (layout_key.as_str(), v)),
+            layout.map(|v| (layout_key.as_str(), v)),
         )?;
         let (num_rows, namespace, slot_prefix) = (rs.num_rows, rs.namespace, rs.slot_prefix);
         let tier = py
