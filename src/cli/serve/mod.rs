@@ -97,15 +97,14 @@ fn namespace_hint(
     use crate::cli::tier::FormatFor;
     let blocks_per_chunk = params.blocks_per_chunk;
     // A tier formatted for this model but for the other opener says so.
-    let other = match for_ {
-        FormatFor::InProcess => crate::canonical::engine_pool_namespace(layout, params)
-            .ok()
-            .map(|d| (d, "vLLM engines and the node service (--for vllm)")),
-        FormatFor::Vllm => Some((
-            crate::canonical::namespace_digest(layout, params),
-            "kvtier's in-process tiers (--for in-process)",
-        )),
+    let other_for = match for_ {
+        FormatFor::InProcess => FormatFor::Vllm,
+        FormatFor::Vllm => FormatFor::InProcess,
     };
+    let other = other_for
+        .namespace(layout, params)
+        .ok()
+        .map(|d| (d, other_for.openers()));
     let formatted_for = match (other, e.context_value("found")) {
         (Some((digest, who)), Some(found)) if hex::encode(digest) == found => {
             format!(" (the tier was formatted for {who})")

@@ -147,6 +147,26 @@ impl FormatFor {
             FormatFor::InProcess => "in-process",
         }
     }
+
+    /// The namespace digest of a tier formatted for this opener, for `layout` with `params`.
+    pub fn namespace(
+        self,
+        layout: &crate::canonical::LayoutDescriptor,
+        params: &NamespaceParams,
+    ) -> Result<[u8; 32]> {
+        match self {
+            FormatFor::Vllm => engine_pool_namespace(layout, params),
+            FormatFor::InProcess => Ok(namespace_digest(layout, params)),
+        }
+    }
+
+    /// Who opens a tier formatted for this opener, with its `--for` flag, as messages say.
+    pub fn openers(self) -> &'static str {
+        match self {
+            FormatFor::Vllm => "vLLM engines and the node service (--for vllm)",
+            FormatFor::InProcess => "kvtier's in-process tiers (--for in-process)",
+        }
+    }
 }
 
 /// The `kvtier tier format` command line that formats the `nvme` tiers of `cfg` so that a
@@ -252,10 +272,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             // Slots of what the tier will store: the canonical area or the whole row.
             row_stride: params.slot_bytes,
             capacity_bytes: a.capacity,
-            namespace: match a.for_ {
-                FormatFor::Vllm => engine_pool_namespace(&layout, &params)?,
-                FormatFor::InProcess => namespace_digest(&layout, &params),
-            },
+            namespace: a.for_.namespace(&layout, &params)?,
             direct_io: a.direct_io,
         },
     )?;
@@ -267,10 +284,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             a.row.model.tp,
             count(u64::from(a.row.blocks_per_chunk), "block"),
             if a.canonical { "canonical" } else { "direct" },
-            match a.for_ {
-                FormatFor::Vllm => "vLLM engines and the node service (--for vllm)",
-                FormatFor::InProcess => "kvtier's in-process tiers (--for in-process)",
-            }
+            a.for_.openers()
         )?;
         return print_inspect(&InspectOutput::new(&report, &a.paths), false);
     }
