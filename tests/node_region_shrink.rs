@@ -10,6 +10,7 @@
 //! from G3 and from the pool.
 
 mod cli_common;
+mod node_common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -20,6 +21,8 @@ use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, JobResult, PrimaryRegion};
 use serde_json::json;
 
+use node_common::payload_of;
+
 const STRIDE: u64 = 64 * 1024;
 const ROWS: u64 = 16;
 const SLOTS: u64 = 32;
@@ -28,21 +31,6 @@ const DIGEST: [u8; 32] = [0x3c; 32];
 
 fn key(tag: &str, i: u32) -> ChunkKey {
     ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
-}
-
-/// The bytes of `k`'s row: a function of the key alone.
-fn payload_of(k: &ChunkKey) -> Vec<u8> {
-    let mut seed = k.as_bytes().iter().fold(0x9e37_79b9_7f4a_7c15u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-    }) | 1;
-    let mut row = vec![0u8; STRIDE as usize];
-    for chunk in row.chunks_mut(8) {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        chunk.copy_from_slice(&seed.to_le_bytes()[..chunk.len()]);
-    }
-    row
 }
 
 struct Fixture {
@@ -130,7 +118,7 @@ fn b_stores_and_loads(b: &NodeClient, region: &PrimaryRegion, id: u64, keys: &[C
     let rows: Vec<u32> = (0..keys.len() as u32).collect();
     for (k, &row) in keys.iter().zip(&rows) {
         // SAFETY: no job of B runs now; this test is the only user of B's rows.
-        unsafe { region.row_mut(row as usize).unwrap() }.copy_from_slice(&payload_of(k));
+        unsafe { region.row_mut(row as usize).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
     }
     let r = run_job(b, id, false, keys, &rows);
     assert!(r.success, "engine B's store: {:?}", r.error);
@@ -152,7 +140,7 @@ fn b_loads(b: &NodeClient, region: &PrimaryRegion, id: u64, keys: &[ChunkKey]) {
         // SAFETY: the job is done.
         let got = unsafe { region.row(row as usize).unwrap() };
         assert!(
-            got == payload_of(k).as_slice(),
+            got == payload_of(k, STRIDE).as_slice(),
             "engine B loaded other bytes for {k}"
         );
     }
@@ -178,7 +166,7 @@ fn shrink_case(case: Case, shrink_to: u64) {
     let a_keys: Vec<ChunkKey> = (0..4).map(|i| key("a", i)).collect();
     let mut bytes = vec![0u8; (ROWS * STRIDE) as usize];
     for (i, k) in a_keys.iter().enumerate() {
-        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k));
+        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k, STRIDE));
     }
     std::fs::write(&f.shm_file, &bytes).unwrap();
     let a = connect(&f, "rank-a");
@@ -320,7 +308,7 @@ fn a_shrink_while_jobs_run_fails_the_job_it_hits_and_the_service_stays_up() {
     let a_keys: Vec<ChunkKey> = (0..8).map(|i| key("a", i)).collect();
     let mut bytes = vec![0u8; (ROWS * STRIDE) as usize];
     for (i, k) in a_keys.iter().enumerate() {
-        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k));
+        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k, STRIDE));
     }
     let mut inside = 0;
     let mut rounds = 0;
@@ -397,7 +385,7 @@ fn a_node_tier_whose_region_was_lost_reconnects_once_its_file_is_whole_again() {
     use kvtier::contract::secondary::SecondaryTier;
     let f = fixture();
     let bytes: Vec<u8> = (0..2)
-        .flat_map(|i| payload_of(&key("t", i)))
+        .flat_map(|i| payload_of(&key("t", i), STRIDE))
         .chain(std::iter::repeat_n(0, ((ROWS - 2) * STRIDE) as usize))
         .collect();
     std::fs::write(&f.shm_file, &bytes).unwrap();
@@ -481,7 +469,7 @@ fn a_node_tier_whose_region_was_lost_reconnects_once_its_file_is_whole_again() {
     for (i, row) in [8usize, 9].into_iter().enumerate() {
         let got = &now[row * STRIDE as usize..][..STRIDE as usize];
         assert!(
-            got == payload_of(&key("t", i as u32)).as_slice(),
+            got == payload_of(&key("t", i as u32), STRIDE).as_slice(),
             "row {row}"
         );
     }

@@ -6,6 +6,8 @@
 //! Byte equality is checked by this process reading the clients' region files itself, not
 //! through kvtier.
 
+mod node_common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
@@ -18,6 +20,8 @@ use kvtier::node::server::start_from_config;
 use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, LookupResult, PrimaryRegion};
 use serde_json::json;
+
+use node_common::payload_of;
 
 /// Bytes per row (slot) in these tests.
 const STRIDE: u64 = 64 * 1024;
@@ -451,11 +455,12 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
         let b_keys: Vec<ChunkKey> = (0..2).map(|i| key("rows-b", i)).collect();
         for i in 0..2 {
             // SAFETY: no job is running; this test is the regions' only user.
-            unsafe { a_region.row_mut(i).unwrap() }.copy_from_slice(&payload_of(&a_keys[i]));
+            unsafe { a_region.row_mut(i).unwrap() }
+                .copy_from_slice(&payload_of(&a_keys[i], STRIDE));
             // SAFETY: as above.
             let row = unsafe { b_region.row_mut(i).unwrap() };
             row.fill(0x77);
-            row[..slot].copy_from_slice(&payload_of(&b_keys[i]));
+            row[..slot].copy_from_slice(&payload_of(&b_keys[i], STRIDE));
             // SAFETY: as above.
             unsafe { b_region.row_mut(i + 2).unwrap() }.fill(0x77);
         }
@@ -474,7 +479,10 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
             for (i, k) in a_keys.iter().enumerate() {
                 // SAFETY: the load is reported; this test is the region's only user.
                 let got = unsafe { b_region.row(i + 2).unwrap() };
-                assert!(got[..slot] == payload_of(k)[..], "row {i}: the slot");
+                assert!(
+                    got[..slot] == payload_of(k, STRIDE)[..],
+                    "row {i}: the slot"
+                );
                 assert!(
                     got[slot..].iter().all(|b| *b == 0x77),
                     "dram {dram_bytes}, round {round}, row {i}: the bytes past the slot \
@@ -489,7 +497,7 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
             for (i, k) in b_keys.iter().enumerate() {
                 // SAFETY: the load is reported; this test is the region's only user.
                 let got = unsafe { a_region.row(i + 2).unwrap() };
-                assert!(got == payload_of(k).as_slice(), "row {i}");
+                assert!(got == payload_of(k, STRIDE).as_slice(), "row {i}");
             }
         }
         if dram_bytes > 0 {
@@ -709,21 +717,6 @@ fn spawn_service(dir: &Path) -> ChildGuard {
     ChildGuard(Some(child))
 }
 
-/// The bytes of `k`'s row: a function of the key alone, so any loaded row can be checked.
-fn payload_of(k: &ChunkKey) -> Vec<u8> {
-    let mut seed = k.as_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-    }) | 1;
-    let mut row = vec![0u8; STRIDE as usize];
-    for chunk in row.chunks_mut(8) {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        chunk.copy_from_slice(&seed.to_le_bytes()[..chunk.len()]);
-    }
-    row
-}
-
 fn job(job_id: u64, keys: Vec<ChunkKey>, rows: Vec<u32>, load: bool) -> kvtier::TransferJob {
     kvtier::TransferJob {
         job_id,
@@ -811,7 +804,7 @@ fn storer(
         );
         for (row, k) in keys.iter().enumerate() {
             // SAFETY: no job of this tier is running; this thread is the region's only user.
-            unsafe { region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k));
+            unsafe { region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
         }
         t.submit_store(job(id, keys.clone(), (0..KEYS_PER_JOB).collect(), false));
         let r = wait_job(&mut t, id);
@@ -904,7 +897,7 @@ fn loader(
             // SAFETY: the job is reported; this thread is the region's only user.
             let got = unsafe { region.row(i).unwrap() };
             assert!(
-                got == payload_of(&hits[i]).as_slice(),
+                got == payload_of(&hits[i], STRIDE).as_slice(),
                 "load job {id} reported key {} moved but its row holds other bytes",
                 hits[i]
             );
@@ -1003,7 +996,10 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
         for (row, k) in chunk.iter().enumerate() {
             // SAFETY: the job is reported; this test is the region's only user.
             let got = unsafe { region.row(row).unwrap() };
-            assert!(got == payload_of(k).as_slice(), "key {k} after the restart");
+            assert!(
+                got == payload_of(k, STRIDE).as_slice(),
+                "key {k} after the restart"
+            );
         }
     }
     eprintln!(
@@ -1028,7 +1024,7 @@ fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
     let keys: Vec<ChunkKey> = (0..4).map(|i| key("prefix", i)).collect();
     for (row, k) in keys.iter().enumerate() {
         // SAFETY: no job is running; this test is the regions' only user.
-        unsafe { a_region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k));
+        unsafe { a_region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
         // SAFETY: as above.
         unsafe { b_region.row_mut(row).unwrap() }.fill(0x77);
     }
@@ -1048,7 +1044,7 @@ fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
         // SAFETY: the jobs are reported; this test is the region's only user.
         let got = unsafe { b_region.row(row).unwrap() };
         assert!(
-            got[..slot] == payload_of(k)[..slot],
+            got[..slot] == payload_of(k, STRIDE)[..slot],
             "row {row}: the slot's bytes"
         );
         assert!(
