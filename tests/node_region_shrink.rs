@@ -95,6 +95,23 @@ fn connect(f: &Fixture, name: &str) -> NodeClient {
     NodeClient::connect(&f.socket, &hello).unwrap()
 }
 
+/// Engine B: a memfd region passed by descriptor, registered.
+fn engine_b(f: &Fixture) -> (PrimaryRegion, NodeClient) {
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let b = connect(f, "rank-b");
+    b.register_fd(region.fd().unwrap(), ROWS).unwrap();
+    (region, b)
+}
+
+/// A region file's bytes: row `i` holds `keys[i]`'s payload, the rows after them zeros.
+fn region_file_of(keys: &[ChunkKey]) -> Vec<u8> {
+    let mut bytes = vec![0u8; (ROWS * STRIDE) as usize];
+    for (i, k) in keys.iter().enumerate() {
+        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k, STRIDE));
+    }
+    bytes
+}
+
 fn run_job(c: &NodeClient, id: u64, load: bool, keys: &[ChunkKey], rows: &[u32]) -> JobResult {
     if load {
         c.submit_load(id, keys.to_vec(), rows.to_vec());
@@ -158,17 +175,11 @@ enum Case {
 
 fn shrink_case(case: Case, shrink_to: u64) {
     let f = fixture();
-    let b_region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let b = connect(&f, "rank-b");
-    b.register_fd(b_region.fd().unwrap(), ROWS).unwrap();
+    let (b_region, b) = engine_b(&f);
 
     // Engine A's region: a /dev/shm file whose rows 0..4 hold a-0..a-3.
     let a_keys: Vec<ChunkKey> = (0..4).map(|i| key("a", i)).collect();
-    let mut bytes = vec![0u8; (ROWS * STRIDE) as usize];
-    for (i, k) in a_keys.iter().enumerate() {
-        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k, STRIDE));
-    }
-    std::fs::write(&f.shm_file, &bytes).unwrap();
+    std::fs::write(&f.shm_file, region_file_of(&a_keys)).unwrap();
     let a = connect(&f, "rank-a");
     a.register_path(&f.shm_file, ROWS).unwrap();
     let r = run_job(&a, 1, false, &a_keys, &[0, 1, 2, 3]);
@@ -302,14 +313,9 @@ fn a_load_from_the_staging_pool_into_a_shrunk_region_fails() {
 #[test]
 fn a_shrink_while_jobs_run_fails_the_job_it_hits_and_the_service_stays_up() {
     let mut f = fixture();
-    let b_region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
-    let b = connect(&f, "rank-b");
-    b.register_fd(b_region.fd().unwrap(), ROWS).unwrap();
+    let (b_region, b) = engine_b(&f);
     let a_keys: Vec<ChunkKey> = (0..8).map(|i| key("a", i)).collect();
-    let mut bytes = vec![0u8; (ROWS * STRIDE) as usize];
-    for (i, k) in a_keys.iter().enumerate() {
-        bytes[i * STRIDE as usize..][..STRIDE as usize].copy_from_slice(&payload_of(k, STRIDE));
-    }
+    let bytes = region_file_of(&a_keys);
     let mut inside = 0;
     let mut rounds = 0;
     let mut job_id = 1000;
@@ -384,10 +390,8 @@ fn a_node_tier_whose_region_was_lost_reconnects_once_its_file_is_whole_again() {
     use kvtier::contract::secondary::HealthState;
     use kvtier::contract::secondary::SecondaryTier;
     let f = fixture();
-    let bytes: Vec<u8> = (0..2)
-        .flat_map(|i| payload_of(&key("t", i), STRIDE))
-        .chain(std::iter::repeat_n(0, ((ROWS - 2) * STRIDE) as usize))
-        .collect();
+    let t_keys: Vec<ChunkKey> = (0..2).map(|i| key("t", i)).collect();
+    let bytes = region_file_of(&t_keys);
     std::fs::write(&f.shm_file, &bytes).unwrap();
     let mut t = kvtier::node::NodeTier::connect(
         &f.socket,
