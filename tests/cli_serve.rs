@@ -270,14 +270,7 @@ fn user_mistakes_exit_2_with_one_line() {
     // A tier formatted for one model refuses another model's layout.
     let layout = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/mistral-7b.toml");
     let tier = dir.path().join("tier");
-    let fmt = kvtier(&[
-        "tier",
-        "format",
-        tier.to_str().unwrap(),
-        "--capacity",
-        "16MiB",
-        "--yes",
-    ]);
+    let fmt = format_16mib(tier.to_str().unwrap(), &["--yes"]);
     assert_success(&fmt);
     assert_exit_2_one_line(
         &kvtier(&[
@@ -304,35 +297,23 @@ fn a_formatted_tier_is_served_by_the_default_config() {
     let cfg = cfg.to_str().unwrap();
     let tier = dir.path().join("tier");
     let tier = tier.to_str().unwrap();
-    let fmt = kvtier(&[
-        "tier",
-        "format",
-        tier,
-        "--capacity",
-        "16MiB",
-        "--yes",
-        "--for",
-        "in-process",
-    ]);
+    let fmt = format_16mib(tier, &["--yes", "--for", "in-process"]);
     assert_success(&fmt);
 
     assert_serves_healthy(cfg);
 
-    let fmt = kvtier(&[
-        "tier",
-        "format",
-        tier,
-        "--capacity",
-        "16MiB",
-        "--yes",
-        "--canonical",
-        "--for",
-        "in-process",
-    ]);
+    let fmt = format_16mib(tier, &["--yes", "--canonical", "--for", "in-process"]);
     assert_success(&fmt);
     let out = kvtier(&["serve", "--config", cfg, "--metrics-addr", "127.0.0.1:0"]);
     assert_exit_2_one_line(&out, "canonical_layout = false");
     assert!(String::from_utf8_lossy(&out.stderr).contains("kvtier tier format"));
+}
+
+/// `kvtier tier format TIER --capacity 16MiB` with `extra` arguments after them.
+fn format_16mib(tier: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["tier", "format", tier, "--capacity", "16MiB"];
+    args.extend_from_slice(extra);
+    kvtier(&args)
 }
 
 /// The `kvtier tier format` command a refusal names (between backticks), without `kvtier`.
@@ -360,15 +341,7 @@ fn in_process_serve_refuses_a_tier_formatted_for_vllm_naming_the_command_that_wo
     let cfg = cfg.to_str().unwrap();
     let tier = dir.path().join("tier");
     let tier = tier.to_str().unwrap();
-    let out = kvtier(&[
-        "tier",
-        "format",
-        tier,
-        "--capacity",
-        "16MiB",
-        "--yes",
-        "--json",
-    ]);
+    let out = format_16mib(tier, &["--yes", "--json"]);
     assert_success(&out);
     let formatted: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(formatted["namespace_for"], "vllm");
@@ -400,34 +373,24 @@ fn layout_takes_a_shipped_name() {
     let tier = tier.to_str().unwrap();
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/layouts/qwen2.5-3b.toml");
     let namespace = |layout: &str| {
-        let out = kvtier(&[
-            "tier",
-            "format",
+        let out = format_16mib(
             tier,
-            "--capacity",
-            "16MiB",
-            "--yes",
-            "--json",
-            "--layout",
-            layout,
-            "--tp",
-            "4",
-            "--canonical",
-        ]);
+            &[
+                "--yes",
+                "--json",
+                "--layout",
+                layout,
+                "--tp",
+                "4",
+                "--canonical",
+            ],
+        );
         assert_success(&out);
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         v["files"][0]["superblock"]["namespace"].clone()
     };
     assert_eq!(namespace("qwen2.5-3b"), namespace(path));
-    let out = kvtier(&[
-        "tier",
-        "format",
-        tier,
-        "--capacity",
-        "16MiB",
-        "--layout",
-        "qwen9",
-    ]);
+    let out = format_16mib(tier, &["--layout", "qwen9"]);
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("qwen9"));
 }
