@@ -167,6 +167,13 @@ class Engine:
             self.manager.complete_store(out.keys_to_store, req, success=True)
         return list(out.evicted_keys)
 
+    def store_settled(self, keys) -> None:
+        """One request that stores ``keys``, steps until its transfers are done, and ends."""
+        req = self.request()
+        self.store(keys, req)
+        self.settle()
+        self.finish(req)
+
     def step_end(self, new_req_ids=()) -> None:
         self.manager.on_schedule_end(
             ScheduleEndContext(new_req_ids=list(new_req_ids), preempted_req_ids=[])

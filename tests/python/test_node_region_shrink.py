@@ -53,10 +53,7 @@ def store_before_the_shrink(engine):
     """Engine A stores four keys (their rows written, the store settled); the keys, A's region
     file and its size."""
     before = [key(i) for i in range(4)]
-    req = engine.request()
-    engine.store(before, req)
-    engine.settle()
-    engine.finish(req)
+    engine.store_settled(before)
     region = region_of_this_process()
     return before, region, region.stat().st_size
 

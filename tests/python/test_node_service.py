@@ -149,10 +149,7 @@ def test_two_vllm_processes_share_one_g3_pool_through_the_node_service(service):
     a = Engine(extra)
     try:
         keys = [key(i) for i in range(6)]
-        req = a.request()
-        a.store(keys, req)
-        a.settle()
-        a.finish(req)
+        a.store_settled(keys)
         # The chunks are in the service's pool: a lookup through A's manager finds them
         # in the primary first, so ask the service through the tier (RETRY, then the verdict).
         t = a.tier()
@@ -226,10 +223,7 @@ def test_the_service_killed_under_load_and_restarted_engines_reconnect_by_themse
     a = Engine(extra)
     try:
         committed = [key(i) for i in range(6)]
-        req = a.request()
-        a.store(committed, req)
-        a.settle()
-        a.finish(req)
+        a.store_settled(committed)
         # Under load: A's manager hands new cascades to kvtier and the service dies with them.
         in_flight = [key(100 + i) for i in range(6)]
         req = a.request()
@@ -295,10 +289,7 @@ def _killed_mid_job(service, hang, hold) -> None:
     stored = [key(i) for i in range(6)]
     a = Engine(extra)
     try:
-        req = a.request()
-        a.store(stored, req)
-        a.settle()
-        a.finish(req)
+        a.store_settled(stored)
     finally:
         a.shutdown()
     # Another vLLM engine process submits its jobs; the service holds one of them in flight.

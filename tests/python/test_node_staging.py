@@ -74,10 +74,7 @@ def test_a_hint_in_vllms_request_stages_the_chunks_and_the_lookup_hits_at_once(s
             list(b.manager.take_events())
             time.sleep(0.02)
         keys = [key(100 + i) for i in range(6)]
-        req_a = a.request()
-        a.store(keys, req_a)
-        a.settle()
-        a.finish(req_a)
+        a.store_settled(keys)
 
         # Without a hint, B's first lookup has to ask the service: RETRY.
         plain = b.request()
@@ -208,10 +205,7 @@ def test_events_begin_at_the_consumers_first_ask_as_with_vllms_own_fs_tier(servi
     # vLLM's fs tier: one engine stores (and reports it), a new one over the same directory.
     first = Engine(fs_extra, events=True)
     try:
-        req = first.request()
-        first.store(old, req)
-        first.settle()
-        first.finish(req)
+        first.store_settled(old)
         assert set(old) <= storage_stores(
             drain_events(first, lambda ev: set(old) <= storage_stores(ev))
         )
@@ -236,10 +230,7 @@ def test_events_begin_at_the_consumers_first_ask_as_with_vllms_own_fs_tier(servi
         subscribe(c, 1)
         a = Engine(extra)
         try:
-            req = a.request()
-            a.store(old, req)
-            a.settle()
-            a.finish(req)
+            a.store_settled(old)
         finally:
             a.shutdown()
         assert set(old) <= storage_stores(
