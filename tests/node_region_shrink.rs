@@ -21,17 +21,13 @@ use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, JobResult, PrimaryRegion};
 use serde_json::json;
 
-use node_common::payload_of;
+use node_common::{key, payload_of};
 
 const STRIDE: u64 = 64 * 1024;
 const ROWS: u64 = 16;
 const SLOTS: u64 = 32;
 const STAGING_SLOTS: u64 = 8;
 const DIGEST: [u8; 32] = [0x3c; 32];
-
-fn key(tag: &str, i: u32) -> ChunkKey {
-    ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
-}
 
 struct Fixture {
     _dir: tempfile::TempDir,

@@ -21,7 +21,7 @@ use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, LookupResult, PrimaryRegion};
 use serde_json::json;
 
-use node_common::payload_of;
+use node_common::{key, payload_of};
 
 /// Bytes per row (slot) in these tests.
 const STRIDE: u64 = 64 * 1024;
@@ -32,10 +32,6 @@ const ROWS: u64 = 64;
 /// The compatibility digest of the service in these tests.
 const DIGEST: [u8; 32] = [0x42; 32];
 const CHILD_VAR: &str = "KVTIER_NODE_CHILD";
-
-fn key(tag: &str, i: u32) -> ChunkKey {
-    ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
-}
 
 struct Fixture {
     dir: tempfile::TempDir,

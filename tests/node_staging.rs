@@ -6,6 +6,8 @@
 //! a load from G3 would then fail its CRC (the control key shows it does), so a load that
 //! returns the stored bytes came from the pool.
 
+mod node_common;
+
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -22,14 +24,12 @@ use kvtier::node::{ClientHello, NodeClient, NodeService, NodeTier, RegionSource}
 use kvtier::{ChunkKey, LookupResult, PrimaryRegion, RequestContext, TransferJob};
 use serde_json::json;
 
+use node_common::key;
+
 const STRIDE: u64 = 64 * 1024;
 const SLOTS: u64 = 32;
 const ROWS: u64 = 16;
 const DIGEST: [u8; 32] = [0x5a; 32];
-
-fn key(tag: &str, i: u32) -> ChunkKey {
-    ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
-}
 
 struct Fixture {
     _dir: tempfile::TempDir,

@@ -3,6 +3,11 @@
 
 use kvtier::ChunkKey;
 
+/// The key of chunk `i` of `tag`: `tag-000i`.
+pub fn key(tag: &str, i: u32) -> ChunkKey {
+    ChunkKey::new(format!("{tag}-{i:04}").as_bytes())
+}
+
 /// The bytes of `k`'s row of `stride` bytes: a function of the key alone, so any loaded row
 /// can be checked.
 pub fn payload_of(k: &ChunkKey, stride: u64) -> Vec<u8> {
