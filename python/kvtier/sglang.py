@@ -270,7 +270,9 @@ def _build_class():
 
         def _explain(self, error, fields):
             """A namespace refusal, with what the directory holds and what this rank is."""
-            if "namespace digest differs" not in str(error):
+            # The slabs' slot size is checked first (another piece size: another page format),
+            # then their namespace digest.
+            if not any(m in str(error) for m in ("namespace digest differs", "row_stride differs")):
                 return error
             for p in self._entry["paths"]:
                 try:
