@@ -11,7 +11,8 @@ Enable it with SGLang's own dynamic backend loader::
 SGLang's ``StorageBackendFactory`` imports ``module_path``, takes ``class_name`` and builds it
 as ``KvtierStorage(storage_config, {})``; the HiCache controller then hands over its host KV
 pool with ``register_mem_pool_host`` and, because of ``"interface_v1": true``, moves pages
-with ``batch_get_v1`` / ``batch_set_v1``. Every key besides SGLang's own is kvtier's ``nvme``
+with ``batch_get_v1`` / ``batch_set_v1`` (without it, with ``batch_get`` / ``batch_set`` on
+flat page copies, which kvtier bounces through free host pages: slower, same bytes). Every key besides SGLang's own is kvtier's ``nvme``
 tier configuration (``docs/g3.md``), validated by kvtier with errors that name the key
 (``extra_config.capacity``).
 
@@ -181,10 +182,11 @@ def _build_class():
             self.storage_config = storage_config
             extra = dict(storage_config.extra_config or {})
             if not extra.get("interface_v1"):
-                raise _config_error(
-                    "extra_config.interface_v1: kvtier moves pages in place between SGLang's "
-                    "host pool and its slots, which SGLang does through the v1 interface only; "
-                    'add "interface_v1": true'
+                logger.warning(
+                    "kvtier SGLang backend: without \"interface_v1\": true in "
+                    "--hicache-storage-backend-extra-config SGLang moves flat page copies "
+                    "through Python (get/set), which kvtier bounces through free host pages; "
+                    "add \"interface_v1\": true to move pages in place"
                 )
             if "type" in extra:
                 raise _config_error(
@@ -218,6 +220,7 @@ def _build_class():
             self._stats_lock = threading.Lock()
             self._stats = ([], [], [], [])  # prefetch pgs, backup pgs, prefetch GB/s, backup GB/s
             self._metrics = bool(storage_config.enable_storage_metrics)
+            self._bounce_warned = False
 
         # ---- the host pool ------------------------------------------------------------------
 
@@ -333,27 +336,73 @@ def _build_class():
             return ok
 
         # ---- the older interface ------------------------------------------------------------
+        # Flat page copies (SGLang's controller uses them without "interface_v1"): each batch
+        # borrows free pages of the host pool as a bounce, through the pool's own allocator,
+        # copies with its own set_from_flat_data_page / get_data_page, and moves the bounce
+        # pages like batch_set_v1 / batch_get_v1. Slower than the v1 interface (a copy each
+        # way, in Python), same keys and bytes.
 
         def exists(self, key) -> bool:
             return self.batch_exists([key]) == 1
 
-        def _flat_pages(self, what):
-            raise _native().KvtierError(
-                f"kvtier's SGLang backend: {what} moves copies of pages through Python; kvtier "
-                'moves them in place only (batch_get_v1 / batch_set_v1, "interface_v1": true)'
-            )
+        def _borrow(self, n):
+            """Host indices of ``n`` free pages of the pool, or None (logged once)."""
+            idx = self.mem_pool_host.alloc(n * self._page_size)
+            if idx is None and not self._bounce_warned:
+                self._bounce_warned = True
+                logger.warning(
+                    "kvtier SGLang backend: no free host pages to bounce %d flat page(s) "
+                    "through; those pages miss (set \"interface_v1\": true to move pages in "
+                    "place)",
+                    n,
+                )
+            return idx
 
-        def get(self, key, target_location=None, target_sizes=None):
-            self._flat_pages("get")
+        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
+            store, pool, ps = self._require(), self.mem_pool_host, self._page_size
+            idx = self._borrow(len(keys))
+            if idx is None:
+                return False
+            try:
+                starts = [int(i) for i in idx[::ps].tolist()]
+                for start, value in zip(starts, values):
+                    pool.set_from_flat_data_page(start, value)
+                ok, nbytes, seconds = store.store([str(k) for k in keys], starts)
+            finally:
+                pool.free(idx)
+            self._record(self._stats[1], self._stats[3], ok, nbytes, seconds)
+            return all(ok)
 
         def batch_get(self, keys, target_locations=None, target_sizes=None):
-            self._flat_pages("batch_get")
+            store, pool, ps = self._require(), self.mem_pool_host, self._page_size
+            idx = self._borrow(len(keys))
+            if idx is None:
+                return [None] * len(keys)
+            out = []
+            try:
+                starts = [int(i) for i in idx[::ps].tolist()]
+                ok, nbytes, seconds = store.load([str(k) for k in keys], starts)
+                targets = target_locations or [None] * len(keys)
+                for good, start, target in zip(ok, starts, targets):
+                    if not good:
+                        out.append(None)
+                        continue
+                    page = pool.get_data_page(start, flat=True)
+                    if target is None:
+                        out.append(page.clone() if hasattr(page, "clone") else page.copy())
+                    else:
+                        target[:] = page
+                        out.append(target)
+            finally:
+                pool.free(idx)
+            self._record(self._stats[0], self._stats[2], ok, nbytes, seconds)
+            return out
 
-        def set(self, key, value=None, target_location=None, target_sizes=None):
-            self._flat_pages("set")
+        def get(self, key, target_location=None, target_sizes=None):
+            return self.batch_get([key], [target_location])[0]
 
-        def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
-            self._flat_pages("batch_set")
+        def set(self, key, value=None, target_location=None, target_sizes=None) -> bool:
+            return self.batch_set([key], [value])
 
         # ---- administration -----------------------------------------------------------------
 

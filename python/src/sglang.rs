@@ -112,6 +112,9 @@ pub(crate) struct SglangStore {
     /// wait at the same time).
     finished: Mutex<HashMap<u64, JobResult>>,
     next_job: AtomicU64,
+    /// Bumped by [`SglangStore::clear`], which replaces the tier: a caller still waiting for
+    /// jobs of the tier before has every one it did not get reported failed.
+    generation: AtomicU64,
     /// Keeps SGLang's host pool buffer referenced until the tier has stopped.
     anchor: Mutex<Option<Py<PyAny>>>,
     /// The tier's configuration and region, to open it again after [`SglangStore::clear`].
@@ -174,7 +177,7 @@ impl SglangStore {
         }
         let started = Instant::now();
         let ids: Vec<u64> = jobs.iter().map(|j| j.job_id).collect();
-        self.with_tier(|t| {
+        let generation = self.with_tier(|t| {
             for job in jobs {
                 if load {
                     t.submit_load(job);
@@ -182,6 +185,8 @@ impl SglangStore {
                     t.submit_store(job);
                 }
             }
+            // Read under the tier's lock: `clear` bumps it under the same lock.
+            self.generation.load(Ordering::Acquire)
         })?;
         let mut outcome: HashMap<u64, JobResult> = HashMap::with_capacity(ids.len());
         let mut nap = Duration::from_micros(20);
@@ -196,6 +201,23 @@ impl SglangStore {
             }
             drop(finished);
             if outcome.len() == ids.len() {
+                break;
+            }
+            if self.generation.load(Ordering::Acquire) != generation {
+                // The tier was cleared: what it did not report is failed.
+                for id in &ids {
+                    outcome.entry(*id).or_insert_with(|| JobResult {
+                        job_id: *id,
+                        success: false,
+                        successful_keys: None,
+                        transfer_time: None,
+                        transfer_bytes: None,
+                        error: Some(Error::new(
+                            kvtier::ErrorKind::Closed,
+                            "the tier was cleared while the job ran",
+                        )),
+                    });
+                }
                 break;
             }
             std::thread::sleep(nap);
@@ -282,6 +304,7 @@ impl SglangStore {
             tier: Mutex::new(Some(tier)),
             finished: Mutex::new(HashMap::new()),
             next_job: AtomicU64::new(1),
+            generation: AtomicU64::new(0),
             anchor: Mutex::new(Some(anchor)),
             config,
             region,
@@ -329,8 +352,13 @@ impl SglangStore {
                 return Err(KvtierError::new_err("the kvtier SGLang store is shut down"));
             };
             tier.shutdown().map_err(to_py)?;
+            // Jobs of waiting callers were finished or failed by the shutdown: hand them over.
+            let rest = tier.get_finished_jobs();
+            self.finished
+                .lock()
+                .extend(rest.into_iter().map(|r| (r.job_id, r)));
             guard.take();
-            self.finished.lock().clear();
+            self.generation.fetch_add(1, Ordering::AcqRel);
             kvtier::embed::clear_tier(&self.config).map_err(to_py)?;
             let tier =
                 Self::open(self.config.clone(), self.region.clone(), self.digest).map_err(to_py)?;

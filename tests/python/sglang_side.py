@@ -119,7 +119,8 @@ def shared_tensor(dims, dtype):
 class HostPool:
     """A stand-in for SGLang's MHA or MLA host pool: SGLang's own methods over real memory."""
 
-    def __init__(self, src, kind, layout, page_size, page_num, layer_num, head_num=2, head_dim=256):
+    def __init__(self, src, kind, layout, page_size, page_num, layer_num, head_num=2, head_dim=256,
+                 reserved=None):
         import logging
 
         import torch
@@ -146,6 +147,19 @@ class HostPool:
         for name, fn in fns.items():
             setattr(self, name, types.MethodType(fn, self))
         self.kv_buffer = self.init_kv_buffer()
+        # The pool's allocator (SGLang's works on torch tensors): pages from ``reserved`` on
+        # are free; the scenarios use the pages below it directly.
+        self._free = list(range(page_num if reserved is None else reserved, page_num))
+
+    def alloc(self, need_size):
+        n = need_size // self.page_size
+        if n > len(self._free):
+            return None
+        pages, self._free = self._free[:n], self._free[n:]
+        return self.indices(pages)
+
+    def free(self, indices):
+        self._free.extend(sorted({int(i) // self.page_size for i in indices}))
 
     def fill(self, page: int, seed: int) -> None:
         """Distinct bytes into every byte of one page (through SGLang's flat page order)."""
@@ -263,12 +277,14 @@ def kvtier_extra(paths, **more):
 
 
 def open_pair(src, which, kind, layout, page_size, directory, **cfg):
-    """A fresh host pool, and SGLang's factory's backend (kvtier or file) over it."""
-    pool = HostPool(src, kind, layout, page_size, page_num=8, layer_num=4, head_dim=256)
-    if which == "kvtier":
-        extra = kvtier_extra([directory])
+    """A fresh host pool (pages 0-7 for the scenario, 8-11 free), and SGLang's factory's
+    backend over it: kvtier (``kvtier-flat``: without ``interface_v1``) or file."""
+    pool = HostPool(src, kind, layout, page_size, page_num=12, layer_num=4, head_dim=256, reserved=8)
+    if which in ("kvtier", "kvtier-flat"):
+        v1 = which == "kvtier"
+        extra = kvtier_extra([directory], interface_v1=v1)
         b = backend(src, "dynamic", extra, pool, mla=kind == "mla", **cfg)
-        return pool, b, Controller(src, b, pool, zero_copy=True)
+        return pool, b, Controller(src, b, pool, zero_copy=v1)
     extra = {"file_storage_path": directory}
     b = backend(src, "file", extra, pool, mla=kind == "mla", **cfg)
     return pool, b, Controller(src, b, pool, zero_copy=False)
@@ -281,7 +297,7 @@ def roundtrip(src, doc):
     for case in doc["cases"]:
         kind, layout, ps = case["kind"], case["layout"], case["page_size"]
         row = {"case": case}
-        for which in ("kvtier", "file"):
+        for which in ("kvtier", "kvtier-flat", "file"):
             d = os.path.join(doc["dir"], f"{kind}-{layout}-{which}")
             pool, b, ctl = open_pair(src, which, kind, layout, ps, d)
             keys = [page_key(i, d) for i in range(6)]
@@ -296,7 +312,8 @@ def roundtrip(src, doc):
             got = [hashlib.sha256(pool.page_bytes(p)).hexdigest() for p in range(8)]
             r = {"stored": stored, "prefix": prefix, "prefix_from_3": prefix_hole, "loaded": loaded,
                  "orig": orig, "got": got}
-            if which == "kvtier":
+            if which.startswith("kvtier"):
+                r["free_pages_after"] = len(pool._free)
                 store = b._store
                 r.update(pieces=store.pieces, piece_bytes=store.piece_bytes)
                 stats = b.get_stats()
@@ -368,7 +385,6 @@ def refusals(src, doc):
     attempt("model_b", lambda: kv(kvtier_extra([base]), model="org/model-b"))
     attempt("tp_size_2", lambda: kv(kvtier_extra([base]), tp_size=2))
     attempt("layout_first", lambda: kv(kvtier_extra([base]), layout="layer_first"))
-    attempt("no_interface_v1", lambda: kv({**kvtier_extra([base]), "interface_v1": False}))
     attempt("misspelt_key", lambda: kv({**kvtier_extra([os.path.join(d, "x")]), "capacity": "1GiB"}))
     attempt("bad_capacity", lambda: kv({**kvtier_extra([os.path.join(d, "y")]), "capacity_bytes": "lots"}))
     attempt("small_pieces", lambda: kv(kvtier_extra([os.path.join(d, "z")]), layout="layer_first", ps=1))

@@ -69,8 +69,8 @@ def test_round_trips_in_every_layout_match_the_file_backend(sglang_src, tmp_path
     rows = side(sglang_src, "roundtrip", dir=str(tmp_path), cases=CASES)
     for row in rows:
         case = (row["case"]["kind"], row["case"]["layout"])
-        kv, ref = row["kvtier"], row["file"]
-        for name, r in (("kvtier", kv), ("file", ref)):
+        kv, flat, ref = row["kvtier"], row["kvtier-flat"], row["file"]
+        for name, r in (("kvtier", kv), ("kvtier-flat", flat), ("file", ref)):
             assert r["stored"], (case, name)
             # Keys 0-3 and 5 stored: the existing prefix is 4, and from key 3 it is 1 (key 4
             # was never stored), as SGLang's prefix rule says.
@@ -79,11 +79,14 @@ def test_round_trips_in_every_layout_match_the_file_backend(sglang_src, tmp_path
             # Pages 0-3 came back into pages 4-7 byte for byte; pages 0-3 stayed wiped.
             assert r["got"][4:] == r["orig"][:4], (case, name)
             assert len(set(r["got"][:4])) == 1 and r["got"][0] not in r["orig"], (case, name)
-        assert kv["got"] == ref["got"], case
-        assert (kv["pieces"], kv["piece_bytes"]) == PIECES[case]
-        assert kv["stats_type"] == "StorageMetrics"
-        assert kv["stats"] == {"prefetch_pgs": [4], "backup_pgs": [4, 1]}
-        assert kv["cleared"] is True and kv["prefix_after_clear"] == 0, case
+        assert kv["got"] == ref["got"] == flat["got"], case
+        for r in (kv, flat):
+            assert (r["pieces"], r["piece_bytes"]) == PIECES[case]
+            assert r["stats_type"] == "StorageMetrics"
+            assert r["stats"] == {"prefetch_pgs": [4], "backup_pgs": [4, 1]}
+            assert r["cleared"] is True and r["prefix_after_clear"] == 0, case
+        # The flat-page path borrowed bounce pages from the pool and gave them all back.
+        assert flat["free_pages_after"] == kv["free_pages_after"] == 4
 
 
 def _flip(path: Path, snippet: bytes, count: int = 1) -> int:
@@ -139,7 +142,6 @@ def test_refusals_name_the_key_the_layout_and_both_namespaces(sglang_src, tmp_pa
     assert "tp_size 1" in msg and "tp_size 2" in msg, msg
     # Another layout of the same model and rank is another page format: refused too.
     assert "'page_first'" in out["layout_first"] and "'layer_first'" in out["layout_first"]
-    assert "extra_config.interface_v1" in out["no_interface_v1"]
     assert "extra_config.capacity" in out["misspelt_key"] and "capacity_bytes" in out["misspelt_key"]
     assert "extra_config.capacity_bytes" in out["bad_capacity"], out["bad_capacity"]
     assert "page_first" in out["small_pieces"] and "4096" in out["small_pieces"], out["small_pieces"]
