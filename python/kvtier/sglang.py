@@ -225,6 +225,9 @@ def _build_class():
         # ---- the host pool ------------------------------------------------------------------
 
         def register_mem_pool_host(self, mem_pool_host):
+            # A pool registered again replaces the first (its tier is closed first: the slabs
+            # are locked by the tier that has them open).
+            self.close()
             super().register_mem_pool_host(mem_pool_host)
             geo = page_geometry(mem_pool_host)
             self._page_size = geo["page_size"]
