@@ -30,6 +30,7 @@ up (SGLang's factory does so).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -94,6 +95,13 @@ def namespace_fields(storage_config) -> dict:
     }
 
 
+def namespace_digest(fields: dict) -> str:
+    """kvtier's namespace digest of ``fields`` (64 hex digits): sha256 of their JSON with
+    sorted keys, no spaces, ASCII only, prefixed by what the digest is of."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(b"kvtier-sglang-namespace\0" + text.encode()).hexdigest()
+
+
 def rank_directory(storage_config) -> str:
     """The directory of this rank under each configured path: ``tp<rank>`` (``mla`` for an MLA
     model), then ``-pp<rank>``, ``-cp<rank>`` and ``-dp<rank>`` where those are in use. Two
@@ -131,9 +139,14 @@ def page_geometry(pool) -> dict:
             f"SGLang host pool with decode context parallelism (dcp_size {pool.dcp_size}): "
             "not supported by kvtier's backend"
         )
+    buf = getattr(pool, "kv_buffer", None)
+    if buf is None or not hasattr(pool, "get_page_buffer_meta"):
+        raise _config_error(
+            f"SGLang host pool {type(pool).__name__}: kvtier's backend moves the pages of "
+            "SGLang's MHA and MLA token pools (one kv_buffer and get_page_buffer_meta)"
+        )
     ps = int(pool.page_size)
     num_pages = int(pool.page_num)
-    buf = pool.kv_buffer
     base = int(buf.data_ptr())
     length = int(buf.numel()) * int(buf.element_size())
     starts = [0, ps, (num_pages - 1) * ps] if num_pages > 1 else [0]
@@ -253,7 +266,7 @@ def _build_class():
                     geo["num_pages"],
                     geo["anchor"],
                     json.dumps(self._entry),
-                    json.dumps(fields, sort_keys=True),
+                    namespace_digest(fields),
                 )
             except _native().ConfigError as e:
                 raise self._explain(e, fields) from None

@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use sha2::{Digest, Sha256};
 
 use kvtier::config::TierConfig;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
@@ -245,10 +244,11 @@ impl SglangStore {
     /// Adopts SGLang's host pool (`length` bytes at `base`, rows of `piece_bytes`) and opens
     /// the G3 tier `tier_entry` (JSON of an `nvme` entry) over it. A page is the pieces at
     /// byte offsets `piece_offsets` (page 0) plus `page_stride` per page; `page_size` tokens
-    /// per page, `num_pages` pages. `namespace_fields` (JSON) is digested into the namespace
-    /// the slabs carry. `anchor` must keep the pool mapped until [`SglangStore::shutdown`].
+    /// per page, `num_pages` pages. `namespace` (64 hex digits: `kvtier.sglang` digests the
+    /// namespace fields) is what the slabs carry. `anchor` must keep the pool mapped until
+    /// [`SglangStore::shutdown`].
     #[new]
-    #[pyo3(signature = (base, length, piece_bytes, piece_offsets, page_stride, page_size, num_pages, anchor, tier_entry, namespace_fields))]
+    #[pyo3(signature = (base, length, piece_bytes, piece_offsets, page_stride, page_size, num_pages, anchor, tier_entry, namespace))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -261,7 +261,7 @@ impl SglangStore {
         num_pages: u64,
         anchor: Py<PyAny>,
         tier_entry: &str,
-        namespace_fields: &str,
+        namespace: &str,
     ) -> PyResult<Self> {
         install_logger();
         let geometry = geometry(
@@ -276,10 +276,12 @@ impl SglangStore {
             .map_err(|e| ConfigError::new_err(format!("{SGLANG_PATH}: invalid JSON: {e}")))?;
         let config = kvtier::config::resolve_tier_entry(0, &entry).map_err(|e| sg_err(py, e))?;
         let huge_pages = kvtier::embed::region_huge_pages(&config).map_err(|e| sg_err(py, e))?;
-        let fields: serde_json::Value = serde_json::from_str(namespace_fields)
-            .map_err(|e| PyValueError::new_err(format!("namespace fields: {e}")))?;
-        let digest: [u8; 32] =
-            Sha256::digest(kvtier::canonical::digest::python_json_dumps(&fields).as_bytes()).into();
+        let digest: [u8; 32] = hex::decode(namespace)
+            .ok()
+            .and_then(|d| d.try_into().ok())
+            .ok_or_else(|| {
+                PyValueError::new_err(format!("namespace {namespace:?}: expected 64 hex digits"))
+            })?;
         let rows = length / piece_bytes as usize;
         let cfg = config.clone();
         let (tier, region) = py
