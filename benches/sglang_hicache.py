@@ -19,7 +19,9 @@ release mode, ``pip install -r tests/python/requirements.txt``)::
     python benches/sglang_hicache.py --dir /mnt/nvme0/bench --pages 512 --rounds 5
 
 Prints medians and min-max of pages/s and GB/s per side and phase, and the JSON of every run
-with ``--json``.
+with ``--json``. Memory: the host pool (``--pages`` + 1 pages, 8 MiB each by default) and, for
+the ``file`` backend, one flat copy of a page at a time; disk: twice the stored pages for
+kvtier's preallocated slab.
 """
 
 from __future__ import annotations
@@ -52,7 +54,10 @@ def one_round(src, side, directory, args):
         pool.fill(p, seed=p + 1)
     digests = [hashlib.sha256(pool.page_bytes(p)).digest() for p in range(args.pages)]
     if side == "kvtier":
-        extra = sglang_side.kvtier_extra([directory], capacity_bytes=str(args.capacity), fsync="never")
+        # As in a server: kvtier's own 2 MiB-page mapping of the pool where it can.
+        extra = sglang_side.kvtier_extra(
+            [directory], capacity_bytes=str(args.capacity), fsync="never", region_huge_pages="auto"
+        )
         b = sglang_side.backend(src, "dynamic", extra, pool)
         ctl = sglang_side.Controller(src, b, pool, zero_copy=True)
     else:
