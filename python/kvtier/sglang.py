@@ -160,7 +160,7 @@ def page_geometry(pool) -> dict:
     pages = [ptrs[i * n : (i + 1) * n] for i in range(len(starts))]
     offsets = [p - base for p in pages[0]]
     stride = pages[1][0] - pages[0][0] if num_pages > 1 else 0
-    for i, (start, page) in enumerate(zip(starts, pages)):
+    for start, page in zip(starts, pages):
         expected = [base + off + (start // ps) * stride for off in offsets]
         if page != expected or min(offsets) < 0:
             raise _config_error(
