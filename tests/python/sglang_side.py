@@ -422,7 +422,42 @@ def gil(src, doc):
     return {"stored": sum(ok), "ticks_during": during, "cpu": time.process_time() - t0}
 
 
-SCENARIOS = {"roundtrip": roundtrip, "store_pages": store_pages, "load_pages": load_pages,
+def two_threads(src, doc):
+    """SGLang's prefetch and backup threads at once: one thread stores pages 32-63 while
+    another loads pages 0-31 (stored before) into pages 64-95, each through its own calls;
+    every page must come back whole."""
+    import threading
+
+    pool = HostPool(src, "mha", "page_first", 4, page_num=96, layer_num=4, head_dim=256)
+    b = backend(src, "dynamic", {**kvtier_extra([doc["dir"]]), "capacity_bytes": "16MiB"}, pool)
+    keys = [page_key(i, "threads") for i in range(64)]
+    for p in range(64):
+        pool.fill(p, seed=1000 + p)
+    orig = [hashlib.sha256(pool.page_bytes(p)).hexdigest() for p in range(64)]
+    first = b.batch_set_v1(keys[:32], pool.indices(range(32)))
+    results = {}
+
+    def store():
+        results["store"] = [b.batch_set_v1(keys[32 + i : 36 + i], pool.indices(range(32 + i, 36 + i)))
+                            for i in range(0, 32, 4)]
+
+    def load():
+        results["load"] = [b.batch_get_v1(keys[i : i + 4], pool.indices(range(64 + i, 68 + i)))
+                           for i in range(0, 32, 4)]
+
+    threads = [threading.Thread(target=store), threading.Thread(target=load)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = [hashlib.sha256(pool.page_bytes(p)).hexdigest() for p in range(64, 96)]
+    prefix = b.batch_exists(keys)
+    b.close()
+    return {"first": first, "store": results["store"], "load": results["load"],
+            "loaded_equal": got == orig[:32], "prefix": prefix}
+
+
+SCENARIOS = {"two_threads": two_threads, "roundtrip": roundtrip, "store_pages": store_pages, "load_pages": load_pages,
              "refusals": refusals, "gil": gil}
 
 

@@ -159,6 +159,14 @@ def test_waiting_calls_let_other_python_threads_run(sglang_src, tmp_path):
     assert out["ticks_during"] > 1000, out
 
 
+def test_prefetch_and_backup_threads_at_once_each_get_their_own_pages(sglang_src, tmp_path):
+    out = side(sglang_src, "two_threads", dir=str(tmp_path))
+    assert out["first"] == [True] * 32
+    assert out["store"] == [[True] * 4] * 8 and out["load"] == [[True] * 4] * 8, out
+    assert out["loaded_equal"]
+    assert out["prefix"] == 64
+
+
 def test_importing_kvtier_sglang_starts_nothing():
     code = (
         "import sys, threading; import kvtier.sglang; "
