@@ -4,15 +4,15 @@
 //! Steps (each reuses what an earlier run left):
 //! 1. a virtual environment under `target/tmp/python-venv`, with `tests/python/requirements.txt`
 //!    installed (reinstalled only when that file changes);
-//! 2. the vLLM sources: `tests/python/fetch_vllm.py` (wheel cache outside the checkout,
-//!    `$KVTIER_CACHE_DIR` or `~/.cache/kvtier`);
+//! 2. the vLLM and SGLang sources: `tests/python/fetch_vllm.py` and `fetch_sglang.py` (wheel
+//!    cache outside the checkout, `$KVTIER_CACHE_DIR` or `~/.cache/kvtier`);
 //! 3. the Python package `python/` built into a wheel with maturin (pinned in
 //!    `requirements.txt`) and installed into the venv (in the workspace's target directory with
 //!    the features this test was built with, so it links the kvtier library cargo has just
 //!    built: `python/Cargo.toml` keeps the dependency features equal, and the step says when
 //!    they drift and kvtier was compiled again; the extension is stripped);
 //! 4. `pytest tests/python` with `KVTIER_REPLAY` (the `kvtier-replay` driver), `KVTIER_BIN`
-//!    (the `kvtier` CLI) and `KVTIER_VLLM_SRC` set.
+//!    (the `kvtier` CLI), `KVTIER_VLLM_SRC` and `KVTIER_SGLANG_SRC` set.
 //!
 //! Without Python (3.11 or newer, with `venv`) or a reachable package index on the first run,
 //! the test skips with a printed reason, unless `KVTIER_REQUIRE_PYTHON_TESTS=1` (set by
@@ -159,10 +159,21 @@ enum StepError {
 
 /// Runs `fetch_vllm.py` and returns the source directory.
 fn fetch_vllm(venv: &Venv) -> Result<PathBuf, StepError> {
+    fetch_sources(venv, "fetch_vllm.py", "the vLLM wheel")
+}
+
+/// Runs `fetch_sglang.py` (SGLang's sources for `test_kvtier_sglang.py`) and returns the
+/// source directory.
+fn fetch_sglang(venv: &Venv) -> Result<PathBuf, StepError> {
+    fetch_sources(venv, "fetch_sglang.py", "the SGLang wheel")
+}
+
+/// Runs one of the fetch scripts (exit 3: not cached and not downloadable).
+fn fetch_sources(venv: &Venv, script: &str, what: &str) -> Result<PathBuf, StepError> {
     let out = run(Command::new(venv.python())
-        .arg(python_dir().join("fetch_vllm.py"))
+        .arg(python_dir().join(script))
         .arg("--print-src"))
-    .map_err(|e| StepError::Failed(format!("fetch_vllm.py: {e}")))?;
+    .map_err(|e| StepError::Failed(format!("{script}: {e}")))?;
     match out.status.code() {
         Some(0) => {
             let stdout = String::from_utf8_lossy(&out.stdout);
@@ -170,11 +181,11 @@ fn fetch_vllm(venv: &Venv) -> Result<PathBuf, StepError> {
             Ok(PathBuf::from(src))
         }
         Some(3) => Err(StepError::Unavailable(format!(
-            "the vLLM wheel is not cached and could not be downloaded:\n{}",
+            "{what} is not cached and could not be downloaded:\n{}",
             tail(&out, 8)
         ))),
         _ => Err(StepError::Failed(format!(
-            "fetch_vllm.py failed:\n{}",
+            "{script} failed:\n{}",
             tail(&out, 20)
         ))),
     }
@@ -275,7 +286,7 @@ fn build_package(venv: &Venv) -> Result<(), StepError> {
 }
 
 /// Runs pytest on `tests/python`; the output is shown in full on failure.
-fn run_pytest(venv: &Venv, vllm_src: &Path) -> Result<String, String> {
+fn run_pytest(venv: &Venv, vllm_src: &Path, sglang_src: &Path) -> Result<String, String> {
     let out = run(Command::new(venv.python())
         .args([
             "-m",
@@ -291,6 +302,7 @@ fn run_pytest(venv: &Venv, vllm_src: &Path) -> Result<String, String> {
         .env("KVTIER_REPLAY", env!("CARGO_BIN_EXE_kvtier-replay"))
         .env("KVTIER_BIN", env!("CARGO_BIN_EXE_kvtier"))
         .env("KVTIER_VLLM_SRC", vllm_src)
+        .env("KVTIER_SGLANG_SRC", sglang_src)
         .env("PYTHONDONTWRITEBYTECODE", "1"))
     .map_err(|e| format!("pytest: {e}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -326,12 +338,17 @@ fn python_suite() {
         Err(StepError::Unavailable(reason)) => return unavailable(&reason),
         Err(StepError::Failed(msg)) => panic!("{msg}"),
     };
+    let sglang_src = match fetch_sglang(&venv) {
+        Ok(src) => src,
+        Err(StepError::Unavailable(reason)) => return unavailable(&reason),
+        Err(StepError::Failed(msg)) => panic!("{msg}"),
+    };
     match build_package(&venv) {
         Ok(()) => {}
         Err(StepError::Unavailable(reason)) => return unavailable(&reason),
         Err(StepError::Failed(msg)) => panic!("{msg}"),
     }
-    match run_pytest(&venv, &vllm_src) {
+    match run_pytest(&venv, &vllm_src, &sglang_src) {
         Ok(summary) => note(&format!("pytest tests/python: {summary}")),
         Err(msg) => panic!("{msg}"),
     }

@@ -20,6 +20,8 @@ use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
 use kvtier::tiering::factory::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
+mod sglang;
+
 pyo3::create_exception!(
     kvtier._native,
     ConfigError,
@@ -595,6 +597,7 @@ fn version() -> &'static str {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Tier>()?;
+    sglang::register(m)?;
     m.add_function(wrap_pyfunction!(metric_descriptors, m)?)?;
     m.add_function(wrap_pyfunction!(config_info_keys, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_of, m)?)?;

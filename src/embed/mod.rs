@@ -373,6 +373,23 @@ pub fn region_huge_pages(tier: &TierConfig) -> Result<crate::region::AdoptHugePa
     crate::g3::G3TierConfig::from_tier(tier).map(|c| c.region_huge_pages)
 }
 
+/// Forgets every chunk of the G3 tier `tier` (an `nvme` entry) describes: its slabs stay and
+/// their slots become free, exactly as `kvtier tier clear PATH...` does. The tier must not be
+/// open (this takes the slab locks); a tier of another type is refused naming its key.
+pub fn clear_tier(tier: &TierConfig) -> Result<()> {
+    if !is_nvme(&tier.tier_type) {
+        return Err(Error::config(
+            format!("{}.type", tier.key_path()),
+            format!(
+                "only a G3 (nvme) tier can be cleared, not {:?}",
+                tier.tier_type
+            ),
+        ));
+    }
+    let cfg = crate::g3::G3TierConfig::from_tier(tier)?;
+    crate::g3::admin::clear(&cfg.paths)
+}
+
 /// Whether a tier of `tier_type` is a G3 tier (`nvme`, or [`VLLM_TIER_CLASS`], the same tier).
 pub(crate) fn is_nvme(tier_type: &str) -> bool {
     tier_type == "nvme" || tier_type == VLLM_TIER_CLASS

@@ -106,3 +106,54 @@ fn vllms_entry_for_the_python_tier_is_an_nvme_tier() {
         .unwrap();
     assert_eq!(e.context_value("key"), Some("secondary_tiers[0].capacity"));
 }
+
+#[test]
+fn clear_tier_forgets_a_g3_tiers_chunks_and_refuses_other_types() {
+    let dir = tempfile::tempdir().unwrap();
+    let entry = serde_json::json!({
+        "type": "nvme", "paths": [dir.path()], "capacity_bytes": "64KiB", "direct_io": "auto",
+    });
+    let config = crate::config::resolve_tier_entry(0, &entry).unwrap();
+    let open = || {
+        let tier = Builder::for_tier(config.clone())
+            .region(region(4))
+            .namespace([3; 32])
+            .build_tier(0)
+            .unwrap();
+        let started = std::time::Instant::now();
+        while !tier.ready() && started.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        tier
+    };
+    let key = ChunkKey::new(b"page");
+    let req = RequestContext::new("r");
+    let mut tier = open();
+    tier.submit_store(crate::contract::job::TransferJob {
+        job_id: 1,
+        keys: vec![key.clone()],
+        chunk_ids: vec![0],
+        is_promotion: false,
+        req_id: req.req_id.clone(),
+        submit_time: std::time::Instant::now(),
+    });
+    tier.drain_jobs();
+    assert!(tier.get_finished_jobs().iter().all(|r| r.success));
+    tier.shutdown().unwrap();
+    drop(tier);
+
+    let mut tier = open();
+    assert_eq!(tier.lookup(&key, &req), LookupResult::Hit);
+    // Refused while the tier holds its slabs.
+    assert_eq!(clear_tier(&config).unwrap_err().kind(), ErrorKind::Locked);
+    tier.shutdown().unwrap();
+    drop(tier);
+
+    clear_tier(&config).unwrap();
+    let mut tier = open();
+    assert_eq!(tier.lookup(&key, &req), LookupResult::Miss);
+    tier.shutdown().unwrap();
+
+    let e = clear_tier(&TierConfig::new(2, "memory")).unwrap_err();
+    assert_eq!(e.context_value("key"), Some("secondary_tiers[2].type"));
+}
