@@ -64,7 +64,7 @@ SKIPS = {
     "test_events_disabled_by_default": "reads the fs tier's fields events and _store_job_keys",
     "test_events_require_global_kv_events_flag":
         "reads the fs tier's fields events and _store_job_keys (the rule itself: "
-        "test_kvtier_vllm.py::test_tier_events_need_the_tier_flag_and_the_global_flag)",
+        "test_kvtier_vllm_contract.py::test_tier_events_need_the_tier_flag_and_the_global_flag)",
     "test_fs_tier_cross_tp_round_trip": "compares the fs tier's file_mapper paths",
 }
 
