@@ -8,7 +8,8 @@
 
 #[allow(unused_imports)] // only some of its re-exports of g3_common are used here
 mod fs_common;
-mod g3_common;
+
+use fs_common::g3_common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
