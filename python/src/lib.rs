@@ -549,7 +549,9 @@ impl Tier {
     /// True while jobs are outstanding (refused ones not yet reported included).
     fn has_pending_work(&self, py: Python<'_>) -> bool {
         py.detach(|| {
-            !self.refused.lock().is_empty()
+            // One lock at a time (`submit` takes `refused` while holding `tier`).
+            let refused = !self.refused.lock().is_empty();
+            refused
                 || self
                     .tier
                     .lock()
