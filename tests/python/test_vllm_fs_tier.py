@@ -13,8 +13,9 @@ The file is loaded unchanged; in its namespace only these names are replaced:
   no data.
 * ``lookup_and_wait`` -> :func:`lookup_and_wait`: vLLM's helper waits on the fs tier's private
   probe queue (``tier._lookup_manager._pending_results``); this one asks again until no
-  answer is RETRY (kvtier answers from its index; RETRY only while it recovers), with the same
-  timeout, then returns the answers as vLLM's does.
+  answer is RETRY (kvtier answers from its index; RETRY only while it recovers), for up to
+  30 s (vLLM's 1 s is for its probe thread; a loaded machine may take longer to recover even
+  an empty index), then returns the answers as vLLM's does.
 
 Tests that look at the fs tier's own files, its private fields or its I/O functions are
 skipped, each with its reason (:data:`SKIPS`); every other case must pass.
@@ -117,7 +118,7 @@ def _adapter_class():
 FsKeysAdapter = _adapter_class()
 
 
-def lookup_and_wait(tier, keys, ctx=vllm_tests._CTX, timeout=1.0):
+def lookup_and_wait(tier, keys, ctx=vllm_tests._CTX, timeout=30.0):
     """vLLM's helper without its wait on the fs tier's private probe queue (module docs)."""
     for k in keys:
         tier.lookup(k, ctx)
