@@ -1180,3 +1180,41 @@ fn shutdown_stops_and_joins_a_reconnection_waiting_for_a_service_that_never_answ
     let mut rest = Vec::new();
     attempt.read_to_end(&mut rest).unwrap();
 }
+
+/// The node service's client tier, like every tier (`tests/tier_refused_jobs.rs`): a job it
+/// cannot run (a row outside the registered region, keys and rows that differ in number, a
+/// key it does not hold, a job after shutdown) is reported failed through
+/// `get_finished_jobs`, once, and writes no row.
+#[test]
+fn a_job_the_node_tier_cannot_run_is_reported_failed() {
+    use kvtier::contract::secondary::SecondaryTier;
+    let f = fixture();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let mut t = node_tier(&f.socket, "refused", &region);
+    let k = key("refused", 0);
+    let jobs = [
+        job(1, vec![k.clone()], vec![ROWS as u32], false),
+        job(2, vec![k.clone()], vec![u32::MAX], true),
+        job(3, vec![k.clone(), key("refused", 1)], vec![0], false),
+        job(4, vec![key("refused", 9)], vec![0], true),
+    ];
+    for j in jobs {
+        let (id, load) = (j.job_id, j.is_promotion);
+        if load {
+            t.submit_load(j);
+        } else {
+            t.submit_store(j);
+        }
+        let r = wait_job(&mut t, id);
+        assert!(!r.success && r.error.is_some(), "job {id}: {r:?}");
+    }
+    // SAFETY: every job is reported; this test is the region's only user.
+    let zero =
+        (0..ROWS as usize).all(|i| unsafe { region.row(i) }.unwrap().iter().all(|b| *b == 0));
+    assert!(zero, "a job that could not run wrote a row");
+    t.shutdown().unwrap();
+    t.submit_store(job(5, vec![k], vec![0], false));
+    let r = wait_job(&mut t, 5);
+    assert!(!r.success && r.error.is_some(), "{r:?}");
+    assert!(t.get_finished_jobs().is_empty() && !t.has_pending_work());
+}

@@ -69,28 +69,39 @@ fn run(cmd: &mut Command) -> std::io::Result<Output> {
     cmd.output()
 }
 
-/// The interpreter to build the venv from: `$KVTIER_PYTHON`, else `python3`, if it is at
-/// least [`MIN_PYTHON`].
-fn find_python() -> Result<PathBuf, String> {
-    let python = std::env::var_os("KVTIER_PYTHON").map_or_else(|| "python3".into(), PathBuf::from);
-    let out = run(
-        Command::new(&python).args(["-c", "import sys; print('%d %d' % sys.version_info[:2])"])
-    )
-    .map_err(|e| format!("{} not runnable: {e}", python.display()))?;
+/// The `(major, minor)` version `python` reports, or why it did not.
+fn python_version(python: &Path) -> Result<(u32, u32), String> {
+    let out =
+        run(Command::new(python).args(["-c", "import sys; print('%d %d' % sys.version_info[:2])"]))
+            .map_err(|e| format!("{} not runnable: {e}", python.display()))?;
     let text = String::from_utf8_lossy(&out.stdout);
     let version: Vec<u32> = text
         .split_whitespace()
         .filter_map(|s| s.parse().ok())
         .collect();
     match version[..] {
-        [major, minor] if (major, minor) >= MIN_PYTHON => Ok(python),
-        [major, minor] => Err(format!(
+        [major, minor] if out.status.success() => Ok((major, minor)),
+        _ => Err(format!(
+            "{} did not report its version ({}):\n{}",
+            python.display(),
+            out.status,
+            tail(&out, 4)
+        )),
+    }
+}
+
+/// The interpreter to build the venv from: `$KVTIER_PYTHON`, else `python3`, if it is at
+/// least [`MIN_PYTHON`].
+fn find_python() -> Result<PathBuf, String> {
+    let python = std::env::var_os("KVTIER_PYTHON").map_or_else(|| "python3".into(), PathBuf::from);
+    match python_version(&python)? {
+        v if v >= MIN_PYTHON => Ok(python),
+        (major, minor) => Err(format!(
             "{} is Python {major}.{minor}; vLLM 0.33.0 needs {}.{} or newer (set KVTIER_PYTHON)",
             python.display(),
             MIN_PYTHON.0,
             MIN_PYTHON.1
         )),
-        _ => Err(format!("{} did not report its version", python.display())),
     }
 }
 
@@ -104,12 +115,40 @@ impl Venv {
     }
 }
 
-/// Creates the venv under `target/tmp/python-venv` unless it exists.
+/// Whether `python` starts and reports a version of at least [`MIN_PYTHON`].
+fn interpreter_runs(python: &Path) -> Result<(), String> {
+    match python_version(python)? {
+        v if v >= MIN_PYTHON => Ok(()),
+        (major, minor) => Err(format!("{} is Python {major}.{minor}", python.display())),
+    }
+}
+
+/// The venv under `target/tmp/python-venv` (see [`prepare_venv_at`]).
 fn prepare_venv(python: &Path) -> Result<Venv, String> {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-venv");
+    prepare_venv_at(
+        python,
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-venv"),
+    )
+}
+
+/// The venv in `dir`, created from `python` unless one whose interpreter runs is there. A venv
+/// left broken (made under another `PATH`, its interpreter gone after a Python upgrade: its
+/// `bin/python` no longer starts) is removed and made again, with a note; an error only when
+/// `python` itself cannot make one.
+fn prepare_venv_at(python: &Path, dir: PathBuf) -> Result<Venv, String> {
     let venv = Venv { dir };
-    if venv.python().exists() {
-        return Ok(venv);
+    if venv.dir.exists() {
+        match interpreter_runs(&venv.python()) {
+            Ok(()) => return Ok(venv),
+            Err(why) => {
+                note(&format!(
+                    "the venv {} is broken ({why}); making it again",
+                    venv.dir.display()
+                ));
+                std::fs::remove_dir_all(&venv.dir)
+                    .map_err(|e| format!("removing the broken venv {}: {e}", venv.dir.display()))?;
+            }
+        }
     }
     note(&format!("creating {}", venv.dir.display()));
     let out = run(Command::new(python).args(["-m", "venv"]).arg(&venv.dir))
@@ -117,6 +156,7 @@ fn prepare_venv(python: &Path) -> Result<Venv, String> {
     if !out.status.success() {
         return Err(format!("python -m venv failed:\n{}", tail(&out, 8)));
     }
+    interpreter_runs(&venv.python()).map_err(|why| format!("the new venv: {why}"))?;
     Ok(venv)
 }
 
@@ -352,4 +392,35 @@ fn python_suite() {
         Ok(summary) => note(&format!("pytest tests/python: {summary}")),
         Err(msg) => panic!("{msg}"),
     }
+}
+
+/// A venv whose interpreter no longer runs (its `bin/python` links to an interpreter that is
+/// gone, as after a Python upgrade or when it was made under another `PATH`) is made again,
+/// not reported as "python -m venv failed" on every later run.
+#[test]
+fn a_broken_venv_is_made_again() {
+    let python = match find_python() {
+        Ok(p) => p,
+        Err(reason) => return unavailable(&reason),
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let venv_dir = dir.path().join("python-venv");
+    let bin = venv_dir.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let gone = dir.path().join("pyenv/versions/3.11.1/bin/python3.11");
+    for name in ["python", "python3"] {
+        std::os::unix::fs::symlink(&gone, bin.join(name)).unwrap();
+    }
+    std::fs::write(venv_dir.join(".kvtier-requirements.sha256"), "stale").unwrap();
+    std::fs::write(venv_dir.join("pyvenv.cfg"), "home = /nonexistent/bin\n").unwrap();
+    assert!(interpreter_runs(&bin.join("python")).is_err());
+
+    let venv = prepare_venv_at(&python, venv_dir.clone()).expect("the venv is made again");
+    interpreter_runs(&venv.python()).expect("its interpreter runs");
+    // Made afresh: the stale requirements stamp went with the broken venv.
+    assert!(!venv_dir.join(".kvtier-requirements.sha256").exists());
+    // A venv that runs is kept as it is.
+    std::fs::write(venv_dir.join("marker"), "kept").unwrap();
+    prepare_venv_at(&python, venv_dir.clone()).expect("kept");
+    assert!(venv_dir.join("marker").exists());
 }

@@ -686,3 +686,35 @@ fn shutdown_releases_store_pins_and_reserved_promotion_rows() {
     assert!(l.outstanding.is_empty(), "{:?}", l.outstanding);
     assert!(l.violations.is_empty(), "{:?}", l.violations);
 }
+
+/// `reset_cache` tells the tiers of the finished requests (whose stores it drops) in the
+/// order the requests arrived, as vLLM 0.33's `reset_cache` walks its request dict, to every
+/// tier; not in hash order.
+#[test]
+fn reset_tells_the_tiers_of_finished_requests_in_arrival_order() {
+    let clock = ManualClock::new();
+    let (mut m, logs) = manager_with(
+        16,
+        &clock,
+        vec![
+            inline_opts("1:memory", &clock, 3, 0, FaultPlan::default()),
+            inline_opts("2:memory", &clock, 3, 0, FaultPlan::default()),
+        ],
+    );
+    let ids: Vec<String> = (0..12).map(|i| format!("req-{}", (i * 7) % 12)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let r = req(id);
+        m.on_new_request(&r);
+        // A store still being written: the request's finish waits for it (or the reset).
+        let out = m.prepare_store(&[key(500, i as u64)], &r).expect("room");
+        assert_eq!(out.keys_to_store.len(), 1);
+        m.on_request_finished(&r);
+    }
+    for log in &logs {
+        assert!(log.lock().finished.is_empty(), "stores are pending");
+    }
+    m.reset_cache().expect("drained");
+    for log in &logs {
+        assert_eq!(log.lock().finished, ids);
+    }
+}

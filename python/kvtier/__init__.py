@@ -8,7 +8,7 @@ starts nothing: the extension module ``kvtier._native`` is loaded on first use.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "KvtierError", "native"]
+__all__ = ["ConfigError", "KvtierError", "PathError", "native"]
 
 
 def native():
@@ -21,6 +21,6 @@ def native():
 def __getattr__(name: str):
     # The exception classes live in the extension module; reach them without loading it at
     # import time.
-    if name in ("ConfigError", "KvtierError"):
+    if name in ("ConfigError", "KvtierError", "PathError"):
         return getattr(native(), name)
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -112,23 +112,47 @@ def _json_value(value):
 
 def _region(view: memoryview):
     """A flat byte view of vLLM's primary region, an anchor that keeps the buffer exported,
-    its base address and its length. Rows are never indexed in Python."""
+    its base address and its length. Rows are never indexed in Python.
+
+    Like vLLM's ``SecondaryTierManager``, which reads only ``strides[0]`` (the row stride),
+    any element format is taken (vLLM passes bytes, its tests float32): kvtier moves whole
+    rows of ``strides[0]`` bytes. Refused, with a ``ConfigError``, is only what kvtier cannot
+    move rows in: a read-only view (loads write the rows), one that is not C-contiguous (the
+    rows are not one span of memory), or one that is not 2-D (no rows)."""
     import ctypes
 
-    if view.ndim != 2 or view.readonly or not view.c_contiguous or view.format not in ("b", "B"):
-        raise ValueError(
-            "primary_kv_view must be vLLM's writable C-contiguous (num_chunks, row_stride) "
-            f"byte view; got ndim={view.ndim}, format={view.format!r}, "
-            f"readonly={view.readonly}, c_contiguous={view.c_contiguous}"
+    wrong = []
+    if view.ndim != 2:
+        wrong.append(f"it has {view.ndim} dimensions, not 2 (rows, row bytes)")
+    if view.readonly:
+        wrong.append("it is read-only (loads write into the rows)")
+    if not view.c_contiguous:
+        wrong.append("it is not C-contiguous (the rows must be one span of memory)")
+    if wrong:
+        raise _native().ConfigError(
+            "primary_kv_view must be a writable C-contiguous 2-D buffer whose rows are "
+            f"strides[0] bytes apart: {'; '.join(wrong)} (shape={view.shape}, "
+            f"strides={view.strides}, format={view.format!r})"
         )
     flat = view.cast("B")
     anchor = ctypes.c_char.from_buffer(flat)
     return flat, anchor, ctypes.addressof(anchor), flat.nbytes
 
 
-def _build_class():
+def _chunk_ids(chunk_ids) -> bytes | None:
+    """The job's row ids as int64 little-endian bytes (vLLM's are int32, its tests' int64),
+    or None when they are not integers (the job is then reported failed)."""
     import numpy
 
+    ids = numpy.asarray(chunk_ids)
+    if ids.size == 0:
+        return b""
+    if ids.dtype.kind not in "iu":
+        return None
+    return ids.astype("<i8").tobytes()
+
+
+def _build_class():
     from vllm.v1.kv_offload.base import (
         Locality,
         LookupResult,
@@ -175,7 +199,7 @@ def _build_class():
                 raise _native().ConfigError(
                     f"secondary_tiers[{self._index}]: {e}"
                 ) from None
-            self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+            self._events = self._events_wanted(offloading_spec, tier_type, given)
             self._flat, anchor, base, length = _region(primary_kv_view)
             spec = spec_fields(offloading_spec, self.block_size_bytes)
             self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
@@ -210,12 +234,34 @@ def _build_class():
                 self._tier.vllm_digest,
             )
 
+        def _events_wanted(self, offloading_spec, tier_type, given) -> bool:
+            """vLLM's fs tier's rule: events only when the tier's ``enable_kv_events`` and
+            vLLM's global KV-events flag are both on (a warning when only the tier's is)."""
+            wanted = given.get("enable_kv_events", False)
+            if not isinstance(wanted, bool):
+                raise _native().ConfigError(
+                    f"secondary_tiers[{self._index}].enable_kv_events: expected true or "
+                    f"false, found {wanted!r}"
+                )
+            if not wanted:
+                return False
+            if offloading_spec.kv_events_config.enable_kv_cache_events:
+                return True
+            logger.warning(
+                "enable_kv_events is set on secondary tier '%s' but KV cache events are "
+                "disabled globally; the tier will not emit events.",
+                tier_type,
+            )
+            return False
+
         def _connect(self, offloading_spec, socket, given, length, spec):
-            wrong = sorted(set(given) - {"service_socket_path", "locality", "layout"})
+            allowed = {"service_socket_path", "locality", "layout", "enable_kv_events"}
+            wrong = sorted(set(given) - allowed)
             if wrong:
                 raise _native().ConfigError(
                     f"secondary_tiers[{self._index}].{wrong[0]}: a tier with "
-                    "service_socket_path takes only locality and layout; the node service's "
+                    "service_socket_path takes only locality, layout and enable_kv_events; "
+                    "the node service's "
                     "own configuration holds the nvme keys (docs/node-service.md)"
                 )
             layout = given.get("layout")
@@ -264,17 +310,19 @@ def _build_class():
             self._tier.touch(list(keys))
 
         def submit_store(self, job_metadata):
+            # A job kvtier cannot run (a chunk id outside the region, after shutdown) comes
+            # back failed from get_finished_jobs, as vLLM's own tiers report it.
             self._tier.submit_store(
                 job_metadata.job_id,
                 list(job_metadata.keys),
-                numpy.asarray(job_metadata.chunk_ids, dtype="<i4").tobytes(),
+                _chunk_ids(job_metadata.chunk_ids),
             )
 
         def submit_load(self, job_metadata):
             self._tier.submit_load(
                 job_metadata.job_id,
                 list(job_metadata.keys),
-                numpy.asarray(job_metadata.chunk_ids, dtype="<i4").tobytes(),
+                _chunk_ids(job_metadata.chunk_ids),
             )
 
         def get_finished_jobs(self):

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -26,26 +26,96 @@ pyo3::create_exception!(
     kvtier._native,
     ConfigError,
     PyValueError,
-    "A configuration or path kvtier cannot use (the message names the key or path)."
+    "A configuration value kvtier cannot use (the message names the key and what it expects)."
+);
+pyo3::create_exception!(
+    kvtier._native,
+    PathError,
+    PyOSError,
+    "A path or file kvtier cannot use: missing, not a directory, locked, without room, on a \
+     filesystem without what the configuration requires, or an I/O error on it. `filename` is \
+     the path and `errno` the OS error number when kvtier has them; the message says why."
 );
 pyo3::create_exception!(
     kvtier._native,
     KvtierError,
     PyRuntimeError,
-    "kvtier failed (I/O, a tier that is shut down, an internal error)."
+    "kvtier failed (a tier that is shut down, data kvtier refuses to trust, an internal error)."
 );
 
-fn to_py(e: Error) -> PyErr {
-    match e.kind() {
+/// The Python exception class of each error kind (documented in `docs/vllm.md`, "Errors"):
+/// a value problem is a [`ConfigError`] (a `ValueError`), a path problem a [`PathError`] (an
+/// `OSError`), everything else a [`KvtierError`] (a `RuntimeError`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PyErrorClass {
+    Config,
+    Path,
+    Kvtier,
+}
+
+fn error_class(kind: ErrorKind) -> PyErrorClass {
+    match kind {
         ErrorKind::Config
-        | ErrorKind::InvalidPath
         | ErrorKind::IncompatibleLayout
         | ErrorKind::Misaligned
-        | ErrorKind::Unsupported
+        | ErrorKind::Contract => PyErrorClass::Config,
+        ErrorKind::InvalidPath
+        | ErrorKind::Io
+        | ErrorKind::ShortIo
+        | ErrorKind::NoSpace
         | ErrorKind::Locked
-        | ErrorKind::PermissionDenied => ConfigError::new_err(e.to_string()),
-        _ => KvtierError::new_err(e.to_string()),
+        | ErrorKind::PermissionDenied
+        | ErrorKind::Unsupported
+        | ErrorKind::Corrupt => PyErrorClass::Path,
+        ErrorKind::Checksum
+        | ErrorKind::Poisoned
+        | ErrorKind::Closed
+        | ErrorKind::Cancelled
+        | ErrorKind::Internal
+        | ErrorKind::RegionLost => PyErrorClass::Kvtier,
+        // A kind added later: a runtime failure until it is placed above (and documented).
+        _ => PyErrorClass::Kvtier,
     }
+}
+
+fn to_py(e: Error) -> PyErr {
+    let message = e.to_string();
+    match error_class(e.kind()) {
+        PyErrorClass::Config => ConfigError::new_err(message),
+        PyErrorClass::Kvtier => KvtierError::new_err(message),
+        PyErrorClass::Path => {
+            let errno = e
+                .raw_os_error()
+                .or_else(|| e.context_value("errno").and_then(|v| v.parse().ok()));
+            let path = e.context_value("path").map(str::to_string);
+            Python::attach(|py| {
+                let err = PathError::new_err(message.clone());
+                let value = err.value(py);
+                // `OSError` keeps these as plain attributes: `errno`, `strerror` (the reason)
+                // and `filename` (the path), as Python's own path errors carry them.
+                let _ = value.setattr("errno", errno);
+                let _ = value.setattr("strerror", message);
+                let _ = value.setattr("filename", path);
+                err
+            })
+        }
+    }
+}
+
+/// Every kind with its Python class name, for the documentation test.
+#[pyfunction]
+fn error_classes() -> Vec<(&'static str, &'static str)> {
+    ErrorKind::ALL
+        .into_iter()
+        .map(|k| {
+            let class = match error_class(k) {
+                PyErrorClass::Config => "ConfigError",
+                PyErrorClass::Path => "PathError",
+                PyErrorClass::Kvtier => "KvtierError",
+            };
+            (k.as_str(), class)
+        })
+        .collect()
 }
 
 /// kvtier's log lines (a path falling back to buffered I/O, a failed checkpoint) on stderr,
@@ -111,6 +181,9 @@ struct Tier {
     /// The Python object that holds vLLM's buffer exported (a ctypes view of the region):
     /// kept until the tier has stopped, so the mapping outlives every transfer.
     anchor: Mutex<Option<Py<PyAny>>>,
+    /// Jobs reported failed without reaching the tier (they could not run, or came after
+    /// shutdown), handed back by the next `get_finished_jobs`.
+    refused: Mutex<Vec<JobResult>>,
     /// Context for lookups (the G3 tier ignores the request).
     req: RequestContext,
     num_rows: usize,
@@ -127,36 +200,45 @@ impl Tier {
         }
     }
 
+    /// The job vLLM submitted, or why kvtier cannot run it (reported as a failed job, as vLLM's
+    /// own tiers report it, never raised into the scheduler). `chunk_ids` are int64, little
+    /// endian; `None` when they were not integers.
     fn job(
         &self,
         job_id: u64,
         keys: &[Bound<'_, PyBytes>],
-        chunk_ids: &[u8],
+        chunk_ids: Option<&[u8]>,
         load: bool,
-    ) -> PyResult<TransferJob> {
-        if chunk_ids.len() != keys.len() * 4 {
-            return Err(PyValueError::new_err(format!(
-                "job {job_id}: {} keys but {} bytes of int32 chunk ids",
+    ) -> Result<TransferJob, Error> {
+        let contract = |msg: String| Error::new(ErrorKind::Contract, msg);
+        let Some(chunk_ids) = chunk_ids else {
+            return Err(contract(format!(
+                "job {job_id}: chunk ids are not integers"
+            )));
+        };
+        if chunk_ids.len() != keys.len() * 8 {
+            return Err(contract(format!(
+                "job {job_id}: {} keys but {} chunk ids",
                 keys.len(),
-                chunk_ids.len()
+                chunk_ids.len() / 8
             )));
         }
         let rows = chunk_ids
-            .chunks_exact(4)
+            .chunks_exact(8)
             .map(|b| {
-                let id = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                let id = i64::from_le_bytes(b.try_into().expect("chunks of 8 bytes"));
                 u32::try_from(id)
                     .ok()
                     .filter(|&r| (r as usize) < self.num_rows)
                     .ok_or_else(|| {
-                        PyValueError::new_err(format!(
+                        contract(format!(
                             "job {job_id}: chunk id {id} is not a row of the primary region \
                              (0..{})",
                             self.num_rows
                         ))
                     })
             })
-            .collect::<PyResult<Vec<u32>>>()?;
+            .collect::<Result<Vec<u32>, Error>>()?;
         Ok(TransferJob {
             job_id,
             keys: keys.iter().map(|k| ChunkKey::new(k.as_bytes())).collect(),
@@ -164,6 +246,39 @@ impl Tier {
             is_promotion: load,
             req_id: self.req.req_id.clone(),
             submit_time: Instant::now(),
+        })
+    }
+
+    /// Hands a job to the tier, or reports it failed at the next `get_finished_jobs` when it
+    /// cannot run (see [`Tier::job`]) or the tier is shut down.
+    fn submit(
+        &self,
+        py: Python<'_>,
+        job_id: u64,
+        keys: &[Bound<'_, PyBytes>],
+        chunk_ids: Option<&[u8]>,
+        load: bool,
+    ) {
+        let job = match self.job(job_id, keys, chunk_ids, load) {
+            Ok(job) => job,
+            Err(e) => {
+                self.refused.lock().push(JobResult::failed(job_id, e));
+                return;
+            }
+        };
+        py.detach(|| {
+            let mut guard = self.tier.lock();
+            match guard.as_mut() {
+                Some(t) if load => t.submit_load(job),
+                Some(t) => t.submit_store(job),
+                None => {
+                    let e = Error::new(
+                        ErrorKind::Closed,
+                        format!("job {job_id}: the kvtier tier is shut down"),
+                    );
+                    self.refused.lock().push(JobResult::failed(job_id, e));
+                }
+            }
         })
     }
 }
@@ -227,6 +342,7 @@ impl RegionSpec {
         Tier {
             tier: Mutex::new(Some(tier)),
             anchor: Mutex::new(anchor),
+            refused: Mutex::new(Vec::new()),
             req: RequestContext::new("kvtier.vllm"),
             num_rows: self.num_rows,
             vllm_digest: self.vllm_digest,
@@ -378,35 +494,43 @@ impl Tier {
         py.detach(|| self.with_tier(|t| t.touch(&keys, &self.req)))
     }
 
-    /// Queues a store job (rows -> slots); `chunk_ids` are the job's int32 row ids, little
-    /// endian (`numpy.ndarray.tobytes()`).
+    /// Queues a store job (rows -> slots); `chunk_ids` are the job's row ids as int64, little
+    /// endian (`numpy.ndarray.tobytes()`), or `None` when vLLM's were not integers. A job that
+    /// cannot run is reported failed by `get_finished_jobs`, never raised.
+    #[pyo3(signature = (job_id, keys, chunk_ids))]
     fn submit_store(
         &self,
         py: Python<'_>,
         job_id: u64,
         keys: Vec<Bound<'_, PyBytes>>,
-        chunk_ids: &[u8],
-    ) -> PyResult<()> {
-        let job = self.job(job_id, &keys, chunk_ids, false)?;
-        py.detach(|| self.with_tier(|t| t.submit_store(job)))
+        chunk_ids: Option<&[u8]>,
+    ) {
+        self.submit(py, job_id, &keys, chunk_ids, false);
     }
 
     /// Queues a load job (slots -> rows), like [`Tier::submit_store`].
+    #[pyo3(signature = (job_id, keys, chunk_ids))]
     fn submit_load(
         &self,
         py: Python<'_>,
         job_id: u64,
         keys: Vec<Bound<'_, PyBytes>>,
-        chunk_ids: &[u8],
-    ) -> PyResult<()> {
-        let job = self.job(job_id, &keys, chunk_ids, true)?;
-        py.detach(|| self.with_tier(|t| t.submit_load(job)))
+        chunk_ids: Option<&[u8]>,
+    ) {
+        self.submit(py, job_id, &keys, chunk_ids, true);
     }
 
-    /// Every job finished since the last call, once each.
-    fn get_finished_jobs<'py>(&self, py: Python<'py>) -> PyResult<Vec<JobTuple<'py>>> {
-        let results: Vec<JobResult> = py.detach(|| self.with_tier(|t| t.get_finished_jobs()))?;
-        Ok(results
+    /// Every job finished since the last call, once each (also after shutdown: the jobs
+    /// refused since).
+    fn get_finished_jobs<'py>(&self, py: Python<'py>) -> Vec<JobTuple<'py>> {
+        let results: Vec<JobResult> = py.detach(|| {
+            let mut out = std::mem::take(&mut *self.refused.lock());
+            if let Some(t) = self.tier.lock().as_mut() {
+                out.extend(t.get_finished_jobs());
+            }
+            out
+        });
+        results
             .into_iter()
             .map(|r| {
                 let keys = r
@@ -421,12 +545,21 @@ impl Tier {
                     r.error.map(|e| e.to_string()),
                 )
             })
-            .collect())
+            .collect()
     }
 
-    /// True while jobs are outstanding.
-    fn has_pending_work(&self, py: Python<'_>) -> PyResult<bool> {
-        py.detach(|| self.with_tier(|t| t.has_pending_work()))
+    /// True while jobs are outstanding (refused ones not yet reported included).
+    fn has_pending_work(&self, py: Python<'_>) -> bool {
+        py.detach(|| {
+            // One lock at a time (`submit` takes `refused` while holding `tier`).
+            let refused = !self.refused.lock().is_empty();
+            refused
+                || self
+                    .tier
+                    .lock()
+                    .as_ref()
+                    .is_some_and(|t| t.has_pending_work())
+        })
     }
 
     /// True once lookups answer HIT or MISS (the index has been recovered).
@@ -604,5 +737,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add("ConfigError", m.py().get_type::<ConfigError>())?;
     m.add("KvtierError", m.py().get_type::<KvtierError>())?;
+    let path_error = m.py().get_type::<PathError>();
+    // The message is kvtier's own (it names the path and the reason); `OSError` would print
+    // `[Errno N] strerror: 'filename'` instead, repeating the path.
+    let message_only = m.py().eval(
+        c"lambda self: str(self.args[0]) if self.args else ''",
+        None,
+        None,
+    )?;
+    path_error.setattr("__str__", message_only)?;
+    m.add("PathError", path_error)?;
+    m.add_function(wrap_pyfunction!(error_classes, m)?)?;
     Ok(())
 }

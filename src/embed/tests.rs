@@ -157,3 +157,69 @@ fn clear_tier_forgets_a_g3_tiers_chunks_and_refuses_other_types() {
     let e = clear_tier(&TierConfig::new(2, "memory")).unwrap_err();
     assert_eq!(e.context_value("key"), Some("secondary_tiers[2].type"));
 }
+
+/// `enable_kv_events` of an nvme entry, with vLLM 0.33's fs tier's meaning: the tier records
+/// events only when the entry asks for them and the host records events too
+/// ([`Builder::events`]); a value that is not a boolean names the key.
+#[test]
+fn an_nvme_tier_records_events_only_with_its_flag_and_the_hosts() {
+    use crate::contract::job::TransferJob;
+    for (tier_flag, host_flag) in [(false, false), (true, false), (false, true), (true, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let entry = serde_json::json!({
+            "cpu_bytes_to_use": 16384,
+            "secondary_tiers": [{
+                "type": "nvme", "paths": [dir.path()], "capacity_bytes": "64KiB",
+                "direct_io": "auto", "enable_kv_events": tier_flag,
+            }]
+        });
+        let r = region(4);
+        let mut tier = Builder::from_json(&entry.to_string())
+            .unwrap()
+            .region(r.clone())
+            .namespace([7; 32])
+            .events(host_flag)
+            .build_tier(0)
+            .unwrap();
+        let k = ChunkKey::new(b"k");
+        tier.submit_store(TransferJob {
+            job_id: 1,
+            keys: vec![k.clone()],
+            chunk_ids: vec![0],
+            is_promotion: false,
+            req_id: "r".into(),
+            submit_time: std::time::Instant::now(),
+        });
+        tier.drain_jobs();
+        let done = tier.get_finished_jobs();
+        assert!(done.len() == 1 && done[0].success, "{done:?}");
+        let stored: Vec<ChunkKey> = tier
+            .take_events()
+            .into_iter()
+            .filter(|e| !e.removed)
+            .flat_map(|e| e.keys)
+            .collect();
+        let want = if tier_flag && host_flag {
+            vec![k]
+        } else {
+            vec![]
+        };
+        assert_eq!(stored, want, "tier flag {tier_flag}, host flag {host_flag}");
+        tier.shutdown().unwrap();
+    }
+    let bad = serde_json::json!({
+        "cpu_bytes_to_use": 16384,
+        "secondary_tiers": [{"type": "nvme", "paths": ["/x"], "capacity_bytes": "64KiB",
+                             "enable_kv_events": "yes"}]
+    });
+    let e = Builder::from_json(&bad.to_string())
+        .unwrap()
+        .region(region(4))
+        .build_tier(0)
+        .err()
+        .unwrap();
+    assert_eq!(
+        e.context_value("key"),
+        Some("secondary_tiers[0].enable_kv_events")
+    );
+}

@@ -144,6 +144,11 @@ pub struct G3TierConfig {
     /// checks it against vLLM's configuration and sets [`G3TierConfig::slot_bytes`] from it
     /// (docs/canonical.md). `None`: whole rows.
     pub layout: Option<String>,
+    /// `enable_kv_events` (default false): whether this tier records stored / removed
+    /// events. As in vLLM 0.33's fs tier, only together with the host's global KV-events
+    /// switch ([`crate::Builder::events`], vLLM's `--kv-events-config`): events flow when
+    /// both are on.
+    pub enable_kv_events: bool,
 }
 
 impl G3TierConfig {
@@ -165,6 +170,7 @@ impl G3TierConfig {
             slot_bytes: None,
             region_huge_pages: AdoptHugePages::Auto,
             layout: None,
+            enable_kv_events: false,
         }
     }
 
@@ -309,6 +315,14 @@ impl G3TierConfig {
         if let Some(v) = tc.params.get("layout") {
             // Only vLLM's entry may carry it; the tier factory refuses it elsewhere.
             cfg.layout = Some(str_value(v, &kp("layout"))?.to_string());
+        }
+        if let Some(v) = tc.params.get("enable_kv_events") {
+            cfg.enable_kv_events = v.as_bool().ok_or_else(|| {
+                Error::config(
+                    kp("enable_kv_events"),
+                    format!("expected true or false, found {v}"),
+                )
+            })?;
         }
         if let Some(v) = tc.params.get("idle_poll_us") {
             cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &kp("idle_poll_us"))?);
@@ -484,6 +498,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "region_huge_pages",
     "module_path",
     "layout",
+    "enable_kv_events",
 ];
 
 fn closest_key(key: &str) -> Option<&'static str> {

@@ -241,6 +241,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
     refuse_layout_outside_vllm(cfg, &g3)?;
     g3.slot_bytes = ctx.slot_bytes;
     g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
+    let tier_events = g3.enable_kv_events;
     let tier = G3Tier::open(
         g3,
         ctx.region.clone(),
@@ -248,7 +249,15 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
         ctx.tier_label.clone(),
         cfg.locality,
     )?;
-    tier.set_events_enabled(ctx.events);
+    // vLLM's fs tier's rule: events when the tier asks for them and the host records them.
+    if tier_events && !ctx.events {
+        log::warn!(
+            "{}.enable_kv_events is set but KV events are off for the manager; the tier \
+             records none",
+            cfg.key_path()
+        );
+    }
+    tier.set_events_enabled(ctx.events && tier_events);
     Ok(Box::new(tier))
 }
 

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 /// Rows, keys (a 36-byte hash then group 0: vLLM-shaped), row patterns and jobs are those of
 /// the G3 tests.
 #[path = "../g3_common/mod.rs"]
-mod g3_common;
+pub mod g3_common;
 pub use g3_common::{STRIDE, clear_row, fill_row, job, key, pattern, region, row_is};
 
 /// The FileMapper fields of a small test model.

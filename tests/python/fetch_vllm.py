@@ -207,6 +207,102 @@ def ensure(cache: Path | None = None) -> Path:
             return ensure_sources(cache, pin, wheel)
 
 
+# -- the source distribution's tests --------------------------------------------------------
+#: What the suite takes from the sdist: vLLM's own offloading tests (never committed).
+SDIST_TESTS_PREFIX = "tests/v1/kv_offload/"
+
+
+def sdist_tests_dir(cache: Path, sdist: dict) -> Path:
+    return cache / f"vllm-sdist-tests-{sdist['sha256'][:12]}"
+
+
+def _download_sdist(where: Path, sdist: dict) -> Path:
+    """The pinned sdist from the package index (``$PIP_INDEX_URL``, else PyPI), by its JSON
+    simple page (PEP 691). ``pip download`` is not used for it: pip prepares an sdist's
+    metadata before saving it, which for vLLM builds cmake and needs torch."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    page = f"{index}/vllm/"
+    log(f"downloading {sdist['filename']} (about 47 MB, once) into {where}")
+    try:
+        req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            files = json.load(r)["files"]
+        entry = next((f for f in files if f.get("filename") == sdist["filename"]), None)
+        if entry is None:
+            raise Unavailable(f"{page} does not list {sdist['filename']}")
+        url = urllib.parse.urljoin(page, entry["url"])
+        tmp = where / f".{sdist['filename']}.part"
+        with urllib.request.urlopen(url, timeout=300) as r, tmp.open("wb") as out:
+            shutil.copyfileobj(r, out, 1 << 20)
+    except (OSError, ValueError, KeyError) as e:
+        raise Unavailable(f"downloading {sdist['filename']} from {page}: {e}") from e
+    found = sha256_of(tmp)
+    if found != sdist["sha256"]:
+        tmp.unlink()
+        raise FetchError(f"downloaded {sdist['filename']} has sha256 {found}, expected {sdist['sha256']}")
+    dest = where / sdist["filename"]
+    tmp.replace(dest)
+    return dest
+
+
+def ensure_sdist_tests(cache: Path | None = None) -> Path:
+    """``cache/vllm-sdist-tests-<sha12>``: ``tests/v1/kv_offload/**`` of the pinned vLLM sdist
+    (downloaded once; a copy already in ``cache/wheels`` is used and kept, a download is
+    deleted once unpacked). Raises ``Unavailable`` without a package index."""
+    import tarfile
+
+    cache = cache or cache_dir()
+    with PIN_FILE.open("rb") as f:
+        sdist = tomllib.load(f).get("sdist") or {}
+    for key in ("filename", "sha256"):
+        if not isinstance(sdist.get(key), str) or not sdist[key]:
+            raise FetchError(f"{PIN_FILE}: sdist.{key} must be a non-empty string")
+    target = sdist_tests_dir(cache, sdist)
+    marker = target / COMPLETE_MARKER
+    with locked(cache / ".fetch_vllm.lock"):
+        if marker.exists() and marker.read_text().strip() == sdist["sha256"]:
+            return target
+        kept = cache / "wheels" / sdist["filename"]
+        downloaded = None
+        if kept.exists() and sha256_of(kept) == sdist["sha256"]:
+            archive = kept
+        else:
+            where = download_dir(cache)
+            where.mkdir(parents=True, exist_ok=True)
+            archive = downloaded = _download_sdist(where, sdist)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{target.name}-"))
+        try:
+            count = 0
+            with tarfile.open(archive, "r:gz") as tar:
+                for member in tar.getmembers():
+                    top, _, rest = member.name.partition("/")
+                    if not member.isfile() or not rest.startswith(SDIST_TESTS_PREFIX):
+                        continue
+                    dest = _member_path(tmp, rest)
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    with tar.extractfile(member) as src, dest.open("wb") as out:
+                        shutil.copyfileobj(src, out)
+                    count += 1
+            if count == 0:
+                raise FetchError(f"{archive} holds no {SDIST_TESTS_PREFIX} files")
+            (tmp / COMPLETE_MARKER).write_text(sdist["sha256"] + "\n")
+            tmp.chmod(0o755)
+            tmp.rename(target)
+            log(f"unpacked {count} test files into {target}")
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            if downloaded is not None:
+                downloaded.unlink(missing_ok=True)
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, help="default: $KVTIER_CACHE_DIR or ~/.cache/kvtier")

@@ -214,8 +214,9 @@ def test_a_path_without_o_direct_is_refused_naming_path_and_filesystem(tmp_path)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount ramfs (a filesystem without O_DIRECT): {mounted.stderr}")
     try:
-        with pytest.raises(kvtier.ConfigError) as err:
+        with pytest.raises(kvtier.PathError) as err:
             Engine(extra_config(tier_entry(mnt, direct_io="required")))
+        assert isinstance(err.value, OSError) and err.value.filename is not None
         message = str(err.value)
         assert str(mnt) in message and "ramfs" in message and "O_DIRECT" in message, message
     finally:
@@ -326,7 +327,7 @@ def test_events_metrics_and_config_info_go_through_vllms_frontend(tmp_path, engi
     )
     from vllm.v1.kv_offload.base import Medium
 
-    extra = extra_config(tier_entry(tmp_path))
+    extra = extra_config(tier_entry(tmp_path, enable_kv_events=True))
     e = open_engine(engines, extra, events=True)
     req = e.request()
     keys = [key(i) for i in range(3)]

@@ -36,6 +36,8 @@ def service(tmp_path):
         pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
     state = start_service(tmp_path, dram_bytes=STAGING_SLOTS * ROW)
     state["bin"] = kvtier_bin
+    # The engines that ask for events (events=True) get them: the tier opts in too.
+    state["extra"]["secondary_tiers"][0]["enable_kv_events"] = True
     yield state
     end_service(state)
 

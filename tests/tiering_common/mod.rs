@@ -93,6 +93,8 @@ pub struct AuditLog {
     pub held: HashSet<ChunkKey>,
     /// Keys in every store job in flight (they must stay pinned in the primary).
     pub store_pins: HashMap<ChunkKey, usize>,
+    /// The requests the tier was told are finished, in the order it was told.
+    pub finished: Vec<String>,
 }
 
 /// Wraps a tier and audits the manager/tier contract.
@@ -204,6 +206,7 @@ impl SecondaryTier for AuditTier {
         self.inner.on_new_request(req)
     }
     fn on_request_finished(&mut self, req: &RequestContext) {
+        self.log.lock().finished.push(req.req_id.to_string());
         self.inner.on_request_finished(req)
     }
     fn on_schedule_end(&mut self) {

@@ -569,16 +569,18 @@ impl TieringManager {
         for st in self.requests.values_mut() {
             st.pending_cascade_keys.clear();
         }
-        let finished: Vec<Arc<str>> = self
+        // In the order the requests arrived, as vLLM walks its request dict.
+        let mut finished: Vec<(u64, Arc<str>)> = self
             .requests
             .iter()
             .filter(|(_, s)| s.finished)
-            .map(|(k, _)| k.clone())
+            .map(|(k, s)| (s.arrival, k.clone()))
             .collect();
+        finished.sort_unstable_by_key(|(arrival, _)| *arrival);
         for st in self.requests.values_mut() {
             st.pending_primary_stores = 0;
         }
-        for id in finished {
+        for (_, id) in finished {
             self.maybe_finalize(&id);
         }
         self.primary.reset_cache();
