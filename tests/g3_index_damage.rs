@@ -365,3 +365,35 @@ fn a_previous_journal_with_a_damaged_header_is_replayed_when_it_continues_the_ba
     assert_eq!(found, [0, 1, 10, 11], "the previous journal's records were lost");
     loads_own_bytes(&mut t, &r, &found);
 }
+
+/// Issue 28 item 10: a current journal cut to 0 bytes (kvtier writes index files whole before
+/// they take their name, so only a filesystem that lost data or a hand does that) loses what
+/// it held: recovery says so instead of ignoring it quietly.
+#[test]
+fn an_empty_current_journal_is_warned_about() {
+    let d = tmpdir();
+    let r = region(2);
+    let mut t = open(config(&[d.path()], 16), &r);
+    store_eight(&mut t, &r);
+    t.close_without_checkpoint().unwrap();
+    let journal = d.path().join(JOURNAL_FILE_NAME);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&journal)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let report = kvtier::g3::admin::inspect(&[d.path().to_path_buf()]).unwrap();
+    let shown = journal.display().to_string();
+    assert!(
+        report
+            .warnings
+            .iter()
+            .any(|w| w.contains(&shown) && w.contains("is empty (0 bytes") && w.contains("lost")),
+        "no warning about the empty journal: {:?}",
+        report.warnings
+    );
+    // The tier still opens (with what the checkpoint holds: nothing, here).
+    let mut t = open(config(&[d.path()], 16), &r);
+    assert!(hits(&mut t).is_empty());
+}

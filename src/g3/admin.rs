@@ -172,10 +172,7 @@ enum Access {
 /// consistent geometry (before anything is sized from the superblock).
 fn open_existing(paths: &[PathBuf], access: Access) -> Result<OpenSet> {
     let dirs = check_dirs(paths)?;
-    let present: Vec<bool> = dirs
-        .iter()
-        .map(|d| d.join(SLAB_FILE_NAME).exists())
-        .collect();
+    let present = slab::slabs_present(&dirs)?;
     if present.iter().all(|&p| !p) {
         return Err(no_tier_in(&paths[0]));
     }
@@ -444,7 +441,7 @@ pub fn repair(paths: &[PathBuf]) -> Result<RepairReport> {
     let dirs = slab::check_writable_dirs(paths)?;
     let _locks = slab::lock_dirs(&dirs)?;
     let slabs: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
-    let present: Vec<bool> = slabs.iter().map(|p| p.exists()).collect();
+    let present = slab::slabs_present(&dirs)?;
     if present.iter().all(|&p| !p) {
         return Err(no_tier_in(&paths[0]));
     }

@@ -325,7 +325,8 @@ impl G3Metrics {
             ),
             m(
                 "g3_entries_fenced",
-                "Entries dropped from the index because their path was taken out of service                  (g3_path_healthy 0)",
+                "Entries dropped from the index because their path was taken out of service \
+                 (g3_path_healthy 0)",
                 Counter,
                 get(&self.entries_fenced),
             ),

@@ -214,9 +214,16 @@ impl Reader<'_> {
                 self.keep(name, true, kind);
                 return Ok(None);
             }
-            Err(e) if n == 0 => {
-                // An empty file (a crash right after its creation) holds nothing to lose.
-                log::info!("{e}; ignored");
+            Err(_) if n == 0 => {
+                // Every index file is written and fsynced under a temporary name before it is
+                // renamed into place, so none is empty by a crash of kvtier: a filesystem lost
+                // its data (a flush it did not perform), or the file was truncated by hand.
+                // Whatever it held is gone; say so.
+                self.warn(format!(
+                    "G3 index file {shown} is empty (0 bytes; kvtier writes index files whole \
+                     before they take this name): whatever it held is lost (a filesystem that \
+                     lost its data in a crash, or a file truncated by hand); ignored"
+                ));
                 return Ok(None);
             }
             Err(e) => {
