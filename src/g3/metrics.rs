@@ -23,6 +23,9 @@ pub struct PathStatus {
     /// Set when the slab is no longer what its path names (deleted, replaced, unmounted):
     /// what is written to it would not be found by a restart.
     pub lost: Mutex<Option<String>>,
+    /// Set when the path was found on another filesystem than the tier was created on (its
+    /// disk not mounted) and the tier runs without it (`on_wrong_filesystem = "degraded"`).
+    pub wrong_filesystem: AtomicBool,
 }
 
 /// What the index journal can do now (`g3_journal_info{state}`).
@@ -177,6 +180,7 @@ impl G3Metrics {
             poisoned: Default::default(),
             problem: Default::default(),
             lost: Default::default(),
+            wrong_filesystem: Default::default(),
         };
         Self::default()
             .sample(std::slice::from_ref(&one_path))
@@ -439,6 +443,15 @@ impl G3Metrics {
             );
             h.labels.push(("path", i.to_string()));
             out.push(h);
+            let mut w = m(
+                "g3_wrong_filesystem",
+                "1 when the path was found on another filesystem than its tier was created on \
+                 (not mounted?) and the tier runs without it",
+                Gauge,
+                f64::from(u8::from(p.wrong_filesystem.load(Ordering::Relaxed))),
+            );
+            w.labels.push(("path", i.to_string()));
+            out.push(w);
         }
         out
     }

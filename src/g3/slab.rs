@@ -17,6 +17,7 @@ use crate::g3::aligned::AlignedBuf;
 use crate::g3::config::DirectIoMode;
 pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
+use crate::g3::fs_record::FsGuard;
 use crate::g3::format::{
     MISMATCH_CAPACITY, MISMATCH_ROW_STRIDE, MISMATCH_STRIPE, SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
     read_at_most, slab_file_len,
@@ -99,6 +100,8 @@ pub struct SlabSet {
     pub files: Vec<SlabFile>,
     /// True when this open created the set.
     pub created: bool,
+    /// Paths whose filesystem could not be recorded ([`FsGuard::record`]; logged).
+    pub unrecorded_paths: usize,
 }
 
 impl SlabSet {
@@ -265,7 +268,47 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
 }
 
 /// [`open_set`] for a caller that holds the [`DirLock`]s of `dirs` (checked directories).
+///
+/// Before anything is created or opened, every path must be on the filesystem its record
+/// names ([`FsGuard::check`]: a path found on another one, its disk not mounted, is refused
+/// and no slab is created there); after, the paths' filesystems are recorded.
 pub fn open_set_locked(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let guard = FsGuard::load(dirs)?;
+    check_filesystems(dirs, &guard)?;
+    open_set_recorded(dirs, spec, &guard)
+}
+
+/// Refuses, with [`FsGuard::check`], a path of `dirs` that is on another filesystem than
+/// recorded, unless the slab found there belongs to the recorded set (the tier moved with its
+/// files).
+pub fn check_filesystems(dirs: &[PathBuf], guard: &FsGuard) -> Result<()> {
+    let present = slabs_present(dirs)?;
+    guard.check(|i| {
+        present
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then(|| peek_set_uuid(&dirs[i].join(SLAB_FILE_NAME)))
+            .flatten()
+    })
+}
+
+/// The set uuid in the superblock of the slab `p`, read without a lock (and without
+/// blocking on anything but a regular file); `None` when it cannot be read.
+fn peek_set_uuid(p: &Path) -> Option<[u8; 16]> {
+    let f = crate::g3::index_dir::open_regular(p, rustix::fs::OFlags::RDONLY).ok()??;
+    read_superblock(&f, p).ok().map(|sb| sb.set_uuid)
+}
+
+/// [`open_set_locked`] for a caller that checked `guard` itself (or replaces what it records:
+/// a format onto a new filesystem); records the paths' filesystems once the set is open.
+pub fn open_set_recorded(dirs: &[PathBuf], spec: &SlabSpec, guard: &FsGuard) -> Result<SlabSet> {
+    let mut set = open_set_unrecorded(dirs, spec)?;
+    set.unrecorded_paths = guard.record(set.set_uuid());
+    Ok(set)
+}
+
+fn open_set_unrecorded(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     let dirs = dirs.to_vec();
     let slab_paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
     let present = slabs_present(&dirs)?;
@@ -293,6 +336,7 @@ pub fn open_set_locked(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     Ok(SlabSet {
         files,
         created: false,
+        unrecorded_paths: 0,
     })
 }
 
@@ -601,6 +645,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     Ok(SlabSet {
         files,
         created: true,
+        unrecorded_paths: 0,
     })
 }
 

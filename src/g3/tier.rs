@@ -191,6 +191,7 @@ impl G3Tier {
                     poisoned: Default::default(),
                     problem: Default::default(),
                     lost: Default::default(),
+                    wrong_filesystem: Default::default(),
                 })
                 .collect(),
             failed: Mutex::new(None),
