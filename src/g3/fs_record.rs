@@ -428,8 +428,6 @@ impl FsGuard {
         )
         .with("path", dir.display().to_string())
         .with("mismatch", MISMATCH_FILESYSTEM)
-        .with("expected", rec.fs.describe())
-        .with("found", now.describe())
     }
 
     /// The paths whose filesystem is not the recorded one, with both: `(path, recorded, now)`.
