@@ -16,7 +16,10 @@ const FORMAT_ADVICE: &str = "format the tier to match";
 
 /// A serve config of one nvme tier on `paths` with `capacity`.
 fn serve_config(dir: &Path, name: &str, paths: &[&Path], capacity: &str) -> PathBuf {
-    let list: Vec<String> = paths.iter().map(|p| format!("\"{}\"", p.display())).collect();
+    let list: Vec<String> = paths
+        .iter()
+        .map(|p| format!("\"{}\"", p.display()))
+        .collect();
     let cfg = dir.join(name);
     std::fs::write(
         &cfg,
@@ -73,7 +76,11 @@ fn stripe_paths_in_another_order_are_not_advised_a_format() {
     let m = serve_refusal(&cfg);
     assert!(m.contains("nothing is wrong with the files"), "{m}");
     assert!(
-        m.contains(&format!("list them as [{}, {}]", d[0].display(), d[1].display())),
+        m.contains(&format!(
+            "list them as [{}, {}]",
+            d[0].display(),
+            d[1].display()
+        )),
         "{m}"
     );
     assert!(!m.contains(FORMAT_ADVICE) && !m.contains("discard"), "{m}");

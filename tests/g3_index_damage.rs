@@ -356,13 +356,21 @@ fn a_previous_journal_with_a_damaged_header_is_replayed_when_it_continues_the_ba
     t.close_without_checkpoint().unwrap();
     // Key 0's record in the current checkpoint, and the previous journal's header.
     flip(&d.path().join(CHECKPOINT_FILE_NAME), HEADER + 9, 0x04);
-    flip(&d.path().join(format!("{JOURNAL_FILE_NAME}.prev")), 33, 0x01);
+    flip(
+        &d.path().join(format!("{JOURNAL_FILE_NAME}.prev")),
+        33,
+        0x01,
+    );
     let mut t = open(config(&[d.path()], 4), &r);
     let found: Vec<u64> = [0, 1, 10, 11]
         .into_iter()
         .filter(|&i| lookup(&mut t, i) == LookupResult::Hit)
         .collect();
-    assert_eq!(found, [0, 1, 10, 11], "the previous journal's records were lost");
+    assert_eq!(
+        found,
+        [0, 1, 10, 11],
+        "the previous journal's records were lost"
+    );
     loads_own_bytes(&mut t, &r, &found);
 }
 

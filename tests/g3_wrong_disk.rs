@@ -121,10 +121,18 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
     t.shutdown().unwrap();
     drop(t);
     let record = Records::default_location().unwrap().file_of(&mnt);
-    assert!(record.exists(), "no record of {} at {}", mnt.display(), record.display());
+    assert!(
+        record.exists(),
+        "no record of {} at {}",
+        mnt.display(),
+        record.display()
+    );
 
     fs.unmount().unwrap();
-    assert!(entries(&mnt).is_empty(), "the bare mount point is not empty");
+    assert!(
+        entries(&mnt).is_empty(),
+        "the bare mount point is not empty"
+    );
     let below = FsIdentity::of(&mnt).unwrap();
     assert!(!below.same_filesystem(&on_loop), "{below:?} vs {on_loop:?}");
 
@@ -139,7 +147,11 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
         "both filesystems must be named: {m}"
     );
     assert!(m.contains("Mount it"), "{m}");
-    assert!(entries(&mnt).is_empty(), "created {:?} on the wrong disk", entries(&mnt));
+    assert!(
+        entries(&mnt).is_empty(),
+        "created {:?} on the wrong disk",
+        entries(&mnt)
+    );
 
     // Degraded where the entry allows it: serves nothing, says so, writes nothing.
     let degraded = entry(&mnt, serde_json::json!({"on_wrong_filesystem": "degraded"}));
@@ -150,16 +162,25 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
     let h = t.health();
     assert_eq!(h.state, HealthState::Degraded, "{h:?}");
     assert!(
-        h.problems.iter().any(|p| p.contains(&mnt.display().to_string())),
+        h.problems
+            .iter()
+            .any(|p| p.contains(&mnt.display().to_string())),
         "{h:?}"
     );
     assert_eq!(metric(t.as_ref(), "g3_wrong_filesystem", "0"), Some(1.0));
     assert_eq!(metric(t.as_ref(), "g3_path_healthy", "0"), Some(0.0));
     let res = run(t.as_mut(), job(2, 6, false));
-    assert!(!res.success, "a store reported success with no slab: {res:?}");
+    assert!(
+        !res.success,
+        "a store reported success with no slab: {res:?}"
+    );
     t.shutdown().unwrap();
     drop(t);
-    assert!(entries(&mnt).is_empty(), "created {:?} on the wrong disk", entries(&mnt));
+    assert!(
+        entries(&mnt).is_empty(),
+        "created {:?} on the wrong disk",
+        entries(&mnt)
+    );
 
     // The admin commands that create slabs refuse the bare directory as well.
     let m = kvtier(&[
@@ -174,7 +195,11 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
     assert!(stderr(&m).contains("--new-filesystem"), "{}", stderr(&m));
     let m = kvtier(&["tier", "repair", mnt.to_str().unwrap(), "--yes"]);
     assert_ne!(m.status.code(), Some(0), "{}", stderr(&m));
-    assert!(entries(&mnt).is_empty(), "created {:?} on the wrong disk", entries(&mnt));
+    assert!(
+        entries(&mnt).is_empty(),
+        "created {:?} on the wrong disk",
+        entries(&mnt)
+    );
 
     // Mounted again: the tier and its chunk are there.
     fs.mount().unwrap();
@@ -276,8 +301,12 @@ fn serve_refuses_an_unmounted_tier_filesystem() {
     let plain = cfg("kvtier.json", "");
     let degraded = cfg("degraded.json", r#", "on_wrong_filesystem": "degraded""#);
     let serve = |c: &Path| {
-        let (child, addr) =
-            start_serve(&["--config", c.to_str().unwrap(), "--metrics-addr", "127.0.0.1:0"]);
+        let (child, addr) = start_serve(&[
+            "--config",
+            c.to_str().unwrap(),
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ]);
         (Serving(child), addr)
     };
     let stop = |mut s: Serving| {
@@ -320,9 +349,19 @@ fn serve_refuses_an_unmounted_tier_filesystem() {
     let m = stderr(&out);
     assert_eq!(out.status.code(), Some(2), "{m}");
     assert!(m.contains(&mnt.display().to_string()), "{m}");
-    assert!(m.contains("ext4 (uuid "), "the tier's filesystem is not named: {m}");
-    assert!(m.contains("is on ext4"), "the filesystem found is not named: {m}");
-    assert!(entries(&mnt).is_empty(), "created {:?} on the wrong disk", entries(&mnt));
+    assert!(
+        m.contains("ext4 (uuid "),
+        "the tier's filesystem is not named: {m}"
+    );
+    assert!(
+        m.contains("is on ext4"),
+        "the filesystem found is not named: {m}"
+    );
+    assert!(
+        entries(&mnt).is_empty(),
+        "created {:?} on the wrong disk",
+        entries(&mnt)
+    );
     eprintln!("serve's refusal: {m}");
 
     let (child, addr) = serve(&degraded);
@@ -338,7 +377,11 @@ fn serve_refuses_an_unmounted_tier_filesystem() {
     let value: f64 = line.split_whitespace().last().unwrap().parse().unwrap();
     assert_eq!(value, 1.0, "{line}");
     stop(child);
-    assert!(entries(&mnt).is_empty(), "created {:?} on the wrong disk", entries(&mnt));
+    assert!(
+        entries(&mnt).is_empty(),
+        "created {:?} on the wrong disk",
+        entries(&mnt)
+    );
 
     fs.mount().unwrap();
     let (child, addr) = serve(&plain);
@@ -350,7 +393,10 @@ fn serve_refuses_an_unmounted_tier_filesystem() {
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert!(head.starts_with("HTTP/1.1 200") && body.starts_with("ok"), "{head} {body}");
+    assert!(
+        head.starts_with("HTTP/1.1 200") && body.starts_with("ok"),
+        "{head} {body}"
+    );
     assert!(stop(child).success());
 }
 

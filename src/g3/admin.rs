@@ -14,10 +14,10 @@ use crate::g3::aligned::AlignedBuf;
 use crate::g3::checkpoint::remove_index_files;
 use crate::g3::config::DirectIoMode;
 use crate::g3::format::{Superblock, slot_location};
+use crate::g3::fs_record::FsGuard;
 use crate::g3::index_dir::{IndexDir, JOURNAL_FILE_NAME, open_regular};
 use crate::g3::record::chunk_crc;
 use crate::g3::recovery::{self, Recovered};
-use crate::g3::fs_record::FsGuard;
 use crate::g3::slab::{
     self, SLAB_FILE_NAME, SlabSpec, check_dirs, fs_type_of, lock_holder_of, open_locked,
     read_superblock,

@@ -87,11 +87,9 @@ impl FsIdentity {
         if VOLATILE.contains(&self.fs_type) {
             return true;
         }
-        match (self.uuid, other.uuid) {
-            (Some(a), Some(b)) => return a == b,
-            // One side has a UUID and the other none: not the same filesystem type's
-            // behaviour on one kernel; fall through to the weaker identities.
-            _ => {}
+        // Where only one side has a UUID, fall through to the weaker identities.
+        if let (Some(a), Some(b)) = (self.uuid, other.uuid) {
+            return a == b;
         }
         if self.fsid != 0 && other.fsid != 0 {
             return self.fsid == other.fsid;
@@ -222,9 +220,7 @@ impl FsRecord {
             n => return Err(format!("uuid length {n}")),
         };
         let text = |from: usize, n: usize| String::from_utf8_lossy(&b[from..from + n]).into_owned();
-        let path = PathBuf::from(std::ffi::OsStr::from_bytes(
-            &b[FIXED_LEN..FIXED_LEN + pl],
-        ));
+        let path = PathBuf::from(std::ffi::OsStr::from_bytes(&b[FIXED_LEN..FIXED_LEN + pl]));
         Ok(FsRecord {
             set_uuid,
             path,

@@ -344,7 +344,10 @@ pub fn recover(
         .iter()
         .find(|j| j.name == JOURNAL_FILE_NAME)
         .and_then(Found::seq);
-    for j in journals.iter_mut().filter(|j| j.name == JOURNAL_PREV_FILE_NAME) {
+    for j in journals
+        .iter_mut()
+        .filter(|j| j.name == JOURNAL_PREV_FILE_NAME)
+    {
         if let (Some(p), Some(c)) = (j.seq(), current_seq)
             && p >= c
         {
@@ -421,8 +424,8 @@ pub fn recover(
                 rd.warn(format!(
                     "G3 journal {shown} has a damaged header; {}",
                     match (replayed, newest) {
-                        (true, _) => "its records were replayed by its name and generations"
-                            .to_string(),
+                        (true, _) =>
+                            "its records were replayed by its name and generations".to_string(),
                         (false, Some(n)) => format!(
                             "its newest insert (generation {n}) predates the checkpoint used: \
                              already folded in, not replayed"

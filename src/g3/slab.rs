@@ -17,11 +17,11 @@ use crate::g3::aligned::AlignedBuf;
 use crate::g3::config::DirectIoMode;
 pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
-use crate::g3::fs_record::FsGuard;
 use crate::g3::format::{
-    MISMATCH_CAPACITY, MISMATCH_ROW_STRIDE, MISMATCH_STRIPE, SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
-    read_at_most, slab_file_len,
+    MISMATCH_CAPACITY, MISMATCH_ROW_STRIDE, MISMATCH_STRIPE, SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE,
+    Superblock, namespace_mismatch, random_uuid, read_at_most, slab_file_len,
 };
+use crate::g3::fs_record::FsGuard;
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 use crate::size::{count, format_size_human};
 

@@ -211,7 +211,10 @@ fn mount_of(dir: &Path, dev: u64) -> Option<(String, String)> {
             .nth(1)
             .map(unescape_mountinfo)
             .unwrap_or_default();
-        if best.as_ref().is_none_or(|(_, m)| mount_point.len() >= m.len()) {
+        if best
+            .as_ref()
+            .is_none_or(|(_, m)| mount_point.len() >= m.len())
+        {
             best = Some((source, mount_point));
         }
     }
