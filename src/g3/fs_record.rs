@@ -335,6 +335,20 @@ impl Records {
         self.home.as_ref().is_none_or(|h| !h.same_filesystem(fs))
     }
 
+    /// Removes the record of `path` (canonical), for a tool that removes the tier it made
+    /// (`kvtier bench`); none is fine.
+    pub fn forget(&self, path: &Path) {
+        let file = self.file_of(path);
+        if let Err(e) = std::fs::remove_file(&file)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            log::warn!(
+                "cannot remove the filesystem record {}: {e}",
+                file.display()
+            );
+        }
+    }
+
     /// Writes `rec` (temporary file, fsync, rename, directory fsync).
     pub fn write(&self, rec: &FsRecord) -> Result<()> {
         use std::io::Write;
