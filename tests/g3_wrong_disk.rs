@@ -426,3 +426,101 @@ fn a_tier_without_a_record_opens_and_gains_it() {
     assert!(e.to_string().contains("Mount it"), "{e}");
     assert!(entries(&mnt).is_empty());
 }
+
+/// No silent fallback: a state directory that takes no record (here one below `/dev/null`)
+/// leaves the tier running, and `g3_paths_unrecorded` counts the path.
+#[test]
+fn a_path_that_cannot_be_recorded_is_counted() {
+    use std::io::{BufRead, BufReader};
+    let d = tmpdir();
+    let tier = d.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let cfg = d.path().join("kvtier.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB",
+                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
+                                      "capacity_bytes": "16MiB"}}]}}"#,
+            tier.display()
+        ),
+    )
+    .unwrap();
+    let child = cli_common::command(&[
+        "serve",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--metrics-addr",
+        "127.0.0.1:0",
+    ])
+    .env("KVTIER_STATE_DIR", "/dev/null/kvtier-state")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut serving = Serving(child);
+    let mut line = String::new();
+    BufReader::new(serving.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("kvtier serve: listening on http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("unexpected first line: {line:?}"))
+        .to_string();
+    let (_, metrics) = get(&addr, "/metrics");
+    let value: f64 = metrics
+        .lines()
+        .find(|l| l.contains("g3_paths_unrecorded{"))
+        .and_then(|l| l.split_whitespace().last())
+        .unwrap_or_else(|| panic!("no g3_paths_unrecorded: {metrics}"))
+        .parse()
+        .unwrap();
+    assert_eq!(value, 1.0);
+    send_signal(&serving.0, libc::SIGTERM);
+    let status = serving.0.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
+/// A tier moved with its files (copied onto another filesystem at the same path) is no wrong
+/// disk: the slab found there is the recorded set, so it opens with its chunks, and the record
+/// follows it.
+#[test]
+fn a_tier_moved_with_its_files_opens_and_the_record_follows() {
+    let Some((d, fs)) = loop_fs() else { return };
+    let mnt = fs.mnt.canonicalize().unwrap();
+    let r = region(2);
+    let req = RequestContext::new("r");
+    let mut t = build(&entry(&mnt, serde_json::json!({})), &r).unwrap();
+    wait_ready(t.as_ref());
+    fill_row(&r, 0, 5);
+    assert!(run(t.as_mut(), job(1, 5, false)).success);
+    t.shutdown().unwrap();
+    drop(t);
+    let copy = d.path().join("copy");
+    std::fs::create_dir(&copy).unwrap();
+    for f in entries(&mnt)
+        .into_iter()
+        .filter(|f| f.starts_with("kvtier-g3"))
+    {
+        std::fs::copy(mnt.join(&f), copy.join(&f)).unwrap();
+    }
+    fs.unmount().unwrap();
+    for f in entries(&copy) {
+        std::fs::copy(copy.join(&f), mnt.join(&f)).unwrap();
+    }
+    let mut t = build(&entry(&mnt, serde_json::json!({})), &r).unwrap();
+    wait_ready(t.as_ref());
+    assert_eq!(t.lookup(&key(5), &req), LookupResult::Hit);
+    t.shutdown().unwrap();
+    drop(t);
+    let rec = Records::default_location().unwrap().read(&mnt).unwrap();
+    assert!(
+        rec.fs.same_filesystem(&FsIdentity::of(&mnt).unwrap()),
+        "the record did not follow the tier: {rec:?}"
+    );
+    for f in entries(&mnt) {
+        std::fs::remove_file(mnt.join(f)).unwrap();
+    }
+}

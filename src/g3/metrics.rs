@@ -145,6 +145,9 @@ pub struct G3Metrics {
     /// The share of the primary region's bytes in 2 MiB pages (see
     /// `PrimaryRegion::huge_page_share`), in millionths, set at open.
     pub region_huge_page_ppm: AtomicU64,
+    /// Paths whose filesystem could not be recorded at open (no or a read-only state
+    /// directory): a restart cannot tell that filesystem, unmounted, from an empty directory.
+    pub paths_unrecorded: AtomicU64,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
 }
@@ -414,6 +417,13 @@ impl G3Metrics {
              (one DMA segment per 2 MiB); below 1 the reason is logged once",
             Gauge,
             get(&self.region_huge_page_ppm) / 1e6,
+        ));
+        out.push(m(
+            "g3_paths_unrecorded",
+            "Paths whose filesystem kvtier could not record (no writable state directory): a \
+             restart cannot tell that filesystem, unmounted, from an empty directory there",
+            Gauge,
+            get(&self.paths_unrecorded),
         ));
         let gds = self.gds.lock().clone();
         let mut info = m(
