@@ -234,6 +234,8 @@ impl Error {
             "key" | "path" => self.message.contains(v),
             "errno" => self.message.contains(&format!("os error {v})")),
             "pid" => self.message.contains(&format!("pid {v}")),
+            // A tag for programs (which refusal this is), never news to a reader.
+            "mismatch" => true,
             _ => false,
         }
     }

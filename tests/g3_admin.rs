@@ -18,6 +18,7 @@ fn fmt_opts(slots: u64) -> FormatOptions {
         capacity_bytes: slots * STRIDE as u64,
         namespace: geometry_namespace(STRIDE),
         direct_io: DirectIoMode::Required,
+        new_filesystem: false,
     }
 }
 

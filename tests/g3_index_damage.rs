@@ -228,3 +228,180 @@ fn reseal_record(rec: &mut [u8], set_uuid: [u8; 16], offset: u64) {
     let crc = crc32fast::hash(&covered);
     rec[0..4].copy_from_slice(&crc.to_le_bytes());
 }
+
+/// How the previous journal's header is damaged in [`previous_journal_header_damage`].
+#[derive(Debug, Clone, Copy)]
+enum PrevHeader {
+    /// One flipped bit in its `seq` field (the header CRC no longer matches).
+    FlippedBit,
+    /// A CRC-valid header whose `seq` is above 2^62.
+    SeqAboveLimit,
+    /// A CRC-valid header whose `seq` equals the current journal's.
+    SeqOfCurrent,
+}
+
+/// Overwrites the `seq` of the index-file header at `path` and reseals its CRC (bytes 0..60),
+/// as `docs/format.md` defines the header.
+fn reseal_header_seq(path: &Path, seq: u64) {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut h = [0u8; HEADER as usize];
+    f.read_exact_at(&mut h, 0).unwrap();
+    h[32..40].copy_from_slice(&seq.to_le_bytes());
+    let crc = crc32fast::hash(&h[..60]);
+    h[60..64].copy_from_slice(&crc.to_le_bytes());
+    f.write_all_at(&h, 0).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn header_seq(path: &Path) -> u64 {
+    let b = std::fs::read(path).unwrap();
+    u64::from_le_bytes(b[32..40].try_into().unwrap())
+}
+
+/// Issue 28 item 9: a tier whose four slots were reused between two generations (keys 0..4 in
+/// the previous journal, keys 10..14 in the same slots in the current one); the previous
+/// journal's header is damaged. The current keys must all load, the stale ones must miss,
+/// and the damaged file must be kept aside before the rotations of the next starts.
+fn previous_journal_header_damage(how: PrevHeader) {
+    let d = tmpdir();
+    let r = region(2);
+    let mut t = open(config(&[d.path()], 4), &r);
+    for i in 0..4u64 {
+        fill_row(&r, 0, i);
+        assert!(run(&mut t, job(i + 1, &[i], &[0], false)).success);
+    }
+    t.shutdown().unwrap();
+    drop(t);
+    let mut t = open(config(&[d.path()], 4), &r);
+    for i in 10..14u64 {
+        fill_row(&r, 0, i);
+        assert!(run(&mut t, job(i + 1, &[i], &[0], false)).success);
+    }
+    t.close_without_checkpoint().unwrap();
+    let prev = d.path().join(format!("{JOURNAL_FILE_NAME}.prev"));
+    let current_seq = header_seq(&d.path().join(JOURNAL_FILE_NAME));
+    match how {
+        PrevHeader::FlippedBit => flip(&prev, 33, 0x01),
+        PrevHeader::SeqAboveLimit => reseal_header_seq(&prev, (1 << 62) + 5),
+        PrevHeader::SeqOfCurrent => reseal_header_seq(&prev, current_seq),
+    }
+    let current: Vec<u64> = (10..14).collect();
+    let present = |t: &mut G3Tier| -> Vec<u64> {
+        (0..4)
+            .chain(10..14)
+            .filter(|&i| lookup(t, i) == LookupResult::Hit)
+            .collect()
+    };
+    // Two starts: each writes a fresh generation (the first because of the damage, the
+    // second at its shutdown), which is where an intact current journal could be renamed
+    // over.
+    for start in 0..2 {
+        let mut t = open(config(&[d.path()], 4), &r);
+        assert_eq!(
+            present(&mut t),
+            current,
+            "{how:?}, start {start}: the current keys must be exactly what is found"
+        );
+        loads_own_bytes(&mut t, &r, &current);
+        t.shutdown().unwrap();
+        drop(t);
+        assert!(
+            damaged_copies(d.path())
+                .iter()
+                .any(|n| n.starts_with(&format!("{JOURNAL_FILE_NAME}.prev.damaged"))),
+            "{how:?}, start {start}: the damaged previous journal was not kept aside: {:?}",
+            damaged_copies(d.path())
+        );
+    }
+}
+
+#[test]
+fn a_flipped_bit_in_the_previous_journals_header_keeps_the_current_keys() {
+    previous_journal_header_damage(PrevHeader::FlippedBit);
+}
+
+#[test]
+fn a_previous_journal_seq_above_2_62_keeps_the_current_keys() {
+    previous_journal_header_damage(PrevHeader::SeqAboveLimit);
+}
+
+#[test]
+fn a_previous_journal_seq_equal_to_the_current_keeps_the_current_keys() {
+    previous_journal_header_damage(PrevHeader::SeqOfCurrent);
+}
+
+/// The other side of item 9: when the current checkpoint is damaged, the previous journal
+/// continues the generation recovery falls back to, and its records are needed even with a
+/// damaged header (its inserts are newer than that checkpoint).
+#[test]
+fn a_previous_journal_with_a_damaged_header_is_replayed_when_it_continues_the_base() {
+    let d = tmpdir();
+    let r = region(2);
+    let mut t = open(config(&[d.path()], 4), &r);
+    for i in 0..2u64 {
+        fill_row(&r, 0, i);
+        assert!(run(&mut t, job(i + 1, &[i], &[0], false)).success);
+    }
+    t.shutdown().unwrap();
+    drop(t);
+    let mut t = open(config(&[d.path()], 4), &r);
+    for i in 10..12u64 {
+        fill_row(&r, 0, i);
+        assert!(run(&mut t, job(i + 1, &[i], &[0], false)).success);
+    }
+    t.close_without_checkpoint().unwrap();
+    // Key 0's record in the current checkpoint, and the previous journal's header.
+    flip(&d.path().join(CHECKPOINT_FILE_NAME), HEADER + 9, 0x04);
+    flip(
+        &d.path().join(format!("{JOURNAL_FILE_NAME}.prev")),
+        33,
+        0x01,
+    );
+    let mut t = open(config(&[d.path()], 4), &r);
+    let found: Vec<u64> = [0, 1, 10, 11]
+        .into_iter()
+        .filter(|&i| lookup(&mut t, i) == LookupResult::Hit)
+        .collect();
+    assert_eq!(
+        found,
+        [0, 1, 10, 11],
+        "the previous journal's records were lost"
+    );
+    loads_own_bytes(&mut t, &r, &found);
+}
+
+/// Issue 28 item 10: a current journal cut to 0 bytes (kvtier writes index files whole before
+/// they take their name, so only a filesystem that lost data or a hand does that) loses what
+/// it held: recovery says so instead of ignoring it quietly.
+#[test]
+fn an_empty_current_journal_is_warned_about() {
+    let d = tmpdir();
+    let r = region(2);
+    let mut t = open(config(&[d.path()], 16), &r);
+    store_eight(&mut t, &r);
+    t.close_without_checkpoint().unwrap();
+    let journal = d.path().join(JOURNAL_FILE_NAME);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&journal)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let report = kvtier::g3::admin::inspect(&[d.path().to_path_buf()]).unwrap();
+    let shown = journal.display().to_string();
+    assert!(
+        report
+            .warnings
+            .iter()
+            .any(|w| w.contains(&shown) && w.contains("is empty (0 bytes") && w.contains("lost")),
+        "no warning about the empty journal: {:?}",
+        report.warnings
+    );
+    // The tier still opens (with what the checkpoint holds: nothing, here).
+    let mut t = open(config(&[d.path()], 16), &r);
+    assert!(hits(&mut t).is_empty());
+}

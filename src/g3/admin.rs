@@ -14,6 +14,7 @@ use crate::g3::aligned::AlignedBuf;
 use crate::g3::checkpoint::remove_index_files;
 use crate::g3::config::DirectIoMode;
 use crate::g3::format::{Superblock, slot_location};
+use crate::g3::fs_record::FsGuard;
 use crate::g3::index_dir::{IndexDir, JOURNAL_FILE_NAME, open_regular};
 use crate::g3::record::chunk_crc;
 use crate::g3::recovery::{self, Recovered};
@@ -33,6 +34,10 @@ pub struct FormatOptions {
     pub namespace: [u8; 32],
     /// O_DIRECT policy used for the probe.
     pub direct_io: DirectIoMode,
+    /// Format even where a path is on another filesystem than the tier recorded there (a
+    /// replaced disk). Without it such a path is refused before anything is removed, as a
+    /// tier's open refuses it (its filesystem may only be unmounted).
+    pub new_filesystem: bool,
 }
 
 /// One slab file, as reported by [`inspect`].
@@ -172,10 +177,7 @@ enum Access {
 /// consistent geometry (before anything is sized from the superblock).
 fn open_existing(paths: &[PathBuf], access: Access) -> Result<OpenSet> {
     let dirs = check_dirs(paths)?;
-    let present: Vec<bool> = dirs
-        .iter()
-        .map(|d| d.join(SLAB_FILE_NAME).exists())
-        .collect();
+    let present = slab::slabs_present(&dirs)?;
     if present.iter().all(|&p| !p) {
         return Err(no_tier_in(&paths[0]));
     }
@@ -263,6 +265,10 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
     // Refuse a directory that takes no files before anything is removed or created.
     let dirs = slab::check_writable_dirs(paths)?;
     let _locks = slab::lock_dirs(&dirs)?;
+    let guard = FsGuard::load(&dirs)?;
+    if !opts.new_filesystem {
+        slab::check_filesystems(&dirs, &guard)?;
+    }
     let slots = slab::slots_in_file(opts.capacity_bytes, dirs.len(), opts.row_stride)?;
     let old = slab::lock_slabs(&dirs)?;
     slab::check_format_space(&dirs, &old, slots, opts.row_stride)?;
@@ -275,7 +281,7 @@ pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {
         namespace: opts.namespace,
         direct_io: opts.direct_io,
     };
-    let set = slab::open_set_locked(&dirs, &spec)?;
+    let set = slab::open_set_recorded(&dirs, &spec, &guard)?;
     let total = u32::try_from(set.total_slots())
         .map_err(|_| Error::new(ErrorKind::Config, "more than 2^32 - 1 slots"))?;
     let rec = recovery::recover(&index_dir, set.set_uuid(), total, set.files.len())?;
@@ -443,8 +449,12 @@ pub struct RepairReport {
 pub fn repair(paths: &[PathBuf]) -> Result<RepairReport> {
     let dirs = slab::check_writable_dirs(paths)?;
     let _locks = slab::lock_dirs(&dirs)?;
+    // A member missing because its filesystem is not mounted is never recreated on the
+    // filesystem below.
+    let guard = FsGuard::load(&dirs)?;
+    slab::check_filesystems(&dirs, &guard)?;
     let slabs: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
-    let present: Vec<bool> = slabs.iter().map(|p| p.exists()).collect();
+    let present = slab::slabs_present(&dirs)?;
     if present.iter().all(|&p| !p) {
         return Err(no_tier_in(&paths[0]));
     }
@@ -516,6 +526,7 @@ pub fn repair(paths: &[PathBuf]) -> Result<RepairReport> {
         held.push(slab::create_member(&slabs[i], &sb, &mut made)?);
         report.recreated.push(slabs[i].clone());
     }
+    guard.record(template.set_uuid);
     log::warn!(
         "repaired G3 stripe set {}: recreated {} empty; dropped {} entries that lived there, \
          kept {}",

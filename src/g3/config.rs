@@ -100,6 +100,30 @@ impl FsyncPolicy {
     }
 }
 
+/// What a tier does when a path is on another filesystem than the tier was created on
+/// (`on_wrong_filesystem`; see `docs/g3.md`, "The wrong disk").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WrongFilesystem {
+    /// Refuse to open, naming the path and both filesystems (default).
+    #[default]
+    Refuse,
+    /// Run without the tier: it serves nothing (lookups miss, jobs fail), and its health
+    /// and `g3_wrong_filesystem{path}` say why. Only where the tier is built from a
+    /// configuration (`kvtier serve`, [`crate::Builder`], the Python package).
+    Degraded,
+}
+
+impl WrongFilesystem {
+    /// The config spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WrongFilesystem::Refuse => "refuse",
+            WrongFilesystem::Degraded => "degraded",
+        }
+    }
+}
+
 /// Validated configuration of one G3 tier.
 #[derive(Debug, Clone, PartialEq)]
 pub struct G3TierConfig {
@@ -149,6 +173,9 @@ pub struct G3TierConfig {
     /// switch ([`crate::Builder::events`], vLLM's `--kv-events-config`): events flow when
     /// both are on.
     pub enable_kv_events: bool,
+    /// What to do when a path is found on another filesystem than the tier was created on
+    /// (`on_wrong_filesystem`).
+    pub on_wrong_filesystem: WrongFilesystem,
 }
 
 impl G3TierConfig {
@@ -171,6 +198,7 @@ impl G3TierConfig {
             region_huge_pages: AdoptHugePages::Auto,
             layout: None,
             enable_kv_events: false,
+            on_wrong_filesystem: WrongFilesystem::Refuse,
         }
     }
 
@@ -308,6 +336,19 @@ impl G3TierConfig {
                         &kp("region_huge_pages"),
                         other,
                         &["auto", "never"],
+                    ));
+                }
+            };
+        }
+        if let Some(v) = tc.params.get("on_wrong_filesystem") {
+            cfg.on_wrong_filesystem = match str_value(v, &kp("on_wrong_filesystem"))? {
+                "refuse" => WrongFilesystem::Refuse,
+                "degraded" => WrongFilesystem::Degraded,
+                other => {
+                    return Err(bad_choice(
+                        &kp("on_wrong_filesystem"),
+                        other,
+                        &["refuse", "degraded"],
                     ));
                 }
             };
@@ -499,6 +540,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "module_path",
     "layout",
     "enable_kv_events",
+    "on_wrong_filesystem",
 ];
 
 fn closest_key(key: &str) -> Option<&'static str> {

@@ -21,6 +21,19 @@ pub const SLAB_MAGIC: [u8; 8] = *b"KVTG3SLB";
 pub const SLAB_FORMAT_VERSION: u32 = 2;
 const CRC_OFFSET: usize = SUPERBLOCK_SIZE - 4;
 
+/// The `mismatch` context value of an [`ErrorKind::IncompatibleLayout`] refusal whose slab
+/// holds bytes of another namespace (model layout, TP size, blocks per chunk, canonical
+/// layout): the settings decide, so a command may advise a format that matches them.
+pub const MISMATCH_NAMESPACE: &str = "namespace";
+/// `mismatch` of a refusal whose slab's slots have another size than the rows (settings).
+pub const MISMATCH_ROW_STRIDE: &str = "row_stride";
+/// `mismatch` of a refusal whose slab holds another number of slots (`capacity_bytes`).
+pub const MISMATCH_CAPACITY: &str = "capacity";
+/// `mismatch` of a refusal of paths listed in another order, or another number of them.
+pub const MISMATCH_STRIPE: &str = "stripe";
+/// `mismatch` of a refusal of a slab written by another kvtier format version.
+pub const MISMATCH_VERSION: &str = "version";
+
 /// The decoded superblock of one slab file of a stripe set.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Superblock {
@@ -106,17 +119,22 @@ impl Superblock {
         if version != SLAB_FORMAT_VERSION {
             let why = if version < SLAB_FORMAT_VERSION {
                 format!(
-                    "it was written by an older kvtier, whose index this build cannot check                      (this build reads version {SLAB_FORMAT_VERSION}): reformat it with                      `kvtier tier format` (the chunks it holds are discarded; they are a cache)"
+                    "it was written by an older kvtier, whose index this build cannot check \
+                     (this build reads version {SLAB_FORMAT_VERSION}): reformat it with \
+                     `kvtier tier format` (the chunks it holds are discarded; they are a cache)"
                 )
             } else {
                 format!(
-                    "it was written by a newer kvtier (this build reads version                      {SLAB_FORMAT_VERSION})"
+                    "it was written by a newer kvtier (this build reads version \
+                     {SLAB_FORMAT_VERSION}): open it with that kvtier or a newer one; this \
+                     build leaves it untouched"
                 )
             };
             return Err(Error::new(
                 ErrorKind::IncompatibleLayout,
                 format!("{what}: slab format version {version} is not supported: {why}"),
             )
+            .with("mismatch", MISMATCH_VERSION)
             .with("expected", SLAB_FORMAT_VERSION.to_string())
             .with("found", version.to_string()));
         }
@@ -235,6 +253,7 @@ pub fn namespace_mismatch(p: &Path, expected: &[u8; 32], found: &[u8; 32]) -> Er
         ),
     )
     .with("path", p.display().to_string())
+    .with("mismatch", MISMATCH_NAMESPACE)
     .with("expected", hex::encode(expected))
     .with("found", hex::encode(found))
 }

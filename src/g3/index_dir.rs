@@ -88,6 +88,25 @@ fn file_error(op: &str, path: &Path, e: std::io::Error) -> Error {
     Error::io(op, path, e)
 }
 
+/// The error for opening `path` (a file to `use_` it, or the directory itself) refused with
+/// `EACCES`/`EPERM`: permissions on that file or directory, not a directory that takes no
+/// files. Anything else goes to [`file_error`].
+fn open_error(op: &str, path: &Path, e: std::io::Error, use_: &str) -> Error {
+    if !matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) {
+        return file_error(op, path, e);
+    }
+    Error::new(
+        ErrorKind::InvalidPath,
+        format!(
+            "{op} {}: {e} (this process may not {use_} it: check its owner and mode, and \
+             search permission on the directories above it)",
+            path.display()
+        ),
+    )
+    .with("path", path.display().to_string())
+    .with_source(e)
+}
+
 /// Refuses anything but a regular file at `path` (`st_mode` of the open descriptor).
 pub(crate) fn require_regular(mode: u32, path: &Path) -> Result<()> {
     let kind = FileType::from_raw_mode(mode);
@@ -129,7 +148,14 @@ pub fn open_regular_at(
     ) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Ok(None),
-        Err(e) => return Err(file_error("open", shown, os(e))),
+        Err(e) => {
+            let use_ = if flags.intersects(OFlags::WRONLY | OFlags::RDWR) {
+                "read and write"
+            } else {
+                "read"
+            };
+            return Err(open_error("open", shown, os(e), use_));
+        }
     };
     let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("stat", shown, os(e)))?;
     require_regular(st.st_mode, shown)?;
@@ -152,7 +178,7 @@ impl IndexDir {
             OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| file_error("open directory", path, os(e)))?;
+        .map_err(|e| open_error("open directory", path, os(e), "read"))?;
         let st = rustix::fs::fstat(&fd).map_err(|e| Error::io("stat", path, os(e)))?;
         Ok(IndexDir {
             path: path.to_path_buf(),

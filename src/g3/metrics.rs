@@ -23,6 +23,9 @@ pub struct PathStatus {
     /// Set when the slab is no longer what its path names (deleted, replaced, unmounted):
     /// what is written to it would not be found by a restart.
     pub lost: Mutex<Option<String>>,
+    /// Set when the path was found on another filesystem than the tier was created on (its
+    /// disk not mounted) and the tier runs without it (`on_wrong_filesystem = "degraded"`).
+    pub wrong_filesystem: AtomicBool,
 }
 
 /// What the index journal can do now (`g3_journal_info{state}`).
@@ -142,6 +145,9 @@ pub struct G3Metrics {
     /// The share of the primary region's bytes in 2 MiB pages (see
     /// `PrimaryRegion::huge_page_share`), in millionths, set at open.
     pub region_huge_page_ppm: AtomicU64,
+    /// Paths whose filesystem could not be recorded at open (no or a read-only state
+    /// directory): a restart cannot tell that filesystem, unmounted, from an empty directory.
+    pub paths_unrecorded: AtomicU64,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
 }
@@ -177,6 +183,7 @@ impl G3Metrics {
             poisoned: Default::default(),
             problem: Default::default(),
             lost: Default::default(),
+            wrong_filesystem: Default::default(),
         };
         Self::default()
             .sample(std::slice::from_ref(&one_path))
@@ -325,7 +332,8 @@ impl G3Metrics {
             ),
             m(
                 "g3_entries_fenced",
-                "Entries dropped from the index because their path was taken out of service                  (g3_path_healthy 0)",
+                "Entries dropped from the index because their path was taken out of service \
+                 (g3_path_healthy 0)",
                 Counter,
                 get(&self.entries_fenced),
             ),
@@ -410,6 +418,13 @@ impl G3Metrics {
             Gauge,
             get(&self.region_huge_page_ppm) / 1e6,
         ));
+        out.push(m(
+            "g3_paths_unrecorded",
+            "Paths whose filesystem kvtier could not record (no writable state directory): a \
+             restart cannot tell that filesystem, unmounted, from an empty directory there",
+            Gauge,
+            get(&self.paths_unrecorded),
+        ));
         let gds = self.gds.lock().clone();
         let mut info = m(
             "g3_gds_info",
@@ -438,6 +453,15 @@ impl G3Metrics {
             );
             h.labels.push(("path", i.to_string()));
             out.push(h);
+            let mut w = m(
+                "g3_wrong_filesystem",
+                "1 when the path was found on another filesystem than its tier was created on \
+                 (not mounted?) and the tier runs without it",
+                Gauge,
+                f64::from(u8::from(p.wrong_filesystem.load(Ordering::Relaxed))),
+            );
+            w.labels.push(("path", i.to_string()));
+            out.push(w);
         }
         out
     }

@@ -3,6 +3,8 @@
 //! * [`config`]: the tier's config keys ([`G3TierConfig`]).
 //! * [`format`](mod@format): the slab superblock, striping, the geometry namespace.
 //! * [`dirs`]: checking that the tier's directories take files, syncing them.
+//! * [`fs_record`]: which filesystem each path lives on, remembered outside the tier, so a
+//!   restart never creates a tier on the disk below an unmounted one.
 //! * [`slab`]: creating, locking, preallocating and opening slab files.
 //! * [`index`]: the in-memory key -> slot index.
 //! * [`record`]: the record codec of the index files; [`record_reader`] streams them.
@@ -13,6 +15,8 @@
 //! * [`direct`]: [`direct::DirectSlots`], slots moved by another data path (GPUDirect Storage).
 //! * `gpu_path` (feature `gds`): chunks moved between GPU blocks and slots by GDS.
 //! * [`gds`]: whether GPUDirect Storage can run for the tier (`gds` key), and why not.
+//! * [`offline`]: [`offline::OfflineTier`], an entry running without its slabs (a path on
+//!   another filesystem, `on_wrong_filesystem = "degraded"`).
 //! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
 
 pub mod admin;
@@ -22,6 +26,7 @@ pub mod config;
 pub mod direct;
 pub mod dirs;
 pub mod format;
+pub mod fs_record;
 pub mod gds;
 #[cfg(feature = "gds")]
 pub mod gpu_path;
@@ -30,6 +35,7 @@ pub mod index_dir;
 pub mod journal;
 pub mod keymap;
 pub mod metrics;
+pub mod offline;
 pub mod record;
 pub mod record_reader;
 pub mod recovery;
@@ -38,6 +44,6 @@ pub mod slot_key;
 pub mod tier;
 mod worker;
 
-pub use config::{DirectIoMode, FsyncPolicy, G3TierConfig, GdsMode};
+pub use config::{DirectIoMode, FsyncPolicy, G3TierConfig, GdsMode, WrongFilesystem};
 pub use format::geometry_namespace;
 pub use tier::{EngineFactory, G3Info, G3Tier};

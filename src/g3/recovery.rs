@@ -214,9 +214,16 @@ impl Reader<'_> {
                 self.keep(name, true, kind);
                 return Ok(None);
             }
-            Err(e) if n == 0 => {
-                // An empty file (a crash right after its creation) holds nothing to lose.
-                log::info!("{e}; ignored");
+            Err(_) if n == 0 => {
+                // Every index file is written and fsynced under a temporary name before it is
+                // renamed into place, so none is empty by a crash of kvtier: a filesystem lost
+                // its data (a flush it did not perform), or the file was truncated by hand.
+                // Whatever it held is gone; say so.
+                self.warn(format!(
+                    "G3 index file {shown} is empty (0 bytes; kvtier writes index files whole \
+                     before they take this name): whatever it held is lost (a filesystem that \
+                     lost its data in a crash, or a file truncated by hand); ignored"
+                ));
                 return Ok(None);
             }
             Err(e) => {
@@ -230,6 +237,23 @@ impl Reader<'_> {
             header,
             written,
         }))
+    }
+
+    /// The highest generation among the insert records of `f` (`None` when it has none): the
+    /// evidence of its age when its header is damaged.
+    fn newest_generation(&self, f: &Found) -> Result<Option<u64>> {
+        let path = self.dir.file_path(f.name);
+        let mut newest: Option<u64> = None;
+        stream_records(&self.codec, &f.file, &path, FILE_HEADER_SIZE as u64, |c| {
+            for r in records(c) {
+                if let RecordRef::Insert { generation, .. } = r
+                    && generation <= MAX_SEQUENCE
+                {
+                    newest = Some(newest.map_or(generation, |n| n.max(generation)));
+                }
+            }
+        })?;
+        Ok(newest)
     }
 
     /// Streams the records of `f` into `index`.
@@ -311,7 +335,32 @@ pub fn recover(
         }
     }
     let base_seq = base.and_then(|b| ckpts[b].seq());
-    journals.sort_by_key(|j| j.seq().map_or(u64::MAX, |s| s));
+    // The names give the journals' order: a checkpoint renames the current journal to
+    // `.prev` before the next one takes the name, so `.journal.prev` is always older than
+    // `.journal`. A header that says otherwise (a `seq` at or above the current journal's) is
+    // not trusted: the journal is placed by its name and its records' own generations, like a
+    // journal whose header is damaged.
+    let current_seq = journals
+        .iter()
+        .find(|j| j.name == JOURNAL_FILE_NAME)
+        .and_then(Found::seq);
+    for j in journals
+        .iter_mut()
+        .filter(|j| j.name == JOURNAL_PREV_FILE_NAME)
+    {
+        if let (Some(p), Some(c)) = (j.seq(), current_seq)
+            && p >= c
+        {
+            rd.warn(format!(
+                "G3 journal {}: its header names checkpoint {p}, not older than the current \
+                 journal's {c}: the header is wrong (the previous journal is always the older); \
+                 placed by its name and its records instead",
+                rd.dir.file_path(j.name).display()
+            ));
+            j.header = None;
+        }
+    }
+    journals.sort_by_key(|j| u8::from(j.name == JOURNAL_FILE_NAME));
     // Damaged checkpoints newer than the base: their readable records are needed when no
     // journal continues the base (the records between the base and them exist nowhere else).
     let continued = journals.iter().any(|j| j.seq() == base_seq);
@@ -331,23 +380,11 @@ pub fn recover(
         newer_damaged.truncate(1);
     }
     newer_damaged.sort_by_key(|&i| ckpts[i].seq().map_or(u64::MAX, |s| s));
-    // Journals continuing the base (or a later checkpoint), oldest first; a journal whose
-    // header is damaged is most likely the current one, and goes last. Without an intact
+    // Journals continuing the base (or a later checkpoint), oldest first. Without an intact
     // checkpoint, the damaged one used as the base decides (when its header is readable).
     let from = base_seq
         .or_else(|| newer_damaged.first().and_then(|&i| ckpts[i].seq()))
         .unwrap_or(0);
-    let (use_journals, folded): (Vec<&Found>, Vec<&Found>) = journals
-        .iter()
-        .partition(|j| j.seq().is_none_or(|s| s >= from));
-    for j in folded {
-        log::info!(
-            "G3 journal {} continues checkpoint {} and predates checkpoint {from}; already \
-             folded in",
-            rd.dir.file_path(j.name).display(),
-            j.seq().unwrap_or(0)
-        );
-    }
     let mut index = index.unwrap_or_else(|| rd.fresh_index());
     for &i in &newer_damaged {
         rd.stream(&ckpts[i], &mut index, &mut replay)?;
@@ -355,6 +392,61 @@ pub fn recover(
             "G3 checkpoint {}: its readable entries were used",
             rd.dir.file_path(ckpts[i].name).display()
         ));
+    }
+    // Generations below this are in the base: every insert made before a checkpoint has a
+    // generation below its `next_generation`, every insert after it one at or above.
+    let base_generations = match base.and_then(|b| ckpts[b].header) {
+        Some(h) => Some(h.next_generation),
+        None if replay.records > 0 => Some(replay.max_gen.saturating_add(1)),
+        None => None,
+    };
+    let current_beyond_base = current_seq.is_some_and(|c| c > from)
+        && journals
+            .iter()
+            .any(|j| j.name == JOURNAL_FILE_NAME && j.header.is_some());
+    let mut use_journals: Vec<&Found> = Vec::new();
+    for j in &journals {
+        let shown = rd.dir.file_path(j.name).display().to_string();
+        let replayed = match j.seq() {
+            Some(s) => s >= from,
+            None => {
+                // A damaged header: the file is kept aside, and its records' generations say
+                // whether the base already holds them.
+                rd.keep(j.name, false, MetaFile::Journal);
+                let newest = rd.newest_generation(j)?;
+                let replayed = match (base_generations, newest) {
+                    (None, _) => true,
+                    (Some(g), Some(n)) => n >= g,
+                    // No insert to date it: the current journal is the newest file; the
+                    // previous one continues the base only when the current one does not.
+                    (Some(_), None) => j.name == JOURNAL_FILE_NAME || current_beyond_base,
+                };
+                rd.warn(format!(
+                    "G3 journal {shown} has a damaged header; {}",
+                    match (replayed, newest) {
+                        (true, _) =>
+                            "its records were replayed by its name and generations".to_string(),
+                        (false, Some(n)) => format!(
+                            "its newest insert (generation {n}) predates the checkpoint used: \
+                             already folded in, not replayed"
+                        ),
+                        (false, None) => "it is older than the checkpoint used: already folded \
+                             in, not replayed"
+                            .to_string(),
+                    }
+                ));
+                replayed
+            }
+        };
+        if replayed {
+            use_journals.push(j);
+        } else if j.header.is_some() {
+            log::info!(
+                "G3 journal {shown} continues checkpoint {} and predates checkpoint {from}; \
+                 already folded in",
+                j.seq().unwrap_or(0)
+            );
+        }
     }
     if let Some(b) = base
         && !damaged.is_empty()

@@ -18,9 +18,10 @@ use crate::g3::config::DirectIoMode;
 pub use crate::g3::dirs::sync_dir;
 use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
-    SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE, Superblock, namespace_mismatch, random_uuid,
-    read_at_most, slab_file_len,
+    MISMATCH_CAPACITY, MISMATCH_ROW_STRIDE, MISMATCH_STRIPE, SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE,
+    Superblock, namespace_mismatch, random_uuid, read_at_most, slab_file_len,
 };
+use crate::g3::fs_record::FsGuard;
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 use crate::size::{count, format_size_human};
 
@@ -71,7 +72,8 @@ impl SlabFile {
             Err(Error::new(
                 ErrorKind::InvalidPath,
                 format!(
-                    "G3 slab {} {why} while the tier ran: what is written to it now would not                      be found by a restart",
+                    "G3 slab {} {why} while the tier ran: what is written to it now would not \
+                     be found by a restart",
                     self.path.display()
                 ),
             )
@@ -84,7 +86,8 @@ impl SlabFile {
             Ok(now) if now.dev() == md.dev() && now.ino() == md.ino() => Ok(()),
             Ok(_) => gone("was replaced by another file (or its directory by another one)".into()),
             Err(e) => gone(format!(
-                "can no longer be reached through its path ({e}): renamed, or its filesystem                  unmounted"
+                "can no longer be reached through its path ({e}): renamed, or its filesystem \
+                 unmounted"
             )),
         }
     }
@@ -97,6 +100,8 @@ pub struct SlabSet {
     pub files: Vec<SlabFile>,
     /// True when this open created the set.
     pub created: bool,
+    /// Paths whose filesystem could not be recorded ([`FsGuard::record`]; logged).
+    pub unrecorded_paths: usize,
 }
 
 impl SlabSet {
@@ -220,6 +225,40 @@ pub fn lock_dirs(dirs: &[PathBuf]) -> Result<Vec<DirLock>> {
     Ok(held)
 }
 
+/// Whether each directory of `dirs` holds a slab file. A directory whose entries cannot be
+/// looked up (no read or search permission, e.g. mode 000) is an [`ErrorKind::InvalidPath`]
+/// error saying so: kvtier cannot tell whether it holds a tier, and never guesses "none".
+pub fn slabs_present(dirs: &[PathBuf]) -> Result<Vec<bool>> {
+    dirs.iter()
+        .map(|d| {
+            let p = d.join(SLAB_FILE_NAME);
+            match std::fs::symlink_metadata(&p) {
+                Ok(_) => Ok(true),
+                Err(e) if e.kind() == IoErrorKind::NotFound => Ok(false),
+                Err(e) => Err(unreadable_dir(d, &p, e)),
+            }
+        })
+        .collect()
+}
+
+/// The error for a directory `d` in which `p` cannot be looked up (`e`).
+fn unreadable_dir(d: &Path, p: &Path, e: std::io::Error) -> Error {
+    let mode = std::fs::metadata(d)
+        .map(|m| format!(" (mode {:03o})", m.mode() & 0o7777))
+        .unwrap_or_default();
+    Error::new(
+        ErrorKind::InvalidPath,
+        format!(
+            "{} cannot be read{mode}: looking up {} failed: {e}; kvtier cannot tell whether it \
+             holds a G3 tier. Give this process read and search permission on it",
+            d.display(),
+            p.display()
+        ),
+    )
+    .with("path", d.display().to_string())
+    .with_source(e)
+}
+
 /// Opens the stripe set in `dirs` (creating it when no slab file exists yet) and checks it
 /// against `spec`. Holds the directories' [`DirLock`]s while it does.
 pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
@@ -229,10 +268,50 @@ pub fn open_set(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
 }
 
 /// [`open_set`] for a caller that holds the [`DirLock`]s of `dirs` (checked directories).
+///
+/// Before anything is created or opened, every path must be on the filesystem its record
+/// names ([`FsGuard::check`]: a path found on another one, its disk not mounted, is refused
+/// and no slab is created there); after, the paths' filesystems are recorded.
 pub fn open_set_locked(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
+    let guard = FsGuard::load(dirs)?;
+    check_filesystems(dirs, &guard)?;
+    open_set_recorded(dirs, spec, &guard)
+}
+
+/// Refuses, with [`FsGuard::check`], a path of `dirs` that is on another filesystem than
+/// recorded, unless the slab found there belongs to the recorded set (the tier moved with its
+/// files).
+pub fn check_filesystems(dirs: &[PathBuf], guard: &FsGuard) -> Result<()> {
+    let present = slabs_present(dirs)?;
+    guard.check(|i| {
+        present
+            .get(i)
+            .copied()
+            .unwrap_or(false)
+            .then(|| peek_set_uuid(&dirs[i].join(SLAB_FILE_NAME)))
+            .flatten()
+    })
+}
+
+/// The set uuid in the superblock of the slab `p`, read without a lock (and without
+/// blocking on anything but a regular file); `None` when it cannot be read.
+fn peek_set_uuid(p: &Path) -> Option<[u8; 16]> {
+    let f = crate::g3::index_dir::open_regular(p, rustix::fs::OFlags::RDONLY).ok()??;
+    read_superblock(&f, p).ok().map(|sb| sb.set_uuid)
+}
+
+/// [`open_set_locked`] for a caller that checked `guard` itself (or replaces what it records:
+/// a format onto a new filesystem); records the paths' filesystems once the set is open.
+pub fn open_set_recorded(dirs: &[PathBuf], spec: &SlabSpec, guard: &FsGuard) -> Result<SlabSet> {
+    let mut set = open_set_unrecorded(dirs, spec)?;
+    set.unrecorded_paths = guard.record(set.set_uuid());
+    Ok(set)
+}
+
+fn open_set_unrecorded(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     let dirs = dirs.to_vec();
     let slab_paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(SLAB_FILE_NAME)).collect();
-    let present: Vec<bool> = slab_paths.iter().map(|p| p.exists()).collect();
+    let present = slabs_present(&dirs)?;
     if present.iter().all(|&x| !x) {
         return create_set(&slab_paths, spec);
     }
@@ -257,6 +336,7 @@ pub fn open_set_locked(dirs: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     Ok(SlabSet {
         files,
         created: false,
+        unrecorded_paths: 0,
     })
 }
 
@@ -339,15 +419,25 @@ pub fn check_members(dirs: &[PathBuf], sbs: &[Superblock]) -> Result<()> {
         return Ok(());
     };
     if let Some(i) = sbs.iter().position(|sb| sb.set_uuid != first.set_uuid) {
+        let short = |u: &[u8; 16]| hex::encode(&u[..4]);
         return Err(Error::new(
             ErrorKind::IncompatibleLayout,
             format!(
-                "{} belongs to another stripe set than {}: the paths of one tier must be the \
-                 directories it was formatted with",
+                "{} is member {} of stripe set {}…, but {} is member {} of stripe set {}…: the \
+                 paths of one tier must be the directories of one set, listed in the order it \
+                 was formatted with. Nothing is wrong with the files: list the directories of \
+                 one set (`kvtier tier inspect DIR` shows the set and position of each \
+                 directory's slab)",
                 dirs[i].join(SLAB_FILE_NAME).display(),
-                dirs[0].join(SLAB_FILE_NAME).display()
+                sbs[i].path_index,
+                short(&sbs[i].set_uuid),
+                dirs[0].join(SLAB_FILE_NAME).display(),
+                first.path_index,
+                short(&first.set_uuid),
             ),
         )
+        .with("path", dirs[i].join(SLAB_FILE_NAME).display().to_string())
+        .with("mismatch", MISMATCH_STRIPE)
         .with("expected", hex::encode(first.set_uuid))
         .with("found", hex::encode(sbs[i].set_uuid)));
     }
@@ -379,6 +469,7 @@ pub fn check_members(dirs: &[PathBuf], sbs: &[Superblock]) -> Result<()> {
                 right.join(", ")
             ),
         )
+        .with("mismatch", MISMATCH_STRIPE)
         .with("expected", right.join(", ")));
     }
     let (i, sb) = sbs
@@ -396,6 +487,7 @@ pub fn check_members(dirs: &[PathBuf], sbs: &[Superblock]) -> Result<()> {
             sb.path_count
         ),
     )
+    .with("mismatch", MISMATCH_STRIPE)
     .with("expected", format!("{n} path(s)"))
     .with(
         "found",
@@ -438,24 +530,29 @@ fn check_superblock(
     n: usize,
     spec: &SlabSpec,
 ) -> Result<()> {
-    let incompatible = |what: &str, expected: String, found: String| {
+    let incompatible = |what: &str, mismatch: &str, expected: String, found: String, fix: &str| {
         Err(Error::new(
             ErrorKind::IncompatibleLayout,
             format!(
-                "{}: {what} differs: the tier expects {expected}, the slab holds {found} \
-                 (reformat explicitly with `kvtier tier format` to discard it)",
+                "{}: {what} differs: the tier expects {expected}, the slab holds {found}: \
+                 {fix}",
                 p.display()
             ),
         )
         .with("path", p.display().to_string())
+        .with("mismatch", mismatch)
         .with("expected", expected)
         .with("found", found))
     };
     if sb.row_stride != spec.row_stride {
         return incompatible(
             "row_stride",
+            MISMATCH_ROW_STRIDE,
             spec.row_stride.to_string(),
             sb.row_stride.to_string(),
+            "the row size comes from the model layout, TP size and blocks per chunk; restore \
+             the settings the tier was formatted with to keep its chunks, or reformat it \
+             explicitly with `kvtier tier format` (which discards them)",
         );
     }
     if sb.namespace != spec.namespace {
@@ -466,10 +563,21 @@ fn check_superblock(
     debug_assert!(sb.path_count as usize == n && sb.path_index as usize == idx);
     let slots = ChunkGeometry::slots_per_file(spec.capacity_bytes, n, spec.row_stride);
     if sb.slots_in_file != slots {
+        let formatted = sb
+            .slots_in_file
+            .saturating_mul(n as u64)
+            .saturating_mul(sb.row_stride);
         return incompatible(
             "capacity (slots per file)",
+            MISMATCH_CAPACITY,
             format!("{slots} (capacity_bytes {})", spec.capacity_bytes),
             sb.slots_in_file.to_string(),
+            &format!(
+                "set capacity_bytes back to {formatted} ({}), the capacity it was formatted \
+                 with, to keep its chunks; to resize it, `kvtier tier format` with the new \
+                 capacity (which discards them)",
+                format_size_human(formatted)
+            ),
         );
     }
     Ok(())
@@ -537,6 +645,7 @@ fn create_set(slab_paths: &[PathBuf], spec: &SlabSpec) -> Result<SlabSet> {
     Ok(SlabSet {
         files,
         created: true,
+        unrecorded_paths: 0,
     })
 }
 
@@ -584,6 +693,20 @@ fn open_and_lock(p: &Path, create: bool, write: bool) -> Result<File> {
     }
     let f = o.open(p).map_err(|e| {
         let dir = p.parent().unwrap_or(Path::new("."));
+        if !create && matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) {
+            // The file is there: its own permissions refuse this process.
+            return Error::new(
+                ErrorKind::InvalidPath,
+                format!(
+                    "cannot open {}: {e} (this process may not {} it: check its owner and \
+                     mode)",
+                    p.display(),
+                    if write { "read and write" } else { "read" }
+                ),
+            )
+            .with("path", p.display().to_string())
+            .with_source(e);
+        }
         match unwritable_reason(&e) {
             Some(reason) => Error::new(
                 ErrorKind::InvalidPath,

@@ -179,6 +179,9 @@ impl G3Tier {
             std::sync::atomic::Ordering::Relaxed,
         );
         *metrics.gds.lock() = gds;
+        metrics
+            .paths_unrecorded
+            .store(set.unrecorded_paths as u64, Ordering::Relaxed);
         let shared = Arc::new(Shared {
             index: Mutex::new(None),
             metrics,
@@ -191,6 +194,7 @@ impl G3Tier {
                     poisoned: Default::default(),
                     problem: Default::default(),
                     lost: Default::default(),
+                    wrong_filesystem: Default::default(),
                 })
                 .collect(),
             failed: Mutex::new(None),

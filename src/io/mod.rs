@@ -24,7 +24,9 @@ pub use faulty::{DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault};
 pub use files::{ATTACHED_FLAG, MAX_TRANSIENT_RETRIES, is_transient};
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
-pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring};
+pub use probe::{
+    DirectIoProbe, FilesystemFacts, filesystem_facts, probe_direct_io, probe_io_uring,
+};
 pub use thread::{batch_policy_failures, current_policy, spawn_io_thread};
 
 use crossbeam_channel::Receiver;

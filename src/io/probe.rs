@@ -114,6 +114,137 @@ pub(crate) fn statfs_magic(path: &Path) -> Result<u64> {
     Ok(st.f_type as u64 & 0xffff_ffff)
 }
 
+/// What identifies the filesystem holding a directory: the raw facts
+/// [`filesystem_facts`] reads (the G3 tier's filesystem record compares them; see
+/// `docs/g3.md`, "The wrong disk").
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct FilesystemFacts {
+    /// `statfs` `f_type` (masked to 32 bits).
+    pub fs_type: u64,
+    /// `statvfs` `f_fsid` (ext4 and btrfs derive it from the filesystem's UUID; XFS from the
+    /// device number; 0 where the filesystem reports none).
+    pub fsid: u64,
+    /// The filesystem's UUID (`FS_IOC_GETFSUUID`, Linux 6.5+, from the filesystem's own
+    /// superblock); `None` where the kernel or the filesystem gives none, or gives all zeros.
+    pub uuid: Option<[u8; 16]>,
+    /// `st_dev` of the directory (changes when devices are numbered differently).
+    pub dev: u64,
+    /// The mount's source (`/dev/nvme0n1`) from `/proc/self/mountinfo`; empty when unknown.
+    pub source: String,
+    /// The mount point of the filesystem holding the directory; empty when unknown.
+    pub mount_point: String,
+}
+
+/// Reads [`FilesystemFacts`] of the directory `dir`.
+pub fn filesystem_facts(dir: &Path) -> Result<FilesystemFacts> {
+    check_no_nul(dir)?;
+    let fs_type = statfs_magic(dir)?;
+    let vfs = rustix::fs::statvfs(dir).map_err(|e| Error::io("statvfs", dir, e.into()))?;
+    let st = rustix::fs::stat(dir).map_err(|e| Error::io("stat", dir, e.into()))?;
+    let dev = st.st_dev;
+    let (source, mount_point) = mount_of(dir, dev).unwrap_or_default();
+    Ok(FilesystemFacts {
+        fs_type,
+        fsid: vfs.f_fsid,
+        uuid: filesystem_uuid(dir),
+        dev,
+        source,
+        mount_point,
+    })
+}
+
+/// `FS_IOC_GETFSUUID` = `_IOR(0x15, 0, struct fsuuid2)`, `struct fsuuid2 { __u8 len; __u8
+/// uuid[16]; }` (17 bytes): `include/uapi/linux/fs.h`.
+const FS_IOC_GETFSUUID: u32 = (2 << 30) | (17 << 16) | (0x15 << 8);
+
+/// `struct fsuuid2` of `FS_IOC_GETFSUUID`.
+#[repr(C)]
+struct FsUuid2 {
+    len: u8,
+    uuid: [u8; 16],
+}
+
+/// The UUID of the filesystem holding `dir` (`FS_IOC_GETFSUUID`), when the kernel and the
+/// filesystem report a nonzero one of 16 bytes.
+fn filesystem_uuid(dir: &Path) -> Option<[u8; 16]> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(dir).ok()?;
+    let mut out = FsUuid2 {
+        len: 0,
+        uuid: [0; 16],
+    };
+    // SAFETY: FS_IOC_GETFSUUID writes at most size_of::<FsUuid2>() (17) bytes into `out`,
+    // which has exactly the layout of the kernel's `struct fsuuid2` and outlives the call;
+    // `f` is an open descriptor.
+    let rc = unsafe {
+        libc::ioctl(
+            f.as_raw_fd(),
+            FS_IOC_GETFSUUID as _,
+            &mut out as *mut FsUuid2,
+        )
+    };
+    (rc == 0 && out.len == 16 && out.uuid != [0; 16]).then_some(out.uuid)
+}
+
+/// `(source, mount point)` of the mount holding `dir` (device `dev`) from
+/// `/proc/self/mountinfo`: the longest mount point above `dir` with that device.
+fn mount_of(dir: &Path, dev: u64) -> Option<(String, String)> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev));
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_path_buf());
+    let mut best: Option<(String, String)> = None;
+    for line in text.lines() {
+        // "36 35 98:0 /mnt1 /mnt/parent rw,noatime master:1 - ext3 /dev/root rw,errors=..."
+        let Some((head, tail)) = line.split_once(" - ") else {
+            continue;
+        };
+        let fields: Vec<&str> = head.split(' ').collect();
+        if fields.len() < 5 || fields[2] != want {
+            continue;
+        }
+        let mount_point = unescape_mountinfo(fields[4]);
+        if !dir.starts_with(&mount_point) {
+            continue;
+        }
+        let source = tail
+            .split(' ')
+            .nth(1)
+            .map(unescape_mountinfo)
+            .unwrap_or_default();
+        if best
+            .as_ref()
+            .is_none_or(|(_, m)| mount_point.len() >= m.len())
+        {
+            best = Some((source, mount_point));
+        }
+    }
+    best
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for a space).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = (b[i] == b'\\' && i + 3 < b.len())
+            .then(|| &b[i + 1..i + 4])
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .and_then(|d| {
+                let v = d.iter().fold(0u16, |v, c| v * 8 + u16::from(c - b'0'));
+                u8::try_from(v).ok()
+            });
+        if let Some(v) = octal {
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// `(mem_align, offset_align)` from statx, when the kernel reports nonzero DIO alignment.
 fn statx_dio_align(path: &Path) -> Option<(u32, u32)> {
     let st = rustix::fs::statx(CWD, path, AtFlags::empty(), StatxFlags::DIOALIGN).ok()?;

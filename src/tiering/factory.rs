@@ -16,7 +16,9 @@ use crate::config::TierConfig;
 use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::{FsTier, FsTierConfig};
-use crate::g3::{G3Tier, G3TierConfig, geometry_namespace};
+use crate::g3::fs_record::MISMATCH_FILESYSTEM;
+use crate::g3::offline::OfflineTier;
+use crate::g3::{G3Tier, G3TierConfig, WrongFilesystem, geometry_namespace};
 use crate::region::PrimaryRegion;
 use crate::tiering::clock::Clock;
 use crate::tiering::memory_tier::{ExecMode, MemoryTier, MemoryTierOptions};
@@ -242,13 +244,27 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
     g3.slot_bytes = ctx.slot_bytes;
     g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
     let tier_events = g3.enable_kv_events;
-    let tier = G3Tier::open(
-        g3,
+    let opened = G3Tier::open(
+        g3.clone(),
         ctx.region.clone(),
         ctx.namespace(),
         ctx.tier_label.clone(),
         cfg.locality,
-    )?;
+    );
+    let tier = match opened {
+        Ok(t) => t,
+        Err(e)
+            if g3.on_wrong_filesystem == WrongFilesystem::Degraded
+                && e.context_value("mismatch") == Some(MISMATCH_FILESYSTEM) =>
+        {
+            log::error!(
+                "{}: {e}; running without this tier (on_wrong_filesystem = \"degraded\")",
+                cfg.key_path()
+            );
+            return Ok(Box::new(OfflineTier::new(&g3, cfg.locality, &e)));
+        }
+        Err(e) => return Err(e),
+    };
     // vLLM's fs tier's rule: events when the tier asks for them and the host records them.
     if tier_events && !ctx.events {
         log::warn!(

@@ -182,3 +182,66 @@ impl Drop for Mount {
         let _ = std::process::Command::new("umount").arg(&self.0).status();
     }
 }
+
+/// Runs `cmd args`; its stdout, or what failed.
+pub fn run_cmd(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+    } else {
+        Err(format!(
+            "{cmd} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// An ext4 filesystem in an image file on a loop device, mounted on `mnt` (the mount point
+/// itself, the directory an unmount leaves bare); unmounted and detached on drop.
+pub struct LoopExt4 {
+    image: PathBuf,
+    dev: String,
+    /// The mount point.
+    pub mnt: PathBuf,
+}
+
+impl LoopExt4 {
+    /// Makes a `mb` MiB ext4 image in `dir` and mounts it on `dir/mnt`, or says why not.
+    pub fn new(dir: &Path, mb: u64) -> Result<LoopExt4, String> {
+        let image = dir.join("fs.img");
+        let f = std::fs::File::create(&image).map_err(|e| e.to_string())?;
+        f.set_len(mb << 20).map_err(|e| e.to_string())?;
+        let dev = run_cmd("losetup", &["-f", "--show", &image.display().to_string()])?;
+        let fs = LoopExt4 {
+            image,
+            dev,
+            mnt: dir.join("mnt"),
+        };
+        run_cmd("mkfs.ext4", &["-q", "-F", &fs.dev])?;
+        std::fs::create_dir_all(&fs.mnt).map_err(|e| e.to_string())?;
+        fs.mount()?;
+        Ok(fs)
+    }
+
+    /// Mounts the filesystem on its mount point.
+    pub fn mount(&self) -> Result<(), String> {
+        run_cmd("mount", &[&self.dev, &self.mnt.display().to_string()]).map(|_| ())
+    }
+
+    /// Unmounts it: the mount point is a bare directory of the filesystem below again.
+    pub fn unmount(&self) -> Result<(), String> {
+        run_cmd("umount", &[&self.mnt.display().to_string()]).map(|_| ())
+    }
+}
+
+impl Drop for LoopExt4 {
+    fn drop(&mut self) {
+        let _ = run_cmd("umount", &["-l", &self.mnt.display().to_string()]);
+        let _ = run_cmd("losetup", &["-d", &self.dev]);
+        let _ = std::fs::remove_file(&self.image);
+    }
+}

@@ -184,8 +184,13 @@ impl BenchTier {
             }
             return Ok(true);
         }
+        let records = crate::g3::fs_record::Records::default_location();
         for d in self.dirs {
             let path = d.path().to_path_buf();
+            // The tier goes with its directory: so does the record of its filesystem.
+            if let Some(r) = &records {
+                r.forget(&std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone()));
+            }
             d.close()
                 .map_err(|e| Error::io("remove the bench tier", &path, e))?;
         }

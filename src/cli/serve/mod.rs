@@ -82,10 +82,11 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// A namespace refusal `e` (a tier formatted for another model, TP size, row layout or
-/// opener) with the inputs serve derives its namespace from (`layout`: the `--layout` model)
+/// A namespace or row-size refusal `e` (a tier formatted for another model, TP size, row
+/// layout or opener) with the inputs serve derives its namespace from (`layout`: the `--layout` model)
 /// and the exact `kvtier tier format` command that makes a tier it opens (`for_`: the
-/// in-process tiers' namespace, or the node service's, which vLLM engines present).
+/// in-process tiers' namespace, or the node service's, which vLLM engines present). Any
+/// other refusal is returned as it is.
 fn namespace_hint(
     e: Error,
     args: &ServeArgs,
@@ -95,6 +96,17 @@ fn namespace_hint(
     for_: crate::cli::tier::FormatFor,
 ) -> Error {
     use crate::cli::tier::FormatFor;
+    use crate::g3::format::{MISMATCH_NAMESPACE, MISMATCH_ROW_STRIDE};
+    // Only a tier formatted under other settings is fixed by a format that matches them;
+    // every other refusal (paths in another order, a member of another set, a slab of another
+    // format version or capacity) already says what fixes it, and a format would discard
+    // chunks for nothing.
+    if !matches!(
+        e.context_value("mismatch"),
+        Some(MISMATCH_NAMESPACE | MISMATCH_ROW_STRIDE)
+    ) {
+        return e;
+    }
     let blocks_per_chunk = params.blocks_per_chunk;
     // A tier formatted for this model but for the other opener says so.
     let other_for = match for_ {
@@ -133,8 +145,9 @@ fn namespace_hint(
         ErrorKind::IncompatibleLayout,
         format!(
             "{}{formatted_for}; {who} ({flag}), derived from {} at --tp {}, \
-             blocks_per_chunk {} and canonical_layout = {} in {}: format the tier to match, \
-             which discards the chunks it holds (`{command}`)",
+             blocks_per_chunk {} and canonical_layout = {} in {}: serve with the settings \
+             the tier was formatted with to keep its chunks, or, to change them, format the \
+             tier to match, which discards the chunks it holds (`{command}`)",
             e.message(),
             layout.model_name,
             args.model.tp,

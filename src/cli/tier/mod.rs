@@ -123,6 +123,11 @@ pub struct FormatArgs {
     /// Do not ask before discarding an existing tier.
     #[arg(long, short = 'y')]
     pub yes: bool,
+    /// Format even where a path is on another filesystem than the tier kvtier recorded there
+    /// (a replaced disk). Without it such a path is refused: its filesystem may only be
+    /// unmounted, and a format would put the tier on the disk below.
+    #[arg(long)]
+    pub new_filesystem: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -274,6 +279,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             capacity_bytes: a.capacity,
             namespace: a.for_.namespace(&layout, &params)?,
             direct_io: a.direct_io,
+            new_filesystem: a.new_filesystem,
         },
     )?;
     if !a.json {
