@@ -233,8 +233,23 @@ impl LoopExt4 {
     }
 
     /// Unmounts it: the mount point is a bare directory of the filesystem below again.
+    ///
+    /// A tier just dropped can still hold its slabs for a moment: the kernel releases an
+    /// io_uring instance's registered files on a work queue after the ring's descriptor is
+    /// closed, so `umount` may answer "target is busy" for a few milliseconds. It is tried
+    /// again for up to 5 s while that is the answer; any other error is returned at once.
     pub fn unmount(&self) -> Result<(), String> {
-        run_cmd("umount", &[&self.mnt.display().to_string()]).map(|_| ())
+        let mnt = self.mnt.display().to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            match run_cmd("umount", &[&mnt]) {
+                Ok(_) => return Ok(()),
+                Err(e) if e.contains("busy") && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }
 
