@@ -300,6 +300,27 @@ impl Index {
         Some(Reservation { slot, evicted })
     }
 
+    /// The keys the next `n` reservations beyond the free slots would evict, in eviction
+    /// order (fewer when fewer entries can be evicted): what an admission policy weighs a
+    /// candidate against. Changes nothing.
+    pub fn eviction_candidates(&self, n: usize) -> Vec<ChunkKey> {
+        let mut out = Vec::new();
+        let mut s = self.tail;
+        let mut scanned = 0;
+        while out.len() < n && s != NIL && scanned < EVICTION_SCAN_LIMIT + n {
+            let e = &self.slots[s as usize];
+            if !self.readers.contains_key(&s)
+                && !self.dead_paths[self.path_of(s)]
+                && let Some(k) = e.key.to_chunk_key()
+            {
+                out.push(k);
+            }
+            s = e.prev;
+            scanned += 1;
+        }
+        out
+    }
+
     fn lru_victim(&self) -> Option<Slot> {
         let mut s = self.tail;
         for _ in 0..EVICTION_SCAN_LIMIT {

@@ -144,6 +144,8 @@ pub struct G3Metrics {
     pub region_huge_page_ppm: AtomicU64,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
+    /// Keys and bytes the admission policy admitted and rejected (`admission` key).
+    pub admission: crate::g3::admission::AdmissionCounters,
 }
 
 fn get(a: &AtomicU64) -> f64 {
@@ -439,6 +441,7 @@ impl G3Metrics {
             h.labels.push(("path", i.to_string()));
             out.push(h);
         }
+        out.extend(self.admission.sample());
         out
     }
 }
