@@ -97,6 +97,10 @@ const SAMPLE_PER_SLOT: u64 = 10;
 /// Doorkeeper bits per slot of the tier (two probes: about 5 % false positives when it holds
 /// one key per slot).
 const DOOR_BITS_PER_SLOT: usize = 8;
+/// Fewest counters per sketch row.
+const MIN_WIDTH: usize = 1024;
+/// Fewest doorkeeper bits.
+const MIN_DOOR_BITS: usize = 8192;
 /// Fixed hash seed: estimates, and so the replay's counts, are the same on every run (the keys
 /// are chunk hashes the inference server computes, not chosen by an outsider).
 const SEED: u64 = 0x6b76_7469_6572_4c46;
@@ -122,8 +126,11 @@ impl TinyLfu {
     /// A policy for a tier of `capacity` slots (at least one).
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
-        let width = capacity.next_power_of_two().max(64);
-        let door_bits = (capacity * DOOR_BITS_PER_SLOT).next_power_of_two().max(64);
+        // Floors keep small tiers (tests, tiny replays) nearly free of collisions.
+        let width = capacity.next_power_of_two().max(MIN_WIDTH);
+        let door_bits = (capacity * DOOR_BITS_PER_SLOT)
+            .next_power_of_two()
+            .max(MIN_DOOR_BITS);
         TinyLfu {
             hasher: KeyHasher::with_seed(SEED),
             counters: vec![0; ROWS * width],
