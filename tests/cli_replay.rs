@@ -26,18 +26,36 @@ fn trace(requests: &[&[u64]]) -> tempfile::NamedTempFile {
     f
 }
 
-fn replay(t: &tempfile::NamedTempFile, primary: &str, tier: &str, admission: &str) -> serde_json::Value {
+fn replay(
+    t: &tempfile::NamedTempFile,
+    primary: &str,
+    tier: &str,
+    admission: &str,
+) -> serde_json::Value {
     let path = t.path().to_str().unwrap();
     let out = kvtier(&[
-        "replay", "--trace", path, "--bytes-per-block", "4KiB", "--primary", primary,
-        "--tier-capacity", tier, "--admission", admission, "--path", "/tmp", "--json",
+        "replay",
+        "--trace",
+        path,
+        "--bytes-per-block",
+        "4KiB",
+        "--primary",
+        primary,
+        "--tier-capacity",
+        tier,
+        "--admission",
+        admission,
+        "--path",
+        "/tmp",
+        "--json",
     ]);
     assert_success(&out);
     json(&out)
 }
 
 fn n(v: &serde_json::Value, k: &str) -> u64 {
-    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+    v[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
 
 #[test]

@@ -16,7 +16,12 @@ use kvtier::g3::G3Tier;
 fn outcome(t: &G3Tier, name: &str, outcome: &str) -> f64 {
     t.metrics()
         .iter()
-        .find(|m| m.name == name && m.labels.iter().any(|(k, v)| *k == "outcome" && v == outcome))
+        .find(|m| {
+            m.name == name
+                && m.labels
+                    .iter()
+                    .any(|(k, v)| *k == "outcome" && v == outcome)
+        })
         .map_or(-1.0, |m| m.value)
 }
 
@@ -50,11 +55,18 @@ fn tinylfu_skips_cold_keys_and_admits_them_once_they_are_asked_for() {
     assert!(res.success, "{res:?}");
     assert_eq!(res.transfer_bytes, Some(STRIDE as u64));
     assert_eq!(lookup(&mut t, 4), LookupResult::Hit);
-    assert_eq!(lookup(&mut t, 0), LookupResult::Miss, "key 0 was the LRU victim");
+    assert_eq!(
+        lookup(&mut t, 0),
+        LookupResult::Miss,
+        "key 0 was the LRU victim"
+    );
     // The counters: 5 admitted (0..4, then 4), 1 rejected, at one slot each.
     assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 5.0);
     assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 1.0);
-    assert_eq!(outcome(&t, "g3_admission_bytes", "admitted"), 5.0 * STRIDE as f64);
+    assert_eq!(
+        outcome(&t, "g3_admission_bytes", "admitted"),
+        5.0 * STRIDE as f64
+    );
     assert_eq!(outcome(&t, "g3_admission_bytes", "rejected"), STRIDE as f64);
     assert_eq!(metric(&t, "g3_keys_stored"), 5.0);
     t.shutdown().unwrap();
@@ -80,7 +92,10 @@ fn a_job_whose_keys_are_all_rejected_is_reported_once_and_keys_held_pass() {
     assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 2.0);
     assert_eq!(metric(&t, "g3_stores_skipped"), 1.0);
     assert!(!t.has_pending_work());
-    assert!(t.get_finished_jobs().is_empty(), "each job is reported exactly once");
+    assert!(
+        t.get_finished_jobs().is_empty(),
+        "each job is reported exactly once"
+    );
     t.shutdown().unwrap();
 }
 

@@ -94,9 +94,11 @@ const ROWS: usize = 4;
 /// The sketch is aged (every counter halved, the doorkeeper cleared) after this many
 /// accesses per slot of the tier (the paper's sample size W = 10 x the cache size).
 const SAMPLE_PER_SLOT: u64 = 10;
-/// Doorkeeper bits per slot of the tier (two probes: about 5 % false positives when it holds
-/// one key per slot).
-const DOOR_BITS_PER_SLOT: usize = 8;
+/// Doorkeeper bits per access of the sample: it may hold every key seen in one sample period
+/// (at most `sample_size` distinct keys), with two probes about 5 % false positives when full.
+const DOOR_BITS_PER_SAMPLE: usize = 8;
+/// Sketch counters per row per slot of the tier.
+const WIDTH_PER_SLOT: usize = 4;
 /// Fewest counters per sketch row.
 const MIN_WIDTH: usize = 1024;
 /// Fewest doorkeeper bits.
@@ -107,7 +109,7 @@ const SEED: u64 = 0x6b76_7469_6572_4c46;
 
 /// TinyLFU admission: a count-min sketch of 4-bit counters behind a doorkeeper bloom filter,
 /// aged by halving. A key's first access sets its doorkeeper bits only, so keys seen once
-/// never reach the sketch; its estimate is the sketch's minimum over [`ROWS`] counters plus
+/// never reach the sketch; its estimate is the sketch's minimum over its 4 counters plus
 /// one if the doorkeeper holds it. After `10 x capacity` accesses every counter is halved and
 /// the doorkeeper cleared, so that old popularity fades.
 #[derive(Debug, Clone)]
@@ -127,8 +129,13 @@ impl TinyLfu {
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
         // Floors keep small tiers (tests, tiny replays) nearly free of collisions.
-        let width = capacity.next_power_of_two().max(MIN_WIDTH);
-        let door_bits = (capacity * DOOR_BITS_PER_SLOT)
+        let sample = capacity.saturating_mul(SAMPLE_PER_SLOT as usize);
+        let width = capacity
+            .saturating_mul(WIDTH_PER_SLOT)
+            .next_power_of_two()
+            .max(MIN_WIDTH);
+        let door_bits = sample
+            .saturating_mul(DOOR_BITS_PER_SAMPLE)
             .next_power_of_two()
             .max(MIN_DOOR_BITS);
         TinyLfu {
@@ -175,7 +182,10 @@ impl TinyLfu {
     }
 
     fn door_probes(&self, h: u64) -> [u64; 2] {
-        [h & self.door_mask, (h >> 32 ^ h.rotate_left(23)) & self.door_mask]
+        [
+            h & self.door_mask,
+            (h >> 32 ^ h.rotate_left(23)) & self.door_mask,
+        ]
     }
 
     fn door_contains(&self, h: u64) -> bool {
@@ -256,7 +266,10 @@ mod tests {
     #[test]
     fn parse_names_and_refuses_others() {
         assert_eq!(AdmissionKind::parse("all"), Some(AdmissionKind::All));
-        assert_eq!(AdmissionKind::parse("tinylfu"), Some(AdmissionKind::TinyLfu));
+        assert_eq!(
+            AdmissionKind::parse("tinylfu"),
+            Some(AdmissionKind::TinyLfu)
+        );
         assert_eq!(AdmissionKind::parse("TinyLFU"), None);
         assert_eq!(AdmissionKind::parse("lru"), None);
         assert!(AdmissionKind::All.build(10).is_none());
@@ -347,6 +360,9 @@ mod tests {
         let false_hits = (1_000_000..1_010_000)
             .filter(|&i| p.estimate(&key(i)) > 0)
             .count();
-        assert!(false_hits < 1_000, "{false_hits} of 10,000 unseen keys estimated > 0");
+        assert!(
+            false_hits < 1_000,
+            "{false_hits} of 10,000 unseen keys estimated > 0"
+        );
     }
 }

@@ -111,7 +111,10 @@ impl AdmissionGate {
             for i in fresh {
                 let key = &job.keys[i];
                 self.policy.record_access(key);
-                let victim = admitted.len().checked_sub(free).and_then(|v| victims.get(v));
+                let victim = admitted
+                    .len()
+                    .checked_sub(free)
+                    .and_then(|v| victims.get(v));
                 if self.policy.should_admit(key, victim) {
                     admitted.push(key.clone());
                 } else {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::contract::admission::AdmissionKind;
 use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 use crate::config::model::TierConfig;
+use crate::contract::admission::AdmissionKind;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};

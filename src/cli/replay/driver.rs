@@ -63,6 +63,9 @@ pub struct Counts {
     pub stores_refused: u64,
     /// Lookups that still answered RETRY after every attempt (counted as misses).
     pub retries_given_up: u64,
+    /// Distinct blocks the tier ever served: all an oracle admission (one that knew the
+    /// future) would have had to write.
+    pub distinct_blocks_served_by_tier: u64,
     /// Loaded bytes compared with the expected payload (every one matched, or the replay
     /// failed).
     pub bytes_verified: u64,
@@ -85,6 +88,8 @@ impl Counts {
 pub struct Outcome {
     /// The counts.
     pub counts: Counts,
+    /// Ids of the blocks the tier served.
+    pub tier_served_ids: std::collections::HashSet<u64>,
     /// Seconds from a request's first lookup to each promoted block found loaded.
     pub load_latencies: Vec<f64>,
 }
@@ -106,7 +111,8 @@ pub fn drive(
     let t0 = trace.requests.first().map_or(0, |r| r.timestamp_ms);
     for (i, r) in trace.requests.iter().enumerate() {
         if let Some(scale) = opts.time_scale {
-            let due = Duration::from_secs_f64(r.timestamp_ms.saturating_sub(t0) as f64 / 1e3 / scale);
+            let due =
+                Duration::from_secs_f64(r.timestamp_ms.saturating_sub(t0) as f64 / 1e3 / scale);
             if let Some(wait) = due.checked_sub(start.elapsed()) {
                 std::thread::sleep(wait);
             }
@@ -166,6 +172,9 @@ fn run_request(
     let from_tier = served.saturating_sub(hits);
     c.served_tier += from_tier as u64;
     c.recomputed += (keys.len() - served) as u64;
+    out.tier_served_ids
+        .extend(r.hash_ids[hits.min(served)..served].iter().copied());
+    c.distinct_blocks_served_by_tier = out.tier_served_ids.len() as u64;
     out.load_latencies
         .extend(std::iter::repeat_n(latency, from_tier));
     let c = &mut out.counts;

@@ -121,7 +121,14 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode> {
         .prefix("kvtier-replay-")
         .tempdir_in(&parent)
         .map_err(|e| Error::io("create the replay directory in", &parent, e))?;
-    let mut manager = build_stack(&args, dir.path(), row, primary_blocks, tier_blocks, admission)?;
+    let mut manager = build_stack(
+        &args,
+        dir.path(),
+        row,
+        primary_blocks,
+        tier_blocks,
+        admission,
+    )?;
     let bar = progress_bar(trace.requests.len() as u64, "replay", !args.json);
     let ticks0 = io_ticks_ms(dir.path());
     let start = Instant::now();
@@ -138,8 +145,12 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode> {
     manager.shutdown()?;
     drop(manager);
     let outcome = outcome?;
-    dir.close()
-        .map_err(|e| Error::new(ErrorKind::Io, format!("cannot remove the replay directory: {e}")))?;
+    dir.close().map_err(|e| {
+        Error::new(
+            ErrorKind::Io,
+            format!("cannot remove the replay directory: {e}"),
+        )
+    })?;
     let device_busy = match (ticks0, ticks1) {
         (Ok(a), Ok(b)) => Ok(b.saturating_sub(a) as f64 / 1e3),
         (Err(e), _) | (_, Err(e)) => Err(e),
@@ -201,7 +212,10 @@ pub fn capacity_blocks(text: &str, flag: &str, unique: u64, row: u64) -> Result<
             .ok()
             .filter(|v: &f64| v.is_finite() && *v > 0.0)
             .ok_or_else(|| {
-                Error::config(flag, format!("expected a positive share like 25%, found {text:?}"))
+                Error::config(
+                    flag,
+                    format!("expected a positive share like 25%, found {text:?}"),
+                )
             })?;
         (share / 100.0 * unique as f64).ceil() as u64
     } else {
@@ -265,7 +279,8 @@ fn tier_bytes(manager: &TieringManager) -> TierBytes {
             .iter()
             .find(|m| {
                 m.name == name
-                    && outcome.is_none_or(|o| m.labels.iter().any(|(k, v)| *k == "outcome" && v == o))
+                    && outcome
+                        .is_none_or(|o| m.labels.iter().any(|(k, v)| *k == "outcome" && v == o))
             })
             .map_or(0, |m| m.value as u64)
     };

@@ -147,7 +147,8 @@ impl Report {
             self.admitted_blocks,
             self.rejected_blocks
         )?;
-        let ms = |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |s| format!("{:.3} ms", s * 1e3));
+        let ms =
+            |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |s| format!("{:.3} ms", s * 1e3));
         outln!(
             "load latency     p50 {}, p99 {} (lookup to loaded)",
             ms(self.load_latency_p50_s),
@@ -158,7 +159,10 @@ impl Report {
             (None, Some(why)) => format!("n/a ({why})"),
             (None, None) => "n/a".to_string(),
         };
-        outln!("time             {:.2} s wall, device busy {busy}", self.wall_s)?;
+        outln!(
+            "time             {:.2} s wall, device busy {busy}",
+            self.wall_s
+        )?;
         outln!(
             "verified         {} bytes loaded, every one as stored; {} load failures, {} stores refused",
             c.bytes_verified,
@@ -201,7 +205,10 @@ pub fn io_ticks_ms(path: &Path) -> std::result::Result<u64, String> {
     let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
     let stat = format!("/sys/dev/block/{major}:{minor}/stat");
     let text = std::fs::read_to_string(&stat).map_err(|_| {
-        format!("{} is on device {major}:{minor}, which has no {stat}", path.display())
+        format!(
+            "{} is on device {major}:{minor}, which has no {stat}",
+            path.display()
+        )
     })?;
     text.split_whitespace()
         .nth(9)

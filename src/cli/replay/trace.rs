@@ -57,8 +57,11 @@ impl Trace {
             } else {
                 ErrorKind::Io
             };
-            Error::new(kind, format!("--trace: cannot open {}: {e}", path.display()))
-                .with_source(e)
+            Error::new(
+                kind,
+                format!("--trace: cannot open {}: {e}", path.display()),
+            )
+            .with_source(e)
         })?;
         let mut requests = Vec::new();
         for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
