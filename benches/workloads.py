@@ -49,41 +49,52 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def tables(rows: list[dict], vllm: list[dict]) -> str:
+def tables(rows: list[dict]) -> str:
     by = {(r["capacity_pct"], r["policy"]): r for r in rows}
     caps = sorted({r["capacity_pct"] for r in rows})
     lines = ["| tier capacity | policy | tier hit ratio | tokens from tier | vs LRU | "
              "NVMe written (MiB) | vs LRU | NVMe read (MiB) | write amp. | rejected |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+
+    def delta(r: dict, base: dict | None, k: str) -> str:
+        if base is None or not base[k]:
+            return "-"
+        return f"{100 * (r[k] / base[k] - 1):+.1f} %"
+
     for c in caps:
         base = by.get((c, "all"))
         for p in POLICIES:
             r = by.get((c, p))
             if r is None:
                 continue
-            tok, wr = r["prefill_tokens_saved_tier"], r["nvme_bytes_written"]
-            d_tok = f"{100 * (tok / base['prefill_tokens_saved_tier'] - 1):+.1f} %" if base and \
-                base["prefill_tokens_saved_tier"] else "-"
-            d_wr = f"{100 * (wr / base['nvme_bytes_written'] - 1):+.1f} %" if base and \
-                base["nvme_bytes_written"] else "-"
             wa = r["write_amplification"]
             lines.append(
                 f"| {c} % ({r['tier_blocks']:,} blocks) | {LABELS[p]} | "
-                f"{100 * r['tier_hit_ratio']:.1f} % | {tok:,} | {d_tok} | {mib(wr)} | {d_wr} | "
-                f"{mib(r['nvme_bytes_read'])} | {wa:.2f} | {r['rejected_blocks']:,} |"
-                if wa is not None else
-                f"| {c} % | {LABELS[p]} | {100 * r['tier_hit_ratio']:.1f} % | {tok:,} | {d_tok} | "
-                f"{mib(wr)} | {d_wr} | {mib(r['nvme_bytes_read'])} | - | {r['rejected_blocks']:,} |")
-    for v in vllm:
-        lines.append(
-            f"| {v.get('capacity_pct', 'unbounded')} % | vLLM manager, {v['tier']} | "
-            f"{100 * v['tier_hit_ratio']:.1f} % | {v['prefill_tokens_saved_tier']:,} | | "
-            f"{mib(v['bytes_written'])} | | {mib(v['bytes_read'])} | | |"
-            if v.get("capacity_pct") else
-            f"| unbounded | vLLM manager, {v['tier']} | {100 * v['tier_hit_ratio']:.1f} % | "
-            f"{v['prefill_tokens_saved_tier']:,} | | {mib(v['bytes_written'])} | | "
-            f"{mib(v['bytes_read'])} | | |")
+                f"{100 * r['tier_hit_ratio']:.1f} % | {r['prefill_tokens_saved_tier']:,} | "
+                f"{delta(r, base, 'prefill_tokens_saved_tier')} | "
+                f"{mib(r['nvme_bytes_written'])} | {delta(r, base, 'nvme_bytes_written')} | "
+                f"{mib(r['nvme_bytes_read'])} | {'-' if wa is None else f'{wa:.2f}'} | "
+                f"{r['rejected_blocks']:,} |")
     return "\n".join(lines)
+
+
+def vllm_table(vllm: list[dict]) -> str:
+    lines = ["| vLLM 0.33 manager with | tier capacity | tier hit ratio | tokens from tier | "
+             "storage written (MiB) | storage read (MiB) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for v in vllm:
+        cap = f"{v['capacity_pct']:g} % ({v['tier_blocks']:,} blocks)" if v.get("capacity_pct") \
+            else "unbounded"
+        lines.append(f"| {v['tier']} | {cap} | {100 * v['tier_hit_ratio']:.1f} % | "
+                     f"{v['prefill_tokens_saved_tier']:,} | {mib(v['bytes_written'])} | "
+                     f"{mib(v['bytes_read'])} |")
+    return "\n".join(lines)
+
+
+def as_row(v: dict) -> dict:
+    """A row of benches/vllm_replay.py in kvtier replay's names (4 KiB blocks)."""
+    return {"tier_hit_ratio": v["tier_hit_ratio"], "nvme_bytes_written": v["bytes_written"],
+            "bytes_per_block": 4096}
 
 
 def svg(rows: list[dict], vllm: list[dict], title: str) -> str:
@@ -92,16 +103,18 @@ def svg(rows: list[dict], vllm: list[dict], title: str) -> str:
     caps = sorted({r["capacity_pct"] for r in rows})
     series = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["capacity_pct"])
               for p in POLICIES}
+    # Writes in blocks (bytes written / bytes per block), so that vLLM's rows (4 KiB blocks,
+    # its process's storage writes) and kvtier replay's (--bytes-per-block) compare.
     panels = [("tier hit ratio (% of block references)", lambda r: 100 * r["tier_hit_ratio"]),
-              ("NVMe bytes written (MiB)", lambda r: r["nvme_bytes_written"] / 2**20)]
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w + 40}" height="{h + 70}" '
+              ("NVMe writes (bytes written / bytes per block)",
+               lambda r: r["nvme_bytes_written"] / r["bytes_per_block"])]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w + 40}" height="{h + 85}" '
            'font-family="sans-serif" font-size="11">',
            f'<text x="{w + 20}" y="16" text-anchor="middle" font-size="13">{title}</text>']
     for i, (name, f) in enumerate(panels):
         x0 = 20 + i * (w + 20)
         vals = [f(r) for s in series.values() for r in s]
-        vals += [f({"tier_hit_ratio": v["tier_hit_ratio"],
-                    "nvme_bytes_written": v["bytes_written"]}) for v in vllm]
+        vals += [f(as_row(v)) for v in vllm]
         top = max(vals + [1e-9]) * 1.1
         px = lambda c: x0 + pad_l + (c / 100) * (w - pad_l - 10)  # noqa: E731
         py = lambda v: pad_t + (1 - v / top) * (h - pad_t - pad_b) + 20  # noqa: E731
@@ -124,15 +137,15 @@ def svg(rows: list[dict], vllm: list[dict], title: str) -> str:
                            f'fill="{COLORS[p]}"/>')
         for v in vllm:
             c = v.get("capacity_pct") or 100
-            val = f({"tier_hit_ratio": v["tier_hit_ratio"], "nvme_bytes_written": v["bytes_written"]})
+            val = f(as_row(v))
             color = COLORS.get(v["key"], "#2ca02c")
             out.append(f'<rect x="{px(c) - 4:.1f}" y="{py(val) - 4:.1f}" width="8" height="8" '
                        f'fill="none" stroke="{color}" stroke-width="2"/>')
     legend = [(LABELS[p], COLORS[p], "line") for p in POLICIES]
     legend += [(f"vLLM manager, {v['tier']}", COLORS.get(v["key"], "#2ca02c"), "box") for v in vllm]
     for j, (name, color, kind) in enumerate(legend):
-        x = 40 + j * 200
-        y = h + 55
+        x = 40 + (j % 3) * 280
+        y = h + 45 + 16 * (j // 3)
         if kind == "line":
             out.append(f'<line x1="{x}" y1="{y}" x2="{x + 20}" y2="{y}" stroke="{color}" '
                        'stroke-width="2"/>')
@@ -166,7 +179,10 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(tables(rows, vllm))
+    print(tables(rows))
+    if vllm:
+        print()
+        print(vllm_table(vllm))
     if args.svg:
         args.svg.parent.mkdir(parents=True, exist_ok=True)
         args.svg.write_text(svg(rows, vllm, f"{args.trace.name if args.trace else ''}: "
