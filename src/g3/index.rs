@@ -562,6 +562,24 @@ mod tests {
     }
 
     #[test]
+    fn eviction_candidates_are_what_reserve_would_evict_in_order() {
+        let mut ix = Index::new(4, 1);
+        for i in 0..4 {
+            store(&mut ix, i);
+        }
+        assert!(ix.touch(&k(0)));
+        let (s2, _) = ix.pin(&k(2)).unwrap();
+        // LRU order 1, 2, 3, 0; key 2 is being read, so never a victim.
+        assert_eq!(ix.eviction_candidates(2), vec![k(1), k(3)]);
+        assert_eq!(ix.eviction_candidates(9), vec![k(1), k(3), k(0)]);
+        assert!(ix.eviction_candidates(0).is_empty());
+        // Reads change nothing; reserve evicts the first candidate.
+        assert_eq!(store(&mut ix, 7).evicted.map(|e| e.0), Some(k(1)));
+        assert_eq!(ix.eviction_candidates(1), vec![k(3)]);
+        ix.unpin(s2);
+    }
+
+    #[test]
     fn pinned_slots_are_never_evicted() {
         let mut ix = Index::new(2, 1);
         store(&mut ix, 1);
