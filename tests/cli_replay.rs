@@ -143,8 +143,14 @@ fn capacities_as_shares_and_bad_flags() {
         ("--admission", "lfu", "--admission"),
         ("--bytes-per-block", "1000", "--bytes-per-block"),
         ("--tier-capacity", "0%", "--tier-capacity"),
+        ("--fsync", "sometimes", "--fsync"),
+        ("--time-scale=-1", "", "--time-scale"),
     ] {
-        let out = kvtier(&["replay", "--trace", path, flag, value]);
+        let mut argv = vec!["replay", "--trace", path, flag];
+        if !value.is_empty() {
+            argv.push(value);
+        }
+        let out = kvtier(&argv);
         cli_common::assert_user_error(&out, needle);
     }
     let out = kvtier(&["replay", "--trace", "/nonexistent/trace.jsonl"]);

@@ -112,6 +112,21 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode> {
             ),
         )
     })?;
+    if !matches!(args.fsync.as_str(), "always" | "never") {
+        return Err(Error::config(
+            "--fsync",
+            format!("expected always | never, found {:?}", args.fsync),
+        ));
+    }
+    if !(args.time_scale.is_finite() && args.time_scale >= 0.0) {
+        return Err(Error::config(
+            "--time-scale",
+            format!(
+                "expected 0 (as fast as possible) or a positive factor, found {}",
+                args.time_scale
+            ),
+        ));
+    }
     let parent = match &args.path {
         Some(p) => p.clone(),
         None => std::env::temp_dir(),
