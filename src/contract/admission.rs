@@ -350,6 +350,21 @@ mod tests {
     }
 
     #[test]
+    fn the_doorkeeper_holds_a_whole_sample_period() {
+        // Up to `sample_size` distinct keys pass the doorkeeper before it is cleared; sized
+        // for the tier's slots instead (an earlier version), it filled up and most keys never
+        // seen estimated 1, as often as the cold entries they were weighed against.
+        let mut p = TinyLfu::new(10_000);
+        for i in 0..p.sample_size() - 1 {
+            p.record_access(&key(i));
+        }
+        let false_hits = (10_000_000..10_010_000)
+            .filter(|&i| p.estimate(&key(i)) > 0)
+            .count();
+        assert!(false_hits < 1_000, "{false_hits} of 10,000 unseen keys estimated > 0");
+    }
+
+    #[test]
     fn few_false_estimates_at_capacity() {
         // A tier of 10,000 slots; 10,000 keys seen once each (below the sample size): keys
         // never seen should mostly estimate 0 (doorkeeper false positives only).
