@@ -361,7 +361,10 @@ mod tests {
         let false_hits = (10_000_000..10_010_000)
             .filter(|&i| p.estimate(&key(i)) > 0)
             .count();
-        assert!(false_hits < 1_000, "{false_hits} of 10,000 unseen keys estimated > 0");
+        assert!(
+            false_hits < 1_000,
+            "{false_hits} of 10,000 unseen keys estimated > 0"
+        );
     }
 
     #[test]
