@@ -110,6 +110,7 @@ fn tinylfu_replay_counts_what_the_rules_say() {
     assert_eq!(n(&v, "recomputed"), 6);
     assert_eq!(n(&v, "admitted_blocks"), 4);
     assert_eq!(n(&v, "rejected_blocks"), 2);
+    assert_eq!(n(&v, "unchecked_blocks"), 0);
     assert_eq!(n(&v, "nvme_bytes_written"), 4 * 4096);
     assert_eq!(n(&v, "nvme_bytes_read"), 4096);
     assert_eq!(v["admission"], "tinylfu");

@@ -68,6 +68,7 @@ fn tinylfu_skips_cold_keys_and_admits_them_once_they_are_asked_for() {
         5.0 * STRIDE as f64
     );
     assert_eq!(outcome(&t, "g3_admission_bytes", "rejected"), STRIDE as f64);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "unchecked"), 0.0);
     assert_eq!(metric(&t, "g3_keys_stored"), 5.0);
     t.shutdown().unwrap();
 }

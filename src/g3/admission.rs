@@ -17,7 +17,7 @@ use crate::hash::FastMap;
 use crate::key::ChunkKey;
 
 /// Admission counters of one tier (`g3_admission_blocks`, `g3_admission_bytes`, label
-/// `outcome` = `admitted` | `rejected`).
+/// `outcome` = `admitted` | `rejected` | `unchecked`).
 #[derive(Debug, Default)]
 pub struct AdmissionCounters {
     /// Keys admitted (written, or queued to be).
@@ -28,28 +28,45 @@ pub struct AdmissionCounters {
     pub admitted_bytes: AtomicU64,
     /// Slot bytes of the rejected keys.
     pub rejected_bytes: AtomicU64,
+    /// Keys admitted without a decision: the index could not be read (recovering, or busy
+    /// with a checkpoint snapshot for longer than a lookup waits).
+    pub unchecked_blocks: AtomicU64,
+    /// Slot bytes of the keys admitted without a decision.
+    pub unchecked_bytes: AtomicU64,
 }
 
 impl AdmissionCounters {
     /// The samples (present whatever the policy, so dashboards see zeros with `all`).
     pub fn sample(&self) -> Vec<TierMetric> {
-        let mut out = Vec::with_capacity(4);
+        let mut out = Vec::with_capacity(6);
         let series = [
             (
                 "g3_admission_blocks",
-                "Store keys the admission policy admitted or rejected",
-                &self.admitted_blocks,
-                &self.rejected_blocks,
+                "Store keys the admission policy admitted or rejected (unchecked: admitted \
+                 without a decision, the index busy)",
+                [
+                    &self.admitted_blocks,
+                    &self.rejected_blocks,
+                    &self.unchecked_blocks,
+                ],
             ),
             (
                 "g3_admission_bytes",
-                "Slot bytes of the store keys the admission policy admitted or rejected",
-                &self.admitted_bytes,
-                &self.rejected_bytes,
+                "Slot bytes of the store keys the admission policy admitted or rejected \
+                 (unchecked: admitted without a decision, the index busy)",
+                [
+                    &self.admitted_bytes,
+                    &self.rejected_bytes,
+                    &self.unchecked_bytes,
+                ],
             ),
         ];
-        for (name, help, admitted, rejected) in series {
-            for (outcome, v) in [("admitted", admitted), ("rejected", rejected)] {
+        for (name, help, [admitted, rejected, unchecked]) in series {
+            for (outcome, v) in [
+                ("admitted", admitted),
+                ("rejected", rejected),
+                ("unchecked", unchecked),
+            ] {
                 let mut m = TierMetric::new(
                     name,
                     help,
@@ -69,6 +86,8 @@ impl AdmissionCounters {
 pub struct AdmissionGate {
     policy: Box<dyn AdmissionPolicy>,
     pending: FastMap<JobId, Vec<ChunkKey>>,
+    /// Whether the first store admitted without a decision was logged.
+    warned_unchecked: bool,
 }
 
 impl AdmissionGate {
@@ -77,6 +96,7 @@ impl AdmissionGate {
         AdmissionGate {
             policy,
             pending: FastMap::default(),
+            warned_unchecked: false,
         }
     }
 
@@ -88,7 +108,8 @@ impl AdmissionGate {
     /// Drops the keys of `job` the policy rejects (and their rows), counting both outcomes in
     /// `counters` at `slot_bytes` each. Keys the index already holds pass untouched (the
     /// worker skips them) and count as neither. `index`: `None` when it could not be read now
-    /// (recovering, or busy with a checkpoint snapshot); then every key is admitted.
+    /// (recovering, or busy with a checkpoint snapshot); then every key is admitted without a
+    /// decision (counted `unchecked`, logged once).
     pub fn filter(
         &mut self,
         mut job: TransferJob,
@@ -100,30 +121,46 @@ impl AdmissionGate {
             // The ledger reports these itself.
             return job;
         }
+        let Some(ix) = index else {
+            if !self.warned_unchecked {
+                self.warned_unchecked = true;
+                log::warn!(
+                    "G3 admission: store job {} admitted without a decision (the index is \
+                     recovering or busy with a checkpoint); counted in \
+                     g3_admission_blocks{{outcome=\"unchecked\"}}, logged once",
+                    job.job_id
+                );
+            }
+            for key in &job.keys {
+                self.policy.record_access(key);
+            }
+            let k = job.keys.len() as u64;
+            counters.unchecked_blocks.fetch_add(k, Ordering::Relaxed);
+            counters
+                .unchecked_bytes
+                .fetch_add(k * slot_bytes, Ordering::Relaxed);
+            return job;
+        };
         let n = job.keys.len();
         let mut keep = vec![true; n];
         let mut admitted = Vec::new();
         let mut rejected = 0u64;
-        if let Some(ix) = index {
-            let fresh: Vec<usize> = (0..n).filter(|&i| !ix.is_held(&job.keys[i])).collect();
-            let free = ix.free_slots();
-            let victims = ix.eviction_candidates(fresh.len().saturating_sub(free));
-            for i in fresh {
-                let key = &job.keys[i];
-                self.policy.record_access(key);
-                let victim = admitted
-                    .len()
-                    .checked_sub(free)
-                    .and_then(|v| victims.get(v));
-                if self.policy.should_admit(key, victim) {
-                    admitted.push(key.clone());
-                } else {
-                    keep[i] = false;
-                    rejected += 1;
-                }
+        let fresh: Vec<usize> = (0..n).filter(|&i| !ix.is_held(&job.keys[i])).collect();
+        let free = ix.free_slots();
+        let victims = ix.eviction_candidates(fresh.len().saturating_sub(free));
+        for i in fresh {
+            let key = &job.keys[i];
+            self.policy.record_access(key);
+            let victim = admitted
+                .len()
+                .checked_sub(free)
+                .and_then(|v| victims.get(v));
+            if self.policy.should_admit(key, victim) {
+                admitted.push(key.clone());
+            } else {
+                keep[i] = false;
+                rejected += 1;
             }
-        } else {
-            admitted = job.keys.clone();
         }
         if rejected > 0 {
             let mut it = keep.iter();

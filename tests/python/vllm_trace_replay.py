@@ -104,6 +104,15 @@ def store(engine: Engine, keys: list, req, c: dict) -> None:
         engine.manager.complete_store(out.keys_to_store, req, success=True)
 
 
+def admission_counts(engine: Engine) -> dict:
+    """The KvtierTier's admission counters (``g3_admission_blocks{outcome}``)."""
+    out = {}
+    for name, _kind, labels, value in engine.tier()._tier.metrics():
+        if name == "g3_admission_blocks":
+            out[f"{dict(labels)['outcome']}_blocks"] = int(value)
+    return out
+
+
 def replay(kind: str, admission: str | None, trace, unique: int, root: Path, *,
            primary_pct: float, tier_pct: float, progress: bool = False) -> dict:
     path = root / f"{kind}-{admission}"
@@ -125,6 +134,7 @@ def replay(kind: str, admission: str | None, trace, unique: int, root: Path, *,
             run_request(engine, blocks, c)
             if progress and i % 200 == 0:
                 print(f"{kind}/{admission}: {i}/{len(trace)}", file=sys.stderr)
+        gate = admission_counts(engine) if kind == "kvtier" else {}
     finally:
         engine.shutdown()
     w1, r1 = proc_io()
@@ -136,6 +146,7 @@ def replay(kind: str, admission: str | None, trace, unique: int, root: Path, *,
         "tier_blocks": slots,
         "primary_blocks": primary_rows,
         **c,
+        **gate,
         "tier_hit_ratio": c["served_tier"] / max(1, c["block_references"]),
         "prefill_tokens_saved_tier": c["served_tier"] * TOKENS_PER_BLOCK,
         "bytes_written": w1 - w0,

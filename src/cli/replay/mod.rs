@@ -304,5 +304,6 @@ fn tier_bytes(manager: &TieringManager) -> TierBytes {
         read: get("g3_bytes_read", None),
         admitted: get("g3_admission_blocks", Some("admitted")),
         rejected: get("g3_admission_blocks", Some("rejected")),
+        unchecked: get("g3_admission_blocks", Some("unchecked")),
     }
 }

@@ -43,6 +43,8 @@ pub struct Report {
     pub admitted_blocks: u64,
     /// Keys rejected.
     pub rejected_blocks: u64,
+    /// Keys admitted without a decision (the tier's index was busy or recovering).
+    pub unchecked_blocks: u64,
     /// Lookup to loaded, seconds, of the blocks the tier served: p50.
     pub load_latency_p50_s: Option<f64>,
     /// p99.
@@ -67,6 +69,8 @@ pub struct TierBytes {
     pub admitted: u64,
     /// `g3_admission_blocks{outcome="rejected"}`.
     pub rejected: u64,
+    /// `g3_admission_blocks{outcome="unchecked"}`.
+    pub unchecked: u64,
 }
 
 impl Report {
@@ -91,6 +95,7 @@ impl Report {
             write_amplification: (tier.read > 0).then(|| tier.written as f64 / tier.read as f64),
             admitted_blocks: tier.admitted,
             rejected_blocks: tier.rejected,
+            unchecked_blocks: tier.unchecked,
             load_latency_p50_s: percentile_sorted(&lat, 50.0),
             load_latency_p99_s: percentile_sorted(&lat, 99.0),
             wall_s: base.wall_s,
@@ -143,9 +148,10 @@ impl Report {
             format_size(self.nvme_bytes_read)
         )?;
         outln!(
-            "admission        {} blocks admitted, {} rejected",
+            "admission        {} blocks admitted, {} rejected, {} unchecked (index busy)",
             self.admitted_blocks,
-            self.rejected_blocks
+            self.rejected_blocks,
+            self.unchecked_blocks
         )?;
         let ms =
             |v: Option<f64>| v.map_or_else(|| "n/a".to_string(), |s| format!("{:.3} ms", s * 1e3));
