@@ -17,10 +17,28 @@ import sys
 import time
 from pathlib import Path
 
-from kvtier_engine import ROW, Engine, extra_config, key, payload, tier_entry
+from kvtier_engine import ROW, Engine, extra_config, payload, tier_entry
 from vllm.v1.kv_offload.base import LookupResult
 
 TOKENS_PER_BLOCK = 512
+MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def key(block: int, seed: int = 1) -> bytes:
+    """The key ``kvtier replay --seed 1`` gives trace block ``block`` (``block_key`` in
+    ``src/cli/replay/driver.rs``): a 32-byte hash and group 0, vLLM's key shape. The same
+    bytes on both sides, so that the admission sketch (a hash of the key) sees the same
+    collisions and the two replays count the same."""
+    le = lambda v: (v & MASK).to_bytes(8, "little")  # noqa: E731
+    return le(seed) + le(block) + le(_mix(seed ^ block)) + le(_mix(block + 1)) + bytes(4)
 
 
 def read_trace(path: Path, limit: int | None) -> list[list[int]]:
