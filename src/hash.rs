@@ -50,8 +50,8 @@ impl KeyHasher {
         KeyHasher { seed }
     }
 
-    /// A hasher with a fixed seed (tests).
-    #[cfg(test)]
+    /// A hasher with a fixed seed (tests, and admission sketches whose estimates must be the
+    /// same on every run).
     pub(crate) fn with_seed(seed: u64) -> Self {
         KeyHasher { seed }
     }

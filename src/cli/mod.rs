@@ -8,6 +8,7 @@
 //!   report, plot).
 //! * [`serve`]: `kvtier serve` (manager service or node service, metrics endpoint);
 //!   [`service_cmd`]: `kvtier service status`; [`service_bench`]: `kvtier service bench`.
+//! * [`replay`]: `kvtier replay` (a KV-cache trace through the manager and a G3 tier).
 //! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
 //! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
 //!   `kvtier layout show|check`, `kvtier version`.
@@ -29,6 +30,7 @@ pub mod layout_vllm;
 pub mod logger;
 pub mod output;
 pub mod region_arg;
+pub mod replay;
 pub mod serve;
 pub mod service_bench;
 pub mod service_cmd;
@@ -79,6 +81,9 @@ pub enum Command {
     /// Compare kvtier's store/load throughput with fio on the same path, file state, row size
     /// and depth.
     FioCompare(fio::FioCompareArgs),
+    /// Replay a Mooncake-format KV-cache trace through the primary and a G3 tier, every
+    /// loaded byte verified; counts served / recomputed blocks and NVMe bytes.
+    Replay(replay::ReplayArgs),
     /// Run the manager with the configured tiers and serve /metrics and /healthz (with a
     /// `service` section: the node service every engine of the host connects to).
     Serve(serve::ServeArgs),
@@ -170,6 +175,7 @@ pub fn main() -> ExitCode {
         Command::Version => version::run(),
         Command::Bench(args) => bench::run(args),
         Command::FioCompare(args) => fio::run(args),
+        Command::Replay(args) => replay::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Service(args) => service_cmd::run(args),
         Command::Tier(args) => tier::run(args),

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 use crate::config::model::TierConfig;
+use crate::contract::admission::AdmissionKind;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::{IdlePolicy, IoEngineKind};
@@ -153,6 +154,9 @@ pub struct G3TierConfig {
     pub idle: IdlePolicy,
     /// GPUDirect Storage (`gds`).
     pub gds: GdsMode,
+    /// Which offered keys the tier writes (`admission`: `all` or `tinylfu`; see
+    /// [`crate::contract::admission`]).
+    pub admission: AdmissionKind,
     /// Bytes of each primary row the tier stores: a prefix of the row, so slots can be
     /// smaller than rows. `None`: the whole row. Not a config key: the embedding sets it (a
     /// canonical layout stores only its canonical area, which is shorter than vLLM's row for
@@ -194,6 +198,7 @@ impl G3TierConfig {
             max_queued_jobs: DEFAULT_MAX_QUEUED_JOBS,
             idle: IdlePolicy::default(),
             gds: GdsMode::Off,
+            admission: AdmissionKind::All,
             slot_bytes: None,
             region_huge_pages: AdoptHugePages::Auto,
             layout: None,
@@ -326,6 +331,11 @@ impl G3TierConfig {
                 "required" => GdsMode::Required,
                 other => return Err(bad_choice(&kp("gds"), other, &["off", "auto", "required"])),
             };
+        }
+        if let Some(v) = tc.params.get("admission") {
+            let name = str_value(v, &kp("admission"))?;
+            cfg.admission = AdmissionKind::parse(name)
+                .ok_or_else(|| bad_choice(&kp("admission"), name, &AdmissionKind::CHOICES))?;
         }
         if let Some(v) = tc.params.get("region_huge_pages") {
             cfg.region_huge_pages = match str_value(v, &kp("region_huge_pages"))? {
@@ -537,6 +547,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "idle_linger_ms",
     "gds",
     "region_huge_pages",
+    "admission",
     "module_path",
     "layout",
     "enable_kv_events",

@@ -300,6 +300,27 @@ impl Index {
         Some(Reservation { slot, evicted })
     }
 
+    /// The keys the next `n` reservations beyond the free slots would evict, in eviction
+    /// order (fewer when fewer entries can be evicted): what an admission policy weighs a
+    /// candidate against. Changes nothing.
+    pub fn eviction_candidates(&self, n: usize) -> Vec<ChunkKey> {
+        let mut out = Vec::new();
+        let mut s = self.tail;
+        let mut scanned = 0;
+        while out.len() < n && s != NIL && scanned < EVICTION_SCAN_LIMIT + n {
+            let e = &self.slots[s as usize];
+            if !self.readers.contains_key(&s)
+                && !self.dead_paths[self.path_of(s)]
+                && let Some(k) = e.key.to_chunk_key()
+            {
+                out.push(k);
+            }
+            s = e.prev;
+            scanned += 1;
+        }
+        out
+    }
+
     fn lru_victim(&self) -> Option<Slot> {
         let mut s = self.tail;
         for _ in 0..EVICTION_SCAN_LIMIT {
@@ -538,6 +559,24 @@ mod tests {
             .collect();
         assert_eq!(order, vec![k(2), k(3), k(0), k(9)]);
         assert_eq!(ix.len(), 4);
+    }
+
+    #[test]
+    fn eviction_candidates_are_what_reserve_would_evict_in_order() {
+        let mut ix = Index::new(4, 1);
+        for i in 0..4 {
+            store(&mut ix, i);
+        }
+        assert!(ix.touch(&k(0)));
+        let (s2, _) = ix.pin(&k(2)).unwrap();
+        // LRU order 1, 2, 3, 0; key 2 is being read, so never a victim.
+        assert_eq!(ix.eviction_candidates(2), vec![k(1), k(3)]);
+        assert_eq!(ix.eviction_candidates(9), vec![k(1), k(3), k(0)]);
+        assert!(ix.eviction_candidates(0).is_empty());
+        // Reads change nothing; reserve evicts the first candidate.
+        assert_eq!(store(&mut ix, 7).evicted.map(|e| e.0), Some(k(1)));
+        assert_eq!(ix.eviction_candidates(1), vec![k(3)]);
+        ix.unpin(s2);
     }
 
     #[test]

@@ -150,6 +150,8 @@ pub struct G3Metrics {
     pub paths_unrecorded: AtomicU64,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
+    /// Keys and bytes the admission policy admitted and rejected (`admission` key).
+    pub admission: crate::g3::admission::AdmissionCounters,
 }
 
 fn get(a: &AtomicU64) -> f64 {
@@ -463,6 +465,7 @@ impl G3Metrics {
             w.labels.push(("path", i.to_string()));
             out.push(w);
         }
+        out.extend(self.admission.sample());
         out
     }
 }

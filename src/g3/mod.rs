@@ -15,11 +15,13 @@
 //! * [`direct`]: [`direct::DirectSlots`], slots moved by another data path (GPUDirect Storage).
 //! * `gpu_path` (feature `gds`): chunks moved between GPU blocks and slots by GDS.
 //! * [`gds`]: whether GPUDirect Storage can run for the tier (`gds` key), and why not.
+//! * [`admission`]: the admission gate of store jobs (`admission` key) and its counters.
 //! * [`offline`]: [`offline::OfflineTier`], an entry running without its slabs (a path on
 //!   another filesystem, `on_wrong_filesystem = "degraded"`).
 //! * [`admin`]: format / inspect / verify / list / clear, for the CLI.
 
 pub mod admin;
+pub mod admission;
 pub mod aligned;
 pub mod checkpoint;
 pub mod config;

@@ -18,6 +18,7 @@ use crate::contract::job::{
 use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
 use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
 use crate::error::{Error, ErrorKind, Result};
+use crate::g3::admission::AdmissionGate;
 use crate::g3::config::G3TierConfig;
 use crate::g3::metrics::{G3Metrics, PathStatus};
 use crate::g3::slab::{self, SlabSpec};
@@ -88,6 +89,8 @@ pub struct G3Tier {
     direct_files: Arc<Vec<File>>,
     /// The namespace digest the slabs carry.
     namespace: [u8; 32],
+    /// The admission gate (`admission` key); `None` with `all`.
+    admission: Option<AdmissionGate>,
 }
 
 impl std::fmt::Debug for G3Tier {
@@ -208,6 +211,10 @@ impl G3Tier {
         // the worker, and on the development VM that allocation made one submission in 31
         // take 20-40 us. At most `max_queued_jobs` jobs are ever queued (checked before each
         // send), so a job never finds its channel full; the slack is for drain and shutdown.
+        let admission = cfg
+            .admission
+            .build(usize::try_from(info.total_slots).unwrap_or(usize::MAX))
+            .map(AdmissionGate::new);
         let capacity = cfg.max_queued_jobs + CONTROL_SLACK;
         let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(capacity);
         let (store_tx, store_rx) = crossbeam_channel::bounded(capacity);
@@ -250,6 +257,7 @@ impl G3Tier {
             info,
             direct_files,
             namespace,
+            admission,
         })
     }
 
@@ -396,6 +404,10 @@ impl SecondaryTier for G3Tier {
             return LookupResult::Retry;
         };
         let hit = guard.as_mut().is_some_and(|ix| ix.touch(key));
+        drop(guard);
+        if let Some(gate) = &mut self.admission {
+            gate.on_lookup(key);
+        }
         if hit {
             LookupResult::Hit
         } else {
@@ -416,6 +428,23 @@ impl SecondaryTier for G3Tier {
     }
 
     fn submit_store(&mut self, job: TransferJob) {
+        let job = match &mut self.admission {
+            None => job,
+            Some(gate) => {
+                let guard = if self.shared.metrics.recovered.load(Ordering::Acquire) {
+                    self.shared.index.try_lock_for(LOOKUP_LOCK_WAIT)
+                } else {
+                    None
+                };
+                let index = guard.as_ref().and_then(|g| g.as_ref());
+                gate.filter(
+                    job,
+                    index,
+                    &self.shared.metrics.admission,
+                    self.info.row_stride,
+                )
+            }
+        };
         self.enqueue(job, false);
     }
 
@@ -424,7 +453,13 @@ impl SecondaryTier for G3Tier {
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        self.ledger.collect(&self.results_rx)
+        let out = self.ledger.collect(&self.results_rx);
+        if let Some(gate) = &mut self.admission {
+            for r in &out {
+                gate.on_finished(r.job_id, r.success);
+            }
+        }
+        out
     }
 
     fn has_pending_work(&self) -> bool {

@@ -1,0 +1,146 @@
+//! The G3 tier's `admission` key: with `tinylfu`, a store of a key the tier has seen no more
+//! often than the entry it would evict is skipped, the job still succeeds with only the
+//! written bytes, and the counters say what was admitted and rejected. Expectations are
+//! worked out by hand from the TinyLFU rule (a key's estimate = the accesses the tier saw:
+//! its lookups and the stores that offered it; admitted when the tier has a free slot or the
+//! estimate beats the least recently used entry's).
+
+mod g3_common;
+
+use g3_common::*;
+use kvtier::contract::admission::AdmissionKind;
+use kvtier::contract::job::LookupResult;
+use kvtier::contract::secondary::SecondaryTier;
+use kvtier::g3::G3Tier;
+
+fn outcome(t: &G3Tier, name: &str, outcome: &str) -> f64 {
+    t.metrics()
+        .iter()
+        .find(|m| {
+            m.name == name
+                && m.labels
+                    .iter()
+                    .any(|(k, v)| *k == "outcome" && v == outcome)
+        })
+        .map_or(-1.0, |m| m.value)
+}
+
+#[test]
+fn tinylfu_skips_cold_keys_and_admits_them_once_they_are_asked_for() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], 4);
+    cfg.admission = AdmissionKind::TinyLfu;
+    let mut t = open(cfg, &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    // Four free slots: keys 0..4 are admitted whatever their counts (each estimate 1 now).
+    let res = run(&mut t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false));
+    assert!(res.success, "{res:?}");
+    assert_eq!(res.transfer_bytes, Some(4 * STRIDE as u64));
+    // Key 4, never asked for: estimate 1 (this store), the LRU entry (key 0) 1 too: a tie
+    // keeps the resident entry. The job still succeeds and moved nothing.
+    let res = run(&mut t, job(2, &[4], &[4], false));
+    assert!(res.success, "a rejected key is not a failure: {res:?}");
+    assert_eq!(res.transfer_bytes, Some(0));
+    assert_eq!(lookup(&mut t, 4), LookupResult::Miss); // key 4: estimate 2
+    for i in 0..4 {
+        assert_eq!(lookup(&mut t, i), LookupResult::Hit, "key {i} still held");
+    }
+    // Keys 0..4 now estimate 2 each (store + lookup); the LRU order is 0, 1, 2, 3.
+    // Key 4 asked for once more: estimate 3, beats key 0 (2): admitted, key 0 evicted.
+    assert_eq!(lookup(&mut t, 4), LookupResult::Miss);
+    let res = run(&mut t, job(3, &[4], &[4], false));
+    assert!(res.success, "{res:?}");
+    assert_eq!(res.transfer_bytes, Some(STRIDE as u64));
+    assert_eq!(lookup(&mut t, 4), LookupResult::Hit);
+    assert_eq!(
+        lookup(&mut t, 0),
+        LookupResult::Miss,
+        "key 0 was the LRU victim"
+    );
+    // The counters: 5 admitted (0..4, then 4), 1 rejected, at one slot each.
+    assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 5.0);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 1.0);
+    assert_eq!(
+        outcome(&t, "g3_admission_bytes", "admitted"),
+        5.0 * STRIDE as f64
+    );
+    assert_eq!(outcome(&t, "g3_admission_bytes", "rejected"), STRIDE as f64);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "unchecked"), 0.0);
+    assert_eq!(metric(&t, "g3_keys_stored"), 5.0);
+    t.shutdown().unwrap();
+}
+
+#[test]
+fn a_job_whose_keys_are_all_rejected_is_reported_once_and_keys_held_pass() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], 2);
+    cfg.admission = AdmissionKind::TinyLfu;
+    let mut t = open(cfg, &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    // Key 1 is held (passes untouched, counted as neither); keys 5 and 6 tie with the
+    // victims and are rejected.
+    let res = run(&mut t, job(2, &[1, 5, 6], &[1, 5, 6], false));
+    assert!(res.success, "{res:?}");
+    assert_eq!(res.transfer_bytes, Some(0));
+    assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 2.0);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 2.0);
+    assert_eq!(metric(&t, "g3_stores_skipped"), 1.0);
+    assert!(!t.has_pending_work());
+    assert!(
+        t.get_finished_jobs().is_empty(),
+        "each job is reported exactly once"
+    );
+    t.shutdown().unwrap();
+}
+
+#[test]
+fn admission_all_writes_everything_and_counts_zero() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut t = open(config(&[d.path()], 2), &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    // Never asked for, the tier full: `all` writes it anyway, evicting key 0.
+    assert!(run(&mut t, job(2, &[2], &[2], false)).success);
+    assert_eq!(metric(&t, "g3_keys_stored"), 3.0);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Miss);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 0.0);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 0.0);
+    t.shutdown().unwrap();
+}
+
+fn parse_nvme(params: serde_json::Value) -> kvtier::Result<kvtier::g3::G3TierConfig> {
+    let mut tc = kvtier::config::TierConfig::new(0, "nvme");
+    let mut p = serde_json::json!({"paths": ["/tmp"], "capacity_bytes": "1MiB"});
+    for (k, v) in params.as_object().unwrap() {
+        p[k] = v.clone();
+    }
+    tc.params = p.as_object().cloned().unwrap();
+    kvtier::g3::G3TierConfig::from_tier(&tc)
+}
+
+#[test]
+fn the_admission_key_takes_all_or_tinylfu_and_names_itself_otherwise() {
+    let c = parse_nvme(serde_json::json!({})).unwrap();
+    assert_eq!(c.admission, AdmissionKind::All, "the default");
+    let c = parse_nvme(serde_json::json!({"admission": "tinylfu"})).unwrap();
+    assert_eq!(c.admission, AdmissionKind::TinyLfu);
+    let c = parse_nvme(serde_json::json!({"admission": "all"})).unwrap();
+    assert_eq!(c.admission, AdmissionKind::All);
+    let e = parse_nvme(serde_json::json!({"admission": "lfu"})).unwrap_err();
+    assert_eq!(e.context_value("key"), Some("secondary_tiers[0].admission"));
+    assert!(e.to_string().contains("tinylfu"), "{e}");
+    let e = parse_nvme(serde_json::json!({"admision": "tinylfu"})).unwrap_err();
+    assert_eq!(e.context_value("did_you_mean"), Some("admission"));
+    let e = parse_nvme(serde_json::json!({"admission": 1})).unwrap_err();
+    assert_eq!(e.context_value("key"), Some("secondary_tiers[0].admission"));
+}
