@@ -24,9 +24,17 @@ use rustix::mm::{Advice, madvise};
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
+mod backing;
 mod huge_pages;
+mod pin;
 mod shared_alias;
 mod vllm_shm;
+
+pub use backing::MeasuredBacking;
+
+/// What the warnings about an adopted region in 4 KiB pages tell the operator to do.
+pub const HOST_FIX_HINT: &str = "the host fix: mount /dev/shm with huge=within_size (`mount -o \
+     remount,huge=within_size /dev/shm`; docs/vllm.md), so that vLLM's region gets 2 MiB pages";
 
 /// Where the region's memory comes from.
 #[derive(Debug)]
@@ -75,6 +83,18 @@ pub struct PrimaryRegion {
     small_pages_reason: Option<String>,
     /// The share of the region's bytes in 2 MiB pages (0 to 1).
     huge_page_share: f64,
+    /// How the pages kvtier moves were found backed (`/proc/self/smaps`), when measured.
+    measured: Option<MeasuredBacking>,
+}
+
+/// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
+fn whole_page_share(m: MeasuredBacking, len: usize) -> f64 {
+    let whole = (len / huge_pages::HUGE_PAGE * huge_pages::HUGE_PAGE) as f64;
+    if whole == 0.0 {
+        0.0
+    } else {
+        (m.huge_bytes as f64 / whole).min(1.0)
+    }
 }
 
 /// How the region's pages were faulted in at creation.
@@ -145,8 +165,15 @@ impl PrimaryRegion {
             huge_pages: false,
             small_pages_reason: None,
             huge_page_share: 0.0,
+            measured: None,
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
+        region.prefault = region.prefault_pages();
+        // What the kernel reports, not what MADV_COLLAPSE returned.
+        region.measured = backing::measure(region.base.as_ptr(), len);
+        if let Some(m) = region.measured {
+            region.huge_page_share = whole_page_share(m, len);
+        }
         region.huge_pages = region.huge_page_share == 1.0;
         if !region.huge_pages {
             region.small_pages_reason = Some(if len < huge_pages::HUGE_PAGE {
@@ -158,7 +185,6 @@ impl PrimaryRegion {
                 )
             });
         }
-        region.prefault = region.prefault_pages();
         Ok(region)
     }
 
@@ -191,6 +217,7 @@ impl PrimaryRegion {
             huge_pages: false,
             small_pages_reason: Some("adopted as it is (PrimaryRegion::adopt)".to_string()),
             huge_page_share: 0.0,
+            measured: None,
         })
     }
 
@@ -249,16 +276,22 @@ impl PrimaryRegion {
                     huge_pages: m.shortfall.is_none(),
                     small_pages_reason: None,
                     huge_page_share: m.share,
+                    measured: None,
+                };
+                let how = if m.already_huge {
+                    "already 2 MiB pages: the file's tmpfs gives them"
+                } else {
+                    "collapsed with MADV_COLLAPSE"
                 };
                 match &m.shortfall {
                     None => log::info!(
-                        "mapped an engine's region ({len} bytes) in 2 MiB pages (the owner's \
-                         mapping is unchanged)"
+                        "mapped an engine's region ({len} bytes) in 2 MiB pages (measured in \
+                         /proc/self/smaps; {how}; the owner's mapping is unchanged)"
                     ),
                     Some(why) => log::warn!(
                         "mapped an engine's region ({len} bytes) with {:.0} % of it in 2 MiB \
-                         pages: {why}; O_DIRECT transfers of large rows are split into many DMA \
-                         segments and may run slower",
+                         pages (measured in /proc/self/smaps): {why}; large rows there are \
+                         staged through kvtier's own 2 MiB pages (a copy); {HOST_FIX_HINT}",
                         m.share * 100.0
                     ),
                 }
@@ -266,7 +299,9 @@ impl PrimaryRegion {
                 return Ok(region);
             }
             Err(why) if len >= huge_pages::HUGE_PAGE => {
-                log::warn!("mapped an engine's region ({len} bytes) in 4 KiB pages: {why}")
+                log::warn!(
+                    "mapped an engine's region ({len} bytes) in 4 KiB pages: {why}; {HOST_FIX_HINT}"
+                )
             }
             Err(_) => {}
         }
@@ -315,6 +350,7 @@ impl PrimaryRegion {
                 "no 2 MiB-aligned mapping could be made (see the log)".to_string()
             }),
             huge_page_share: 0.0,
+            measured: None,
         })
     }
 
@@ -342,11 +378,21 @@ impl PrimaryRegion {
         // SAFETY: the caller's promise, passed on.
         let mut region = unsafe { Self::adopt(base, row_stride, num_rows) }?;
         if mode == AdoptHugePages::Never {
-            region.small_pages_reason = Some("huge pages turned off for this region".into());
+            // The owner's mapping as it is; its memory may still be in 2 MiB pages (a
+            // huge-page tmpfs), which is what a DMA segment follows: measured, not assumed.
+            region.measured = shared_alias::probe_backing(region.base.as_ptr(), region.len());
+            region.huge_page_share = region
+                .measured
+                .map_or(0.0, |m| whole_page_share(m, region.len()));
+            region.huge_pages = region.huge_page_share == 1.0;
+            if !region.huge_pages {
+                region.small_pages_reason = Some("huge pages turned off for this region".into());
+            }
             log::info!(
-                "adopted primary region ({} bytes): kept in the owner's 4 KiB pages (huge pages \
-                 turned off)",
-                region.len()
+                "adopted primary region ({} bytes): kept in the owner's mapping (huge pages \
+                 turned off), {:.0} % of it in 2 MiB pages (measured)",
+                region.len(),
+                region.huge_page_share * 100.0
             );
             return Ok(region);
         }
@@ -356,6 +402,7 @@ impl PrimaryRegion {
                 alias,
                 share,
                 shortfall,
+                already_huge,
             } => {
                 region.base = NonNull::new(alias.base).ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the huge-page mapping is null")
@@ -364,17 +411,23 @@ impl PrimaryRegion {
                 region.huge_page_share = share;
                 region.huge_pages = shortfall.is_none();
                 let took = started.elapsed().as_secs_f64();
+                let how = if already_huge {
+                    "already 2 MiB pages: the tmpfs gives them".to_string()
+                } else {
+                    format!("collapsed in {took:.2} s")
+                };
                 match &shortfall {
                     None => log::info!(
                         "adopted primary region ({} bytes): kvtier moves its rows through its \
-                         own mapping of the same shared memory in 2 MiB pages (collapsed in \
-                         {took:.2} s; the owner's mapping is unchanged)",
+                         own mapping of the same shared memory in 2 MiB pages (measured in \
+                         /proc/self/smaps; {how}; the owner's mapping is unchanged)",
                         region.len()
                     ),
                     Some(why) => log::warn!(
                         "adopted primary region ({} bytes): kvtier moves its rows through its \
                          own mapping of the same shared memory, {:.0} % of it in 2 MiB pages \
-                         ({why}; {took:.2} s)",
+                         (measured in /proc/self/smaps; {why}; {took:.2} s); large rows are \
+                         staged through kvtier's own 2 MiB pages (a copy); {HOST_FIX_HINT}",
                         region.len(),
                         share * 100.0
                     ),
@@ -382,10 +435,14 @@ impl PrimaryRegion {
                 region.small_pages_reason = shortfall;
             }
             shared_alias::AliasOutcome::SmallPages(why) => {
+                region.measured = backing::measure(region.base.as_ptr(), region.len());
                 log::warn!(
-                    "adopted primary region ({} bytes) stays in 4 KiB pages: {why}; O_DIRECT \
-                     transfers of large rows are split into many DMA segments and may run slower",
-                    region.len()
+                    "adopted primary region ({} bytes) stays in 4 KiB pages (measured: {:.0} % \
+                     in 2 MiB pages): {why}; large rows are staged through kvtier's own 2 MiB \
+                     pages (a copy) so that O_DIRECT transfers are not split into many DMA \
+                     segments; {HOST_FIX_HINT}",
+                    region.len(),
+                    region.measured.map_or(0.0, |m| whole_page_share(m, region.len())) * 100.0
                 );
                 region.small_pages_reason = Some(why);
             }
@@ -404,8 +461,27 @@ impl PrimaryRegion {
         dir: &std::path::Path,
         mode: AdoptHugePages,
     ) -> Result<Self> {
+        Self::create_vllm_shaped_pinned(num_rows, row_stride, dir, mode, false)
+    }
+
+    /// As [`PrimaryRegion::create_vllm_shaped`], and with `pinned` the region is long-term
+    /// pinned before kvtier adopts it, as vLLM's GPU workers pin it with `cudaHostRegister`
+    /// (`vllm/v1/kv_offload/cpu/host_register.py`, from `create_worker` in
+    /// `kv_offload/cpu/gpu_worker.py`) before the scheduler builds its secondary tiers: what a
+    /// real deployment hands kvtier. The pin is an io_uring fixed-buffer registration of the
+    /// owner's mapping (the same `FOLL_LONGTERM` pin), held until the region is dropped.
+    pub fn create_vllm_shaped_pinned(
+        num_rows: usize,
+        row_stride: usize,
+        dir: &std::path::Path,
+        mode: AdoptHugePages,
+        pinned: bool,
+    ) -> Result<Self> {
         let len = check_geometry(row_stride, num_rows)?;
-        let owner = vllm_shm::OwnerMapping::create(dir, len)?;
+        let mut owner = vllm_shm::OwnerMapping::create(dir, len)?;
+        if pinned {
+            owner.pin()?;
+        }
         // SAFETY: `owner` maps `len` bytes read-write and moves into the returned region,
         // whose backing drops the adopted view before it.
         let mut region =
@@ -462,6 +538,31 @@ impl PrimaryRegion {
     /// partly (free 2 MiB blocks of memory ran short).
     pub fn huge_page_share(&self) -> f64 {
         self.huge_page_share
+    }
+
+    /// How the pages kvtier moves were found backed in `/proc/self/smaps` when the region was
+    /// made or adopted (`None` where it was not measured: [`PrimaryRegion::adopt`], or no
+    /// smaps).
+    pub fn measured_backing(&self) -> Option<MeasuredBacking> {
+        self.measured
+    }
+
+    /// The pages in words, for logs, reports and status: `2 MiB pages (measured)`, or
+    /// `4 KiB pages, N % in 2 MiB pages (measured): why`.
+    pub fn pages_description(&self) -> String {
+        let how = if self.measured.is_some() {
+            "measured"
+        } else {
+            "not measured"
+        };
+        match self.small_pages_reason() {
+            None => format!("2 MiB pages ({how})"),
+            Some(why) if self.huge_page_share > 0.0 => format!(
+                "{:.0} % in 2 MiB pages, the rest 4 KiB ({how}): {why}",
+                self.huge_page_share * 100.0
+            ),
+            Some(why) => format!("4 KiB pages ({how}): {why}"),
+        }
     }
 
     /// Why (some of) the rows stay in 4 KiB pages (`None` when

@@ -27,6 +27,10 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// `libc::madvise` below because rustix's `Advice` has no `MADV_COLLAPSE`.
 const MADV_COLLAPSE: libc::c_int = 25;
 
+/// How long a region's constructor spends collapsing at most (see `docs/performance.md`:
+/// about 0.7 s per GiB on the development machine); the rest stays in 4 KiB pages.
+pub(super) const COLLAPSE_BUDGET: std::time::Duration = std::time::Duration::from_millis(900);
+
 /// Set once the "no huge pages" fallback has been logged.
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 
@@ -146,9 +150,30 @@ pub(super) unsafe fn collapse_pages(
     base: *mut u8,
     count: usize,
 ) -> (usize, Option<std::io::Error>) {
+    let deadline = std::time::Instant::now() + COLLAPSE_BUDGET;
     let mut failed = Vec::new();
     let mut last_error = None;
     for i in 0..count {
+        if std::time::Instant::now() > deadline {
+            // Start-up must not wait on a large region: what is left stays in 4 KiB pages
+            // (the engine then stages large transfers through its own 2 MiB pages).
+            let collapsed = i - failed.len();
+            log::info!(
+                "MADV_COLLAPSE stopped after {:.1} s: {collapsed} of {count} huge pages \
+                 collapsed, {} not tried",
+                COLLAPSE_BUDGET.as_secs_f64(),
+                count - i
+            );
+            let e = std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "stopped after {:.1} s with {} of {count} huge pages not tried",
+                    COLLAPSE_BUDGET.as_secs_f64(),
+                    count - i
+                ),
+            );
+            return (collapsed, Some(e));
+        }
         // SAFETY: `i < count`, inside the caller's mapping (the caller's promise).
         if let Err(e) = collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
             failed.push(i);
@@ -162,6 +187,9 @@ pub(super) unsafe fn collapse_pages(
     let mut second_pass = 0;
     last_error = None;
     for &i in &failed {
+        if std::time::Instant::now() > deadline {
+            break;
+        }
         // SAFETY: as above.
         match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
             Ok(()) => second_pass += 1,

@@ -26,6 +26,7 @@ use std::os::unix::fs::MetadataExt;
 
 use rustix::mm::munmap;
 
+use super::backing::{MeasuredBacking, measure, populate_read};
 use super::huge_pages::{HUGE_PAGE, collapse_pages, map_shared_aligned};
 
 /// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
@@ -40,6 +41,7 @@ pub(super) enum AliasOutcome {
         alias: Alias,
         share: f64,
         shortfall: Option<String>,
+        already_huge: bool,
     },
     /// Keep the caller's mapping (4 KiB pages); the reason says why.
     SmallPages(String),
@@ -196,6 +198,7 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
         alias: mapped.alias,
         share: mapped.share,
         shortfall: mapped.shortfall,
+        already_huge: mapped.already_huge,
     })
 }
 
@@ -207,6 +210,8 @@ pub(super) struct Collapsed {
     pub(super) share: f64,
     /// Why not all (`None` when every page is huge).
     pub(super) shortfall: Option<String>,
+    /// The pages were 2 MiB pages before anything was collapsed (a huge-page tmpfs).
+    pub(super) already_huge: bool,
 }
 
 /// Maps `len` bytes of the file `fd` (`name` in messages) from `offset` shared, read-write,
@@ -262,36 +267,103 @@ pub(super) fn map_collapsed(
                 "{name} is not on tmpfs/shmem (f_type {:#x})",
                 fs.f_type
             )),
+            already_huge: false,
         });
     }
     let whole = map_len / HUGE_PAGE;
+    // How the pages are backed before anything is done: on a tmpfs mounted
+    // `huge=within_size` (the host fix, `docs/vllm.md`) they already are 2 MiB pages.
+    let before = measure_mapping(map.cast(), map_len);
+    if before.is_some_and(|m| m.huge_bytes >= (whole * HUGE_PAGE) as u64) {
+        return Ok(Collapsed {
+            alias,
+            share: 1.0,
+            shortfall: None,
+            already_huge: true,
+        });
+    }
     // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
     let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
-    if collapsed == 0 {
+    // The share is what the kernel reports afterwards, not what the calls returned.
+    let share = measure_mapping(map.cast(), map_len).map_or(collapsed as f64 / whole as f64, |m| {
+        (m.huge_bytes as f64 / (whole * HUGE_PAGE) as f64).min(1.0)
+    });
+    if share == 0.0 {
         let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
+        let pinned = if e.contains("os error 11") {
+            "; EAGAIN on every page: they are pinned (vLLM pins its region with \
+             cudaHostRegister before kvtier adopts it)"
+        } else {
+            ""
+        };
         return Ok(Collapsed {
             alias,
             share: 0.0,
             shortfall: Some(format!(
-                "MADV_COLLAPSE failed ({e}; needs Linux >= 6.1, \
+                "MADV_COLLAPSE failed ({e}{pinned}; needs Linux >= 6.1, \
                  transparent_hugepage/shmem_enabled other than `deny`, free 2 MiB blocks of \
                  memory, and pages nobody pins)"
             )),
+            already_huge: false,
         });
     }
     // Even a partial collapse helps: every collapsed huge page is one DMA segment.
-    let shortfall = last_error.map(|e| {
+    let shortfall = (share < 1.0).then(|| {
+        let e = last_error.map_or_else(|| "no error".to_string(), |e| e.to_string());
         format!(
-            "{} of {whole} huge pages stayed in 4 KiB pages (MADV_COLLAPSE: {e}; free 2 MiB \
-             blocks of memory were short)",
-            whole - collapsed
+            "{:.0} % of {whole} huge pages stayed in 4 KiB pages (MADV_COLLAPSE: {e})",
+            (1.0 - share) * 100.0
         )
     });
     Ok(Collapsed {
         alias,
-        share: collapsed as f64 / whole as f64,
+        share,
         shortfall,
+        already_huge: false,
     })
+}
+
+/// Faults `[base, base + len)` (kvtier's own mapping) in for reading and measures how it is
+/// backed (`super::backing`); `None` when `/proc/self/smaps` cannot tell.
+pub(super) fn measure_mapping(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
+    // SAFETY: the caller's own live mapping; POPULATE_READ changes no byte.
+    if let Err(e) = unsafe { populate_read(base, len) } {
+        log::debug!("MADV_POPULATE_READ before measuring the region's pages failed: {e}");
+    }
+    measure(base, len)
+}
+
+/// How the memory behind `[base, base + len)` (a mapping of this process, possibly at an
+/// address that cannot take 2 MiB pages, like vLLM's own) is backed: measured through a
+/// temporary 2 MiB-aligned mapping of the same file where it is a shared file mapping,
+/// otherwise on the range itself.
+pub(super) fn probe_backing(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
+    let direct = || measure(base, len);
+    if len < HUGE_PAGE {
+        return direct();
+    }
+    let Ok(m) = mapping_of(base as usize) else {
+        return direct();
+    };
+    if m.inode == 0 || !m.shared || base as usize + len > m.end {
+        return direct();
+    }
+    let Ok(file) = open_mapped_file(&m) else {
+        return direct();
+    };
+    let offset = m.offset + (base as usize - m.start) as u64;
+    let head = (offset % HUGE_PAGE as u64) as usize;
+    let map_len = (head + len).next_multiple_of(4096);
+    let map = map_shared_aligned(file.as_fd(), offset - head as u64, map_len).ok()?;
+    let probe = Alias {
+        map,
+        map_len,
+        base: map.cast(),
+    };
+    // SAFETY: `head + len <= map_len`, inside the probe mapping.
+    let measured = measure_mapping(unsafe { probe.base.add(head) }, len);
+    drop(probe);
+    measured
 }
 
 #[cfg(test)]
