@@ -85,6 +85,9 @@ pub struct PrimaryRegion {
     huge_page_share: f64,
     /// How the pages kvtier moves were found backed (`/proc/self/smaps`), when measured.
     measured: Option<MeasuredBacking>,
+    /// The file mapped by [`PrimaryRegion::map_shared_file`] (another process's), for copies
+    /// that must fail rather than raise `SIGBUS` if its owner shrinks it.
+    copy_fd: Option<OwnedFd>,
 }
 
 /// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
@@ -166,6 +169,7 @@ impl PrimaryRegion {
             small_pages_reason: None,
             huge_page_share: 0.0,
             measured: None,
+            copy_fd: None,
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
         region.prefault = region.prefault_pages();
@@ -218,6 +222,7 @@ impl PrimaryRegion {
             small_pages_reason: Some("adopted as it is (PrimaryRegion::adopt)".to_string()),
             huge_page_share: 0.0,
             measured: None,
+            copy_fd: None,
         })
     }
 
@@ -276,7 +281,8 @@ impl PrimaryRegion {
                     huge_pages: m.shortfall.is_none(),
                     small_pages_reason: None,
                     huge_page_share: m.share,
-                    measured: None,
+                    measured: m.measured,
+                    copy_fd: fd.as_fd().try_clone_to_owned().ok(),
                 };
                 let how = if m.already_huge {
                     "already 2 MiB pages: the file's tmpfs gives them"
@@ -351,6 +357,7 @@ impl PrimaryRegion {
             }),
             huge_page_share: 0.0,
             measured: None,
+            copy_fd: fd.as_fd().try_clone_to_owned().ok(),
         })
     }
 
@@ -403,7 +410,9 @@ impl PrimaryRegion {
                 share,
                 shortfall,
                 already_huge,
+                measured,
             } => {
+                region.measured = measured;
                 region.base = NonNull::new(alias.base).ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the huge-page mapping is null")
                 })?;
@@ -569,6 +578,13 @@ impl PrimaryRegion {
     /// [`PrimaryRegion::huge_pages`]).
     pub fn small_pages_reason(&self) -> Option<&str> {
         self.small_pages_reason.as_deref()
+    }
+
+    /// The other process's file this region maps ([`PrimaryRegion::map_shared_file`]), for
+    /// kernel copies (`pread`) that fail with a short count or `EFAULT`, where a CPU access
+    /// to a page its owner truncated away would raise `SIGBUS`. `None` for other regions.
+    pub fn shared_file(&self) -> Option<BorrowedFd<'_>> {
+        self.copy_fd.as_ref().map(AsFd::as_fd)
     }
 
     /// Bytes per row (a multiple of 4096).

@@ -142,6 +142,9 @@ pub struct G3Metrics {
     /// The share of the primary region's bytes in 2 MiB pages (see
     /// `PrimaryRegion::huge_page_share`), in millionths, set at open.
     pub region_huge_page_ppm: AtomicU64,
+    /// Bytes the engine staged through its own 2 MiB pages because the region is in 4 KiB
+    /// pages (`IoEngine::staged_bytes`), set at open when it stages.
+    pub staged_bytes: Mutex<Option<std::sync::Arc<AtomicU64>>>,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
 }
@@ -409,6 +412,14 @@ impl G3Metrics {
              (one DMA segment per 2 MiB); below 1 the reason is logged once",
             Gauge,
             get(&self.region_huge_page_ppm) / 1e6,
+        ));
+        out.push(m(
+            "g3_staged_bytes",
+            "Bytes copied through the engine's own 2 MiB-page staging buffers because the \
+             primary region is in 4 KiB pages (0 when it does not stage; the reason is logged \
+             once)",
+            Counter,
+            self.staged_bytes.lock().as_ref().map_or(0.0, |c| get(c)),
         ));
         let gds = self.gds.lock().clone();
         let mut info = m(

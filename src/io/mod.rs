@@ -132,6 +132,13 @@ pub trait IoEngine: Send + Sync {
     /// The region the engine transfers to and from.
     fn region(&self) -> &Arc<PrimaryRegion>;
 
+    /// When the engine stages large transfers of a region in 4 KiB pages through its own
+    /// 2 MiB pages (the `uring` engine, see `io/uring/staging.rs`): the counter of bytes it
+    /// copied that way. `None` when it does not stage.
+    fn staged_bytes(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
+        None
+    }
+
     /// Waits for every submitted request to complete, then stops the engine's threads and
     /// releases registrations. Idempotent.
     fn shutdown(&self);

@@ -42,6 +42,7 @@ pub(super) enum AliasOutcome {
         share: f64,
         shortfall: Option<String>,
         already_huge: bool,
+        measured: Option<MeasuredBacking>,
     },
     /// Keep the caller's mapping (4 KiB pages); the reason says why.
     SmallPages(String),
@@ -199,6 +200,7 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
         share: mapped.share,
         shortfall: mapped.shortfall,
         already_huge: mapped.already_huge,
+        measured: mapped.measured,
     })
 }
 
@@ -212,6 +214,8 @@ pub(super) struct Collapsed {
     pub(super) shortfall: Option<String>,
     /// The pages were 2 MiB pages before anything was collapsed (a huge-page tmpfs).
     pub(super) already_huge: bool,
+    /// What `/proc/self/smaps` said at the end, when it could tell.
+    pub(super) measured: Option<MeasuredBacking>,
 }
 
 /// Maps `len` bytes of the file `fd` (`name` in messages) from `offset` shared, read-write,
@@ -268,6 +272,7 @@ pub(super) fn map_collapsed(
                 fs.f_type
             )),
             already_huge: false,
+            measured: None,
         });
     }
     let whole = map_len / HUGE_PAGE;
@@ -280,12 +285,14 @@ pub(super) fn map_collapsed(
             share: 1.0,
             shortfall: None,
             already_huge: true,
+            measured: before,
         });
     }
     // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
     let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
     // The share is what the kernel reports afterwards, not what the calls returned.
-    let share = measure_mapping(map.cast(), map_len).map_or(collapsed as f64 / whole as f64, |m| {
+    let measured = measure_mapping(map.cast(), map_len);
+    let share = measured.map_or(collapsed as f64 / whole as f64, |m| {
         (m.huge_bytes as f64 / (whole * HUGE_PAGE) as f64).min(1.0)
     });
     if share == 0.0 {
@@ -305,6 +312,7 @@ pub(super) fn map_collapsed(
                  memory, and pages nobody pins)"
             )),
             already_huge: false,
+            measured,
         });
     }
     // Even a partial collapse helps: every collapsed huge page is one DMA segment.
@@ -320,6 +328,7 @@ pub(super) fn map_collapsed(
         share,
         shortfall,
         already_huge: false,
+        measured,
     })
 }
 

@@ -9,6 +9,7 @@ use std::sync::atomic::{Ordering, fence};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{IoUring, opcode, types};
 
+use super::staging::{Staging, copies_out};
 use super::{MAX_SQE_LEN, WAKE_TAG, Wake};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::files::{FileTable, advance, os_error, resubmit_transient};
@@ -22,6 +23,8 @@ pub(super) struct Op {
     done: usize,
     /// Resubmissions after EINTR or EAGAIN (bounded, see [`resubmit_transient`]).
     retries: u32,
+    /// The staging slot the transfer goes through, if it is staged (see `staging.rs`).
+    stage: Option<usize>,
 }
 
 /// State owned by the ring thread.
@@ -48,6 +51,8 @@ pub(super) struct RingThread {
     pub(super) reaped: Vec<(u64, i32)>,
     /// Rewrites CQE results before they are acted on (tests only; `None` in the engine).
     pub(super) cqe_filter: Option<CqeFilter>,
+    /// Staging slots for large transfers of a region in 4 KiB pages, when used.
+    pub(super) staging: Option<Staging>,
 }
 
 /// `filter(request tag, CQE result) -> result`, see [`RingThread::cqe_filter`].
@@ -74,7 +79,8 @@ impl RingThread {
     pub(super) fn run(&mut self) {
         let mut closing = false;
         loop {
-            if self.in_flight == 0 && self.ready.is_empty() {
+            let staging_idle = self.staging.as_ref().is_none_or(|s| s.waiting.is_empty());
+            if self.in_flight == 0 && self.ready.is_empty() && staging_idle {
                 if closing {
                     break;
                 }
@@ -104,10 +110,12 @@ impl RingThread {
     }
 
     fn accept(&mut self, req: IoRequest) {
+        let staged = self.staging.as_ref().is_some_and(|s| s.wants(&req));
         let op = Op {
             req,
             done: 0,
             retries: 0,
+            stage: None,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -119,11 +127,60 @@ impl RingThread {
                 self.ops.len() - 1
             }
         };
-        self.ready.push_back(slot);
+        if staged {
+            if let Some(s) = self.staging.as_mut() {
+                s.waiting.push_back(slot);
+            }
+            self.start_staged();
+        } else {
+            self.ready.push_back(slot);
+        }
     }
 
-    fn complete(&mut self, slot: usize, result: Result<usize>) {
+    /// Gives waiting staged ops free staging slots, in order: a write's bytes are copied into
+    /// its slot, then the op is ready.
+    fn start_staged(&mut self) {
+        loop {
+            let Some(s) = self.staging.as_mut() else {
+                return;
+            };
+            if s.waiting.is_empty() {
+                return;
+            }
+            let Some(stage) = s.take() else { return };
+            let Some(slot) = s.waiting.pop_front() else {
+                s.release(stage);
+                return;
+            };
+            let Some(op) = self.ops[slot].as_mut() else {
+                s.release(stage);
+                continue;
+            };
+            op.stage = Some(stage);
+            let req = op.req;
+            let copied = match req.dir {
+                IoDir::Write => s.copy_in(&self.region, &req, stage),
+                IoDir::Read => Ok(()),
+            };
+            match copied {
+                Ok(()) => self.ready.push_back(slot),
+                Err(e) => self.complete(slot, Err(e)),
+            }
+        }
+    }
+
+    fn complete(&mut self, slot: usize, mut result: Result<usize>) {
         if let Some(op) = self.ops[slot].take() {
+            if let (Some(stage), Some(s)) = (op.stage, self.staging.as_mut()) {
+                // A read's bytes reach the region before its completion is sent.
+                if result.is_ok()
+                    && copies_out(op.req.dir)
+                    && let Err(e) = s.copy_out(&self.region, &op.req, stage)
+                {
+                    result = Err(e);
+                }
+                s.release(stage);
+            }
             self.free.push(slot);
             // Released before the completion is sent, so that its receiver may detach the file.
             self.files.release(op.req.file);
@@ -131,6 +188,9 @@ impl RingThread {
                 tag: op.req.tag,
                 result,
             });
+            if op.stage.is_some() {
+                self.start_staged();
+            }
         }
     }
 
@@ -148,8 +208,8 @@ impl RingThread {
                     continue;
                 }
             };
-            // SAFETY: the entry's buffer lies inside the region, which this thread keeps alive
-            // (and registered) until every op has completed; the op's slot stays occupied
+            // SAFETY: the entry's buffer lies inside the region or the staging memory, which
+            // this thread keeps alive (and registered) until every op has completed; the op's slot stays occupied
             // until its CQE is reaped, so `user_data` maps back to exactly one op.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 break;
@@ -170,6 +230,20 @@ impl RingThread {
         let req = &op.req;
         let start = req.region_offset + op.done;
         let len = (req.len - op.done).min(MAX_SQE_LEN);
+        if let (Some(stage), Some(s)) = (op.stage, self.staging.as_ref()) {
+            // The slot holds the whole request; the remainder starts `done` bytes in.
+            let buf = s.ptr(stage, op.done);
+            let off = req.file_offset + op.done as u64;
+            let len = len as u32;
+            let idx = s.buffer_index;
+            let entry = if self.fixed_files && self.files.is_fixed(req.file) {
+                rw_entry!(types::Fixed(req.file as u32), req.dir, buf, len, off, idx)
+            } else {
+                let fd = types::Fd(self.files.raw_fd(req.file));
+                rw_entry!(fd, req.dir, buf, len, off, idx)
+            };
+            return Ok(entry.user_data(slot as u64));
+        }
         let piece_index = match self.piece {
             Some(piece) => {
                 let idx = req.region_offset / piece;
