@@ -392,9 +392,8 @@ impl PrimaryRegion {
                 .measured
                 .map_or(0.0, |m| whole_page_share(m, region.len()));
             region.huge_pages = region.huge_page_share == 1.0;
-            if !region.huge_pages {
-                region.small_pages_reason = Some("huge pages turned off for this region".into());
-            }
+            region.small_pages_reason =
+                (!region.huge_pages).then(|| "huge pages turned off for this region".to_string());
             log::info!(
                 "adopted primary region ({} bytes): kept in the owner's mapping (huge pages \
                  turned off), {:.0} % of it in 2 MiB pages (measured)",
@@ -451,7 +450,10 @@ impl PrimaryRegion {
                      pages (a copy) so that O_DIRECT transfers are not split into many DMA \
                      segments; {HOST_FIX_HINT}",
                     region.len(),
-                    region.measured.map_or(0.0, |m| whole_page_share(m, region.len())) * 100.0
+                    region
+                        .measured
+                        .map_or(0.0, |m| whole_page_share(m, region.len()))
+                        * 100.0
                 );
                 region.small_pages_reason = Some(why);
             }

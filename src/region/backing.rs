@@ -113,8 +113,14 @@ pub fn measure(base: *const u8, len: usize) -> Option<MeasuredBacking> {
 /// The range is a mapping of this process that nobody unmaps meanwhile.
 pub unsafe fn populate_read(base: *mut u8, len: usize) -> std::io::Result<()> {
     // SAFETY: the caller's promise; POPULATE_READ changes no byte.
-    unsafe { rustix::mm::madvise(base.cast::<c_void>(), len, rustix::mm::Advice::LinuxPopulateRead) }
-        .map_err(std::io::Error::from)
+    unsafe {
+        rustix::mm::madvise(
+            base.cast::<c_void>(),
+            len,
+            rustix::mm::Advice::LinuxPopulateRead,
+        )
+    }
+    .map_err(std::io::Error::from)
 }
 
 #[cfg(test)]

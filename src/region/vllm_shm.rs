@@ -105,18 +105,19 @@ impl OwnerMapping {
     /// adopts the region (see `super::pin`).
     pub(super) fn pin(&mut self) -> Result<()> {
         // SAFETY: our own mapping, unmapped only in `drop`, after the pin is released.
-        let pin = unsafe { super::pin::LongTermPin::new(self.ptr.cast(), self.len) }.map_err(|e| {
-            Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "cannot pin the vLLM-shaped region ({} bytes) as cudaHostRegister does \
+        let pin =
+            unsafe { super::pin::LongTermPin::new(self.ptr.cast(), self.len) }.map_err(|e| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "cannot pin the vLLM-shaped region ({} bytes) as cudaHostRegister does \
                      (an io_uring buffer registration of it failed: {e}; it needs io_uring and \
                      RLIMIT_MEMLOCK or CAP_IPC_LOCK)",
-                    self.len
-                ),
-            )
-            .with_source(e)
-        })?;
+                        self.len
+                    ),
+                )
+                .with_source(e)
+            })?;
         self.pin = Some(pin);
         Ok(())
     }

@@ -111,8 +111,7 @@ impl Staging {
     pub(crate) fn plan(region: &PrimaryRegion, files: &FileTable) -> Option<Staging> {
         let mode = mode();
         if mode == Mode::Never
-            || (mode == Mode::Auto
-                && (region.huge_page_share() >= 1.0 || region.len() < 2 << 20))
+            || (mode == Mode::Auto && (region.huge_page_share() >= 1.0 || region.len() < 2 << 20))
         {
             return None;
         }
@@ -126,7 +125,8 @@ impl Staging {
         }
         let slots = (STAGING_BYTES / slot_len).max(2);
         let buf = match PrimaryRegion::create(slots, slot_len) {
-            Ok(b) if b.huge_pages() => b,
+            // Mostly huge is worth it (free 2 MiB blocks can run short on a busy host).
+            Ok(b) if b.huge_page_share() >= 0.5 => b,
             Ok(b) => {
                 log::warn!(
                     "not staging transfers of the region in 4 KiB pages: the staging buffer \
@@ -188,7 +188,12 @@ impl Staging {
     }
 
     /// Copies the region range a write names into `slot`.
-    pub(super) fn copy_in(&self, region: &PrimaryRegion, req: &IoRequest, slot: usize) -> Result<()> {
+    pub(super) fn copy_in(
+        &self,
+        region: &PrimaryRegion,
+        req: &IoRequest,
+        slot: usize,
+    ) -> Result<()> {
         let dst = self.ptr(slot, 0);
         match region.shared_file() {
             Some(fd) => {
@@ -215,7 +220,12 @@ impl Staging {
     }
 
     /// Copies `slot` into the region range a completed read names.
-    pub(super) fn copy_out(&self, region: &PrimaryRegion, req: &IoRequest, slot: usize) -> Result<()> {
+    pub(super) fn copy_out(
+        &self,
+        region: &PrimaryRegion,
+        req: &IoRequest,
+        slot: usize,
+    ) -> Result<()> {
         // SAFETY: validated on submission: the range lies inside the region; the caller
         // reserved it for this read (nobody else reads or writes it meanwhile).
         let dst = unsafe { region.base_ptr().add(req.region_offset) };
