@@ -282,7 +282,12 @@ impl PrimaryRegion {
                     small_pages_reason: None,
                     huge_page_share: m.share,
                     measured: m.measured,
-                    copy_fd: fd.as_fd().try_clone_to_owned().ok(),
+                    // Only a region that may be staged needs it (`shared_file`).
+                    copy_fd: m
+                        .shortfall
+                        .is_some()
+                        .then(|| fd.as_fd().try_clone_to_owned().ok())
+                        .flatten(),
                 };
                 let how = if m.already_huge {
                     "already 2 MiB pages: the file's tmpfs gives them"
@@ -357,7 +362,10 @@ impl PrimaryRegion {
             }),
             huge_page_share: 0.0,
             measured: None,
-            copy_fd: fd.as_fd().try_clone_to_owned().ok(),
+            // Only a region that may be staged needs it (`shared_file`).
+            copy_fd: (len >= huge_pages::HUGE_PAGE)
+                .then(|| fd.as_fd().try_clone_to_owned().ok())
+                .flatten(),
         })
     }
 

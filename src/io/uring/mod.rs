@@ -65,6 +65,8 @@ pub struct UringEngine {
     fallback_reason: Option<String>,
     /// Bytes moved through the staging slots, when the engine stages (see [`staging`]).
     staged_bytes: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The request lengths that are staged (`min..=max`), when the engine stages.
+    stage_lens: Option<(usize, usize)>,
 }
 
 /// How a submitter wakes a ring thread blocked in `submit_and_wait`.
@@ -363,6 +365,7 @@ impl UringEngine {
             }
         };
         let staged_bytes = staging.as_ref().map(|s| s.staged_bytes.clone());
+        let stage_lens = staging.as_ref().map(staging::Staging::lens);
         let (queue, req_rx) = RequestQueue::new("uring", "the ring thread exited unexpectedly");
         let mut worker = RingThread {
             ring,
@@ -405,6 +408,7 @@ impl UringEngine {
             piece,
             fallback_reason,
             staged_bytes,
+            stage_lens,
         })
     }
 
@@ -450,6 +454,11 @@ impl IoEngine for UringEngine {
 
     fn staged_bytes(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
         self.staged_bytes.clone()
+    }
+
+    fn stages(&self, len: usize) -> bool {
+        self.stage_lens
+            .is_some_and(|(min, max)| len >= min && len <= max)
     }
 
     fn sync_data(&self, file: usize) -> Result<()> {

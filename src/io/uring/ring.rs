@@ -25,6 +25,8 @@ pub(super) struct Op {
     retries: u32,
     /// The staging slot the transfer goes through, if it is staged (see `staging.rs`).
     stage: Option<usize>,
+    /// The CRC-32 of a staged write's bytes, from its copy into the slot.
+    crc: Option<u32>,
 }
 
 /// State owned by the ring thread.
@@ -116,6 +118,7 @@ impl RingThread {
             done: 0,
             retries: 0,
             stage: None,
+            crc: None,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -159,11 +162,14 @@ impl RingThread {
             op.stage = Some(stage);
             let req = op.req;
             let copied = match req.dir {
-                IoDir::Write => s.copy_in(&self.region, &req, stage),
-                IoDir::Read => Ok(()),
+                IoDir::Write => s.copy_in(&self.region, &req, stage).map(Some),
+                IoDir::Read => Ok(None),
             };
             match copied {
-                Ok(()) => self.ready.push_back(slot),
+                Ok(crc) => {
+                    op.crc = crc;
+                    self.ready.push_back(slot);
+                }
                 Err(e) => self.complete(slot, Err(e)),
             }
         }
@@ -171,15 +177,19 @@ impl RingThread {
 
     fn complete(&mut self, slot: usize, mut result: Result<usize>) {
         if let Some(op) = self.ops[slot].take() {
+            let mut row_crc = op.crc;
             if let (Some(stage), Some(s)) = (op.stage, self.staging.as_mut()) {
                 // A read's bytes reach the region before its completion is sent.
-                if result.is_ok()
-                    && copies_out(op.req.dir)
-                    && let Err(e) = s.copy_out(&self.region, &op.req, stage)
-                {
-                    result = Err(e);
+                if result.is_ok() && copies_out(op.req.dir) {
+                    match s.copy_out(&self.region, &op.req, stage) {
+                        Ok(crc) => row_crc = Some(crc),
+                        Err(e) => result = Err(e),
+                    }
                 }
                 s.release(stage);
+            }
+            if result.is_err() {
+                row_crc = None;
             }
             self.free.push(slot);
             // Released before the completion is sent, so that its receiver may detach the file.
@@ -187,6 +197,7 @@ impl RingThread {
             let _ = self.done.send(IoCompletion {
                 tag: op.req.tag,
                 result,
+                row_crc,
             });
             if op.stage.is_some() {
                 self.start_staged();

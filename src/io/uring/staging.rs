@@ -161,6 +161,11 @@ impl Staging {
         })
     }
 
+    /// The request lengths staged (`min..=max`).
+    pub(super) fn lens(&self) -> (usize, usize) {
+        (self.min_len, self.slot_len)
+    }
+
     /// The staging memory (to register with the ring).
     pub(super) fn memory(&self) -> (*mut u8, usize) {
         (self.buf.base_ptr(), self.buf.len())
@@ -168,7 +173,7 @@ impl Staging {
 
     /// Whether `req` goes through staging.
     pub(super) fn wants(&self, req: &IoRequest) -> bool {
-        req.len >= self.min_len && req.len <= self.slot_len
+        self.wants_len(req.len)
     }
 
     /// A free slot, if any.
@@ -187,73 +192,171 @@ impl Staging {
         unsafe { self.buf.base_ptr().add(slot * self.slot_len + at) }
     }
 
-    /// Copies the region range a write names into `slot`.
+    /// Whether a request of `len` bytes goes through staging.
+    pub(super) fn wants_len(&self, len: usize) -> bool {
+        len >= self.min_len && len <= self.slot_len
+    }
+
+    /// Copies the region range a write names into `slot` and returns the CRC-32 of the bytes,
+    /// computed in the same pass (chunk by chunk, while each chunk is in cache).
     pub(super) fn copy_in(
         &self,
         region: &PrimaryRegion,
         req: &IoRequest,
         slot: usize,
-    ) -> Result<()> {
+    ) -> Result<u32> {
         let dst = self.ptr(slot, 0);
-        match region.shared_file() {
+        let crc = match region.shared_file() {
             Some(fd) => {
-                // SAFETY: the slot is this request's alone until it is released.
-                let dst = unsafe { std::slice::from_raw_parts_mut(dst, req.len) };
-                pread_exact(fd.as_fd(), dst, req.region_offset as u64, "the region file")
+                let mut h = crc32fast::Hasher::new();
+                let mut off = 0;
+                while off < req.len {
+                    let n = COPY_CHUNK.min(req.len - off);
+                    // SAFETY: the slot is this request's alone until it is released.
+                    let chunk = unsafe { std::slice::from_raw_parts_mut(dst.add(off), n) };
+                    pread_exact(
+                        fd.as_fd(),
+                        chunk,
+                        (req.region_offset + off) as u64,
+                        "the region file",
+                    )?;
+                    h.update(chunk);
+                    off += n;
+                }
+                h.finalize()
             }
-            None => {
-                // SAFETY: the range was validated inside the region on submission and the
-                // caller does not write it while its write is in flight; the slot is ours.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        region.base_ptr().add(req.region_offset),
-                        dst,
-                        req.len,
-                    )
-                };
-                Ok(())
-            }
-        }?;
+            // SAFETY: the range was validated inside the region on submission and the caller
+            // does not write it while its write is in flight; the slot is ours.
+            None => unsafe { copy_crc(dst, region.base_ptr().add(req.region_offset), req.len) },
+        };
         self.staged_bytes
             .fetch_add(req.len as u64, Ordering::Relaxed);
-        Ok(())
+        Ok(crc)
     }
 
-    /// Copies `slot` into the region range a completed read names.
+    /// Copies `slot` into the region range a completed read names and returns the CRC-32 of
+    /// the bytes, computed in the same pass.
     pub(super) fn copy_out(
         &self,
         region: &PrimaryRegion,
         req: &IoRequest,
         slot: usize,
-    ) -> Result<()> {
+    ) -> Result<u32> {
         // SAFETY: validated on submission: the range lies inside the region; the caller
         // reserved it for this read (nobody else reads or writes it meanwhile).
         let dst = unsafe { region.base_ptr().add(req.region_offset) };
-        match region.shared_file() {
+        let src = self.ptr(slot, 0);
+        let crc = match region.shared_file() {
             Some(_) => {
                 // A kernel copy into the mapping: EFAULT instead of SIGBUS on a lost page.
                 let memfd = self.buf.fd().ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the staging buffer has no memfd")
                 })?;
-                // SAFETY: see above; the kernel writes the range, we only name it.
-                let dst = unsafe { std::slice::from_raw_parts_mut(dst, req.len) };
-                pread_exact(
-                    memfd,
-                    dst,
-                    (slot * self.slot_len) as u64,
-                    "the engine's region (mapping lost?)",
-                )
+                let mut h = crc32fast::Hasher::new();
+                let mut off = 0;
+                while off < req.len {
+                    let n = COPY_CHUNK.min(req.len - off);
+                    // SAFETY: see above; the kernel writes the range, we only name it.
+                    let chunk = unsafe { std::slice::from_raw_parts_mut(dst.add(off), n) };
+                    pread_exact(
+                        memfd,
+                        chunk,
+                        (slot * self.slot_len + off) as u64,
+                        "the engine's region (mapping lost?)",
+                    )?;
+                    // The CRC of the slot's bytes (ours; the copy is what the kernel put
+                    // there): never a CPU read of the other process's mapping.
+                    // SAFETY: the slot is ours and holds the read's bytes.
+                    h.update(unsafe { std::slice::from_raw_parts(src.add(off), n) });
+                    off += n;
+                }
+                h.finalize()
             }
-            None => {
-                // SAFETY: see above; the slot holds the read's bytes and is ours.
-                unsafe { std::ptr::copy_nonoverlapping(self.ptr(slot, 0), dst, req.len) };
-                Ok(())
-            }
-        }?;
+            // SAFETY: see above; the slot holds the read's bytes and is ours.
+            None => unsafe { copy_crc(dst, src, req.len) },
+        };
         self.staged_bytes
             .fetch_add(req.len as u64, Ordering::Relaxed);
-        Ok(())
+        Ok(crc)
     }
+}
+
+/// Bytes copied (and then checksummed while still in cache) at a time.
+const COPY_CHUNK: usize = 64 << 10;
+
+/// Copies `len` bytes from `src` to `dst` and returns their CRC-32, chunk by chunk: each chunk
+/// is copied, then checksummed from the source lines the copy just brought into cache. The
+/// destination is written with non-temporal stores where the CPU has AVX2 (neither the
+/// device reading a staging slot nor the GPU reading a row needs it in this core's cache, and
+/// streaming stores skip reading the destination lines first).
+///
+/// # Safety
+/// `src` is readable and `dst` writable for `len` bytes, they do not overlap, and nobody
+/// writes `src` or touches `dst` meanwhile.
+unsafe fn copy_crc(dst: *mut u8, src: *const u8, len: usize) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    let mut off = 0;
+    while off < len {
+        let n = COPY_CHUNK.min(len - off);
+        // SAFETY: `off + n <= len`; the caller's promise.
+        unsafe {
+            copy_chunk(dst.add(off), src.add(off), n);
+            h.update(std::slice::from_raw_parts(src.add(off), n));
+        }
+        off += n;
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SFENCE has no operands; it orders the streaming stores before what follows
+    // (the SQE that hands the slot to the device, or the completion that hands the row over).
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+    h.finalize()
+}
+
+/// One chunk of [`copy_crc`].
+///
+/// # Safety
+/// As [`copy_crc`].
+unsafe fn copy_chunk(dst: *mut u8, src: *const u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && (dst as usize).is_multiple_of(32) {
+        // SAFETY: AVX2 is present; the caller's promise on the ranges; `dst` is 32-aligned.
+        unsafe { stream_copy(dst, src, n) };
+        return;
+    }
+    // SAFETY: the caller's promise.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+}
+
+/// Copies with 32-byte non-temporal stores (the tail under 128 bytes with a plain copy).
+///
+/// # Safety
+/// AVX2 is available, `dst` is 32-byte aligned, and the ranges are as [`copy_crc`] needs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
+    let body = n / 128 * 128;
+    let mut i = 0;
+    while i < body {
+        // SAFETY: `i + 128 <= n`, inside both ranges; `dst + i` is 32-aligned.
+        unsafe {
+            let s = src.add(i).cast::<__m256i>();
+            let d = dst.add(i).cast::<__m256i>();
+            let a = _mm256_loadu_si256(s);
+            let b = _mm256_loadu_si256(s.add(1));
+            let c = _mm256_loadu_si256(s.add(2));
+            let e = _mm256_loadu_si256(s.add(3));
+            _mm256_stream_si256(d, a);
+            _mm256_stream_si256(d.add(1), b);
+            _mm256_stream_si256(d.add(2), c);
+            _mm256_stream_si256(d.add(3), e);
+        }
+        i += 128;
+    }
+    // SAFETY: the tail lies inside both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(body), dst.add(body), n - body) };
 }
 
 /// `pread` of exactly `dst.len()` bytes at `offset`; a short count or an error is
