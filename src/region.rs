@@ -92,12 +92,7 @@ pub struct PrimaryRegion {
 
 /// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
 fn whole_page_share(m: MeasuredBacking, len: usize) -> f64 {
-    let whole = (len / huge_pages::HUGE_PAGE * huge_pages::HUGE_PAGE) as f64;
-    if whole == 0.0 {
-        0.0
-    } else {
-        (m.huge_bytes as f64 / whole).min(1.0)
-    }
+    m.share_of_whole_pages(len)
 }
 
 /// How the region's pages were faulted in at creation.

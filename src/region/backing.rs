@@ -24,6 +24,12 @@ pub struct MeasuredBacking {
     pub huge_bytes: u64,
     /// The largest `KernelPageSize` of the mappings (bytes).
     pub kernel_page_size: u64,
+    /// Bytes of the range present in memory (`Rss`). Equal to `bytes` once the range is
+    /// faulted in; less when only a sample of it was ([`MeasuredBacking::sampled`]).
+    pub resident_bytes: u64,
+    /// Only a sample of the range's 2 MiB pages was faulted in and measured (a large region:
+    /// faulting all of it in would cost start-up time); the share is the sample's.
+    pub sampled: bool,
 }
 
 impl MeasuredBacking {
@@ -35,6 +41,23 @@ impl MeasuredBacking {
             (self.huge_bytes as f64 / self.bytes as f64).min(1.0)
         }
     }
+
+    /// The share (0 to 1) of the whole 2 MiB pages of a `len`-byte range (from its start,
+    /// 2 MiB-aligned) in 2 MiB pages: of the resident bytes of a sample, else of every whole
+    /// page (a partial last page can never be huge and does not count).
+    pub fn share_of_whole_pages(&self, len: usize) -> f64 {
+        let whole = (len / (2 << 20) * (2 << 20)) as u64;
+        let base = if self.sampled {
+            self.resident_bytes.min(whole)
+        } else {
+            whole
+        };
+        if base == 0 {
+            0.0
+        } else {
+            (self.huge_bytes as f64 / base as f64).min(1.0)
+        }
+    }
 }
 
 /// One mapping's entry of an smaps file.
@@ -44,6 +67,7 @@ struct SmapsEntry {
     end: usize,
     pmd_kb: u64,
     kernel_page_kb: u64,
+    rss_kb: u64,
 }
 
 fn kb_field(line: &str, name: &str) -> Option<u64> {
@@ -72,6 +96,9 @@ fn parse_smaps(text: &str) -> Vec<SmapsEntry> {
         if let Some(kb) = kb_field(line, "KernelPageSize") {
             cur.kernel_page_kb = kb;
         }
+        if let Some(kb) = kb_field(line, "Rss") {
+            cur.rss_kb = kb;
+        }
     }
     out
 }
@@ -85,12 +112,17 @@ fn measure_in(entries: &[SmapsEntry], base: usize, len: usize) -> MeasuredBackin
         let overlap = (e.end.min(end) - e.start.max(base)) as u64;
         let size = (e.end - e.start) as u64;
         let pmd = (e.pmd_kb * 1024).min(size);
-        m.bytes += overlap;
-        m.huge_bytes += if overlap == size {
-            pmd
-        } else {
-            (pmd as u128 * overlap as u128 / size as u128) as u64
+        let rss = (e.rss_kb * 1024).min(size);
+        let part = |v: u64| {
+            if overlap == size {
+                v
+            } else {
+                (v as u128 * overlap as u128 / size as u128) as u64
+            }
         };
+        m.bytes += overlap;
+        m.huge_bytes += part(pmd);
+        m.resident_bytes += part(rss);
         m.kernel_page_size = m.kernel_page_size.max(e.kernel_page_kb * 1024);
     }
     m
@@ -103,6 +135,42 @@ pub fn measure(base: *const u8, len: usize) -> Option<MeasuredBacking> {
     let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
     let m = measure_in(&parse_smaps(&text), base as usize, len);
     (m.bytes > 0).then_some(m)
+}
+
+/// Regions up to this size are faulted in and measured whole; larger ones by a sample of
+/// [`SAMPLE_PAGES`] 2 MiB pages spread evenly (faulting 64 GiB of 4 KiB pages in takes seconds
+/// of start-up; the sample a few milliseconds).
+pub const MEASURE_WHOLE_LIMIT: usize = 4 << 30;
+
+/// 2 MiB pages measured in a large region.
+pub const SAMPLE_PAGES: usize = 1024;
+
+/// Faults in (for reading) and measures `[base, base + len)`, a 2 MiB-aligned mapping of this
+/// process: whole up to [`MEASURE_WHOLE_LIMIT`], else a sample of its 2 MiB pages.
+///
+/// # Safety
+/// The range is a mapping of this process that nobody unmaps meanwhile.
+pub unsafe fn fault_in_and_measure(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
+    const HUGE: usize = 2 << 20;
+    let pages = len / HUGE;
+    let sampled = len > MEASURE_WHOLE_LIMIT && pages > SAMPLE_PAGES;
+    if sampled {
+        for k in 0..SAMPLE_PAGES {
+            let page = k * pages / SAMPLE_PAGES;
+            // SAFETY: `page < pages`: the 2 MiB at it lie inside the caller's mapping.
+            if let Err(e) = unsafe { populate_read(base.add(page * HUGE), HUGE) } {
+                log::debug!("MADV_POPULATE_READ of a sampled page failed: {e}");
+            }
+        }
+    } else {
+        // SAFETY: the caller's promise.
+        if let Err(e) = unsafe { populate_read(base, len) } {
+            log::debug!("MADV_POPULATE_READ before measuring the region's pages failed: {e}");
+        }
+    }
+    let mut m = measure(base, len)?;
+    m.sampled = sampled;
+    Some(m)
 }
 
 /// Faults every page of `[base, base + len)` in for reading (`MADV_POPULATE_READ`, Linux
@@ -154,5 +222,32 @@ ShmemPmdMapped:     4096 kB
         let half = measure_in(&e, 0x7f00_0040_0000, 2 << 20);
         assert_eq!((half.bytes, half.huge_bytes), (2 << 20, 2 << 20));
         assert_eq!(measure_in(&e, 0x1000, 4096).bytes, 0);
+    }
+
+    #[test]
+    fn a_sampled_measure_is_a_share_of_the_resident_bytes() {
+        let m = MeasuredBacking {
+            bytes: 64 << 30,
+            huge_bytes: 1 << 30,
+            kernel_page_size: 4096,
+            resident_bytes: 2 << 30,
+            sampled: true,
+        };
+        assert!((m.share_of_whole_pages(64 << 30) - 0.5).abs() < 1e-9);
+        let whole = MeasuredBacking {
+            sampled: false,
+            resident_bytes: 64 << 30,
+            ..m
+        };
+        assert!((whole.share_of_whole_pages(64 << 30) - 1.0 / 64.0).abs() < 1e-9);
+        // A partial last 2 MiB page never counts against the share.
+        let tail = MeasuredBacking {
+            bytes: (4 << 20) + 4096,
+            huge_bytes: 4 << 20,
+            resident_bytes: (4 << 20) + 4096,
+            sampled: false,
+            kernel_page_size: 4096,
+        };
+        assert_eq!(tail.share_of_whole_pages((4 << 20) + 4096), 1.0);
     }
 }

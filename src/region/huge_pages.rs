@@ -31,6 +31,9 @@ const MADV_COLLAPSE: libc::c_int = 25;
 /// about 0.7 s per GiB on the development machine); the rest stays in 4 KiB pages.
 pub(super) const COLLAPSE_BUDGET: std::time::Duration = std::time::Duration::from_millis(900);
 
+/// Huge pages that must all answer EAGAIN before a collapse concludes the region is pinned.
+const PINNED_PROBE_PAGES: usize = 16;
+
 /// Set once the "no huge pages" fallback has been logged.
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 
@@ -176,8 +179,20 @@ pub(super) unsafe fn collapse_pages(
         }
         // SAFETY: `i < count`, inside the caller's mapping (the caller's promise).
         if let Err(e) = collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
+            let again = e.raw_os_error() == Some(libc::EAGAIN);
             failed.push(i);
             last_error = Some(e);
+            // Every page so far refused with EAGAIN after its retries: the pages are pinned
+            // (vLLM's region, pinned by cudaHostRegister); the rest would refuse too, and a
+            // large region would spend its whole budget learning it.
+            if again && failed.len() == i + 1 && i + 1 == PINNED_PROBE_PAGES && count > i + 1 {
+                log::info!(
+                    "MADV_COLLAPSE: the first {PINNED_PROBE_PAGES} huge pages all answered \
+                     EAGAIN (pinned pages); not trying the other {}",
+                    count - i - 1
+                );
+                return (0, last_error);
+            }
         }
     }
     let first_pass = count - failed.len();

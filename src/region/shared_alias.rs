@@ -26,7 +26,7 @@ use std::os::unix::fs::MetadataExt;
 
 use rustix::mm::munmap;
 
-use super::backing::{MeasuredBacking, measure, populate_read};
+use super::backing::{MeasuredBacking, fault_in_and_measure, measure};
 use super::huge_pages::{HUGE_PAGE, collapse_pages, map_shared_aligned};
 
 /// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
@@ -279,7 +279,7 @@ pub(super) fn map_collapsed(
     // How the pages are backed before anything is done: on a tmpfs mounted
     // `huge=within_size` (the host fix, `docs/vllm.md`) they already are 2 MiB pages.
     let before = measure_mapping(map.cast(), map_len);
-    if before.is_some_and(|m| m.huge_bytes >= (whole * HUGE_PAGE) as u64) {
+    if before.is_some_and(|m| m.share_of_whole_pages(map_len) >= 1.0) {
         return Ok(Collapsed {
             alias,
             share: 1.0,
@@ -293,7 +293,7 @@ pub(super) fn map_collapsed(
     // The share is what the kernel reports afterwards, not what the calls returned.
     let measured = measure_mapping(map.cast(), map_len);
     let share = measured.map_or(collapsed as f64 / whole as f64, |m| {
-        (m.huge_bytes as f64 / (whole * HUGE_PAGE) as f64).min(1.0)
+        m.share_of_whole_pages(map_len)
     });
     if share == 0.0 {
         let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
@@ -336,10 +336,7 @@ pub(super) fn map_collapsed(
 /// backed (`super::backing`); `None` when `/proc/self/smaps` cannot tell.
 pub(super) fn measure_mapping(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
     // SAFETY: the caller's own live mapping; POPULATE_READ changes no byte.
-    if let Err(e) = unsafe { populate_read(base, len) } {
-        log::debug!("MADV_POPULATE_READ before measuring the region's pages failed: {e}");
-    }
-    measure(base, len)
+    unsafe { fault_in_and_measure(base, len) }
 }
 
 /// How the memory behind `[base, base + len)` (a mapping of this process, possibly at an

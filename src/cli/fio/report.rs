@@ -334,6 +334,8 @@ mod tests {
             fio_best_setup: None,
             kvtier_pages: "2 MiB pages".into(),
             kvtier_engine: "G3 tier".into(),
+            pair_ratios: vec![0.5],
+            ratio_spread: 0.0,
         }
     }
 
@@ -371,6 +373,8 @@ mod tests {
             fio_version: "fio-3.33".into(),
             kvtier_samples: vec![1e9],
             fio_samples: vec![2e9],
+            pair_ratios: vec![0.5],
+            ratio_spread: 0.0,
             sweep: vec![like, unlike],
         };
         let text = render_report(&plan, &[result], "fio-3.33");
