@@ -54,7 +54,7 @@ enum Backing {
     /// before the owner's mapping it reaches.
     VllmShaped {
         _adopted: Box<Backing>,
-        _owner: vllm_shm::OwnerMapping,
+        _owner: Box<vllm_shm::OwnerMapping>,
     },
 }
 
@@ -504,7 +504,7 @@ impl PrimaryRegion {
         let adopted = std::mem::replace(&mut region.backing, Backing::Adopted);
         region.backing = Backing::VllmShaped {
             _adopted: Box::new(adopted),
-            _owner: owner,
+            _owner: Box::new(owner),
         };
         Ok(region)
     }

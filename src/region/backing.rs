@@ -174,7 +174,7 @@ pub unsafe fn fault_in_and_measure(base: *mut u8, len: usize) -> Option<Measured
 }
 
 /// Faults every page of `[base, base + len)` in for reading (`MADV_POPULATE_READ`, Linux
-/// >= 5.14), so that [`measure`] sees how each is backed. On shared memory that another
+/// 5.14 or newer), so that [`measure`] sees how each is backed. On shared memory that another
 /// process already faulted in this allocates nothing.
 ///
 /// # Safety
