@@ -75,14 +75,30 @@ fn kb_field(line: &str, name: &str) -> Option<u64> {
     rest.trim().trim_end_matches("kB").trim().parse().ok()
 }
 
+/// The address range of an smaps line that starts a mapping (`start-end perms offset dev
+/// inode [path]`); `None` for a field line (`Name:   value`).
+fn mapping_header(line: &str) -> Option<(usize, usize)> {
+    let mut fields = line.split_whitespace();
+    let (start, end) = fields.next()?.split_once('-')?;
+    // A field line's first token ends with ':'; a header has perms and an offset next.
+    let perms = fields.next()?;
+    if perms.len() != 4 {
+        return None;
+    }
+    Some((
+        usize::from_str_radix(start, 16).ok()?,
+        usize::from_str_radix(end, 16).ok()?,
+    ))
+}
+
 /// Parses the text of an smaps file into its mappings.
 fn parse_smaps(text: &str) -> Vec<SmapsEntry> {
     let mut out: Vec<SmapsEntry> = Vec::new();
     for line in text.lines() {
-        if let Some(m) = super::shared_alias::parse_maps_line(line) {
+        if let Some((start, end)) = mapping_header(line) {
             out.push(SmapsEntry {
-                start: m.start,
-                end: m.end,
+                start,
+                end,
                 ..SmapsEntry::default()
             });
             continue;
