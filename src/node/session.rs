@@ -479,6 +479,10 @@ impl Session {
             io_engine: engine.info.name.clone(),
             huge_page_share: region.huge_page_share(),
             small_pages_reason: region.small_pages_reason().map(str::to_string),
+            staged_bytes: engine
+                .engine
+                .staged_bytes()
+                .map(crate::node::engines::StagedBytes),
         });
         let mapped = Arc::new(MappedRegion {
             region,
