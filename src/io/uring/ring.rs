@@ -220,8 +220,9 @@ impl RingThread {
                 }
             };
             // SAFETY: the entry's buffer lies inside the region or the staging memory, which
-            // this thread keeps alive (and registered) until every op has completed; the op's slot stays occupied
-            // until its CQE is reaped, so `user_data` maps back to exactly one op.
+            // this thread keeps alive (and registered) until every op has completed; the op's
+            // slot stays occupied until its CQE is reaped, so `user_data` maps back to exactly
+            // one op.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 break;
             }
