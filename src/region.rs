@@ -88,6 +88,9 @@ pub struct PrimaryRegion {
     /// The file mapped by [`PrimaryRegion::map_shared_file`] (another process's), for copies
     /// that must fail rather than raise `SIGBUS` if its owner shrinks it.
     copy_fd: Option<OwnedFd>,
+    /// A collapse the constructor had no time to finish, running in the background (stopped
+    /// before the mapping goes, see `Drop`).
+    collapser: Option<huge_pages::Collapser>,
 }
 
 /// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
@@ -165,6 +168,7 @@ impl PrimaryRegion {
             huge_page_share: 0.0,
             measured: None,
             copy_fd: None,
+            collapser: None,
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
         region.prefault = region.prefault_pages();
@@ -218,6 +222,7 @@ impl PrimaryRegion {
             huge_page_share: 0.0,
             measured: None,
             copy_fd: None,
+            collapser: None,
         })
     }
 
@@ -283,6 +288,7 @@ impl PrimaryRegion {
                         .is_some()
                         .then(|| fd.as_fd().try_clone_to_owned().ok())
                         .flatten(),
+                    collapser: m.collapser,
                 };
                 let how = if m.already_huge {
                     "already 2 MiB pages: the file's tmpfs gives them"
@@ -361,6 +367,7 @@ impl PrimaryRegion {
             copy_fd: (len >= huge_pages::HUGE_PAGE)
                 .then(|| fd.as_fd().try_clone_to_owned().ok())
                 .flatten(),
+            collapser: None,
         })
     }
 
@@ -408,6 +415,7 @@ impl PrimaryRegion {
         let started = std::time::Instant::now();
         match shared_alias::alias_and_collapse(region.base.as_ptr(), region.len()) {
             shared_alias::AliasOutcome::Huge {
+                collapser,
                 alias,
                 share,
                 shortfall,
@@ -415,6 +423,7 @@ impl PrimaryRegion {
                 measured,
             } => {
                 region.measured = measured;
+                region.collapser = collapser;
                 region.base = NonNull::new(alias.base).ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the huge-page mapping is null")
                 })?;
@@ -544,14 +553,37 @@ impl PrimaryRegion {
     /// contiguous and a large O_DIRECT transfer is one DMA segment per 2 MiB (false for memory
     /// adopted with [`PrimaryRegion::adopt`]; see [`PrimaryRegion::adopt_shared`]).
     pub fn huge_pages(&self) -> bool {
-        self.huge_pages
+        match &self.collapser {
+            Some(c) => c.map.share() >= 1.0,
+            None => self.huge_pages,
+        }
+    }
+
+    /// Whether every byte of `[offset, offset + len)` of the region is in 2 MiB pages now
+    /// (while a collapse continues in the background this changes as it goes).
+    pub fn range_in_huge_pages(&self, offset: usize, len: usize) -> bool {
+        match &self.collapser {
+            Some(c) => c
+                .map
+                .range_is_huge(self.base.as_ptr() as usize + offset, len),
+            None => self.huge_pages,
+        }
+    }
+
+    /// Whether a collapse of the region is still running in the background (its rows are
+    /// then not registered with io_uring, which would pin them; see `docs/performance.md`).
+    pub fn collapsing_in_background(&self) -> bool {
+        self.collapser.as_ref().is_some_and(|c| c.map.share() < 1.0)
     }
 
     /// The share (0 to 1) of the region's bytes kvtier moves through 2 MiB pages: 1 with
     /// [`PrimaryRegion::huge_pages`], between 0 and 1 when an adopted region collapsed only
     /// partly (free 2 MiB blocks of memory ran short).
     pub fn huge_page_share(&self) -> f64 {
-        self.huge_page_share
+        match &self.collapser {
+            Some(c) => c.map.share(),
+            None => self.huge_page_share,
+        }
     }
 
     /// How the pages kvtier moves were found backed in `/proc/self/smaps` when the region was
@@ -564,16 +596,20 @@ impl PrimaryRegion {
     /// The pages in words, for logs, reports and status: `2 MiB pages (measured)`, or
     /// `4 KiB pages, N % in 2 MiB pages (measured): why`.
     pub fn pages_description(&self) -> String {
-        let how = if self.measured.is_some() {
+        let how = if self.collapser.is_some() {
+            "collapsing in the background"
+        } else if self.measured.is_some() {
             "measured"
         } else {
             "not measured"
         };
+        let share = self.huge_page_share();
         match self.small_pages_reason() {
+            _ if self.collapser.is_some() && share >= 1.0 => format!("2 MiB pages ({how}, done)"),
             None => format!("2 MiB pages ({how})"),
-            Some(why) if self.huge_page_share > 0.0 => format!(
+            Some(why) if share > 0.0 => format!(
                 "{:.0} % in 2 MiB pages, the rest 4 KiB ({how}): {why}",
-                self.huge_page_share * 100.0
+                share * 100.0
             ),
             Some(why) => format!("4 KiB pages ({how}): {why}"),
         }
@@ -685,6 +721,8 @@ impl PrimaryRegion {
 
 impl Drop for PrimaryRegion {
     fn drop(&mut self) {
+        // The background collapse stops (and its thread is joined) before any mapping goes.
+        drop(self.collapser.take());
         if let Backing::Memfd { .. } | Backing::SharedFile = self.backing {
             // SAFETY: we mapped exactly this range in `create` or `map_shared_file` and no one
             // holds the region any more (it is dropped only when the last `Arc` goes, engines

@@ -27,7 +27,9 @@ use std::os::unix::fs::MetadataExt;
 use rustix::mm::munmap;
 
 use super::backing::{MeasuredBacking, fault_in_and_measure, measure};
-use super::huge_pages::{HUGE_PAGE, collapse_pages, map_shared_aligned};
+use super::huge_pages::{
+    Collapser, HUGE_PAGE, HugeMap, collapse_budget, collapse_pages_with, map_shared_aligned,
+};
 
 /// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -38,6 +40,7 @@ pub(super) enum AliasOutcome {
     /// A 2 MiB-aligned mapping of the same memory, collapsed into huge pages (`share` of them;
     /// `shortfall` says why not all).
     Huge {
+        collapser: Option<Collapser>,
         alias: Alias,
         share: f64,
         shortfall: Option<String>,
@@ -189,13 +192,14 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
     let file = open_mapped_file(&m)?;
     let offset = m.offset + (addr - m.start) as u64;
     let mapped = map_collapsed(file.as_fd(), offset, len, &m.path)?;
-    if mapped.share == 0.0 {
+    if mapped.share == 0.0 && mapped.collapser.is_none() {
         // Nothing gained over the caller's own mapping: keep that one.
         return Err(mapped
             .shortfall
             .unwrap_or_else(|| "no huge page collapsed".into()));
     }
     Ok(AliasOutcome::Huge {
+        collapser: mapped.collapser,
         alias: mapped.alias,
         share: mapped.share,
         shortfall: mapped.shortfall,
@@ -207,6 +211,9 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
 /// A 2 MiB-aligned mapping of a file range and how much of it is in huge pages.
 #[derive(Debug)]
 pub(super) struct Collapsed {
+    /// The collapse still running in the background, if any (declared before `alias`: it is
+    /// dropped, and its thread stopped, before the mapping goes).
+    pub(super) collapser: Option<Collapser>,
     pub(super) alias: Alias,
     /// Share (0 to 1) of its whole 2 MiB pages collapsed.
     pub(super) share: f64,
@@ -265,6 +272,7 @@ pub(super) fn map_collapsed(
     let fs = rustix::fs::fstatfs(fd).map_err(|e| format!("fstatfs failed: {e}"))?;
     if fs.f_type as i64 != TMPFS_MAGIC {
         return Ok(Collapsed {
+            collapser: None,
             alias,
             share: 0.0,
             shortfall: Some(format!(
@@ -281,6 +289,7 @@ pub(super) fn map_collapsed(
     let before = measure_mapping(map.cast(), map_len);
     if before.is_some_and(|m| m.share_of_whole_pages(map_len) >= 1.0) {
         return Ok(Collapsed {
+            collapser: None,
             alias,
             share: 1.0,
             shortfall: None,
@@ -288,8 +297,35 @@ pub(super) fn map_collapsed(
             measured: before,
         });
     }
+    let mut done = vec![false; whole];
     // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
-    let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
+    let (collapsed, last_error, untried) = unsafe {
+        collapse_pages_with(map.cast(), whole, Some(collapse_budget()), &mut |i| {
+            done[i] = true
+        })
+    };
+    // Out of time with pages left: they are collapsed in the background while the tier
+    // serves (the engine stages the rows that are not in 2 MiB pages yet).
+    let collapser = untried.and_then(|from| {
+        let huge = std::sync::Arc::new(HugeMap::new(map as usize, whole, &done));
+        // SAFETY: the Collapser is dropped before the mapping (`Collapsed` and the region
+        // drop it first).
+        unsafe { Collapser::start(huge, from) }
+    });
+    if let Some(c) = collapser {
+        return Ok(Collapsed {
+            shortfall: Some(format!(
+                "{:.0} % of {whole} huge pages collapsed at start-up; MADV_COLLAPSE continues \
+                 in the background",
+                c.map.share() * 100.0
+            )),
+            share: c.map.share(),
+            collapser: Some(c),
+            alias,
+            already_huge: false,
+            measured: None,
+        });
+    }
     // The share is what the kernel reports afterwards, not what the calls returned.
     let measured = measure_mapping(map.cast(), map_len);
     let share = measured.map_or(collapsed as f64 / whole as f64, |m| {
@@ -304,6 +340,7 @@ pub(super) fn map_collapsed(
             ""
         };
         return Ok(Collapsed {
+            collapser: None,
             alias,
             share: 0.0,
             shortfall: Some(format!(
@@ -324,6 +361,7 @@ pub(super) fn map_collapsed(
         )
     });
     Ok(Collapsed {
+        collapser: None,
         alias,
         share,
         shortfall,

@@ -550,6 +550,11 @@ impl Worker {
     }
 
     fn complete(&mut self, c: IoCompletion) {
+        // The region's share of 2 MiB pages moves while a collapse runs in the background.
+        self.sh.metrics.region_huge_page_ppm.store(
+            (self.engine.region().huge_page_share() * 1e6).round() as u64,
+            Ordering::Relaxed,
+        );
         let (serial, i) = split_job_tag(c.tag);
         let stride = self.set.row_stride();
         self.in_flight = self.in_flight.saturating_sub(stride);

@@ -178,12 +178,16 @@ fn piece_bytes(region: &PrimaryRegion, max_piece: usize) -> Option<usize> {
 /// Registers `region` as fixed buffers, or says why not.
 /// `staging` (the engine's staging memory, see [`staging`]) is registered after the region's
 /// pieces; its buffer index is returned with the piece size.
+///
+/// With `region_too` false only the staging memory is registered (the region is collapsing in
+/// the background, and a registration would pin its pages); the piece size is then `None`.
 fn register_region(
     ring: &IoUring,
     region: &PrimaryRegion,
     max_piece: usize,
     staging: Option<(*mut u8, usize)>,
-) -> std::result::Result<(usize, Option<u16>), String> {
+    region_too: bool,
+) -> std::result::Result<(Option<usize>, Option<u16>), String> {
     let Some(piece) = piece_bytes(region, max_piece) else {
         return Err(format!(
             "row_stride {} exceeds the {max_piece}-byte limit of one registered buffer",
@@ -191,7 +195,7 @@ fn register_region(
         ));
     };
     let mut iovecs = Vec::new();
-    let mut off = 0;
+    let mut off = if region_too { 0 } else { region.len() };
     while off < region.len() {
         let len = piece.min(region.len() - off);
         iovecs.push(libc::iovec {
@@ -219,7 +223,7 @@ fn register_region(
     // an `Arc`) until after it unregisters the buffers, or inside the staging memory, which
     // the ring thread owns until then too; nothing moves either mapping.
     match unsafe { ring.submitter().register_buffers(&iovecs) } {
-        Ok(()) => Ok((piece, staging_index.map(|i| i as u16))),
+        Ok(()) => Ok((region_too.then_some(piece), staging_index.map(|i| i as u16))),
         Err(e) => {
             let hint = match e.raw_os_error() {
                 Some(libc::ENOMEM) => " (locked-memory limit, RLIMIT_MEMLOCK, too low)",
@@ -353,12 +357,16 @@ impl UringEngine {
             Some(reason) => (None, Some(reason)),
             None => {
                 let memory = staging.as_ref().map(staging::Staging::memory);
-                match register_region(&ring, &region, max_piece, memory) {
+                // A region still collapsing in the background is not registered (that would
+                // pin its pages and stop the collapse); its rows go through staging or, once
+                // in 2 MiB pages, through unregistered READ / WRITE.
+                let region_too = memory.is_none() || !region.collapsing_in_background();
+                match register_region(&ring, &region, max_piece, memory, region_too) {
                     Ok((piece, index)) => {
                         if let Some(s) = staging.as_mut() {
                             s.buffer_index = index;
                         }
-                        (Some(piece), None)
+                        (piece, None)
                     }
                     Err(reason) => (None, Some(reason)),
                 }

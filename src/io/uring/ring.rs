@@ -112,7 +112,9 @@ impl RingThread {
     }
 
     fn accept(&mut self, req: IoRequest) {
-        let staged = self.staging.as_ref().is_some_and(|s| s.wants(&req));
+        // A range a background collapse has made huge goes direct.
+        let staged = self.staging.as_ref().is_some_and(|s| s.wants(&req))
+            && !self.region.range_in_huge_pages(req.region_offset, req.len);
         let op = Op {
             req,
             done: 0,
@@ -391,7 +393,11 @@ impl RingThread {
 
     fn finish(&mut self) {
         let submitter = self.ring.submitter();
-        if self.piece.is_some()
+        let staging_registered = self
+            .staging
+            .as_ref()
+            .is_some_and(|s| s.buffer_index.is_some());
+        if (self.piece.is_some() || staging_registered)
             && let Err(e) = submitter.unregister_buffers()
         {
             log::warn!("io_uring: unregistering buffers failed: {e}");
