@@ -380,7 +380,10 @@ impl PrimaryRegion {
     /// Otherwise the owner's mapping is used with its 4 KiB pages. Either way the outcome is
     /// logged once and readable from [`PrimaryRegion::huge_pages`] and
     /// [`PrimaryRegion::small_pages_reason`]. Collapsing copies the region once (about
-    /// 0.2 s per GiB on the development machine, see `docs/performance.md`).
+    /// 0.2 s per GiB on the development machine, see `docs/performance.md`); the pages are
+    /// measured first (nothing to collapse on a huge-page tmpfs), and what does not fit 0.9 s
+    /// continues in the background ([`PrimaryRegion::collapsing_in_background`]), so that
+    /// this returns in about a second for any region size.
     ///
     /// # Safety
     /// As [`PrimaryRegion::adopt`]: `base` must point to `num_rows * row_stride` readable and
