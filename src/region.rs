@@ -24,9 +24,17 @@ use rustix::mm::{Advice, madvise};
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
+mod backing;
 mod huge_pages;
+mod pin;
 mod shared_alias;
 mod vllm_shm;
+
+pub use backing::MeasuredBacking;
+
+/// What the warnings about an adopted region in 4 KiB pages tell the operator to do.
+pub const HOST_FIX_HINT: &str = "the host fix: mount /dev/shm with huge=within_size (`mount -o \
+     remount,huge=within_size /dev/shm`; docs/vllm.md), so that vLLM's region gets 2 MiB pages";
 
 /// Where the region's memory comes from.
 #[derive(Debug)]
@@ -46,7 +54,7 @@ enum Backing {
     /// before the owner's mapping it reaches.
     VllmShaped {
         _adopted: Box<Backing>,
-        _owner: vllm_shm::OwnerMapping,
+        _owner: Box<vllm_shm::OwnerMapping>,
     },
 }
 
@@ -75,6 +83,19 @@ pub struct PrimaryRegion {
     small_pages_reason: Option<String>,
     /// The share of the region's bytes in 2 MiB pages (0 to 1).
     huge_page_share: f64,
+    /// How the pages kvtier moves were found backed (`/proc/self/smaps`), when measured.
+    measured: Option<MeasuredBacking>,
+    /// The file mapped by [`PrimaryRegion::map_shared_file`] (another process's), for copies
+    /// that must fail rather than raise `SIGBUS` if its owner shrinks it.
+    copy_fd: Option<OwnedFd>,
+    /// A collapse the constructor had no time to finish, running in the background (stopped
+    /// before the mapping goes, see `Drop`).
+    collapser: Option<huge_pages::Collapser>,
+}
+
+/// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
+fn whole_page_share(m: MeasuredBacking, len: usize) -> f64 {
+    m.share_of_whole_pages(len)
 }
 
 /// How the region's pages were faulted in at creation.
@@ -145,8 +166,17 @@ impl PrimaryRegion {
             huge_pages: false,
             small_pages_reason: None,
             huge_page_share: 0.0,
+            measured: None,
+            copy_fd: None,
+            collapser: None,
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
+        region.prefault = region.prefault_pages();
+        // What the kernel reports, not what MADV_COLLAPSE returned.
+        region.measured = backing::measure(region.base.as_ptr(), len);
+        if let Some(m) = region.measured {
+            region.huge_page_share = whole_page_share(m, len);
+        }
         region.huge_pages = region.huge_page_share == 1.0;
         if !region.huge_pages {
             region.small_pages_reason = Some(if len < huge_pages::HUGE_PAGE {
@@ -158,7 +188,6 @@ impl PrimaryRegion {
                 )
             });
         }
-        region.prefault = region.prefault_pages();
         Ok(region)
     }
 
@@ -191,6 +220,9 @@ impl PrimaryRegion {
             huge_pages: false,
             small_pages_reason: Some("adopted as it is (PrimaryRegion::adopt)".to_string()),
             huge_page_share: 0.0,
+            measured: None,
+            copy_fd: None,
+            collapser: None,
         })
     }
 
@@ -249,16 +281,29 @@ impl PrimaryRegion {
                     huge_pages: m.shortfall.is_none(),
                     small_pages_reason: None,
                     huge_page_share: m.share,
+                    measured: m.measured,
+                    // Only a region that may be staged needs it (`shared_file`).
+                    copy_fd: m
+                        .shortfall
+                        .is_some()
+                        .then(|| fd.as_fd().try_clone_to_owned().ok())
+                        .flatten(),
+                    collapser: m.collapser,
+                };
+                let how = if m.already_huge {
+                    "already 2 MiB pages: the file's tmpfs gives them"
+                } else {
+                    "collapsed with MADV_COLLAPSE"
                 };
                 match &m.shortfall {
                     None => log::info!(
-                        "mapped an engine's region ({len} bytes) in 2 MiB pages (the owner's \
-                         mapping is unchanged)"
+                        "mapped an engine's region ({len} bytes) in 2 MiB pages (measured in \
+                         /proc/self/smaps; {how}; the owner's mapping is unchanged)"
                     ),
                     Some(why) => log::warn!(
                         "mapped an engine's region ({len} bytes) with {:.0} % of it in 2 MiB \
-                         pages: {why}; O_DIRECT transfers of large rows are split into many DMA \
-                         segments and may run slower",
+                         pages (measured in /proc/self/smaps): {why}; large rows there are \
+                         staged through kvtier's own 2 MiB pages (a copy); {HOST_FIX_HINT}",
                         m.share * 100.0
                     ),
                 }
@@ -266,7 +311,9 @@ impl PrimaryRegion {
                 return Ok(region);
             }
             Err(why) if len >= huge_pages::HUGE_PAGE => {
-                log::warn!("mapped an engine's region ({len} bytes) in 4 KiB pages: {why}")
+                log::warn!(
+                    "mapped an engine's region ({len} bytes) in 4 KiB pages: {why}; {HOST_FIX_HINT}"
+                )
             }
             Err(_) => {}
         }
@@ -315,6 +362,12 @@ impl PrimaryRegion {
                 "no 2 MiB-aligned mapping could be made (see the log)".to_string()
             }),
             huge_page_share: 0.0,
+            measured: None,
+            // Only a region that may be staged needs it (`shared_file`).
+            copy_fd: (len >= huge_pages::HUGE_PAGE)
+                .then(|| fd.as_fd().try_clone_to_owned().ok())
+                .flatten(),
+            collapser: None,
         })
     }
 
@@ -327,7 +380,10 @@ impl PrimaryRegion {
     /// Otherwise the owner's mapping is used with its 4 KiB pages. Either way the outcome is
     /// logged once and readable from [`PrimaryRegion::huge_pages`] and
     /// [`PrimaryRegion::small_pages_reason`]. Collapsing copies the region once (about
-    /// 0.2 s per GiB on the development machine, see `docs/performance.md`).
+    /// 0.2 s per GiB on the development machine, see `docs/performance.md`); the pages are
+    /// measured first (nothing to collapse on a huge-page tmpfs), and what does not fit 0.9 s
+    /// continues in the background ([`PrimaryRegion::collapsing_in_background`]), so that
+    /// this returns in about a second for any region size.
     ///
     /// # Safety
     /// As [`PrimaryRegion::adopt`]: `base` must point to `num_rows * row_stride` readable and
@@ -342,21 +398,35 @@ impl PrimaryRegion {
         // SAFETY: the caller's promise, passed on.
         let mut region = unsafe { Self::adopt(base, row_stride, num_rows) }?;
         if mode == AdoptHugePages::Never {
-            region.small_pages_reason = Some("huge pages turned off for this region".into());
+            // The owner's mapping as it is; its memory may still be in 2 MiB pages (a
+            // huge-page tmpfs), which is what a DMA segment follows: measured, not assumed.
+            region.measured = shared_alias::probe_backing(region.base.as_ptr(), region.len());
+            region.huge_page_share = region
+                .measured
+                .map_or(0.0, |m| whole_page_share(m, region.len()));
+            region.huge_pages = region.huge_page_share == 1.0;
+            region.small_pages_reason =
+                (!region.huge_pages).then(|| "huge pages turned off for this region".to_string());
             log::info!(
-                "adopted primary region ({} bytes): kept in the owner's 4 KiB pages (huge pages \
-                 turned off)",
-                region.len()
+                "adopted primary region ({} bytes): kept in the owner's mapping (huge pages \
+                 turned off), {:.0} % of it in 2 MiB pages (measured)",
+                region.len(),
+                region.huge_page_share * 100.0
             );
             return Ok(region);
         }
         let started = std::time::Instant::now();
         match shared_alias::alias_and_collapse(region.base.as_ptr(), region.len()) {
             shared_alias::AliasOutcome::Huge {
+                collapser,
                 alias,
                 share,
                 shortfall,
+                already_huge,
+                measured,
             } => {
+                region.measured = measured;
+                region.collapser = collapser;
                 region.base = NonNull::new(alias.base).ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the huge-page mapping is null")
                 })?;
@@ -364,17 +434,23 @@ impl PrimaryRegion {
                 region.huge_page_share = share;
                 region.huge_pages = shortfall.is_none();
                 let took = started.elapsed().as_secs_f64();
+                let how = if already_huge {
+                    "already 2 MiB pages: the tmpfs gives them".to_string()
+                } else {
+                    format!("collapsed in {took:.2} s")
+                };
                 match &shortfall {
                     None => log::info!(
                         "adopted primary region ({} bytes): kvtier moves its rows through its \
-                         own mapping of the same shared memory in 2 MiB pages (collapsed in \
-                         {took:.2} s; the owner's mapping is unchanged)",
+                         own mapping of the same shared memory in 2 MiB pages (measured in \
+                         /proc/self/smaps; {how}; the owner's mapping is unchanged)",
                         region.len()
                     ),
                     Some(why) => log::warn!(
                         "adopted primary region ({} bytes): kvtier moves its rows through its \
                          own mapping of the same shared memory, {:.0} % of it in 2 MiB pages \
-                         ({why}; {took:.2} s)",
+                         (measured in /proc/self/smaps; {why}; {took:.2} s); large rows are \
+                         staged through kvtier's own 2 MiB pages (a copy); {HOST_FIX_HINT}",
                         region.len(),
                         share * 100.0
                     ),
@@ -382,10 +458,17 @@ impl PrimaryRegion {
                 region.small_pages_reason = shortfall;
             }
             shared_alias::AliasOutcome::SmallPages(why) => {
+                region.measured = backing::measure(region.base.as_ptr(), region.len());
                 log::warn!(
-                    "adopted primary region ({} bytes) stays in 4 KiB pages: {why}; O_DIRECT \
-                     transfers of large rows are split into many DMA segments and may run slower",
-                    region.len()
+                    "adopted primary region ({} bytes) stays in 4 KiB pages (measured: {:.0} % \
+                     in 2 MiB pages): {why}; large rows are staged through kvtier's own 2 MiB \
+                     pages (a copy) so that O_DIRECT transfers are not split into many DMA \
+                     segments; {HOST_FIX_HINT}",
+                    region.len(),
+                    region
+                        .measured
+                        .map_or(0.0, |m| whole_page_share(m, region.len()))
+                        * 100.0
                 );
                 region.small_pages_reason = Some(why);
             }
@@ -404,8 +487,27 @@ impl PrimaryRegion {
         dir: &std::path::Path,
         mode: AdoptHugePages,
     ) -> Result<Self> {
+        Self::create_vllm_shaped_pinned(num_rows, row_stride, dir, mode, false)
+    }
+
+    /// As [`PrimaryRegion::create_vllm_shaped`], and with `pinned` the region is long-term
+    /// pinned before kvtier adopts it, as vLLM's GPU workers pin it with `cudaHostRegister`
+    /// (`vllm/v1/kv_offload/cpu/host_register.py`, from `create_worker` in
+    /// `kv_offload/cpu/gpu_worker.py`) before the scheduler builds its secondary tiers: what a
+    /// real deployment hands kvtier. The pin is an io_uring fixed-buffer registration of the
+    /// owner's mapping (the same `FOLL_LONGTERM` pin), held until the region is dropped.
+    pub fn create_vllm_shaped_pinned(
+        num_rows: usize,
+        row_stride: usize,
+        dir: &std::path::Path,
+        mode: AdoptHugePages,
+        pinned: bool,
+    ) -> Result<Self> {
         let len = check_geometry(row_stride, num_rows)?;
-        let owner = vllm_shm::OwnerMapping::create(dir, len)?;
+        let mut owner = vllm_shm::OwnerMapping::create(dir, len)?;
+        if pinned {
+            owner.pin()?;
+        }
         // SAFETY: `owner` maps `len` bytes read-write and moves into the returned region,
         // whose backing drops the adopted view before it.
         let mut region =
@@ -414,7 +516,7 @@ impl PrimaryRegion {
         let adopted = std::mem::replace(&mut region.backing, Backing::Adopted);
         region.backing = Backing::VllmShaped {
             _adopted: Box::new(adopted),
-            _owner: owner,
+            _owner: Box::new(owner),
         };
         Ok(region)
     }
@@ -454,20 +556,79 @@ impl PrimaryRegion {
     /// contiguous and a large O_DIRECT transfer is one DMA segment per 2 MiB (false for memory
     /// adopted with [`PrimaryRegion::adopt`]; see [`PrimaryRegion::adopt_shared`]).
     pub fn huge_pages(&self) -> bool {
-        self.huge_pages
+        match &self.collapser {
+            Some(c) => c.map.share() >= 1.0,
+            None => self.huge_pages,
+        }
+    }
+
+    /// Whether every byte of `[offset, offset + len)` of the region is in 2 MiB pages now
+    /// (while a collapse continues in the background this changes as it goes).
+    pub fn range_in_huge_pages(&self, offset: usize, len: usize) -> bool {
+        match &self.collapser {
+            Some(c) => c
+                .map
+                .range_is_huge(self.base.as_ptr() as usize + offset, len),
+            None => self.huge_pages,
+        }
+    }
+
+    /// Whether a collapse of the region is still running in the background (its rows are
+    /// then not registered with io_uring, which would pin them; see `docs/performance.md`).
+    pub fn collapsing_in_background(&self) -> bool {
+        self.collapser.as_ref().is_some_and(|c| c.map.share() < 1.0)
     }
 
     /// The share (0 to 1) of the region's bytes kvtier moves through 2 MiB pages: 1 with
     /// [`PrimaryRegion::huge_pages`], between 0 and 1 when an adopted region collapsed only
     /// partly (free 2 MiB blocks of memory ran short).
     pub fn huge_page_share(&self) -> f64 {
-        self.huge_page_share
+        match &self.collapser {
+            Some(c) => c.map.share(),
+            None => self.huge_page_share,
+        }
+    }
+
+    /// How the pages kvtier moves were found backed in `/proc/self/smaps` when the region was
+    /// made or adopted (`None` where it was not measured: [`PrimaryRegion::adopt`], or no
+    /// smaps).
+    pub fn measured_backing(&self) -> Option<MeasuredBacking> {
+        self.measured
+    }
+
+    /// The pages in words, for logs, reports and status: `2 MiB pages (measured)`, or
+    /// `4 KiB pages, N % in 2 MiB pages (measured): why`.
+    pub fn pages_description(&self) -> String {
+        let how = if self.collapser.is_some() {
+            "collapsing in the background"
+        } else if self.measured.is_some() {
+            "measured"
+        } else {
+            "not measured"
+        };
+        let share = self.huge_page_share();
+        match self.small_pages_reason() {
+            _ if self.collapser.is_some() && share >= 1.0 => format!("2 MiB pages ({how}, done)"),
+            None => format!("2 MiB pages ({how})"),
+            Some(why) if share > 0.0 => format!(
+                "{:.0} % in 2 MiB pages, the rest 4 KiB ({how}): {why}",
+                share * 100.0
+            ),
+            Some(why) => format!("4 KiB pages ({how}): {why}"),
+        }
     }
 
     /// Why (some of) the rows stay in 4 KiB pages (`None` when
     /// [`PrimaryRegion::huge_pages`]).
     pub fn small_pages_reason(&self) -> Option<&str> {
         self.small_pages_reason.as_deref()
+    }
+
+    /// The other process's file this region maps ([`PrimaryRegion::map_shared_file`]), for
+    /// kernel copies (`pread`) that fail with a short count or `EFAULT`, where a CPU access
+    /// to a page its owner truncated away would raise `SIGBUS`. `None` for other regions.
+    pub fn shared_file(&self) -> Option<BorrowedFd<'_>> {
+        self.copy_fd.as_ref().map(AsFd::as_fd)
     }
 
     /// Bytes per row (a multiple of 4096).
@@ -563,6 +724,8 @@ impl PrimaryRegion {
 
 impl Drop for PrimaryRegion {
     fn drop(&mut self) {
+        // The background collapse stops (and its thread is joined) before any mapping goes.
+        drop(self.collapser.take());
         if let Backing::Memfd { .. } | Backing::SharedFile = self.backing {
             // SAFETY: we mapped exactly this range in `create` or `map_shared_file` and no one
             // holds the region any more (it is dropped only when the last `Arc` goes, engines

@@ -69,3 +69,37 @@ fn version_reports_build_features_and_engines() {
     }
     assert_eq!(line("engine psync: "), "available");
 }
+
+/// `vllm region pages:` says 2 MiB pages exactly when `/proc/mounts` shows `/dev/shm` mounted
+/// `huge=within_size` or `huge=always` (or shmem_enabled is `force`), and otherwise names the fix.
+#[test]
+fn version_says_whether_dev_shm_gives_vllm_2mib_pages() {
+    let out = kvtier(&["version"]);
+    assert_success(&out);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("vllm region pages: "))
+        .unwrap_or_else(|| panic!("no vllm region pages line in:\n{text}"));
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    let Some(shm) = mounts
+        .lines()
+        .rev()
+        .find(|l| l.split_whitespace().nth(1) == Some("/dev/shm"))
+    else {
+        assert!(line.contains("not a tmpfs mount"), "{line}");
+        return;
+    };
+    let force = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .is_ok_and(|s| s.contains("[force]"));
+    let huge = force || shm.contains("huge=within_size") || shm.contains("huge=always");
+    if huge {
+        assert!(line.starts_with("2 MiB pages"), "{shm}: {line}");
+    } else {
+        assert!(line.starts_with("4 KiB pages"), "{shm}: {line}");
+        assert!(
+            line.contains("mount -o remount,huge=within_size /dev/shm"),
+            "{line}"
+        );
+    }
+}

@@ -522,6 +522,7 @@ impl Worker {
                     self.completion(IoCompletion {
                         tag,
                         result: Err(e),
+                        row_crc: None,
                     });
                 }
             }
@@ -772,6 +773,7 @@ impl Worker {
             self.completion(IoCompletion {
                 tag,
                 result: Err(Error::new(ErrorKind::Closed, "the I/O engine stopped")),
+                row_crc: None,
             });
         }
     }

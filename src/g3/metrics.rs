@@ -148,6 +148,9 @@ pub struct G3Metrics {
     /// Paths whose filesystem could not be recorded at open (no or a read-only state
     /// directory): a restart cannot tell that filesystem, unmounted, from an empty directory.
     pub paths_unrecorded: AtomicU64,
+    /// Bytes the engine staged through its own 2 MiB pages because the region is in 4 KiB
+    /// pages (`IoEngine::staged_bytes`), set at open when it stages.
+    pub staged_bytes: Mutex<Option<std::sync::Arc<AtomicU64>>>,
     /// The GPUDirect Storage state and its reason (`gds` key).
     pub gds: Mutex<crate::g3::gds::GdsStatus>,
     /// Keys and bytes the admission policy admitted and rejected (`admission` key).
@@ -426,6 +429,14 @@ impl G3Metrics {
              restart cannot tell that filesystem, unmounted, from an empty directory there",
             Gauge,
             get(&self.paths_unrecorded),
+        ));
+        out.push(m(
+            "g3_staged_bytes",
+            "Bytes copied through the engine's own 2 MiB-page staging buffers because the \
+             primary region is in 4 KiB pages (0 when it does not stage; the reason is logged \
+             once)",
+            Counter,
+            self.staged_bytes.lock().as_ref().map_or(0.0, |c| get(c)),
         ));
         let gds = self.gds.lock().clone();
         let mut info = m(

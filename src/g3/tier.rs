@@ -181,6 +181,7 @@ impl G3Tier {
             (region.huge_page_share() * 1e6).round() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
+        *metrics.staged_bytes.lock() = handle.engine.staged_bytes();
         *metrics.gds.lock() = gds;
         metrics
             .paths_unrecorded

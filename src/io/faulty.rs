@@ -546,6 +546,7 @@ impl IoEngine for FaultyEngine {
                         let _ = ctl.send(Control::Injected(IoCompletion {
                             tag: req.tag,
                             result: Err(e),
+                            row_crc: None,
                         }));
                     }
                 }
@@ -729,9 +730,11 @@ impl Forwarder {
             }
             (Ok(n), OnComplete::Pass) => Ok(n),
         };
+        // The inner engine's CRC is dropped: a fault may change the bytes after it.
         Some(IoCompletion {
             tag: p.req.tag,
             result,
+            row_crc: None,
         })
     }
 }

@@ -78,6 +78,10 @@ pub struct IoCompletion {
     pub tag: u64,
     /// `Ok(len)` iff every byte moved; otherwise why not.
     pub result: Result<usize>,
+    /// The CRC-32 (`crc32fast`) of the request's bytes, when the engine computed it in the
+    /// same pass as a staging copy ([`IoEngine::stages`]): of the bytes written (a write) or
+    /// copied into the region (a read). `None` otherwise.
+    pub row_crc: Option<u32>,
 }
 
 /// Which engine to use (config key `io_engine`).
@@ -133,6 +137,19 @@ pub trait IoEngine: Send + Sync {
 
     /// The region the engine transfers to and from.
     fn region(&self) -> &Arc<PrimaryRegion>;
+
+    /// When the engine stages large transfers of a region in 4 KiB pages through its own
+    /// 2 MiB pages (the `uring` engine, see `io/uring/staging.rs`): the counter of bytes it
+    /// copied that way. `None` when it does not stage.
+    fn staged_bytes(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
+        None
+    }
+
+    /// Whether a request of `len` bytes is staged, so that its successful completion carries
+    /// [`IoCompletion::row_crc`] (the caller need not checksum the bytes itself).
+    fn stages(&self, _len: usize) -> bool {
+        false
+    }
 
     /// Waits for every submitted request to complete, then stops the engine's threads and
     /// releases registrations. Idempotent.

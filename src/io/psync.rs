@@ -88,6 +88,7 @@ fn worker(
         let _ = tx.send(IoCompletion {
             tag: req.tag,
             result,
+            row_crc: None,
         });
     }
 }

@@ -73,6 +73,7 @@ impl RequestQueue {
                 let _ = self.done_tx.send(IoCompletion {
                     tag: req.tag,
                     result: Err(e),
+                    row_crc: None,
                 });
                 continue;
             }

@@ -47,6 +47,21 @@ pub struct RegionInfo {
     pub huge_page_share: f64,
     /// Why (some of) it stays in 4 KiB pages (`None` when all of it is in 2 MiB pages).
     pub small_pages_reason: Option<String>,
+    /// Bytes its I/O engine staged through the engine's own 2 MiB pages because the region
+    /// is in 4 KiB pages (`IoEngine::staged_bytes`; `None` when it does not stage).
+    #[serde(skip)]
+    pub staged_bytes: Option<StagedBytes>,
+}
+
+/// A shared byte counter, equal whenever both count the same (for `RegionInfo`'s
+/// `PartialEq`: the counter is not part of what a region is).
+#[derive(Debug, Clone)]
+pub struct StagedBytes(pub std::sync::Arc<AtomicU64>);
+
+impl PartialEq for StagedBytes {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.load(Ordering::Relaxed) == other.0.load(Ordering::Relaxed)
+    }
 }
 
 /// One connected engine.
@@ -180,6 +195,20 @@ impl EngineRegistry {
             .filter_map(|e| {
                 let r = e.region.lock();
                 r.as_ref().map(|r| (e.name.clone(), r.huge_page_share))
+            })
+            .collect()
+    }
+
+    /// Each connected engine's name and the bytes its region's I/O engine staged, for those
+    /// that stage.
+    pub fn region_staged_bytes(&self) -> Vec<(String, u64)> {
+        self.engines
+            .lock()
+            .values()
+            .filter_map(|e| {
+                let r = e.region.lock();
+                let staged = r.as_ref()?.staged_bytes.as_ref()?;
+                Some((e.name.clone(), staged.0.load(Ordering::Relaxed)))
             })
             .collect()
     }

@@ -346,6 +346,17 @@ impl NodeService {
             let id = reg.series(huge, &[name.as_str()])?;
             reg.set(id, *share);
         }
+        let staged = reg.family(
+            "node_engine_staged_bytes",
+            "Bytes of an engine's rows the service staged through its own 2 MiB pages because \
+             the region is in 4 KiB pages (only engines whose rows are staged)",
+            MetricKind::Counter,
+            &["engine"],
+        )?;
+        for (name, bytes) in self.sh.engines.region_staged_bytes() {
+            let id = reg.series(staged, &[name.as_str()])?;
+            reg.set(id, bytes as f64);
+        }
         if let Some(st) = &self.sh.staging {
             st.render_metrics(&mut reg)?;
         }

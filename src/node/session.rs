@@ -479,6 +479,10 @@ impl Session {
             io_engine: engine.info.name.clone(),
             huge_page_share: region.huge_page_share(),
             small_pages_reason: region.small_pages_reason().map(str::to_string),
+            staged_bytes: engine
+                .engine
+                .staged_bytes()
+                .map(crate::node::engines::StagedBytes),
         });
         let mapped = Arc::new(MappedRegion {
             region,
@@ -889,10 +893,15 @@ impl JobWorker {
         // write has completed.
         let mut store_crcs = vec![0u32; if load { 0 } else { n }];
         let mut reqs = Vec::new();
+        let engine = &self.mapped.engine.engine;
+        // A staged transfer is checksummed by the engine in the same pass as its copy (a
+        // kernel copy through the region file, see `io/uring/staging.rs`), and the CRC comes
+        // with its completion.
+        let staged = engine.stages(slot);
         for (i, g) in grant.slots.iter().enumerate() {
             if let GrantedSlot::Ready { file, offset, .. } = g {
                 let row = job.rows[i] as usize;
-                if !load {
+                if !load && !staged {
                     match self.row_crc(row) {
                         Ok(crc) => store_crcs[i] = crc,
                         Err(e) => {
@@ -912,7 +921,6 @@ impl JobWorker {
             }
         }
         let started = Instant::now();
-        let engine = &self.mapped.engine.engine;
         // A store of an engine that went away is abandoned (its reserved slots released,
         // nothing committed). A load is finished: the tier turns every key reported failed
         // into a miss, so cancelling one would throw good chunks away; the rows it fills are
@@ -930,10 +938,14 @@ impl JobWorker {
                     break;
                 };
                 let i = c.tag as usize;
-                results[i] = match c.result {
-                    Ok(_) if load => self.row_crc(job.rows[i] as usize),
-                    Ok(_) => Ok(store_crcs[i]),
-                    Err(e) => Err(e),
+                results[i] = match (c.result, c.row_crc) {
+                    (Ok(_), Some(crc)) => Ok(crc),
+                    (Ok(_), None) if load => self.row_crc(job.rows[i] as usize),
+                    // Not staged after all (a background collapse made the row's pages
+                    // huge meanwhile): the row, still pinned, is checksummed now.
+                    (Ok(_), None) if staged => self.row_crc(job.rows[i] as usize),
+                    (Ok(_), None) => Ok(store_crcs[i]),
+                    (Err(e), _) => Err(e),
                 };
             }
         }

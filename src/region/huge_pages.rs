@@ -27,6 +27,156 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// `libc::madvise` below because rustix's `Advice` has no `MADV_COLLAPSE`.
 const MADV_COLLAPSE: libc::c_int = 25;
 
+/// How long adopting or mapping another process's region spends collapsing at most (see
+/// `docs/performance.md`: about 0.7 s per GiB on the development machine); the collapse then
+/// continues in the background ([`Collapser`]). kvtier's own region has no budget: its
+/// collapse copies nothing (one page per huge page is faulted in first).
+pub(super) const COLLAPSE_BUDGET: std::time::Duration = std::time::Duration::from_millis(900);
+
+/// [`COLLAPSE_BUDGET`], or `KVTIER_COLLAPSE_BUDGET_MS` where set (tests and measurements of
+/// the background collapse).
+pub(super) fn collapse_budget() -> std::time::Duration {
+    std::env::var("KVTIER_COLLAPSE_BUDGET_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(COLLAPSE_BUDGET, std::time::Duration::from_millis)
+}
+
+/// Which whole 2 MiB pages of a mapping are in 2 MiB pages while a collapse finishes in the
+/// background (page `i` starts at `first + i * HUGE_PAGE`).
+#[derive(Debug)]
+pub struct HugeMap {
+    first: usize,
+    pages: Box<[AtomicBool]>,
+    huge: std::sync::atomic::AtomicUsize,
+    stop: AtomicBool,
+}
+
+impl HugeMap {
+    /// A map of `count` pages from `first`, with the pages `done` says are huge.
+    pub(super) fn new(first: usize, count: usize, done: &[bool]) -> HugeMap {
+        let pages: Box<[AtomicBool]> = (0..count)
+            .map(|i| AtomicBool::new(done.get(i).copied().unwrap_or(false)))
+            .collect();
+        let huge = done.iter().filter(|d| **d).count();
+        HugeMap {
+            first,
+            pages,
+            huge: std::sync::atomic::AtomicUsize::new(huge),
+            stop: AtomicBool::new(false),
+        }
+    }
+
+    fn mark(&self, i: usize) {
+        if let Some(p) = self.pages.get(i)
+            && !p.swap(true, Ordering::Relaxed)
+        {
+            self.huge.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The share (0 to 1) of the pages in 2 MiB pages now.
+    pub fn share(&self) -> f64 {
+        if self.pages.is_empty() {
+            0.0
+        } else {
+            self.huge.load(Ordering::Relaxed) as f64 / self.pages.len() as f64
+        }
+    }
+
+    /// Whether every 2 MiB page `[addr, addr + len)` touches is a huge page now.
+    pub fn range_is_huge(&self, addr: usize, len: usize) -> bool {
+        if len == 0 || addr < self.first {
+            return false;
+        }
+        let a = (addr - self.first) / HUGE_PAGE;
+        let b = (addr + len - 1 - self.first) / HUGE_PAGE;
+        (a..=b).all(|i| self.pages.get(i).is_some_and(|p| p.load(Ordering::Relaxed)))
+    }
+}
+
+/// A collapse finishing in the background: one thread works through the pages the
+/// constructor had no time for, marking each in its [`HugeMap`]. Dropping it stops the thread
+/// (after the page it is on) and waits for it, so that the mapping outlives the work.
+#[derive(Debug)]
+pub struct Collapser {
+    pub(super) map: std::sync::Arc<HugeMap>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Collapser {
+    /// Starts collapsing pages `from..map.pages.len()` of the mapping at `map.first`.
+    ///
+    /// # Safety
+    /// The mapping of `map.pages.len()` huge pages at `map.first` stays mapped until the
+    /// returned value is dropped.
+    pub(super) unsafe fn start(map: std::sync::Arc<HugeMap>, from: usize) -> Option<Collapser> {
+        let m = map.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvtier-collapse".into())
+            .spawn(move || {
+                let count = m.pages.len();
+                let started = std::time::Instant::now();
+                let mut failed = 0;
+                let mut tried = 0;
+                for i in from..count {
+                    if m.stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    tried += 1;
+                    // SAFETY: page `i < count` of the mapping, which outlives this thread (the
+                    // caller's promise: dropping the Collapser joins it first).
+                    match collapse_one((m.first + i * HUGE_PAGE) as *mut u8) {
+                        Ok(()) => m.mark(i),
+                        Err(e) => {
+                            failed += 1;
+                            // As at start-up: pages that all answer EAGAIN are pinned.
+                            if failed == tried
+                                && tried == PINNED_PROBE_PAGES
+                                && e.raw_os_error() == Some(libc::EAGAIN)
+                            {
+                                log::info!(
+                                    "background MADV_COLLAPSE stopped: the pages are pinned"
+                                );
+                                return;
+                            }
+                        }
+                    }
+                }
+                log::info!(
+                    "background MADV_COLLAPSE done in {:.1} s: {:.0} % of the region in 2 MiB \
+                     pages ({failed} pages could not be collapsed)",
+                    started.elapsed().as_secs_f64(),
+                    m.share() * 100.0
+                );
+            });
+        match spawned {
+            Ok(t) => Some(Collapser {
+                map,
+                thread: Some(t),
+            }),
+            Err(e) => {
+                log::warn!("cannot start the background collapse: {e}");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for Collapser {
+    fn drop(&mut self) {
+        self.map.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            log::error!("the background collapse thread panicked");
+        }
+    }
+}
+
+/// Huge pages that must all answer EAGAIN before a collapse concludes the region is pinned.
+const PINNED_PROBE_PAGES: usize = 16;
+
 /// Set once the "no huge pages" fallback has been logged.
 static FALLBACK_LOGGED: AtomicBool = AtomicBool::new(false);
 
@@ -146,25 +296,87 @@ pub(super) unsafe fn collapse_pages(
     base: *mut u8,
     count: usize,
 ) -> (usize, Option<std::io::Error>) {
+    // SAFETY: the caller's promise, passed on.
+    let (n, e, _) = unsafe { collapse_pages_with(base, count, None, &mut |_| {}) };
+    (n, e)
+}
+
+/// [`collapse_pages`] within `budget` when given (see [`collapse_budget`]), calling `done(i)`
+/// for each huge page `i` it collapsed, and returning where it stopped for lack of time (the
+/// pages from there on were not tried), if it did.
+///
+/// # Safety
+/// As [`collapse_pages`].
+pub(super) unsafe fn collapse_pages_with(
+    base: *mut u8,
+    count: usize,
+    budget: Option<std::time::Duration>,
+    done: &mut dyn FnMut(usize),
+) -> (usize, Option<std::io::Error>, Option<usize>) {
+    // Without a budget: a century, as good as none.
+    let budget = budget.unwrap_or(std::time::Duration::from_secs(3_000_000_000));
+    let deadline = std::time::Instant::now() + budget;
     let mut failed = Vec::new();
     let mut last_error = None;
     for i in 0..count {
+        if std::time::Instant::now() > deadline {
+            // Start-up must not wait on a large region: what is left stays in 4 KiB pages
+            // (the engine then stages large transfers through its own 2 MiB pages).
+            let collapsed = i - failed.len();
+            log::info!(
+                "MADV_COLLAPSE stopped after {:.1} s: {collapsed} of {count} huge pages \
+                 collapsed, {} not tried yet",
+                budget.as_secs_f64(),
+                count - i
+            );
+            let e = std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "stopped after {:.1} s with {} of {count} huge pages not tried yet",
+                    budget.as_secs_f64(),
+                    count - i
+                ),
+            );
+            return (collapsed, Some(e), Some(i));
+        }
         // SAFETY: `i < count`, inside the caller's mapping (the caller's promise).
-        if let Err(e) = collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
+        let r = collapse_one(unsafe { base.add(i * HUGE_PAGE) });
+        if r.is_ok() {
+            done(i);
+        }
+        if let Err(e) = r {
+            let again = e.raw_os_error() == Some(libc::EAGAIN);
             failed.push(i);
             last_error = Some(e);
+            // Every page so far refused with EAGAIN after its retries: the pages are pinned
+            // (vLLM's region, pinned by cudaHostRegister); the rest would refuse too, and a
+            // large region would spend its whole budget learning it.
+            if again && failed.len() == i + 1 && i + 1 == PINNED_PROBE_PAGES && count > i + 1 {
+                log::info!(
+                    "MADV_COLLAPSE: the first {PINNED_PROBE_PAGES} huge pages all answered \
+                     EAGAIN (pinned pages); not trying the other {}",
+                    count - i - 1
+                );
+                return (0, last_error, None);
+            }
         }
     }
     let first_pass = count - failed.len();
     if first_pass == 0 || failed.is_empty() {
-        return (first_pass, last_error);
+        return (first_pass, last_error, None);
     }
     let mut second_pass = 0;
     last_error = None;
     for &i in &failed {
+        if std::time::Instant::now() > deadline {
+            break;
+        }
         // SAFETY: as above.
         match collapse_one(unsafe { base.add(i * HUGE_PAGE) }) {
-            Ok(()) => second_pass += 1,
+            Ok(()) => {
+                done(i);
+                second_pass += 1
+            }
             Err(e) => last_error = Some(e),
         }
     }
@@ -173,7 +385,7 @@ pub(super) unsafe fn collapse_pages(
          the {} left on the second",
         failed.len()
     );
-    (first_pass + second_pass, last_error)
+    (first_pass + second_pass, last_error, None)
 }
 
 /// Collapses the huge page at `page` (2 MiB-aligned, inside our own mapping), asking again a

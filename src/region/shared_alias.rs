@@ -26,7 +26,10 @@ use std::os::unix::fs::MetadataExt;
 
 use rustix::mm::munmap;
 
-use super::huge_pages::{HUGE_PAGE, collapse_pages, map_shared_aligned};
+use super::backing::{MeasuredBacking, fault_in_and_measure, measure};
+use super::huge_pages::{
+    Collapser, HUGE_PAGE, HugeMap, collapse_budget, collapse_pages_with, map_shared_aligned,
+};
 
 /// `statfs.f_type` of tmpfs / shmem (`TMPFS_MAGIC`).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -37,9 +40,12 @@ pub(super) enum AliasOutcome {
     /// A 2 MiB-aligned mapping of the same memory, collapsed into huge pages (`share` of them;
     /// `shortfall` says why not all).
     Huge {
+        collapser: Option<Collapser>,
         alias: Alias,
         share: f64,
         shortfall: Option<String>,
+        already_huge: bool,
+        measured: Option<MeasuredBacking>,
     },
     /// Keep the caller's mapping (4 KiB pages); the reason says why.
     SmallPages(String),
@@ -186,27 +192,37 @@ fn try_alias(base: *mut u8, len: usize) -> Result<AliasOutcome, String> {
     let file = open_mapped_file(&m)?;
     let offset = m.offset + (addr - m.start) as u64;
     let mapped = map_collapsed(file.as_fd(), offset, len, &m.path)?;
-    if mapped.share == 0.0 {
+    if mapped.share == 0.0 && mapped.collapser.is_none() {
         // Nothing gained over the caller's own mapping: keep that one.
         return Err(mapped
             .shortfall
             .unwrap_or_else(|| "no huge page collapsed".into()));
     }
     Ok(AliasOutcome::Huge {
+        collapser: mapped.collapser,
         alias: mapped.alias,
         share: mapped.share,
         shortfall: mapped.shortfall,
+        already_huge: mapped.already_huge,
+        measured: mapped.measured,
     })
 }
 
 /// A 2 MiB-aligned mapping of a file range and how much of it is in huge pages.
 #[derive(Debug)]
 pub(super) struct Collapsed {
+    /// The collapse still running in the background, if any (declared before `alias`: it is
+    /// dropped, and its thread stopped, before the mapping goes).
+    pub(super) collapser: Option<Collapser>,
     pub(super) alias: Alias,
     /// Share (0 to 1) of its whole 2 MiB pages collapsed.
     pub(super) share: f64,
     /// Why not all (`None` when every page is huge).
     pub(super) shortfall: Option<String>,
+    /// The pages were 2 MiB pages before anything was collapsed (a huge-page tmpfs).
+    pub(super) already_huge: bool,
+    /// What `/proc/self/smaps` said at the end, when it could tell.
+    pub(super) measured: Option<MeasuredBacking>,
 }
 
 /// Maps `len` bytes of the file `fd` (`name` in messages) from `offset` shared, read-write,
@@ -256,42 +272,142 @@ pub(super) fn map_collapsed(
     let fs = rustix::fs::fstatfs(fd).map_err(|e| format!("fstatfs failed: {e}"))?;
     if fs.f_type as i64 != TMPFS_MAGIC {
         return Ok(Collapsed {
+            collapser: None,
             alias,
             share: 0.0,
             shortfall: Some(format!(
                 "{name} is not on tmpfs/shmem (f_type {:#x})",
                 fs.f_type
             )),
+            already_huge: false,
+            measured: None,
         });
     }
     let whole = map_len / HUGE_PAGE;
-    // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
-    let (collapsed, last_error) = unsafe { collapse_pages(map.cast(), whole) };
-    if collapsed == 0 {
-        let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
+    // How the pages are backed before anything is done: on a tmpfs mounted
+    // `huge=within_size` (the host fix, `docs/vllm.md`) they already are 2 MiB pages.
+    let before = measure_mapping(map.cast(), map_len);
+    if before.is_some_and(|m| m.share_of_whole_pages(map_len) >= 1.0) {
         return Ok(Collapsed {
+            collapser: None,
+            alias,
+            share: 1.0,
+            shortfall: None,
+            already_huge: true,
+            measured: before,
+        });
+    }
+    let mut done = vec![false; whole];
+    // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
+    let (collapsed, last_error, untried) = unsafe {
+        collapse_pages_with(map.cast(), whole, Some(collapse_budget()), &mut |i| {
+            done[i] = true
+        })
+    };
+    // Out of time with pages left: they are collapsed in the background while the tier
+    // serves (the engine stages the rows that are not in 2 MiB pages yet).
+    let collapser = untried.and_then(|from| {
+        let huge = std::sync::Arc::new(HugeMap::new(map as usize, whole, &done));
+        // SAFETY: the Collapser is dropped before the mapping (`Collapsed` and the region
+        // drop it first).
+        unsafe { Collapser::start(huge, from) }
+    });
+    if let Some(c) = collapser {
+        return Ok(Collapsed {
+            shortfall: Some(format!(
+                "{:.0} % of {whole} huge pages collapsed at start-up; MADV_COLLAPSE continues \
+                 in the background",
+                c.map.share() * 100.0
+            )),
+            share: c.map.share(),
+            collapser: Some(c),
+            alias,
+            already_huge: false,
+            measured: None,
+        });
+    }
+    // The share is what the kernel reports afterwards, not what the calls returned.
+    let measured = measure_mapping(map.cast(), map_len);
+    let share = measured.map_or(collapsed as f64 / whole as f64, |m| {
+        m.share_of_whole_pages(map_len)
+    });
+    if share == 0.0 {
+        let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
+        let pinned = if e.contains("os error 11") {
+            "; EAGAIN on every page: they are pinned (vLLM pins its region with \
+             cudaHostRegister before kvtier adopts it)"
+        } else {
+            ""
+        };
+        return Ok(Collapsed {
+            collapser: None,
             alias,
             share: 0.0,
             shortfall: Some(format!(
-                "MADV_COLLAPSE failed ({e}; needs Linux >= 6.1, \
+                "MADV_COLLAPSE failed ({e}{pinned}; needs Linux >= 6.1, \
                  transparent_hugepage/shmem_enabled other than `deny`, free 2 MiB blocks of \
                  memory, and pages nobody pins)"
             )),
+            already_huge: false,
+            measured,
         });
     }
     // Even a partial collapse helps: every collapsed huge page is one DMA segment.
-    let shortfall = last_error.map(|e| {
+    let shortfall = (share < 1.0).then(|| {
+        let e = last_error.map_or_else(|| "no error".to_string(), |e| e.to_string());
         format!(
-            "{} of {whole} huge pages stayed in 4 KiB pages (MADV_COLLAPSE: {e}; free 2 MiB \
-             blocks of memory were short)",
-            whole - collapsed
+            "{:.0} % of {whole} huge pages stayed in 4 KiB pages (MADV_COLLAPSE: {e})",
+            (1.0 - share) * 100.0
         )
     });
     Ok(Collapsed {
+        collapser: None,
         alias,
-        share: collapsed as f64 / whole as f64,
+        share,
         shortfall,
+        already_huge: false,
+        measured,
     })
+}
+
+/// Faults `[base, base + len)` (kvtier's own mapping) in for reading and measures how it is
+/// backed (`super::backing`); `None` when `/proc/self/smaps` cannot tell.
+pub(super) fn measure_mapping(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
+    // SAFETY: the caller's own live mapping; POPULATE_READ changes no byte.
+    unsafe { fault_in_and_measure(base, len) }
+}
+
+/// How the memory behind `[base, base + len)` (a mapping of this process, possibly at an
+/// address that cannot take 2 MiB pages, like vLLM's own) is backed: measured through a
+/// temporary 2 MiB-aligned mapping of the same file where it is a shared file mapping,
+/// otherwise on the range itself.
+pub(super) fn probe_backing(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
+    let direct = || measure(base, len);
+    if len < HUGE_PAGE {
+        return direct();
+    }
+    let Ok(m) = mapping_of(base as usize) else {
+        return direct();
+    };
+    if m.inode == 0 || !m.shared || base as usize + len > m.end {
+        return direct();
+    }
+    let Ok(file) = open_mapped_file(&m) else {
+        return direct();
+    };
+    let offset = m.offset + (base as usize - m.start) as u64;
+    let head = (offset % HUGE_PAGE as u64) as usize;
+    let map_len = (head + len).next_multiple_of(4096);
+    let map = map_shared_aligned(file.as_fd(), offset - head as u64, map_len).ok()?;
+    let probe = Alias {
+        map,
+        map_len,
+        base: map.cast(),
+    };
+    // SAFETY: `head + len <= map_len`, inside the probe mapping.
+    let measured = measure_mapping(unsafe { probe.base.add(head) }, len);
+    drop(probe);
+    measured
 }
 
 #[cfg(test)]

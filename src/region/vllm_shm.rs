@@ -20,13 +20,15 @@ use rustix::mm::{Advice, MapFlags, ProtFlags, madvise, mmap, munmap};
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// The "owner" side: vLLM's mapping of its `/dev/shm` file. Unmapped (and its descriptor
-/// closed) on drop.
+/// The "owner" side: vLLM's mapping of its `/dev/shm` file. Unpinned, unmapped (and its
+/// descriptor closed) on drop.
 #[derive(Debug)]
 pub(super) struct OwnerMapping {
     pub(super) ptr: *mut c_void,
     len: usize,
     _file: File,
+    /// The long-term pin `cudaHostRegister` takes, when asked for ([`OwnerMapping::pin`]).
+    pin: Option<super::pin::LongTermPin>,
 }
 
 impl OwnerMapping {
@@ -84,6 +86,7 @@ impl OwnerMapping {
             ptr,
             len,
             _file: file,
+            pin: None,
         };
         // SAFETY: the range is exactly the mapping above.
         unsafe { madvise(ptr, len, Advice::LinuxPopulateWrite) }.map_err(|e| {
@@ -97,10 +100,33 @@ impl OwnerMapping {
         })?;
         Ok(owner)
     }
+
+    /// Pins the whole mapping as `cudaHostRegister` does in vLLM's GPU workers before kvtier
+    /// adopts the region (see `super::pin`).
+    pub(super) fn pin(&mut self) -> Result<()> {
+        // SAFETY: our own mapping, unmapped only in `drop`, after the pin is released.
+        let pin =
+            unsafe { super::pin::LongTermPin::new(self.ptr.cast(), self.len) }.map_err(|e| {
+                Error::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "cannot pin the vLLM-shaped region ({} bytes) as cudaHostRegister does \
+                     (an io_uring buffer registration of it failed: {e}; it needs io_uring and \
+                     RLIMIT_MEMLOCK or CAP_IPC_LOCK)",
+                        self.len
+                    ),
+                )
+                .with_source(e)
+            })?;
+        self.pin = Some(pin);
+        Ok(())
+    }
 }
 
 impl Drop for OwnerMapping {
     fn drop(&mut self) {
+        // Unpinned before it is unmapped.
+        self.pin = None;
         // SAFETY: our own mapping; the region that used it is dropped first (field order).
         if let Err(e) = unsafe { munmap(self.ptr, self.len) } {
             log::error!("munmap of the vLLM-shaped region failed: {e}");

@@ -129,6 +129,10 @@ pub struct RegionSummary {
     pub store_cpu_seconds_per_gb: f64,
     /// Median load CPU seconds per GB.
     pub load_cpu_seconds_per_gb: f64,
+    /// Spread of the store throughput over the rounds: (max - min) / median.
+    pub store_spread: f64,
+    /// Spread of the load throughput over the rounds: (max - min) / median.
+    pub load_spread: f64,
     /// Every round, in run order.
     pub rounds: Vec<RegionRound>,
 }
@@ -143,6 +147,8 @@ impl RegionSummary {
             load_gb_per_s: f64::NAN,
             store_cpu_seconds_per_gb: f64::NAN,
             load_cpu_seconds_per_gb: f64::NAN,
+            store_spread: f64::NAN,
+            load_spread: f64::NAN,
             rounds: Vec::new(),
         }
     }
@@ -157,6 +163,21 @@ impl RegionSummary {
         self.load_gb_per_s = med(&|r| r.load.gb_per_s);
         self.store_cpu_seconds_per_gb = med(&|r| r.store.cpu_seconds_per_gb);
         self.load_cpu_seconds_per_gb = med(&|r| r.load.cpu_seconds_per_gb);
+        let spread = |f: &dyn Fn(&RegionRound) -> f64, m: f64| {
+            let v: Vec<f64> = self.rounds.iter().map(f).collect();
+            let (lo, hi) = v
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
+                    (lo.min(x), hi.max(x))
+                });
+            if v.is_empty() || m <= 0.0 {
+                f64::NAN
+            } else {
+                (hi - lo) / m
+            }
+        };
+        self.store_spread = spread(&|r| r.store.gb_per_s, self.store_gb_per_s);
+        self.load_spread = spread(&|r| r.load.gb_per_s, self.load_gb_per_s);
     }
 }
 
@@ -234,6 +255,7 @@ pub fn render(r: &BenchReport) -> String {
             "load CPU s/GB",
             "store/own",
             "load/own",
+            "spread st/ld",
             "pages",
         ]);
         for s in &r.regions {
@@ -245,7 +267,16 @@ pub fn render(r: &BenchReport) -> String {
                 format!("{:.3}", s.load_cpu_seconds_per_gb),
                 ratio(s.store_gb_per_s, own.map(|o| o.store_gb_per_s)),
                 ratio(s.load_gb_per_s, own.map(|o| o.load_gb_per_s)),
-                s.pages.clone(),
+                format!(
+                    "{:.0} % / {:.0} %",
+                    s.store_spread * 100.0,
+                    s.load_spread * 100.0
+                ),
+                // The reason is in the log and in `--json`; the table keeps the measure.
+                s.pages
+                    .split_once(": ")
+                    .map_or(s.pages.as_str(), |(short, _)| short)
+                    .to_string(),
             ]);
         }
         out.push_str(&t.render());

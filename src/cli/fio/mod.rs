@@ -232,6 +232,8 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             fio_best_setup: main.fio_best_setup.clone(),
             kvtier_samples: main.kvtier_samples,
             fio_samples: main.fio_samples,
+            pair_ratios: main.pair_ratios.clone(),
+            ratio_spread: main.ratio_spread,
             sweep: if args.plot.is_some() {
                 sweep
             } else {
@@ -343,7 +345,18 @@ fn measure(
     let best = choice.best.as_ref().map(fio_run);
     let sides = if best.is_some() { 3 } else { 2 };
     let mut samples: [Vec<Sample>; 3] = [Vec::new(), Vec::new(), Vec::new()];
-    for pair in 0..plan.pairs {
+    // The reference each round's kvtier sample is compared with: fio's best where it runs
+    // separately, else fio on the same memory.
+    let reference = if best.is_some() { 2 } else { 1 };
+    let max_pairs = plan.pairs.saturating_mul(MAX_PAIRS_FACTOR);
+    let mut pair = 0;
+    while pair < plan.pairs
+        || (pair < max_pairs && pair_spread(&samples[0], &samples[reference]) > WIDE_SPREAD)
+    {
+        if pair >= plan.pairs {
+            // A wide spread: one more round (the bar grows with it).
+            bar.inc_length(sides.max(2) as u64);
+        }
         for k in 0..sides {
             crate::cli::interrupt::check("fio-compare")?;
             let side = (k + pair) % sides;
@@ -369,7 +382,9 @@ fn measure(
         if sides == 2 {
             bar.inc(1);
         }
+        pair += 1;
     }
+    let pair_ratios = pair_ratios(&samples[0], &samples[reference]);
     let med = |v: &[Sample], f: fn(&Sample) -> f64| {
         median(&v.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
     };
@@ -412,7 +427,42 @@ fn measure(
             .or_else(|| best_is_like.then(|| choice.like.clone())),
         kvtier_pages: String::new(),
         kvtier_engine: String::new(),
+        ratio_spread: spread_of(&pair_ratios),
+        pair_ratios,
     })
+}
+
+/// Above this spread of the per-round kvtier/reference ratios ((max - min) / median),
+/// `measure` takes more rounds.
+const WIDE_SPREAD: f64 = 0.10;
+
+/// At most this many times `--pairs` rounds when the spread stays wide.
+const MAX_PAIRS_FACTOR: usize = 3;
+
+/// Each round's kvtier throughput over the reference's in the same round.
+fn pair_ratios(kvtier: &[Sample], reference: &[Sample]) -> Vec<f64> {
+    kvtier
+        .iter()
+        .zip(reference)
+        .filter(|(_, r)| r.bytes_per_sec > 0.0)
+        .map(|(k, r)| k.bytes_per_sec / r.bytes_per_sec)
+        .collect()
+}
+
+/// (max - min) / median of `v`; NaN when empty.
+pub(crate) fn spread_of(v: &[f64]) -> f64 {
+    let Some(m) = median(v) else {
+        return f64::NAN;
+    };
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if m > 0.0 { (hi - lo) / m } else { f64::NAN }
+}
+
+/// [`spread_of`] the pair ratios so far (0 with fewer than two rounds).
+fn pair_spread(kvtier: &[Sample], reference: &[Sample]) -> f64 {
+    let r = pair_ratios(kvtier, reference);
+    if r.len() < 2 { 0.0 } else { spread_of(&r) }
 }
 
 fn fio_sample(r: &runner::FioReport) -> Sample {

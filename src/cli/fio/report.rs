@@ -53,6 +53,12 @@ pub struct DepthPoint {
     pub kvtier_pages: String,
     /// kvtier's engine as it ran.
     pub kvtier_engine: String,
+    /// Each round's kvtier throughput over the reference's (fio's best, else fio on the same
+    /// memory) in the same round.
+    pub pair_ratios: Vec<f64>,
+    /// (max - min) / median of `pair_ratios`: how far one round's ratio can be trusted.
+    /// Above 10 % more rounds were taken (up to 3 x `--pairs`).
+    pub ratio_spread: f64,
 }
 
 /// The `--json` object for one profile.
@@ -111,6 +117,11 @@ pub struct ProfileComparison {
     pub kvtier_samples: Vec<f64>,
     /// Samples at the main depth.
     pub fio_samples: Vec<f64>,
+    /// Each round's kvtier/reference ratio (see `DepthPoint::pair_ratios`).
+    pub pair_ratios: Vec<f64>,
+    /// Their spread, (max - min) / median; `pair_ratios.len()` rounds ran (more than
+    /// `pairs` when the spread was wide).
+    pub ratio_spread: f64,
     /// The depth sweep (with `--plot`), ascending depth.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub sweep: Vec<DepthPoint>,
@@ -156,7 +167,9 @@ pub(crate) fn render_report(
              included on the G3 side; fio: its job threads' usr + sys). Completion work in \
              interrupt context (hard and soft IRQ) is charged to whatever task it interrupts, \
              seldom the one waiting for the I/O: neither figure holds all of it, which is why \
-             fio's load figure reads near 0 (docs/performance.md)\n\n",
+             fio's load figure reads near 0 (docs/performance.md)\n\
+             spread: (max - min) / median of each round's kvtier/reference ratio (the rounds \
+             run in brackets); above 10 % more rounds are taken, up to 3 x --pairs\n\n",
         );
     }
     let header = [
@@ -168,8 +181,19 @@ pub(crate) fn render_report(
         "fio best",
         "CPU s/GB",
         "kvtier/best",
+        "spread",
     ];
-    let cells = |k: f64, kc: f64, f: f64, fc: f64, ratio: f64, b: f64, bc: f64, rb: f64| {
+    #[allow(clippy::too_many_arguments)]
+    let cells = |k: f64,
+                 kc: f64,
+                 f: f64,
+                 fc: f64,
+                 ratio: f64,
+                 b: f64,
+                 bc: f64,
+                 rb: f64,
+                 spread: f64,
+                 rounds: usize| {
         let num = |v: f64, digits: usize| {
             if v.is_finite() {
                 format!("{v:.digits$}")
@@ -193,6 +217,11 @@ pub(crate) fn render_report(
             speed(b),
             num(bc, 3),
             num(rb, 3),
+            if spread.is_finite() {
+                format!("{:.0} % ({rounds})", spread * 100.0)
+            } else {
+                "-".to_string()
+            },
         ]
     };
     let mut table = Table::new(std::iter::once("profile").chain(header));
@@ -206,6 +235,8 @@ pub(crate) fn render_report(
             r.fio_best_bytes_per_sec,
             r.fio_best_cpu_seconds_per_gb,
             r.ratio_to_best,
+            r.ratio_spread,
+            r.pair_ratios.len(),
         );
         table.row(std::iter::once(r.profile.to_string()).chain(c));
     }
@@ -230,6 +261,8 @@ pub(crate) fn render_report(
                     p.fio_best_bytes_per_sec,
                     p.fio_best_cpu_seconds_per_gb,
                     p.ratio_to_best,
+                    p.ratio_spread,
+                    p.pair_ratios.len(),
                 );
                 let memory = if p.fio_like_for_like {
                     p.fio_setup.memory.short().to_string()
@@ -301,6 +334,8 @@ mod tests {
             fio_best_setup: None,
             kvtier_pages: "2 MiB pages".into(),
             kvtier_engine: "G3 tier".into(),
+            pair_ratios: vec![0.5],
+            ratio_spread: 0.0,
         }
     }
 
@@ -338,6 +373,8 @@ mod tests {
             fio_version: "fio-3.33".into(),
             kvtier_samples: vec![1e9],
             fio_samples: vec![2e9],
+            pair_ratios: vec![0.5],
+            ratio_spread: 0.0,
             sweep: vec![like, unlike],
         };
         let text = render_report(&plan, &[result], "fio-3.33");

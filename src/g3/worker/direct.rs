@@ -100,6 +100,7 @@ impl Worker {
             bytes: 0,
             started: Instant::now(),
             first_error: None,
+            row_crcs: vec![None; n],
             direct: Some(DirectState {
                 reply: None,
                 crcs: vec![0; n],

@@ -52,6 +52,14 @@ impl Worker {
                     d.crcs[i],
                     stride,
                 )),
+                // The engine's staging copy checksummed the bytes it put in the row.
+                None if a.row_crcs.get(i).copied().flatten().is_some() => {
+                    Ok(chunk_crc_from_row_crc(
+                        a.keys[i].as_bytes(),
+                        a.row_crcs[i].unwrap_or_default(),
+                        stride,
+                    ))
+                }
                 // SAFETY: the manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
                 None => unsafe { region.row(a.rows[i] as usize) }.map(|row| {

@@ -34,6 +34,7 @@ use crate::g3::format::slot_location;
 use crate::g3::index::{Index, Slot};
 use crate::g3::journal::JournalWriter;
 use crate::g3::metrics::{G3Metrics, PathStatus};
+use crate::g3::record::{chunk_crc, chunk_crc_from_row_crc};
 use crate::g3::slab::SlabSet;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, is_transient, job_tag, split_job_tag};
 use crate::key::ChunkKey;
@@ -114,6 +115,9 @@ struct Active {
     /// A transfer made by another data path (see `direct.rs`): no primary rows, the CRCs come
     /// from it, the result goes to `reply`.
     direct: Option<direct::DirectState>,
+    /// Per key, the CRC-32 of the row's bytes as the engine's staging copy computed it (a
+    /// load; see `IoCompletion::row_crc`).
+    row_crcs: Vec<Option<u32>>,
 }
 
 impl Active {
@@ -464,6 +468,7 @@ impl Worker {
                         self.complete(IoCompletion {
                             tag: op.tag,
                             result: Err(e.duplicate()),
+                            row_crc: None,
                         });
                     }
                 }
@@ -489,6 +494,7 @@ impl Worker {
             started: Instant::now(),
             first_error: None,
             direct: None,
+            row_crcs: vec![None; n],
         };
         self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
         if a.rows.len() != n {
@@ -544,6 +550,11 @@ impl Worker {
     }
 
     fn complete(&mut self, c: IoCompletion) {
+        // The region's share of 2 MiB pages moves while a collapse runs in the background.
+        self.sh.metrics.region_huge_page_ppm.store(
+            (self.engine.region().huge_page_share() * 1e6).round() as u64,
+            Ordering::Relaxed,
+        );
         let (serial, i) = split_job_tag(c.tag);
         let stride = self.set.row_stride();
         self.in_flight = self.in_flight.saturating_sub(stride);
@@ -570,6 +581,35 @@ impl Worker {
                 // A key that failed while its transfer was in flight stays failed.
                 if a.status[i] == KeyStatus::Pending {
                     a.status[i] = KeyStatus::Done;
+                }
+                // The engine's staging copy checksummed the bytes it moved: a store's
+                // bytes as written, a load's as they reached the row.
+                match (a.load, c.row_crc, a.slots.get(i).copied().flatten()) {
+                    (true, crc, _) => {
+                        if let Some(r) = a.row_crcs.get_mut(i) {
+                            *r = crc;
+                        }
+                    }
+                    (false, Some(crc), Some((slot, _))) => {
+                        a.slots[i] = Some((
+                            slot,
+                            chunk_crc_from_row_crc(a.keys[i].as_bytes(), crc, stride),
+                        ));
+                    }
+                    (false, None, Some((slot, _))) if self.engine.stages(stride as usize) => {
+                        // Not checksummed at submission (see `checksum_submitted_writes`);
+                        // the row is still pinned, so this is the CRC of the bytes written.
+                        let region = self.engine.region();
+                        // SAFETY: the row is pinned (no writer) until the job is reported.
+                        match unsafe { region.row(a.rows[i] as usize) } {
+                            Ok(bytes) => {
+                                let stored = &bytes[..(stride as usize).min(bytes.len())];
+                                a.slots[i] = Some((slot, chunk_crc(a.keys[i].as_bytes(), stored)));
+                            }
+                            Err(e) => a.fail(i, e),
+                        }
+                    }
+                    _ => {}
                 }
                 a.bytes += stride;
                 let ctr = if a.load {

@@ -114,7 +114,12 @@ impl Worker {
     pub(super) fn checksum_submitted_writes(&mut self, batch: &[IoRequest]) {
         let region = self.engine.region();
         let slot_bytes = self.set.row_stride() as usize;
-        for op in batch.iter().filter(|op| op.dir == IoDir::Write) {
+        // A staged write is checksummed by the engine in the same pass as its copy (the CRC
+        // comes with its completion, see `Worker::complete`).
+        for op in batch
+            .iter()
+            .filter(|op| op.dir == IoDir::Write && !self.engine.stages(op.len))
+        {
             let (serial, i) = crate::io::split_job_tag(op.tag);
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;

@@ -29,6 +29,7 @@ use io_uring::{IoUring, Probe, opcode};
 use rustix::event::{EventfdFlags, eventfd};
 
 mod ring;
+mod staging;
 
 use parking_lot::Mutex;
 use ring::RingThread;
@@ -62,6 +63,10 @@ pub struct UringEngine {
     /// Registered piece size; `None` when the region is not registered.
     piece: Option<usize>,
     fallback_reason: Option<String>,
+    /// Bytes moved through the staging slots, when the engine stages (see [`staging`]).
+    staged_bytes: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// The request lengths that are staged (`min..=max`), when the engine stages.
+    stage_lens: Option<(usize, usize)>,
 }
 
 /// How a submitter wakes a ring thread blocked in `submit_and_wait`.
@@ -171,11 +176,18 @@ fn piece_bytes(region: &PrimaryRegion, max_piece: usize) -> Option<usize> {
 }
 
 /// Registers `region` as fixed buffers, or says why not.
+/// `staging` (the engine's staging memory, see [`staging`]) is registered after the region's
+/// pieces; its buffer index is returned with the piece size.
+///
+/// With `region_too` false only the staging memory is registered (the region is collapsing in
+/// the background, and a registration would pin its pages); the piece size is then `None`.
 fn register_region(
     ring: &IoUring,
     region: &PrimaryRegion,
     max_piece: usize,
-) -> std::result::Result<usize, String> {
+    staging: Option<(*mut u8, usize)>,
+    region_too: bool,
+) -> std::result::Result<(Option<usize>, Option<u16>), String> {
     let Some(piece) = piece_bytes(region, max_piece) else {
         return Err(format!(
             "row_stride {} exceeds the {max_piece}-byte limit of one registered buffer",
@@ -183,7 +195,7 @@ fn register_region(
         ));
     };
     let mut iovecs = Vec::new();
-    let mut off = 0;
+    let mut off = if region_too { 0 } else { region.len() };
     while off < region.len() {
         let len = piece.min(region.len() - off);
         iovecs.push(libc::iovec {
@@ -193,6 +205,13 @@ fn register_region(
         });
         off += len;
     }
+    let staging_index = staging.map(|(base, len)| {
+        iovecs.push(libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        });
+        iovecs.len() - 1
+    });
     if iovecs.len() > usize::from(u16::MAX) {
         return Err(format!(
             "the region needs {} registered buffers; at most {} are addressable",
@@ -201,9 +220,10 @@ fn register_region(
         ));
     }
     // SAFETY: every iovec lies inside the region, which the ring thread keeps alive (it holds
-    // an `Arc`) until after it unregisters the buffers; nothing moves the mapping.
+    // an `Arc`) until after it unregisters the buffers, or inside the staging memory, which
+    // the ring thread owns until then too; nothing moves either mapping.
     match unsafe { ring.submitter().register_buffers(&iovecs) } {
-        Ok(()) => Ok(piece),
+        Ok(()) => Ok((region_too.then_some(piece), staging_index.map(|i| i as u16))),
         Err(e) => {
             let hint = match e.raw_os_error() {
                 Some(libc::ENOMEM) => " (locked-memory limit, RLIMIT_MEMLOCK, too low)",
@@ -332,13 +352,28 @@ impl UringEngine {
             };
         // Fallback reasons are logged by the caller, which knows whether it falls back further
         // (to psync).
+        let mut staging = staging::Staging::plan(&region, &files);
         let (piece, fallback_reason) = match opcodes.missing_fixed() {
             Some(reason) => (None, Some(reason)),
-            None => match register_region(&ring, &region, max_piece) {
-                Ok(piece) => (Some(piece), None),
-                Err(reason) => (None, Some(reason)),
-            },
+            None => {
+                let memory = staging.as_ref().map(staging::Staging::memory);
+                // A region still collapsing in the background is not registered (that would
+                // pin its pages and stop the collapse); its rows go through staging or, once
+                // in 2 MiB pages, through unregistered READ / WRITE.
+                let region_too = memory.is_none() || !region.collapsing_in_background();
+                match register_region(&ring, &region, max_piece, memory, region_too) {
+                    Ok((piece, index)) => {
+                        if let Some(s) = staging.as_mut() {
+                            s.buffer_index = index;
+                        }
+                        (piece, None)
+                    }
+                    Err(reason) => (None, Some(reason)),
+                }
+            }
         };
+        let staged_bytes = staging.as_ref().map(|s| s.staged_bytes.clone());
+        let stage_lens = staging.as_ref().map(staging::Staging::lens);
         let (queue, req_rx) = RequestQueue::new("uring", "the ring thread exited unexpectedly");
         let mut worker = RingThread {
             ring,
@@ -357,6 +392,7 @@ impl UringEngine {
             poll_armed: false,
             reaped: Vec::new(),
             cqe_filter,
+            staging,
         };
         let spawned = crate::io::spawn_io_thread("kvtier-uring".to_string(), move || worker.run());
         let thread = match spawned {
@@ -379,6 +415,8 @@ impl UringEngine {
             thread: Mutex::new(Some(thread)),
             piece,
             fallback_reason,
+            staged_bytes,
+            stage_lens,
         })
     }
 
@@ -420,6 +458,15 @@ impl IoEngine for UringEngine {
 
     fn region(&self) -> &Arc<PrimaryRegion> {
         &self.region
+    }
+
+    fn staged_bytes(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
+        self.staged_bytes.clone()
+    }
+
+    fn stages(&self, len: usize) -> bool {
+        self.stage_lens
+            .is_some_and(|(min, max)| len >= min && len <= max)
     }
 
     fn sync_data(&self, file: usize) -> Result<()> {

@@ -9,6 +9,7 @@ use std::sync::atomic::{Ordering, fence};
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use io_uring::{IoUring, opcode, types};
 
+use super::staging::{Staging, copies_out};
 use super::{MAX_SQE_LEN, WAKE_TAG, Wake};
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::files::{FileTable, advance, os_error, resubmit_transient};
@@ -22,6 +23,10 @@ pub(super) struct Op {
     done: usize,
     /// Resubmissions after EINTR or EAGAIN (bounded, see [`resubmit_transient`]).
     retries: u32,
+    /// The staging slot the transfer goes through, if it is staged (see `staging.rs`).
+    stage: Option<usize>,
+    /// The CRC-32 of a staged write's bytes, from its copy into the slot.
+    crc: Option<u32>,
 }
 
 /// State owned by the ring thread.
@@ -48,6 +53,8 @@ pub(super) struct RingThread {
     pub(super) reaped: Vec<(u64, i32)>,
     /// Rewrites CQE results before they are acted on (tests only; `None` in the engine).
     pub(super) cqe_filter: Option<CqeFilter>,
+    /// Staging slots for large transfers of a region in 4 KiB pages, when used.
+    pub(super) staging: Option<Staging>,
 }
 
 /// `filter(request tag, CQE result) -> result`, see [`RingThread::cqe_filter`].
@@ -74,7 +81,8 @@ impl RingThread {
     pub(super) fn run(&mut self) {
         let mut closing = false;
         loop {
-            if self.in_flight == 0 && self.ready.is_empty() {
+            let staging_idle = self.staging.as_ref().is_none_or(|s| s.waiting.is_empty());
+            if self.in_flight == 0 && self.ready.is_empty() && staging_idle {
                 if closing {
                     break;
                 }
@@ -104,10 +112,15 @@ impl RingThread {
     }
 
     fn accept(&mut self, req: IoRequest) {
+        // A range a background collapse has made huge goes direct.
+        let staged = self.staging.as_ref().is_some_and(|s| s.wants(&req))
+            && !self.region.range_in_huge_pages(req.region_offset, req.len);
         let op = Op {
             req,
             done: 0,
             retries: 0,
+            stage: None,
+            crc: None,
         };
         let slot = match self.free.pop() {
             Some(s) => {
@@ -119,18 +132,78 @@ impl RingThread {
                 self.ops.len() - 1
             }
         };
-        self.ready.push_back(slot);
+        if staged {
+            if let Some(s) = self.staging.as_mut() {
+                s.waiting.push_back(slot);
+            }
+            self.start_staged();
+        } else {
+            self.ready.push_back(slot);
+        }
     }
 
-    fn complete(&mut self, slot: usize, result: Result<usize>) {
+    /// Gives waiting staged ops free staging slots, in order: a write's bytes are copied into
+    /// its slot, then the op is ready.
+    fn start_staged(&mut self) {
+        loop {
+            let Some(s) = self.staging.as_mut() else {
+                return;
+            };
+            if s.waiting.is_empty() {
+                return;
+            }
+            let Some(stage) = s.take() else { return };
+            let Some(slot) = s.waiting.pop_front() else {
+                s.release(stage);
+                return;
+            };
+            let Some(op) = self.ops[slot].as_mut() else {
+                s.release(stage);
+                continue;
+            };
+            op.stage = Some(stage);
+            let req = op.req;
+            let copied = match req.dir {
+                IoDir::Write => s.copy_in(&self.region, &req, stage).map(Some),
+                IoDir::Read => Ok(None),
+            };
+            match copied {
+                Ok(crc) => {
+                    op.crc = crc;
+                    self.ready.push_back(slot);
+                }
+                Err(e) => self.complete(slot, Err(e)),
+            }
+        }
+    }
+
+    fn complete(&mut self, slot: usize, mut result: Result<usize>) {
         if let Some(op) = self.ops[slot].take() {
+            let mut row_crc = op.crc;
+            if let (Some(stage), Some(s)) = (op.stage, self.staging.as_mut()) {
+                // A read's bytes reach the region before its completion is sent.
+                if result.is_ok() && copies_out(op.req.dir) {
+                    match s.copy_out(&self.region, &op.req, stage) {
+                        Ok(crc) => row_crc = Some(crc),
+                        Err(e) => result = Err(e),
+                    }
+                }
+                s.release(stage);
+            }
+            if result.is_err() {
+                row_crc = None;
+            }
             self.free.push(slot);
             // Released before the completion is sent, so that its receiver may detach the file.
             self.files.release(op.req.file);
             let _ = self.done.send(IoCompletion {
                 tag: op.req.tag,
                 result,
+                row_crc,
             });
+            if op.stage.is_some() {
+                self.start_staged();
+            }
         }
     }
 
@@ -148,9 +221,10 @@ impl RingThread {
                     continue;
                 }
             };
-            // SAFETY: the entry's buffer lies inside the region, which this thread keeps alive
-            // (and registered) until every op has completed; the op's slot stays occupied
-            // until its CQE is reaped, so `user_data` maps back to exactly one op.
+            // SAFETY: the entry's buffer lies inside the region or the staging memory, which
+            // this thread keeps alive (and registered) until every op has completed; the op's
+            // slot stays occupied until its CQE is reaped, so `user_data` maps back to exactly
+            // one op.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 break;
             }
@@ -170,6 +244,20 @@ impl RingThread {
         let req = &op.req;
         let start = req.region_offset + op.done;
         let len = (req.len - op.done).min(MAX_SQE_LEN);
+        if let (Some(stage), Some(s)) = (op.stage, self.staging.as_ref()) {
+            // The slot holds the whole request; the remainder starts `done` bytes in.
+            let buf = s.ptr(stage, op.done);
+            let off = req.file_offset + op.done as u64;
+            let len = len as u32;
+            let idx = s.buffer_index;
+            let entry = if self.fixed_files && self.files.is_fixed(req.file) {
+                rw_entry!(types::Fixed(req.file as u32), req.dir, buf, len, off, idx)
+            } else {
+                let fd = types::Fd(self.files.raw_fd(req.file));
+                rw_entry!(fd, req.dir, buf, len, off, idx)
+            };
+            return Ok(entry.user_data(slot as u64));
+        }
         let piece_index = match self.piece {
             Some(piece) => {
                 let idx = req.region_offset / piece;
@@ -305,7 +393,11 @@ impl RingThread {
 
     fn finish(&mut self) {
         let submitter = self.ring.submitter();
-        if self.piece.is_some()
+        let staging_registered = self
+            .staging
+            .as_ref()
+            .is_some_and(|s| s.buffer_index.is_some());
+        if (self.piece.is_some() || staging_registered)
             && let Err(e) = submitter.unregister_buffers()
         {
             log::warn!("io_uring: unregistering buffers failed: {e}");
