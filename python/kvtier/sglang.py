@@ -19,9 +19,14 @@ tier configuration (``docs/g3.md``), validated by kvtier with errors that name t
 The host pool is adopted in place: its pages are moved between the pool and kvtier's G3 slots
 by kvtier's I/O threads (``O_DIRECT``, CRC-checked), never copied in Python. Each rank opens
 the G3 tier in a directory of its own under every path (``tp0``, ``tp1``, ...; ``mla`` for MLA
-models, whose pages TP ranks share), stamped with the namespace SGLang's
-``HiCacheStorageConfig`` decides (model, TP rank and size unless MLA, PP, attention CP) and the
-page's byte format; a directory written for another one is refused with both named.
+models), stamped with the namespace SGLang's ``HiCacheStorageConfig`` decides (model, TP rank
+and size unless MLA, PP, attention CP) and the page's byte format; a directory written for
+another one is refused with both named.
+
+With ``"service_socket_path"`` (and ``"allocator": "shm"``) the rank is instead a client of
+kvtier's node service (``kvtier serve --namespace ... --slot-bytes ...``), which owns one G3
+pool for every rank connected to it: how the TP ranks of an MLA model share their pages, as
+SGLang's own backends do (TP rank 0 stores, every rank loads; required for MLA at TP > 1).
 
 Importing this module starts nothing and imports neither SGLang nor the extension module:
 the class is built, from SGLang's ``HiCacheStorage``, when ``KvtierStorage`` is first looked

@@ -93,8 +93,27 @@ pub fn run_for_namespace(
         .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
     let listener = crate::cli::serve::http::bind(&args.metrics_addr)?;
     // Every engine's row is one slot: the whole row is stored.
-    let service = start_from_config(cfg, slot_bytes, None, digest)
-        .map_err(|e| super::in_file(config_path, e))?;
+    let service = start_from_config(cfg, slot_bytes, None, digest).map_err(|e| {
+        if e.kind() != ErrorKind::IncompatibleLayout {
+            return super::in_file(config_path, e);
+        }
+        // `kvtier tier format` makes vLLM's and kvtier's namespaces, not this one.
+        let mut out = Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}; with --namespace and --slot-bytes the service opens only slabs written \
+                 under that namespace and slot size: use other directories, or delete this \
+                 tier's files to start it empty",
+                e.message()
+            ),
+        );
+        for key in ["expected", "found"] {
+            if let Some(v) = e.context_value(key) {
+                out = out.with(key, v.to_string());
+            }
+        }
+        super::in_file(config_path, out)
+    })?;
     if let Some(s) = &cfg.service {
         crate::cli::output::errln!(
             "kvtier serve: node service on {} (digest {}, slots of {} bytes: engines' rows \
