@@ -215,7 +215,7 @@ fn serve_with_a_given_namespace_and_slot_size() {
             digest: [0xb2; 32],
         },
     );
-    let err = other.err().expect("another digest is refused").to_string();
+    let err = other.expect_err("another digest is refused").to_string();
     assert!(err.contains(&ns_a), "{err}");
     send_signal(&child, libc::SIGTERM);
     assert!(child.wait().unwrap().success());
