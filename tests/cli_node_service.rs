@@ -165,3 +165,98 @@ fn service_status_without_a_service_is_a_user_error() {
         "{err}"
     );
 }
+
+/// `kvtier serve --namespace HEX --slot-bytes SIZE` (SGLang ranks, `docs/sglang.md`): the
+/// service presents exactly the given digest and slot size; an engine presenting another
+/// digest is refused; slabs written under another namespace are refused at the next start,
+/// and a malformed digest or a configuration without a service section are user errors.
+#[test]
+fn serve_with_a_given_namespace_and_slot_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let socket = dir.path().join("kvtier.sock");
+    let cfg = dir.path().join("kvtier.json");
+    let body = |service: bool| {
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB", {}
+                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
+                                      "capacity_bytes": "4MiB", "direct_io": "auto"}}]}}"#,
+            if service {
+                format!(r#""service": {{"socket_path": "{}"}},"#, socket.display())
+            } else {
+                String::new()
+            },
+            tier.display()
+        )
+    };
+    std::fs::write(&cfg, body(true)).unwrap();
+    let cfg_s = cfg.display().to_string();
+    let ns_a = "a1".repeat(32);
+    let (mut child, _addr) = start_serve(&[
+        "--config",
+        &cfg_s,
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--namespace",
+        &ns_a,
+        "--slot-bytes",
+        "16KiB",
+    ]);
+    wait_for(&socket);
+    let service = NodeClient::observe(&socket).unwrap().service().clone();
+    assert_eq!(hex::encode(service.digest), ns_a);
+    assert_eq!(service.row_stride, 16384);
+    let other = NodeClient::connect(
+        &socket,
+        &ClientHello {
+            engine: "other".into(),
+            row_stride: 16384,
+            digest: [0xb2; 32],
+        },
+    );
+    let err = other.expect_err("another digest is refused").to_string();
+    assert!(err.contains(&ns_a), "{err}");
+    send_signal(&child, libc::SIGTERM);
+    assert!(child.wait().unwrap().success());
+
+    // The slabs now carry namespace A: B is refused, naming both.
+    let ns_b = "b2".repeat(32);
+    let args = |ns: &str| {
+        vec![
+            "serve".to_string(),
+            "--config".into(),
+            cfg_s.clone(),
+            "--metrics-addr".into(),
+            "127.0.0.1:0".into(),
+            "--namespace".into(),
+            ns.to_string(),
+            "--slot-bytes".into(),
+            "16384".into(),
+        ]
+    };
+    let run = |a: Vec<String>| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        kvtier(&a)
+    };
+    let out = run(args(&ns_b));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&ns_a) && err.contains(&ns_b) && err.contains("--namespace"),
+        "{err}"
+    );
+    let out = run(args("xyz"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(2) && err.contains("--namespace") && err.contains("64 hex"),
+        "{err}"
+    );
+    std::fs::write(&cfg, body(false)).unwrap();
+    let out = run(args(&ns_a));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() == Some(2) && err.contains("service section"),
+        "{err}"
+    );
+}

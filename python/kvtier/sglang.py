@@ -19,9 +19,14 @@ tier configuration (``docs/g3.md``), validated by kvtier with errors that name t
 The host pool is adopted in place: its pages are moved between the pool and kvtier's G3 slots
 by kvtier's I/O threads (``O_DIRECT``, CRC-checked), never copied in Python. Each rank opens
 the G3 tier in a directory of its own under every path (``tp0``, ``tp1``, ...; ``mla`` for MLA
-models, whose pages TP ranks share), stamped with the namespace SGLang's
-``HiCacheStorageConfig`` decides (model, TP rank and size unless MLA, PP, attention CP) and the
-page's byte format; a directory written for another one is refused with both named.
+models), stamped with the namespace SGLang's ``HiCacheStorageConfig`` decides (model, TP rank
+and size unless MLA, PP, attention CP) and the page's byte format; a directory written for
+another one is refused with both named.
+
+With ``"service_socket_path"`` (and ``"allocator": "shm"``) the rank is instead a client of
+kvtier's node service (``kvtier serve --namespace ... --slot-bytes ...``), which owns one G3
+pool for every rank connected to it: how the TP ranks of an MLA model share their pages, as
+SGLang's own backends do (TP rank 0 stores, every rank loads; required for MLA at TP > 1).
 
 Importing this module starts nothing and imports neither SGLang nor the extension module:
 the class is built, from SGLang's ``HiCacheStorage``, when ``KvtierStorage`` is first looked
@@ -207,33 +212,63 @@ def _build_class():
                     "always kvtier's nvme tier)"
                 )
             entry = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+            # SGLang's own rule (HiCacheStorageConfig.is_storage_writer): an MLA page is the
+            # same on every TP rank and only rank 0 stores it; every rank loads it.
+            writer = getattr(storage_config, "is_storage_writer", None)
+            self._writer = (
+                bool(writer)
+                if writer is not None
+                else not storage_config.is_mla_model or int(storage_config.tp_rank) == 0
+            )
+            self._skip_logged = False
+            self._fields = namespace_fields(storage_config)
+            self._rank_dir = rank_directory(storage_config)
+            self._store = None
+            self._stats_lock = threading.Lock()
+            self._stats = ([], [], [], [])  # prefetch pgs, backup pgs, prefetch GB/s, backup GB/s
+            self._metrics = bool(storage_config.enable_storage_metrics)
+            self._bounce_warned = False
+            socket = entry.pop("service_socket_path", None)
+            if socket is not None:
+                # Client mode: kvtier's node service owns the G3 pool, which every rank (and
+                # every engine) connected to it shares (docs/node-service.md).
+                if not isinstance(socket, (str, os.PathLike)) or not os.fspath(socket):
+                    raise _config_error(
+                        "extra_config.service_socket_path: expected the path of kvtier's node "
+                        f"service socket, found {socket!r}"
+                    )
+                if entry:
+                    raise _config_error(
+                        f"extra_config.{sorted(entry)[0]}: with service_socket_path the node "
+                        "service's own configuration holds the nvme keys (docs/node-service.md); "
+                        "remove it here"
+                    )
+                self._socket = os.fspath(socket)
+                self._entry = None
+                return
+            self._socket = None
             paths = entry.get("paths")
             if not isinstance(paths, list) or not paths:
                 raise _config_error(
-                    "extra_config.paths: required, a list of directories (one per NVMe device)"
+                    "extra_config.paths: required, a list of directories (one per NVMe device); "
+                    "or extra_config.service_socket_path to use kvtier's node service"
                 )
             if storage_config.is_mla_model and storage_config.tp_size > 1:
                 # SGLang writes an MLA page from one rank and every TP rank reads it; an
                 # in-process G3 tier belongs to one process.
                 raise _config_error(
                     f"MLA model at TP {storage_config.tp_size}: SGLang stores each page once "
-                    "(from TP rank 0) and every TP rank reads it, but kvtier's G3 tier is "
-                    "opened by one process; run kvtier's backend with --tp 1 per engine for "
-                    "MLA models"
+                    "(from TP rank 0) and every TP rank reads it, but a G3 tier opened in "
+                    "process belongs to one process; set extra_config.service_socket_path "
+                    "to the socket of kvtier's node service (kvtier serve, docs/sglang.md), "
+                    "whose pool all TP ranks share"
                 )
-            self._rank_dir = rank_directory(storage_config)
             entry["paths"] = [
                 os.path.join(os.fspath(p), self._rank_dir) if isinstance(p, (str, os.PathLike)) else p
                 for p in paths
             ]
             entry["type"] = "nvme"
             self._entry = entry
-            self._fields = namespace_fields(storage_config)
-            self._store = None
-            self._stats_lock = threading.Lock()
-            self._stats = ([], [], [], [])  # prefetch pgs, backup pgs, prefetch GB/s, backup GB/s
-            self._metrics = bool(storage_config.enable_storage_metrics)
-            self._bounce_warned = False
 
         # ---- the host pool ------------------------------------------------------------------
 
@@ -252,6 +287,10 @@ def _build_class():
                 piece_bytes=geo["piece_bytes"],
                 pieces=len(geo["piece_offsets"]),
             )
+            digest = namespace_digest(fields)
+            if self._socket is not None:
+                self._connect(mem_pool_host, geo, fields, digest)
+                return
             for p in self._entry["paths"]:
                 if isinstance(p, str):
                     os.makedirs(p, exist_ok=True)
@@ -266,7 +305,7 @@ def _build_class():
                     geo["num_pages"],
                     geo["anchor"],
                     json.dumps(self._entry),
-                    namespace_digest(fields),
+                    digest,
                 )
             except _native().ConfigError as e:
                 raise self._explain(e, fields) from None
@@ -285,6 +324,66 @@ def _build_class():
                 self._store.pieces,
                 self._store.piece_bytes,
                 ", ".join(self._entry["paths"]),
+            )
+
+        def _connect(self, pool, geo, fields, digest):
+            """Client mode: registers the host pool with kvtier's node service by its file
+            descriptor (SGLang's ``"allocator": "shm"``)."""
+            allocator = getattr(pool, "allocator", None)
+            fd = getattr(pool, "fd", None)
+            if fd is None:
+                fd = getattr(allocator, "fd", None)
+            mm = getattr(allocator, "mm", None)
+            if fd is None or mm is None:
+                raise _config_error(
+                    "extra_config.service_socket_path: kvtier's node service maps SGLang's host "
+                    "pool through its file descriptor; add \"allocator\": \"shm\" to "
+                    "--hicache-storage-backend-extra-config (this pool's allocator, "
+                    f"{type(allocator).__name__}, has none)"
+                )
+            import ctypes
+
+            view = ctypes.c_char.from_buffer(mm)
+            start = ctypes.addressof(view)
+            del view
+            if start != geo["base"] or len(mm) < geo["length"]:
+                raise _config_error(
+                    "extra_config.service_socket_path: SGLang's host pool does not start at "
+                    "offset 0 of its shared memory file; kvtier's node service cannot map it"
+                )
+            engine = f"sglang-{self._rank_dir}-pid{os.getpid()}"
+            try:
+                self._store = _native().SglangStore.connect(
+                    self._socket,
+                    int(fd),
+                    geo["length"],
+                    geo["piece_bytes"],
+                    geo["piece_offsets"],
+                    geo["page_stride"],
+                    geo["page_size"],
+                    geo["num_pages"],
+                    geo["anchor"],
+                    digest,
+                    engine,
+                )
+            except (_native().ConfigError, _native().KvtierError) as e:
+                raise type(e)(
+                    f"extra_config.service_socket_path {self._socket}: {e}. This SGLang rank "
+                    f"presents namespace {digest} with slots of {geo['piece_bytes']} bytes "
+                    f"({_describe(fields)}); a node service for it runs as `kvtier serve "
+                    f"--config <service config> --namespace {digest} --slot-bytes "
+                    f"{geo['piece_bytes']}`"
+                ) from None
+            logger.info(
+                "kvtier SGLang backend: client of the node service at %s (%s, %s, namespace "
+                "%s, %d piece(s) of %d bytes per page; %s)",
+                self._socket,
+                engine,
+                geo["layout"],
+                digest,
+                self._store.pieces,
+                self._store.piece_bytes,
+                "stores and loads" if self._writer else "loads (TP rank 0 stores)",
             )
 
         def _explain(self, error, fields):
@@ -343,8 +442,25 @@ def _build_class():
             self._record(self._stats[0], self._stats[2], ok, nbytes, seconds)
             return ok
 
+        def _skip_store(self, n):
+            """A rank SGLang does not let store (MLA, TP rank > 0): as SGLang's hf3fs backend
+            does, report the pages stored without writing them; TP rank 0 stores them."""
+            if self._writer:
+                return False
+            if not self._skip_logged:
+                self._skip_logged = True
+                logger.info(
+                    "kvtier SGLang backend: MLA TP rank %d stores nothing (TP rank 0 stores "
+                    "every page; %d page(s) in this first batch)",
+                    int(self.storage_config.tp_rank),
+                    n,
+                )
+            return True
+
         def batch_set_v1(self, keys, host_indices, extra_info=None):
             store = self._require()
+            if self._skip_store(len(keys)):
+                return [True] * len(keys)
             ok, nbytes, seconds = store.store(
                 [str(k) for k in keys], self._starts(keys, host_indices)
             )
@@ -376,6 +492,8 @@ def _build_class():
 
         def batch_set(self, keys, values=None, target_locations=None, target_sizes=None) -> bool:
             store, pool, ps = self._require(), self.mem_pool_host, self._page_size
+            if self._skip_store(len(keys)):
+                return True
             idx = self._borrow(len(keys))
             if idx is None:
                 return False
@@ -423,7 +541,17 @@ def _build_class():
         # ---- administration -----------------------------------------------------------------
 
         def clear(self) -> bool:
-            self._require().clear()
+            store = self._require()
+            if store.client:
+                # The service's pool is every connected engine's: one rank does not empty it.
+                logger.warning(
+                    "kvtier SGLang backend: clear ignored: this rank is a client of the node "
+                    "service at %s, whose pool every engine shares (stop the service and run "
+                    "`kvtier tier clear` on its paths to empty it)",
+                    self._socket,
+                )
+                return False
+            store.clear()
             logger.info("kvtier SGLang backend: cleared %s", ", ".join(self._entry["paths"]))
             return True
 

@@ -39,6 +39,9 @@ const SGLANG_PATH: &str = "extra_config";
 /// first `batch_exists` already sees what the tier holds.
 const READY_WAIT: Duration = Duration::from_secs(60);
 
+/// How long `exists_prefix` waits for the node service's verdicts in client mode.
+const LOOKUP_WAIT: Duration = Duration::from_secs(5);
+
 /// A kvtier error, with the entry's key path renamed to SGLang's `extra_config`.
 fn sg_err(py: Python<'_>, e: Error) -> PyErr {
     let msg = e
@@ -116,9 +119,9 @@ pub(crate) struct SglangStore {
     generation: AtomicU64,
     /// Keeps SGLang's host pool buffer referenced until the tier has stopped.
     anchor: Mutex<Option<Py<PyAny>>>,
-    /// The tier's configuration and region, to open it again after [`SglangStore::clear`].
-    config: TierConfig,
-    region: Arc<PrimaryRegion>,
+    /// The in-process tier's configuration and region, to open it again after
+    /// [`SglangStore::clear`]; `None` in client mode (the node service owns the pool).
+    local: Option<(TierConfig, Arc<PrimaryRegion>)>,
     digest: [u8; 32],
     geometry: PageGeometry,
     req: RequestContext,
@@ -276,12 +279,7 @@ impl SglangStore {
             .map_err(|e| ConfigError::new_err(format!("{SGLANG_PATH}: invalid JSON: {e}")))?;
         let config = kvtier::config::resolve_tier_entry(0, &entry).map_err(|e| sg_err(py, e))?;
         let huge_pages = kvtier::embed::region_huge_pages(&config).map_err(|e| sg_err(py, e))?;
-        let digest: [u8; 32] = hex::decode(namespace)
-            .ok()
-            .and_then(|d| d.try_into().ok())
-            .ok_or_else(|| {
-                PyValueError::new_err(format!("namespace {namespace:?}: expected 64 hex digits"))
-            })?;
+        let digest = parse_digest(namespace)?;
         let rows = length / piece_bytes as usize;
         let cfg = config.clone();
         let (tier, region) = py
@@ -308,8 +306,91 @@ impl SglangStore {
             next_job: AtomicU64::new(1),
             generation: AtomicU64::new(0),
             anchor: Mutex::new(Some(anchor)),
-            config,
-            region,
+            local: Some((config, region)),
+            digest,
+            geometry,
+            req: RequestContext::new("kvtier.sglang"),
+        })
+    }
+
+    /// A store in client mode: connects to kvtier's node service at `socket` (which owns the
+    /// G3 pool every connected engine shares, `docs/node-service.md`), presents `namespace`
+    /// (64 hex digits) with rows of `piece_bytes`, and registers SGLang's host pool by its
+    /// file descriptor `fd` (SGLang's `"allocator": "shm"`: a memfd whose offset 0 is the
+    /// pool's first byte). The geometry is as for
+    /// the constructor; `engine` names this rank in the service's status.
+    #[staticmethod]
+    #[pyo3(signature = (socket, fd, length, piece_bytes, piece_offsets, page_stride, page_size, num_pages, anchor, namespace, engine))]
+    #[allow(clippy::too_many_arguments)]
+    fn connect(
+        py: Python<'_>,
+        socket: &str,
+        fd: i32,
+        length: usize,
+        piece_bytes: u64,
+        piece_offsets: Vec<u64>,
+        page_stride: u64,
+        page_size: u64,
+        num_pages: u64,
+        anchor: Py<PyAny>,
+        namespace: &str,
+        engine: &str,
+    ) -> PyResult<Self> {
+        install_logger();
+        let geometry = geometry(
+            length,
+            piece_bytes,
+            &piece_offsets,
+            page_stride,
+            page_size,
+            num_pages,
+        )?;
+        let digest = parse_digest(namespace)?;
+        // The descriptor opened again through /proc (a new descriptor of the same memfd,
+        // closed when this call returns; the tier keeps a duplicate for reconnecting).
+        let proc_path = format!("/proc/self/fd/{fd}");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&proc_path)
+            .map_err(|e| {
+                ConfigError::new_err(format!(
+                    "SGLang host pool descriptor {fd} ({proc_path}): cannot open it for \
+                     reading and writing: {e}"
+                ))
+            })?;
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        if size < length as u64 {
+            return Err(ConfigError::new_err(format!(
+                "SGLang host pool descriptor {fd}: its file holds {size} bytes, the pool \
+                 {length}; kvtier needs the pool's own file (\"allocator\": \"shm\")"
+            )));
+        }
+        let hello = kvtier::node::ClientHello {
+            engine: engine.to_string(),
+            row_stride: piece_bytes,
+            digest,
+        };
+        let rows = length as u64 / piece_bytes;
+        let tier = py
+            .detach(|| {
+                use std::os::fd::AsFd;
+                kvtier::node::NodeTier::connect(
+                    std::path::Path::new(socket),
+                    &hello,
+                    kvtier::node::RegionSource::Fd(file.as_fd()),
+                    rows,
+                    None,
+                )
+            })
+            .map_err(|e| sg_err(py, e))?;
+        Ok(SglangStore {
+            tier: Mutex::new(Some(Box::new(tier))),
+            finished: Mutex::new(HashMap::new()),
+            next_job: AtomicU64::new(1),
+            generation: AtomicU64::new(0),
+            anchor: Mutex::new(Some(anchor)),
+            local: None,
             digest,
             geometry,
             req: RequestContext::new("kvtier.sglang"),
@@ -320,16 +401,54 @@ impl SglangStore {
     /// present and loadable). A key asked while the index recovers counts as absent.
     fn exists_prefix(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<usize> {
         py.detach(|| {
-            self.with_tier(|t| {
-                keys.iter()
-                    .take_while(|k| {
-                        self.geometry
-                            .keys(k)
-                            .iter()
-                            .all(|ck| t.lookup(ck, &self.req) == LookupResult::Hit)
-                    })
-                    .count()
-            })
+            let pages: Vec<Vec<ChunkKey>> = keys.iter().map(|k| self.geometry.keys(k)).collect();
+            if self.local.is_some() {
+                // In process the index answers at once (RETRY only while it recovers).
+                return self.with_tier(|t| {
+                    pages
+                        .iter()
+                        .take_while(|p| {
+                            p.iter()
+                                .all(|ck| t.lookup(ck, &self.req) == LookupResult::Hit)
+                        })
+                        .count()
+                });
+            }
+            // A client-mode tier asks the service and answers RETRY until its verdict is
+            // back: ask again until every piece has one (SGLang's call is synchronous). A
+            // piece still without one after LOOKUP_WAIT counts as absent.
+            let mut verdict: Vec<Vec<Option<bool>>> =
+                pages.iter().map(|p| vec![None; p.len()]).collect();
+            let started = Instant::now();
+            let mut nap = Duration::from_micros(20);
+            loop {
+                let pending = self.with_tier(|t| {
+                    let mut pending = 0;
+                    for (page, v) in pages.iter().zip(verdict.iter_mut()) {
+                        for (ck, slot) in page.iter().zip(v.iter_mut()) {
+                            if slot.is_none() {
+                                match t.lookup(ck, &self.req) {
+                                    LookupResult::Hit => *slot = Some(true),
+                                    LookupResult::Miss | LookupResult::HitPending => {
+                                        *slot = Some(false)
+                                    }
+                                    LookupResult::Retry => pending += 1,
+                                }
+                            }
+                        }
+                    }
+                    pending
+                })?;
+                if pending == 0 || started.elapsed() >= LOOKUP_WAIT {
+                    break;
+                }
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+            Ok(verdict
+                .iter()
+                .take_while(|v| v.iter().all(|x| *x == Some(true)))
+                .count())
         })
     }
 
@@ -348,6 +467,13 @@ impl SglangStore {
     /// Forgets every page: stops the tier, frees every slot (`kvtier tier clear`) and opens
     /// it again over the same pool.
     fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let Some((config, region)) = &self.local else {
+            return Err(KvtierError::new_err(
+                "clear: this SGLang rank is a client of kvtier's node service, whose G3 pool \
+                 every connected engine shares; stop the service and run `kvtier tier clear` \
+                 on its paths to empty it",
+            ));
+        };
         py.detach(|| {
             let mut guard = self.tier.lock();
             let Some(tier) = guard.as_mut() else {
@@ -361,9 +487,8 @@ impl SglangStore {
                 .extend(rest.into_iter().map(|r| (r.job_id, r)));
             guard.take();
             self.generation.fetch_add(1, Ordering::AcqRel);
-            kvtier::embed::clear_tier(&self.config).map_err(to_py)?;
-            let tier =
-                Self::open(self.config.clone(), self.region.clone(), self.digest).map_err(to_py)?;
+            kvtier::embed::clear_tier(config).map_err(to_py)?;
+            let tier = Self::open(config.clone(), region.clone(), self.digest).map_err(to_py)?;
             *guard = Some(tier);
             Ok(())
         })
@@ -409,6 +534,12 @@ impl SglangStore {
         hex::encode(self.digest)
     }
 
+    /// Whether this store is a client of kvtier's node service ([`SglangStore::connect`]).
+    #[getter]
+    fn client(&self) -> bool {
+        self.local.is_none()
+    }
+
     /// G3 slots per page (the page's pieces).
     #[getter]
     fn pieces(&self) -> usize {
@@ -420,6 +551,16 @@ impl SglangStore {
     fn piece_bytes(&self) -> u64 {
         self.geometry.piece_bytes
     }
+}
+
+/// A namespace digest given as 64 hex digits.
+fn parse_digest(namespace: &str) -> PyResult<[u8; 32]> {
+    hex::decode(namespace)
+        .ok()
+        .and_then(|d| d.try_into().ok())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!("namespace {namespace:?}: expected 64 hex digits"))
+        })
 }
 
 /// Checks the page geometry SGLang's pool describes and turns it into rows.

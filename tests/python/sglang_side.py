@@ -116,11 +116,36 @@ def shared_tensor(dims, dtype):
     return arr
 
 
+class ShmAllocator:
+    """SGLang's ``ShmHostTensorAllocator`` (``"allocator": "shm"``) over numpy: each buffer in
+    a memfd of its own, mapped shared from offset 0; ``fd`` and ``mm`` are the first's."""
+
+    def __init__(self):
+        self.fds, self.mms = [], []
+
+    @property
+    def fd(self):
+        return self.fds[0] if self.fds else None
+
+    @property
+    def mm(self):
+        return self.mms[0] if self.mms else None
+
+    def allocate(self, dims, dtype, device):
+        n = int(np.prod(dims)) * dtype.itemsize
+        fd = os.memfd_create("sglang_host_pool_standin", os.MFD_CLOEXEC)
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, flags=mmap.MAP_SHARED)
+        self.fds.append(fd)
+        self.mms.append(mm)
+        return np.frombuffer(mm, dtype=_NP[dtype._name]).reshape(dims).view(TArray)
+
+
 class HostPool:
     """A stand-in for SGLang's MHA or MLA host pool: SGLang's own methods over real memory."""
 
     def __init__(self, src, kind, layout, page_size, page_num, layer_num, head_num=2, head_dim=256,
-                 reserved=None):
+                 reserved=None, shm=False):
         import logging
 
         import torch
@@ -128,13 +153,18 @@ class HostPool:
         self.layout, self.page_size, self.page_num = layout, page_size, page_num
         self.size = page_num * page_size
         self.layer_num, self.dtype = layer_num, torch.float16
-        self.device, self.pin_memory, self.allocator = "cpu", False, None
+        self.device, self.pin_memory = "cpu", False
+        self.allocator = ShmAllocator() if shm else None
         self.dcp_size, self.logical_page_size = 1, page_size
         self._transfer_device = types.SimpleNamespace(type="cpu")
         ns = {
             "torch": torch,
             "logger": logging.getLogger("sglang_side"),
-            "ALLOC_MEMORY_FUNCS": {"cpu": lambda dims, dtype, **_: shared_tensor(dims, dtype)},
+            "ALLOC_MEMORY_FUNCS": {
+                "cpu": lambda dims, dtype, allocator=None, **_: (
+                    allocator.allocate(dims, dtype, "cpu") if allocator else shared_tensor(dims, dtype)
+                )
+            },
         }
         names = ["init_kv_buffer", "get_page_buffer_meta", "get_data_page", "set_from_flat_data_page"]
         if kind == "mha":
@@ -147,6 +177,7 @@ class HostPool:
         for name, fn in fns.items():
             setattr(self, name, types.MethodType(fn, self))
         self.kv_buffer = self.init_kv_buffer()
+        self.fd = getattr(self.allocator, "fd", None)  # as SGLang's HostKVCache sets it
         # The pool's allocator (SGLang's works on torch tensors): pages from ``reserved`` on
         # are free; the scenarios use the pages below it directly.
         self._free = list(range(page_num if reserved is None else reserved, page_num))
@@ -276,6 +307,13 @@ def kvtier_extra(paths, **more):
             "fsync": "never", "region_huge_pages": "never", **more}
 
 
+def client_extra(socket, **more):
+    """kvtier's backend as a client of the node service at ``socket`` (SGLang's shm host
+    allocator, so the pool has a file descriptor)."""
+    return {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStorage",
+            "interface_v1": True, "allocator": "shm", "service_socket_path": socket, **more}
+
+
 def open_pair(src, which, kind, layout, page_size, directory, **cfg):
     """A fresh host pool (pages 0-7 for the scenario, 8-11 free), and SGLang's factory's
     backend over it: kvtier (``kvtier-flat``: without ``interface_v1``) or file."""
@@ -390,6 +428,10 @@ def refusals(src, doc):
     attempt("small_pieces", lambda: kv(kvtier_extra([os.path.join(d, "z")]), layout="layer_first", ps=1))
     attempt("mla_tp2", lambda: kv(kvtier_extra([os.path.join(d, "m")]), kind="mla", tp_size=2))
     attempt("tp1_rank1_dir", lambda: kv(kvtier_extra([base]), tp_rank=1, tp_size=2))
+    client = client_extra(os.path.join(d, "no-service.sock"))
+    attempt("client_nvme_key", lambda: kv({**client, "capacity_bytes": "1GiB"}, kind="mla", tp_size=2))
+    # The stand-in pool without "allocator": "shm" has no file descriptor to hand over.
+    attempt("client_no_shm", lambda: kv(client, kind="mla", tp_size=2))
     out["dirs"] = sorted(os.listdir(base))
     return out
 
@@ -457,7 +499,61 @@ def two_threads(src, doc):
             "loaded_equal": got == orig[:32], "prefix": prefix}
 
 
-SCENARIOS = {"two_threads": two_threads, "roundtrip": roundtrip, "store_pages": store_pages, "load_pages": load_pages,
+def tp_rank(src, doc):
+    """One TP rank of an MLA or MHA model at TP ``tp_size`` (its own process): a host pool
+    (``"allocator": "shm"``), SGLang's factory's backend (kvtier: ``extra`` as given;
+    ``file``: SGLang's file backend on ``dir``). Fills pages 0-3 with the rank's own bytes
+    (seeds from ``seed``) and stores them under keys 0-3 through the controller, unless
+    SGLang's controller skips the backup on this rank (its ``backup_skip``:
+    ``not storage_config.is_storage_writer``), in which case it calls the backend's
+    ``batch_set_v1`` directly (what a rank that stored anyway would write). Then: the
+    existing prefix of keys 0-3, those pages loaded into pages 4-7, and digests."""
+    import logging
+
+    kind, which = doc["kind"], doc["which"]
+    pool = HostPool(src, kind, "page_first", 4 if kind == "mha" else 8, page_num=12, layer_num=4,
+                    head_dim=256, reserved=8, shm=True)
+    cfg = dict(tp_rank=doc["tp_rank"], tp_size=doc["tp_size"], mla=kind == "mla")
+    sc = storage_config({}, **cfg)
+    # SGLang's own HiCacheController.backup_skip, on a controller holding this config.
+    skip_fn = sglang_functions(src, "sglang/srt/managers/cache_controller.py", "HiCacheController",
+                               ["backup_skip"], {})["backup_skip"]
+    backup_skip = skip_fn(types.SimpleNamespace(storage_config=sc))
+    out = {"backup_skip": backup_skip, "pid": os.getpid()}
+    try:
+        if which == "kvtier":
+            b = backend(src, "dynamic", doc["extra"], pool, **cfg)
+        else:
+            b = backend(src, "file", {"file_storage_path": doc["dir"]}, pool, **cfg)
+    except Exception as e:  # noqa: BLE001 (the message is the observation)
+        out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    ctl = Controller(src, b, pool, zero_copy=which == "kvtier")
+    keys = [page_key(i, doc.get("salt", "")) for i in range(4)]
+    for p in range(4):
+        pool.fill(p, seed=doc["seed"] + p)
+    out["orig"] = [hashlib.sha256(pool.page_bytes(p)).hexdigest() for p in range(4)]
+    if doc.get("store", True):
+        if not backup_skip:
+            out["stored"] = ctl.set(keys, [0, 1, 2, 3])
+        elif which == "kvtier":
+            # Keys of its own, so that what a write would leave is seen apart from rank 0's.
+            own = [page_key(i, "skipped") for i in range(4)]
+            out["stored_anyway"] = [bool(x) for x in b.batch_set_v1(own, pool.indices([0, 1, 2, 3]))]
+            out["prefix_stored_anyway"] = b.batch_exists(own)
+    out["prefix"] = b.batch_exists(keys)
+    out["loaded"] = ctl.get(keys, [4, 5, 6, 7])
+    out["got"] = [hashlib.sha256(pool.page_bytes(p)).hexdigest() for p in range(4, 8)]
+    if which == "kvtier":
+        out["client"] = b._store.client
+        out["namespace"] = b.namespace
+        out["cleared"] = b.clear()
+        b.close()
+    logging.shutdown()
+    return out
+
+
+SCENARIOS = {"tp_rank": tp_rank, "two_threads": two_threads, "roundtrip": roundtrip, "store_pages": store_pages, "load_pages": load_pages,
              "refusals": refusals, "gil": gil}
 
 

@@ -146,9 +146,132 @@ def test_refusals_name_the_key_the_layout_and_both_namespaces(sglang_src, tmp_pa
     assert "extra_config.capacity_bytes" in out["bad_capacity"], out["bad_capacity"]
     assert "page_first" in out["small_pieces"] and "4096" in out["small_pieces"], out["small_pieces"]
     assert "MLA model at TP 2" in out["mla_tp2"]
+    assert "extra_config.service_socket_path" in out["mla_tp2"], out["mla_tp2"]
+    # A client of the node service takes no nvme keys (the service's configuration has them),
+    # and needs the pool's file descriptor (SGLang's shm allocator).
+    assert "extra_config.capacity_bytes" in out["client_nvme_key"], out["client_nvme_key"]
+    assert '"allocator": "shm"' in out["client_no_shm"], out["client_no_shm"]
     # Rank 1 of TP 2 gets a directory of its own next to rank 0's.
     assert out["tp1_rank1_dir"] is None
     assert out["dirs"] == ["tp0", "tp1"]
+
+
+def client_extra(socket) -> dict:
+    return {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStorage",
+            "interface_v1": True, "allocator": "shm", "service_socket_path": str(socket)}
+
+
+def start_serve(tmp_path, namespace, slot_bytes):
+    """``kvtier serve`` (the binary) as the node service for engines presenting
+    ``namespace`` with slots of ``slot_bytes``; the process, once its socket accepts."""
+    import socket as sk
+    import time
+
+    kvtier = os.environ.get("KVTIER_BIN")
+    if not kvtier:
+        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+    sock = tmp_path / "kvtier.sock"
+    slabs = tmp_path / "slabs"
+    slabs.mkdir()
+    cfg = tmp_path / "service.json"
+    cfg.write_text(json.dumps({
+        "cpu_bytes_to_use": "1GiB",
+        "service": {"socket_path": str(sock)},
+        "secondary_tiers": [{"type": "nvme", "paths": [str(slabs)], "capacity_bytes": "8MiB",
+                             "direct_io": "auto", "fsync": "never"}],
+    }))
+    proc = subprocess.Popen(
+        [kvtier, "serve", "--config", str(cfg), "--namespace", namespace, "--slot-bytes",
+         str(slot_bytes), "--metrics-addr", "127.0.0.1:0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"kvtier serve exited: {proc.stderr.read()}"
+        try:
+            with sk.socket(sk.AF_UNIX) as c:
+                c.connect(str(sock))
+            return proc, sock
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    pytest.fail("kvtier serve's socket never accepted")
+
+
+def stop_serve(proc):
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_mla_at_tp2_shares_pages_across_ranks_through_the_node_service(sglang_src, tmp_path):
+    """SGLang 0.5.23 stores an MLA page from TP rank 0 only (its controller's backup_skip)
+    and every TP rank loads it, under a key without the TP rank (its file backend's suffix).
+    kvtier's ranks, each a process of its own, do the same through one node service."""
+    mla = dict(kind="mla", tp_size=2)
+    # Without a service the rank says which namespace and slot size a service needs.
+    probe = side(sglang_src, "tp_rank", which="kvtier", tp_rank=0, seed=1,
+                 extra=client_extra(tmp_path / "kvtier.sock"), **mla)
+    import re
+
+    m = re.search(r"--namespace ([0-9a-f]{64}) --slot-bytes (\d+)", probe["error"])
+    assert m, probe
+    proc, sock = start_serve(tmp_path, m.group(1), int(m.group(2)))
+    try:
+        extra = client_extra(sock)
+        r0 = side(sglang_src, "tp_rank", which="kvtier", tp_rank=0, seed=1, extra=extra, **mla)
+        r1 = side(sglang_src, "tp_rank", which="kvtier", tp_rank=1, seed=500, extra=extra, **mla)
+        # A non-MLA model's rank presents another namespace: the service refuses it.
+        mha = side(sglang_src, "tp_rank", which="kvtier", kind="mha", tp_size=2, tp_rank=1,
+                   seed=9, extra=extra)
+    finally:
+        stop_serve(proc)
+    assert r0["pid"] != r1["pid"]
+    assert r0["client"] and r1["client"] and r0["namespace"] == r1["namespace"] == m.group(1)
+    # SGLang's own rule: rank 0 writes, rank 1 does not.
+    assert (r0["backup_skip"], r1["backup_skip"]) == (False, True)
+    assert r0["stored"] is True and r0["prefix"] == 4 and r0["loaded"] == 4
+    assert r0["got"] == r0["orig"]
+    # Rank 1, in another process, finds rank 0's four pages and loads them byte for byte
+    # (not its own pages, which it filled with other bytes).
+    assert r1["prefix"] == 4 and r1["loaded"] == 4, r1
+    assert r1["got"] == r0["orig"] and r1["orig"] != r0["orig"]
+    # Called to store anyway, rank 1 writes nothing (as SGLang's hf3fs backend: reported
+    # stored, rank 0 stores): the keys it was given are not in the pool.
+    assert r1["stored_anyway"] == [True] * 4 and r1["prefix_stored_anyway"] == 0
+    # One rank does not empty the pool every engine shares.
+    assert r0["cleared"] is False and r1["cleared"] is False
+    assert "error" in mha and "digest" in mha["error"] and "--namespace" in mha["error"], mha
+    # SGLang's file backend, the reference: the same sharing.
+    f0 = side(sglang_src, "tp_rank", which="file", tp_rank=0, seed=1, dir=str(tmp_path / "f"), **mla)
+    f1 = side(sglang_src, "tp_rank", which="file", tp_rank=1, seed=500, dir=str(tmp_path / "f"), **mla)
+    assert (f0["backup_skip"], f1["backup_skip"]) == (False, True)
+    assert (f1["prefix"], f1["loaded"]) == (r1["prefix"], r1["loaded"]) == (4, 4)
+    assert f1["got"] == f0["orig"]
+
+
+def test_a_non_mla_model_at_tp2_keeps_ranks_apart(sglang_src, tmp_path):
+    """MHA KV differs per TP rank: rank 1 must not see rank 0's pages (SGLang's file backend
+    suffixes its keys with the TP rank)."""
+    for which in ("kvtier", "file"):
+        d = tmp_path / which
+        doc = dict(which=which, kind="mha", tp_size=2, dir=str(d),
+                   extra={**side_extra([str(d)])})
+        r0 = side(sglang_src, "tp_rank", tp_rank=0, seed=1, **doc)
+        r1 = side(sglang_src, "tp_rank", tp_rank=1, seed=500, store=False, **doc)
+        assert (r0["backup_skip"], r1["backup_skip"]) == (False, False), which
+        assert r0["stored"] is True and r0["prefix"] == 4 and r0["got"] == r0["orig"], which
+        assert r1["prefix"] == 0 and r1["loaded"] == 0, (which, r1)
+    assert sorted(p.name for p in (tmp_path / "kvtier").iterdir()) == ["tp0", "tp1"]
+
+
+def side_extra(paths) -> dict:
+    return {"backend_name": "kvtier", "module_path": "kvtier.sglang", "class_name": "KvtierStorage",
+            "interface_v1": True, "allocator": "shm", "paths": paths, "capacity_bytes": "8MiB",
+            "direct_io": "auto", "fsync": "never", "region_huge_pages": "never"}
 
 
 def test_waiting_calls_let_other_python_threads_run(sglang_src, tmp_path):

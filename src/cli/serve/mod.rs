@@ -42,6 +42,19 @@ pub struct ServeArgs {
     /// the configuration).
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Node service only: the namespace digest (64 hex digits) the engines present, instead of
+    /// the one vLLM engines of --layout and --tp present. SGLang ranks present their own
+    /// (`kvtier.sglang`, docs/sglang.md, which names it and --slot-bytes).
+    #[arg(
+        long,
+        value_name = "HEX",
+        requires = "slot_bytes",
+        conflicts_with = "layout"
+    )]
+    pub namespace: Option<String>,
+    /// With --namespace: bytes of one G3 slot (SGLang: one piece of a host page).
+    #[arg(long, value_name = "SIZE", requires = "namespace", value_parser = crate::cli::size::parse_size)]
+    pub slot_bytes: Option<u64>,
     /// Metric name prefix (`vllm:` makes vLLM dashboards work unchanged).
     #[arg(long, default_value = crate::metrics::DEFAULT_PREFIX, value_name = "PREFIX")]
     pub metrics_prefix: String,
@@ -50,6 +63,9 @@ pub struct ServeArgs {
 /// Runs `kvtier serve`.
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let cfg = crate::config::load(&args.config)?;
+    if let (Some(namespace), Some(slot_bytes)) = (&args.namespace, args.slot_bytes) {
+        return node::run_for_namespace(&args, &cfg, namespace, slot_bytes);
+    }
     let layout = args.model.load()?;
     // Every rule first (the ones `config check` runs too), then the address: a mistake in
     // either is found before the region is allocated and the slabs created.

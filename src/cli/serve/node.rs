@@ -3,6 +3,7 @@
 //! socket (`docs/node-service.md`), with `/metrics` and `/healthz` on the HTTP endpoint.
 
 use std::net::TcpListener;
+use std::process::ExitCode;
 
 use crate::canonical::LayoutDescriptor;
 use crate::canonical::engine_pool_namespace;
@@ -61,6 +62,75 @@ pub fn run(
             prefix: args.metrics_prefix.clone(),
         }),
     )
+}
+
+/// Starts the node service for `cfg` with the namespace digest `namespace` (64 hex digits)
+/// and slots of `slot_bytes` given on the command line (`--namespace`, `--slot-bytes`: what
+/// SGLang ranks present, `docs/sglang.md`), and serves until a signal.
+pub fn run_for_namespace(
+    args: &ServeArgs,
+    cfg: &KvtierConfig,
+    namespace: &str,
+    slot_bytes: u64,
+) -> Result<ExitCode> {
+    let config_path = args.config.as_path();
+    if cfg.service.is_none() {
+        return Err(Error::config(
+            "--namespace",
+            "only for the node service: the configuration needs a service section",
+        ));
+    }
+    let digest: [u8; 32] = hex::decode(namespace)
+        .ok()
+        .and_then(|d| d.try_into().ok())
+        .ok_or_else(|| {
+            Error::config(
+                "--namespace",
+                format!("{namespace:?} is not 64 hex digits (a namespace digest)"),
+            )
+        })?;
+    crate::metrics::Registry::new(args.metrics_prefix.as_str())
+        .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
+    let listener = crate::cli::serve::http::bind(&args.metrics_addr)?;
+    // Every engine's row is one slot: the whole row is stored.
+    let service = start_from_config(cfg, slot_bytes, None, digest).map_err(|e| {
+        if e.kind() != ErrorKind::IncompatibleLayout {
+            return super::in_file(config_path, e);
+        }
+        // `kvtier tier format` makes vLLM's and kvtier's namespaces, not this one.
+        let mut out = Error::new(
+            ErrorKind::IncompatibleLayout,
+            format!(
+                "{}; with --namespace and --slot-bytes the service opens only slabs written \
+                 under that namespace and slot size: use other directories, or delete this \
+                 tier's files to start it empty",
+                e.message()
+            ),
+        );
+        for key in ["expected", "found"] {
+            if let Some(v) = e.context_value(key) {
+                out = out.with(key, v.to_string());
+            }
+        }
+        super::in_file(config_path, out)
+    })?;
+    if let Some(s) = &cfg.service {
+        crate::cli::output::errln!(
+            "kvtier serve: node service on {} (digest {}, slots of {} bytes: engines' rows \
+             of at least that many bytes, their first ones stored)",
+            s.socket_path.display(),
+            namespace.to_ascii_lowercase(),
+            slot_bytes
+        );
+    }
+    serve_until_signal(
+        listener,
+        Box::new(NodeHttp {
+            service: Some(service),
+            prefix: args.metrics_prefix.clone(),
+        }),
+    )?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The node service behind the HTTP endpoint.
