@@ -219,3 +219,95 @@ fn one_config_with_an_fs_and_an_nvme_tier() {
     assert!(text.contains("kvtier:kv_offload_tiering_read_bytes_total{tier=\"1:fs\"}"));
     m.shutdown().unwrap();
 }
+
+/// `enable_kv_events` on an `fs` entry, with vLLM 0.33's fs tier's meaning: the tier built by
+/// the factory records events only when the entry asks for them and the host records events
+/// too (its stored events, one per successful store job, as vLLM's fs tier emits them, and
+/// the removals of kvtier's own eviction); a value that is not a boolean names the key.
+#[test]
+fn an_fs_tier_records_events_only_with_its_flag_and_the_hosts() {
+    use kvtier::contract::job::TransferJob;
+    use kvtier::tiering::clock::Clock;
+    use kvtier::tiering::factory::TierBuildContext;
+    for (tier_flag, host_flag) in [(false, false), (true, false), (false, true), (true, true)] {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        // Room for one file: the second store evicts the first.
+        let cfg = config::from_value(json!({
+            "cpu_bytes_to_use": 4 * STRIDE,
+            "secondary_tiers": [{"type": "fs", "root_dir": dir.path(),
+                                 "capacity_bytes": STRIDE, "enable_kv_events": tier_flag}]
+        }))
+        .unwrap();
+        let region = region(4);
+        let clock = ManualClock::new();
+        let mut ctx = TierBuildContext::new(
+            region.clone(),
+            Arc::new(clock) as Arc<dyn Clock>,
+            "1:fs".into(),
+        );
+        ctx.file_mapper_fields = Some(fields());
+        ctx.events = host_flag;
+        let mut tier = TierFactory::with_builtins()
+            .create(&cfg.secondary_tiers[0], &ctx)
+            .expect("an fs tier under /tmp");
+        let (k1, k2) = (key(88, 1), key(88, 2));
+        for (id, (k, row)) in [(&k1, 0u32), (&k2, 1u32)].into_iter().enumerate() {
+            write_row(&region, row, k);
+            tier.submit_store(TransferJob {
+                job_id: id as u64,
+                keys: vec![k.clone()],
+                chunk_ids: vec![row],
+                is_promotion: false,
+                req_id: "r".into(),
+                submit_time: std::time::Instant::now(),
+            });
+            tier.drain_jobs();
+            let done = tier.get_finished_jobs();
+            assert!(done.len() == 1 && done[0].success, "{done:?}");
+        }
+        // Eviction runs on the I/O threads: wait until the tier counts it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while fs_metric(tier.as_ref(), "fs_evictions") < 1.0 {
+            assert!(std::time::Instant::now() < deadline, "k1 was not evicted");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let events = tier.take_events();
+        let stored: Vec<_> = events.iter().filter(|e| !e.removed).collect();
+        let removed: Vec<_> = events
+            .iter()
+            .filter(|e| e.removed)
+            .flat_map(|e| &e.keys)
+            .collect();
+        if tier_flag && host_flag {
+            assert_eq!(stored.len(), 2, "one event per store job: {events:?}");
+            assert_eq!(stored[0].keys, vec![k1.clone()]);
+            assert_eq!(stored[1].keys, vec![k2.clone()]);
+            assert_eq!(removed, vec![&k1]);
+        } else {
+            assert!(
+                events.is_empty(),
+                "tier flag {tier_flag}, host flag {host_flag}: {events:?}"
+            );
+        }
+        tier.shutdown().unwrap();
+    }
+    let bad = config::from_value(json!({
+        "cpu_bytes_to_use": 4 * STRIDE,
+        "secondary_tiers": [{"type": "fs", "root_dir": "/tmp", "capacity_bytes": STRIDE,
+                             "enable_kv_events": "yes"}]
+    }))
+    .and_then(|cfg| FsTierConfig::from_tier(&cfg.secondary_tiers[0]))
+    .expect_err("a string is not a boolean");
+    assert_eq!(
+        bad.context_value("key"),
+        Some("secondary_tiers[0].enable_kv_events")
+    );
+}
+
+fn fs_metric(t: &dyn SecondaryTier, name: &str) -> f64 {
+    t.metrics()
+        .into_iter()
+        .find(|m| m.name == name)
+        .unwrap_or_else(|| panic!("no metric {name}"))
+        .value
+}

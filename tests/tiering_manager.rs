@@ -718,3 +718,75 @@ fn reset_tells_the_tiers_of_finished_requests_in_arrival_order() {
         assert_eq!(log.lock().finished, ids);
     }
 }
+
+/// A store prepared before `reset_cache` and completed after it (kvtier keeps the row in
+/// flight; vLLM 0.33 drops it and its scheduler never completes the store): the row is
+/// published, but no tier gets a store job for it (vLLM's tiers never see one), not even for
+/// a request the tiers already heard had finished, and the request's pending stores, zeroed
+/// by the reset, are not counted down again (a store it prepares after the reset still holds
+/// its finish back, as in vLLM).
+#[test]
+fn stores_prepared_before_a_reset_reach_no_tier_after_it() {
+    let clock = ManualClock::new();
+    let (mut m, logs) = manager_with(
+        16,
+        &clock,
+        vec![
+            inline_opts("1:memory", &clock, 0, 0, FaultPlan::default()),
+            inline_opts("2:memory", &clock, 0, 0, FaultPlan::default()),
+        ],
+    );
+    let (a, b) = (req("a"), req("b"));
+    m.on_new_request(&a);
+    m.on_new_request(&b);
+    let (k1, k2, k3) = (key(900, 1), key(900, 2), key(900, 3));
+    let out_a = m
+        .prepare_store(std::slice::from_ref(&k1), &a)
+        .expect("room");
+    write_row(m.region(), out_a.chunk_ids[0], &k1);
+    let out_b = m
+        .prepare_store(std::slice::from_ref(&k2), &b)
+        .expect("room");
+    write_row(m.region(), out_b.chunk_ids[0], &k2);
+    m.on_request_finished(&b);
+    m.reset_cache().expect("drained");
+    m.on_reset_flushed();
+    // As vLLM: the reset told the tiers of b (finished), a's pending store is forgotten, so
+    // a's finish reaches the tiers at once.
+    m.on_request_finished(&a);
+    for log in &logs {
+        assert_eq!(log.lock().finished, vec!["b".to_string(), "a".to_string()]);
+    }
+    let submitted: Vec<usize> = logs.iter().map(|l| l.lock().submitted.len()).collect();
+    // The late completions publish the rows and submit nothing.
+    m.complete_store(std::slice::from_ref(&k1), &a, true);
+    m.complete_store(std::slice::from_ref(&k2), &b, true);
+    end_step(&mut m);
+    for (log, before) in logs.iter().zip(&submitted) {
+        let l = log.lock();
+        assert_eq!(
+            l.submitted.len(),
+            *before,
+            "no store job after the tiers heard the finish"
+        );
+        assert!(l.violations.is_empty(), "{:?}", l.violations);
+    }
+    assert_eq!(m.primary().ref_count(&k1), Some(0), "k1 published");
+    assert_eq!(m.primary().ref_count(&k2), Some(0), "k2 published");
+    // A request alive across the reset: its store prepared after the reset counts again.
+    let c = req("c");
+    m.on_new_request(&c);
+    let out_c = m
+        .prepare_store(std::slice::from_ref(&k3), &c)
+        .expect("room");
+    write_row(m.region(), out_c.chunk_ids[0], &k3);
+    m.on_request_finished(&c);
+    assert_eq!(logs[0].lock().finished.len(), 2, "c's store is pending");
+    m.complete_store(std::slice::from_ref(&k3), &c, true);
+    for (log, before) in logs.iter().zip(&submitted) {
+        let l = log.lock();
+        assert_eq!(l.submitted.len(), before + 1, "c's store cascades");
+        assert_eq!(l.finished.last().map(String::as_str), Some("c"));
+    }
+    assert_eq!(m.contract_violations(), 0);
+}

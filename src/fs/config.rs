@@ -98,6 +98,9 @@ pub struct FsTierConfig {
     pub fsync: FsSync,
     /// Integrity records.
     pub integrity: Integrity,
+    /// vLLM's fs tier's `enable_kv_events` (default false): stored / removed events only when
+    /// this and the host's KV-events switch are both on.
+    pub enable_kv_events: bool,
     /// Threads for the blocking per-file steps (and psync engine threads).
     pub io_threads: usize,
     /// Threads that check existence for lookups.
@@ -128,6 +131,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "lookup_timeout_ms",
     "stale_temp_s",
     "max_queued_jobs",
+    "enable_kv_events",
     "module_path",
 ];
 
@@ -142,6 +146,7 @@ impl FsTierConfig {
             direct_io: DirectIoMode::Auto,
             fsync: FsSync::Never,
             integrity: Integrity::Xattr,
+            enable_kv_events: false,
             io_threads: DEFAULT_IO_THREADS,
             lookup_threads: DEFAULT_LOOKUP_THREADS,
             lookup_cache_entries: DEFAULT_LOOKUP_CACHE_ENTRIES,
@@ -238,6 +243,14 @@ impl FsTierConfig {
         }
         if let Some(v) = p.get("max_queued_jobs") {
             cfg.max_queued_jobs = count(v, &kp("max_queued_jobs"))?;
+        }
+        if let Some(v) = p.get("enable_kv_events") {
+            cfg.enable_kv_events = v.as_bool().ok_or_else(|| {
+                Error::config(
+                    kp("enable_kv_events"),
+                    format!("expected true or false, found {v}"),
+                )
+            })?;
         }
         cfg.validate(&prefix, None)?;
         Ok(cfg)

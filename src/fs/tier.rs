@@ -99,6 +99,12 @@ impl std::fmt::Debug for FsTier {
 }
 
 impl FsTier {
+    /// Whether the tier records stored / removed events (on when opened; the tier factory
+    /// applies `enable_kv_events` and the host's KV-events switch, as vLLM's fs tier does).
+    pub fn set_events_enabled(&self, enabled: bool) {
+        self.sh.events.store(enabled, Ordering::Relaxed);
+    }
+
     /// Opens the tier under `cfg.root_dir` for chunks of `region.row_stride()` bytes.
     /// `fields` are vLLM's FileMapper fields of the model (they name the folder, see
     /// [`FileMapper`]); `namespace` is kvtier's namespace digest, kept in the folder's
@@ -232,6 +238,7 @@ impl FsTier {
             integrity: cfg.integrity,
             fsync: cfg.fsync,
             dirs: DirCache::default(),
+            events: AtomicBool::new(true),
         });
         let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(cfg.max_queued_jobs + CONTROL_SLACK);
         let (results_tx, results_rx) = crossbeam_channel::unbounded();

@@ -18,7 +18,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, never};
@@ -74,6 +74,9 @@ pub(crate) struct Shared {
     pub fsync: FsSync,
     /// Directories known to exist.
     pub dirs: DirCache,
+    /// Whether stored / removed events are recorded (true until
+    /// [`crate::fs::FsTier::set_events_enabled`] says otherwise).
+    pub events: AtomicBool,
 }
 
 impl Shared {
@@ -751,6 +754,9 @@ impl Worker {
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
+        if !self.sh.events.load(Ordering::Relaxed) {
+            return;
+        }
         let _ = self.events_tx.send(OffloadingEvent {
             keys,
             medium: Medium::Storage,

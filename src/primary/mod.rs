@@ -401,6 +401,22 @@ impl PrimaryTier {
         }
     }
 
+    /// Keys whose write is in flight (`ref_cnt == -1`: a `prepare_store` or `prepare_write`
+    /// not yet completed), in slot order. O(capacity).
+    pub fn writes_in_flight(&self) -> Vec<ChunkKey> {
+        let mut slots: Vec<u32> = self
+            .slots
+            .iter_resident()
+            .filter(|(_, r, _)| *r == IN_FLIGHT)
+            .map(|(slot, _, _)| slot)
+            .collect();
+        slots.sort_unstable();
+        slots
+            .into_iter()
+            .filter_map(|s| self.slots.key_of(s))
+            .collect()
+    }
+
     /// Drops every ready, unpinned entry (`ref_cnt == 0`) and returns how many. Pinned
     /// entries (`ref_cnt > 0`) and writes in flight (`ref_cnt == -1`) stay, with their slots,
     /// so outstanding `complete_load` / `complete_read` / `complete_store` calls still

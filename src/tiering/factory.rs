@@ -291,6 +291,7 @@ pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn
             ),
         ));
     };
+    let tier_events = fs.enable_kv_events;
     let tier = FsTier::open(
         fs,
         ctx.region.clone(),
@@ -299,6 +300,15 @@ pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn
         ctx.tier_label.clone(),
         cfg.locality,
     )?;
+    // vLLM's fs tier's rule: events when the tier asks for them and the host records them.
+    if tier_events && !ctx.events {
+        log::warn!(
+            "{}.enable_kv_events is set but KV events are off for the manager; the tier \
+             records none",
+            cfg.key_path()
+        );
+    }
+    tier.set_events_enabled(ctx.events && tier_events);
     Ok(Box::new(tier))
 }
 

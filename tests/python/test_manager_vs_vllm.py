@@ -17,9 +17,12 @@ Sequences are generated against vLLM as it runs, so every call is one vLLM's sch
 make (loads only of ready keys, completions only of prepared stores, job reports only of jobs
 a tier received). Kinds: LRU and ARC with no secondary tier, then one and two tiers with
 chunk- and request-level policies, and two tiers with requests finished while a store they
-prepared is pending (when vLLM forwards ``on_request_finished`` to the tiers, issue 28)
-(``KINDS``). A divergence fails with the shortest sequence
-that still shows it (calls removed one by one while it does), with its seed.
+prepared is pending (when vLLM forwards ``on_request_finished`` to the tiers, issue 28), and
+one request-level plus one chunk-level tier with keys shared between requests, several stores
+per request completed out of order, and requests finished with stores pending or cascades
+parked on another request's write (``mixed_pending``: each situation of ``MIXED_SITUATIONS``
+required in at least 100 of its 500 sequences) (``KINDS``). A divergence fails with the
+shortest sequence that still shows it (calls removed one by one while it does), with its seed.
 
 Deliberately not replayed: partial promotion failures of more than one key (vLLM frees them
 in Python set order, which PYTHONHASHSEED varies); ``reset_cache`` (kvtier keeps pinned and in-flight rows, see
@@ -336,12 +339,30 @@ KINDS = {
     # Two tiers, and `finish` aimed at requests whose GPU -> primary store is still pending
     # (vLLM tells the tiers only once it completes: `_maybe_finalize_request`).
     "two_tiers_pending": (["lru", "arc"], [2]),
+    # One request-level and one chunk-level tier, keys shared between requests, several
+    # stores per request completed out of order (a fifth failed), and `finish` aimed at
+    # requests with a store pending or a request-level cascade parked on another request's
+    # write in flight (vLLM's `pending_primary_stores` and `pending_cascade_keys`, issue 28).
+    "mixed_pending": (["lru", "arc"], [2]),
 }
 
 #: Sequences of `two_tiers_pending` in which a request finished while a store it prepared was
 #: still pending, counted by `random_scenario` (the test requires many, so that the kind
 #: covers what it is for).
 FINISHED_WITH_PENDING_STORE: list[int] = [0]
+
+#: Per situation, the `mixed_pending` sequences that reached it at least once (read from
+#: vLLM's manager state as it runs): a request finished with a store pending, finished with
+#: cascade keys parked, a `prepare_store` with nothing new to store by a request with a store
+#: pending, keys parked on another request's write, and a parked cascade retried by a
+#: `schedule_end` after its request finished.
+MIXED_SITUATIONS: dict[str, int] = {
+    "finish_pending_store": 0,
+    "finish_parked": 0,
+    "empty_store_while_pending": 0,
+    "parked_on_other": 0,
+    "flush_after_finish": 0,
+}
 
 
 def make_key(i: int, group: int) -> str:
@@ -354,13 +375,16 @@ def random_scenario(rng: random.Random, kind: str, length: int):
     groups = rng.choice([1, 1, 2])
     keys = [make_key(i + 1, rng.randrange(groups)) for i in range(nkeys)]
     tiers = []
-    for _ in range(rng.choice(tier_counts)):
+    mixed = kind == "mixed_pending"
+    tier_policies = rng.sample(["chunk", "request"], 2) if mixed else None
+    for t in range(rng.choice(tier_counts)):
         tiers.append({
-            "policy": rng.choice(["chunk", "request"]),
+            "policy": tier_policies[t] if mixed else rng.choice(["chunk", "request"]),
             "contents": [k for k in keys if rng.random() < 0.4],
             "busy": [k for k in keys if rng.random() < 0.1],
         })
-    scn = {"policy": rng.choice(policies), "num_chunks": rng.randint(1, 6), "keys": keys,
+    scn = {"policy": rng.choice(policies),
+           "num_chunks": rng.randint(3, 8) if mixed else rng.randint(1, 6), "keys": keys,
            "tiers": tiers, "calls": []}
     run = VllmRun(scn)
     observations = []
@@ -370,10 +394,17 @@ def random_scenario(rng: random.Random, kind: str, length: int):
     loads: list[tuple[str, list[str]]] = []
     next_req = 0
     finished_storing = False
+    seen: set[str] = set()
+
+    def vllm_state(req):
+        return run.mgr._req_state.get(req)
+
     for _ in range(length):
         r = rng.random()
-        c = None
-        if r < 0.08 or not open_reqs:
+        c = mixed_call(rng, keys, open_reqs, pending_stores, vllm_state) if mixed else None
+        if c is not None:
+            pass
+        elif r < 0.08 or not open_reqs:
             if len(open_reqs) < 3:
                 next_req += 1
                 c = {"op": "new_request", "req": f"r{next_req}"}
@@ -431,7 +462,13 @@ def random_scenario(rng: random.Random, kind: str, length: int):
             c = {"op": "load_source", "req": rng.choice(open_reqs), "key": rng.choice(keys)}
         if c is None:
             continue
+        if mixed:
+            before = {q: (st.pending_primary_stores, len(st.pending_cascade_keys),
+                          st.is_finished)
+                      for q, st in run.mgr._req_state.items()}
         obs = run.step(c)
+        if mixed:
+            note_mixed(c, obs, before, run, seen)
         scn["calls"].append(c)
         observations.append(obs)
         op = c["op"]
@@ -453,7 +490,57 @@ def random_scenario(rng: random.Random, kind: str, length: int):
                 unscheduled.remove(q)
     if finished_storing and kind == "two_tiers_pending":
         FINISHED_WITH_PENDING_STORE[0] += 1
+    for situation in seen:
+        MIXED_SITUATIONS[situation] += 1
     return scn, observations
+
+
+def mixed_call(rng, keys, open_reqs, pending_stores, vllm_state):
+    """`mixed_pending`'s own calls (40 % of them; `None`: use the common mix): stores of
+    keys other requests are writing, completions out of order, finishes of requests with
+    work pending, and steps that retry parked cascades."""
+    if not open_reqs or rng.random() < 0.6:
+        return None
+    r = rng.random()
+    in_flight = [k for _, ks in pending_stores for k in ks]
+    if r < 0.35:
+        req = rng.choice(open_reqs)
+        # Keys another request (or this one) is writing, keys already present, new keys.
+        pool = list(dict.fromkeys(in_flight + keys))[: len(set(in_flight)) + 2]
+        ks = rng.sample(pool, min(len(pool), rng.randint(1, 3)))
+        return {"op": "prepare_store", "req": req, "keys": ks}
+    if r < 0.55 and pending_stores:
+        req, ks = pending_stores.pop(rng.randrange(len(pending_stores)))
+        return {"op": "complete_store", "req": req, "keys": ks, "success": rng.random() < 0.8}
+    if r < 0.8:
+        busy = [q for q in open_reqs
+                if (st := vllm_state(q)) is not None
+                and (st.pending_primary_stores or st.pending_cascade_keys)]
+        return {"op": "finish", "req": rng.choice(busy or open_reqs)}
+    return {"op": "schedule_end", "new": []}
+
+
+def note_mixed(c, obs, before, run, seen):
+    """Which situations of :data:`MIXED_SITUATIONS` the call just reached (vLLM's state
+    before and after it)."""
+    op = c["op"]
+    req = c.get("req")
+    if op == "finish":
+        pending, parked, _ = before.get(req, (0, 0, False))
+        if pending:
+            seen.add("finish_pending_store")
+        if parked:
+            seen.add("finish_parked")
+    elif op == "prepare_store" and obs["ret"] is not None:
+        pending, parked, _ = before.get(req, (0, 0, False))
+        if not obs["ret"]["store"] and pending:
+            seen.add("empty_store_while_pending")
+        st = run.mgr._req_state.get(req)
+        if st is not None and len(st.pending_cascade_keys) > parked:
+            seen.add("parked_on_other")
+    elif op == "schedule_end":
+        if any(parked and finished for pending, parked, finished in before.values()):
+            seen.add("flush_after_finish")
 
 
 # -- kvtier and comparison -------------------------------------------------------------------
@@ -512,9 +599,14 @@ def check_kind(kind: str, seed: int, count: int, length=(5, 40)):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_manager_matches_vllm(kind):
     before = FINISHED_WITH_PENDING_STORE[0]
-    check_kind(kind, seed=17, count=1000 if kind != "two_tiers_pending" else 500)
+    situations = dict(MIXED_SITUATIONS)
+    check_kind(kind, seed=17, count=1000 if kind not in ("two_tiers_pending",
+                                                          "mixed_pending") else 500)
     if kind == "two_tiers_pending":
         assert FINISHED_WITH_PENDING_STORE[0] - before >= 100, FINISHED_WITH_PENDING_STORE
+    if kind == "mixed_pending":
+        reached = {k: MIXED_SITUATIONS[k] - situations[k] for k in MIXED_SITUATIONS}
+        assert all(n >= 100 for n in reached.values()), reached
 
 
 # -- minimized divergences fixed by issue 17, kept as regression cases ------------------------

@@ -74,7 +74,28 @@ impl TieringManager {
     /// The GPU -> primary copy finished. On success the chunks become readable and every
     /// secondary tier gets a store job (through its back-pressure gate), each pinning the
     /// rows until that tier reports; on failure the rows are freed.
+    ///
+    /// A store prepared before the last [`reset_cache`](TieringManager::reset_cache) (whose
+    /// rows kvtier kept in flight, where vLLM drops them and never completes the store) only
+    /// publishes or frees its rows: as in vLLM, no tier hears of it and the request's pending
+    /// stores, zeroed by the reset, are not counted down again.
     pub fn complete_store(&mut self, keys: &[ChunkKey], req: &RequestContext, success: bool) {
+        if !self.stale_stores.is_empty() {
+            let (stale, fresh): (Vec<ChunkKey>, Vec<ChunkKey>) = keys
+                .iter()
+                .cloned()
+                .partition(|k| self.stale_stores.contains(k));
+            if !stale.is_empty() {
+                for k in &stale {
+                    self.stale_stores.remove(k);
+                }
+                self.primary.complete_store(&stale, success);
+                if fresh.is_empty() {
+                    return;
+                }
+                return self.complete_store(&fresh, req, success);
+            }
+        }
         self.primary.complete_store(keys, success);
         if success {
             let ready: Vec<ChunkKey> = keys

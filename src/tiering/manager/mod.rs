@@ -195,6 +195,12 @@ pub struct TieringManager {
     next_arrival: u64,
     /// Requests with parked cascade keys, by arrival.
     parked_cascades: BTreeMap<u64, Arc<str>>,
+    /// Keys whose GPU -> primary write was in flight at the last `reset_cache`. vLLM drops
+    /// those rows and its scheduler never completes the stores (stale jobs); kvtier keeps the
+    /// rows (docs/primary.md, "Deviations"), so their late `complete_store` only publishes or
+    /// frees the rows: no tier gets a store job for them (the reset already told the tiers of
+    /// the finished requests) and no request's count of pending stores moves.
+    stale_stores: FastSet<ChunkKey>,
     promotions_held: bool,
     polled_this_step: bool,
     errors: Vec<Error>,
@@ -336,6 +342,7 @@ impl TieringManager {
             requests: FastMap::default(),
             next_arrival: 0,
             parked_cascades: BTreeMap::new(),
+            stale_stores: FastSet::default(),
             promotions_held: false,
             polled_this_step: false,
             errors: Vec::new(),
@@ -584,6 +591,9 @@ impl TieringManager {
             self.maybe_finalize(&id);
         }
         self.primary.reset_cache();
+        // Every job was reported and every unsubmitted promotion freed above, so the writes
+        // still in flight are GPU -> primary stores prepared before the reset.
+        self.stale_stores = self.primary.writes_in_flight().into_iter().collect();
         for t in &mut self.tiers {
             if let Some(d) = &mut t.detector {
                 d.reset();
