@@ -152,6 +152,12 @@ fn the_eviction_policy_key_takes_lru_or_arc_and_names_itself_otherwise() {
     assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru, "the default");
     let c = parse_nvme(serde_json::json!({"eviction_policy": "arc"})).unwrap();
     assert_eq!(c.eviction_policy, EvictionPolicyKind::Arc);
+    let c = parse_nvme(serde_json::json!({"eviction_policy": "ARC"})).unwrap();
+    assert_eq!(
+        c.eviction_policy,
+        EvictionPolicyKind::Arc,
+        "case-insensitive"
+    );
     let c = parse_nvme(serde_json::json!({"eviction_policy": "lru"})).unwrap();
     assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru);
     let e = parse_nvme(serde_json::json!({"eviction_policy": "lfu"})).unwrap_err();

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
-use crate::config::model::TierConfig;
 use crate::config::model::EvictionPolicyKind;
+use crate::config::model::TierConfig;
 use crate::contract::admission::AdmissionKind;
 use crate::error::{Error, Result};
 use crate::geometry::ChunkGeometry;
@@ -344,10 +344,12 @@ impl G3TierConfig {
                 .ok_or_else(|| bad_choice(&kp("admission"), name, &AdmissionKind::CHOICES))?;
         }
         if let Some(v) = tc.params.get("eviction_policy") {
-            cfg.eviction_policy = match str_value(v, &kp("eviction_policy"))? {
+            let name = str_value(v, &kp("eviction_policy"))?;
+            // Case-insensitive, as the primary's top-level `eviction_policy`.
+            cfg.eviction_policy = match name.to_ascii_lowercase().as_str() {
                 "lru" => EvictionPolicyKind::Lru,
                 "arc" => EvictionPolicyKind::Arc,
-                other => return Err(bad_choice(&kp("eviction_policy"), other, &["lru", "arc"])),
+                _ => return Err(bad_choice(&kp("eviction_policy"), name, &["lru", "arc"])),
             };
         }
         if let Some(v) = tc.params.get("region_huge_pages") {

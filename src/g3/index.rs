@@ -5,10 +5,10 @@ use std::collections::HashMap;
 
 use crate::config::model::EvictionPolicyKind;
 use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
-use crate::primary::policy::{ArcPolicy, EvictionPolicy};
 use crate::g3::slot_key::SlotKey;
 use crate::hash::KeyHasher;
 use crate::key::ChunkKey;
+use crate::primary::policy::{ArcPolicy, EvictionPolicy};
 
 /// A slot number within the stripe set (defined with the key table, which stores them).
 pub use crate::g3::keymap::Slot;
@@ -355,12 +355,7 @@ impl Index {
         };
         let (slots, hasher) = (&self.slots, &self.hasher);
         let mut v = Vec::with_capacity(1);
-        let mut fp = |s: u32| {
-            slots[s as usize]
-                .key
-                .bytes()
-                .map_or(0, |k| hasher.hash(k))
-        };
+        let mut fp = |s: u32| slots[s as usize].key.bytes().map_or(0, |k| hasher.hash(k));
         arc.evict(1, &[], &mut fp, &mut v).then(|| v[0])
     }
 

@@ -153,7 +153,6 @@ impl ArcPolicy {
     }
 }
 
-
 impl EvictionPolicy for ArcPolicy {
     fn name(&self) -> &'static str {
         "arc"
