@@ -213,3 +213,44 @@ fn tinylfu_decides_against_the_victim_of_the_eviction_policy() {
         t.shutdown().unwrap();
     }
 }
+
+/// A job's keys are a prefix: a key rejected before an admitted one would end the reusable
+/// prefix there, so it is admitted too. Two slots hold keys 0 and 1 (estimate 2 each: a store
+/// and a lookup; LRU order 0, 1). Key 5 asked for twice (estimate 2). Job [4, 5]: key 4
+/// (estimate 1) loses to key 0 (2); key 5 (3) beats key 0: admitted, and so key 4 before it.
+/// Both written, keys 0 and 1 evicted; nothing counted rejected.
+#[test]
+fn a_key_rejected_before_an_admitted_one_is_admitted_too() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], 2);
+    cfg.admission = AdmissionKind::TinyLfu;
+    let mut t = open(cfg, &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 5), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 5), LookupResult::Miss);
+    let res = run(&mut t, job(2, &[4, 5], &[4, 5], false));
+    assert!(res.success, "{res:?}");
+    assert_eq!(res.transfer_bytes, Some(2 * STRIDE as u64));
+    for (k, want) in [
+        (4, LookupResult::Hit),
+        (5, LookupResult::Hit),
+        (0, LookupResult::Miss),
+        (1, LookupResult::Miss),
+    ] {
+        assert_eq!(lookup(&mut t, k), want, "key {k}");
+    }
+    assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 4.0);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 0.0);
+    // Job [6, 7], both never asked for (estimate 1) against keys 4 and 5: both rejected,
+    // nothing after them admitted, nothing to close.
+    let res = run(&mut t, job(3, &[6, 7], &[6, 7], false));
+    assert_eq!(res.transfer_bytes, Some(0));
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 2.0);
+    t.shutdown().unwrap();
+}
