@@ -172,11 +172,11 @@ impl AdmissionGate {
         }
         // Prefix closure: admit every rejected key before the last admitted one.
         if let Some(last) = last_admitted {
-            for i in 0..last {
-                if !keep[i] {
-                    keep[i] = true;
+            for (k, key) in keep[..last].iter_mut().zip(&job.keys) {
+                if !*k {
+                    *k = true;
                     rejected -= 1;
-                    admitted.push(job.keys[i].clone());
+                    admitted.push(key.clone());
                 }
             }
         }
