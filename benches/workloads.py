@@ -23,16 +23,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-POLICIES = ("all", "tinylfu")
-LABELS = {"all": "admit-all LRU", "tinylfu": "TinyLFU admission (LRU)"}
-COLORS = {"all": "#1f77b4", "tinylfu": "#d62728", "vllm-fs": "#2ca02c",
+# Policy name -> (--admission, --tier-eviction).
+POLICY_FLAGS = {"all": ("all", "lru"), "arc": ("all", "arc"), "tinylfu": ("tinylfu", "lru"),
+                "tinylfu-arc": ("tinylfu", "arc")}
+POLICIES = tuple(POLICY_FLAGS)
+LABELS = {"all": "admit-all LRU", "arc": "admit-all ARC", "tinylfu": "TinyLFU admission (LRU)",
+          "tinylfu-arc": "TinyLFU admission (ARC)"}
+COLORS = {"all": "#1f77b4", "arc": "#17becf", "tinylfu": "#d62728", "tinylfu-arc": "#8c564b",
+          "vllm-fs": "#2ca02c",
           "vllm-kvtier-all": "#9467bd", "vllm-kvtier-tinylfu": "#ff7f0e"}
 
 
 def replay(args, capacity: int, policy: str) -> dict:
     cmd = [args.kvtier, "replay", "--trace", str(args.trace), "--json",
            "--bytes-per-block", args.bytes_per_block, "--primary", args.primary,
-           "--tier-capacity", f"{capacity}%", "--admission", policy, "--fsync", args.fsync]
+           "--tier-capacity", f"{capacity}%", "--admission", POLICY_FLAGS[policy][0],
+           "--tier-eviction", POLICY_FLAGS[policy][1], "--fsync", args.fsync]
     if args.path:
         cmd += ["--path", str(args.path)]
     print("+", " ".join(cmd), file=sys.stderr)
@@ -102,7 +108,7 @@ def svg(rows: list[dict], vllm: list[dict], title: str) -> str:
     w, h, pad_l, pad_b, pad_t = 420, 300, 60, 45, 35
     caps = sorted({r["capacity_pct"] for r in rows})
     series = {p: sorted((r for r in rows if r["policy"] == p), key=lambda r: r["capacity_pct"])
-              for p in POLICIES}
+              for p in POLICIES if any(r["policy"] == p for r in rows)}
     # Writes in blocks (bytes written / bytes per block), so that vLLM's rows (4 KiB blocks,
     # its process's storage writes) and kvtier replay's (--bytes-per-block) compare.
     panels = [("tier hit ratio (% of block references)", lambda r: 100 * r["tier_hit_ratio"]),
@@ -141,7 +147,7 @@ def svg(rows: list[dict], vllm: list[dict], title: str) -> str:
             color = COLORS.get(v["key"], "#2ca02c")
             out.append(f'<rect x="{px(c) - 4:.1f}" y="{py(val) - 4:.1f}" width="8" height="8" '
                        f'fill="none" stroke="{color}" stroke-width="2"/>')
-    legend = [(LABELS[p], COLORS[p], "line") for p in POLICIES]
+    legend = [(LABELS[p], COLORS[p], "line") for p in series]
     legend += [(f"vLLM manager, {v['tier']}", COLORS.get(v["key"], "#2ca02c"), "box") for v in vllm]
     for j, (name, color, kind) in enumerate(legend):
         x = 40 + (j % 3) * 280
@@ -170,11 +176,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write every report here (JSON)")
     ap.add_argument("--svg", type=Path, help="write the plot here")
     ap.add_argument("--from-json", type=Path, help="redraw from an earlier --out, no replay")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"which to replay, of {', '.join(POLICIES)}")
+    ap.add_argument("--keep", type=Path,
+                    help="an earlier --out: its rows of policies not replayed now are kept")
     args = ap.parse_args()
     if args.from_json:
         rows = json.loads(args.from_json.read_text())
     else:
-        rows = [replay(args, int(c), p) for c in args.capacities.split(",") for p in POLICIES]
+        run = args.policies.split(",")
+        unknown = [p for p in run if p not in POLICY_FLAGS]
+        if unknown:
+            raise SystemExit(f"unknown policies {unknown}; expected some of {', '.join(POLICIES)}")
+        rows = [r for r in json.loads(args.keep.read_text()) if r["policy"] not in run] \
+            if args.keep else []
+        rows += [replay(args, int(c), p) for c in args.capacities.split(",") for p in run]
+        rows.sort(key=lambda r: (r["capacity_pct"], POLICIES.index(r["policy"])))
     vllm = json.loads(args.vllm.read_text()) if args.vllm else []
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 //! the first miss ends the reusable prefix), promotions into the primary, computed blocks
 //! stored in the primary (LRU) and cascaded to the G3 tier (LRU), and the TinyLFU rule for
 //! `--admission tinylfu` (a key's estimate counts the tier's lookups of it and the stores that
-//! offered it; admitted into a free slot, or when its estimate beats the LRU entry's).
+//! offered it; admitted into a free slot, or when its estimate beats the LRU entry's), and
+//! ARC's rules for `--tier-eviction arc`.
 
 mod cli_common;
 
@@ -32,6 +33,16 @@ fn replay(
     tier: &str,
     admission: &str,
 ) -> serde_json::Value {
+    replay_evicting(t, primary, tier, admission, "lru")
+}
+
+fn replay_evicting(
+    t: &tempfile::NamedTempFile,
+    primary: &str,
+    tier: &str,
+    admission: &str,
+    eviction: &str,
+) -> serde_json::Value {
     let path = t.path().to_str().unwrap();
     let out = kvtier(&[
         "replay",
@@ -45,6 +56,8 @@ fn replay(
         tier,
         "--admission",
         admission,
+        "--tier-eviction",
+        eviction,
         "--path",
         "/tmp",
         "--json",
@@ -132,6 +145,34 @@ fn admit_all_on_the_same_sequence_serves_more_and_writes_more() {
     assert_eq!(n(&v, "admitted_blocks"), 0);
 }
 
+/// Primary 1 block, tier 3 slots, admit-all. ARC (T1: stored, not served yet; T2: served by
+/// the tier; p = 0 throughout, as no ghost is hit) against LRU:
+/// R1 [1], R2 [2]: computed, stored: T1 [2 1].                           P {2}
+/// R3 [1]: primary miss, tier hit: T2 [1], T1 [2].                          P {1}
+/// R4 [3]: computed, free slot: T1 [3 2].                                  P {3}
+/// R5 [2]: primary miss, tier hit: T2 [2 1], T1 [3]. LRU order: 1 3 2.      P {2}
+/// R6 [4]: computed; full. ARC: |T1| = 1 > p: evicts T1's 3; LRU evicts 1.  P {4}
+/// R7 [1]: primary miss. ARC: tier hit. LRU: miss, computed, stored (evicts 3).
+/// ARC: tier 3 served, 4 computed, 4 written. LRU: tier 2, 5 computed, 5 written.
+#[test]
+fn arc_keeps_the_blocks_the_tier_served() {
+    let t = trace(&[&[1], &[2], &[1], &[3], &[2], &[4], &[1]]);
+    let v = replay_evicting(&t, "4KiB", "12KiB", "all", "arc");
+    assert_eq!(v["tier_eviction"], "arc");
+    assert_eq!(n(&v, "served_primary"), 0);
+    assert_eq!(n(&v, "served_tier"), 3);
+    assert_eq!(n(&v, "recomputed"), 4);
+    assert_eq!(n(&v, "nvme_bytes_written"), 4 * 4096);
+    assert_eq!(n(&v, "nvme_bytes_read"), 3 * 4096);
+    let v = replay_evicting(&t, "4KiB", "12KiB", "all", "lru");
+    assert_eq!(v["tier_eviction"], "lru");
+    assert_eq!(n(&v, "served_primary"), 0);
+    assert_eq!(n(&v, "served_tier"), 2);
+    assert_eq!(n(&v, "recomputed"), 5);
+    assert_eq!(n(&v, "nvme_bytes_written"), 5 * 4096);
+    assert_eq!(n(&v, "nvme_bytes_read"), 2 * 4096);
+}
+
 #[test]
 fn capacities_as_shares_and_bad_flags() {
     let t = trace(&[&[1, 2], &[3, 4]]);
@@ -142,6 +183,7 @@ fn capacities_as_shares_and_bad_flags() {
     let path = t.path().to_str().unwrap();
     for (flag, value, needle) in [
         ("--admission", "lfu", "--admission"),
+        ("--tier-eviction", "lfu", "--tier-eviction"),
         ("--bytes-per-block", "1000", "--bytes-per-block"),
         ("--tier-capacity", "0%", "--tier-capacity"),
         ("--fsync", "sometimes", "--fsync"),

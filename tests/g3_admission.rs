@@ -144,3 +144,113 @@ fn the_admission_key_takes_all_or_tinylfu_and_names_itself_otherwise() {
     let e = parse_nvme(serde_json::json!({"admission": 1})).unwrap_err();
     assert_eq!(e.context_value("key"), Some("secondary_tiers[0].admission"));
 }
+
+#[test]
+fn the_eviction_policy_key_takes_lru_or_arc_and_names_itself_otherwise() {
+    use kvtier::config::EvictionPolicyKind;
+    let c = parse_nvme(serde_json::json!({})).unwrap();
+    assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru, "the default");
+    let c = parse_nvme(serde_json::json!({"eviction_policy": "arc"})).unwrap();
+    assert_eq!(c.eviction_policy, EvictionPolicyKind::Arc);
+    let c = parse_nvme(serde_json::json!({"eviction_policy": "ARC"})).unwrap();
+    assert_eq!(
+        c.eviction_policy,
+        EvictionPolicyKind::Arc,
+        "case-insensitive"
+    );
+    let c = parse_nvme(serde_json::json!({"eviction_policy": "lru"})).unwrap();
+    assert_eq!(c.eviction_policy, EvictionPolicyKind::Lru);
+    let e = parse_nvme(serde_json::json!({"eviction_policy": "lfu"})).unwrap_err();
+    assert_eq!(
+        e.context_value("key"),
+        Some("secondary_tiers[0].eviction_policy")
+    );
+    assert!(e.to_string().contains("arc"), "{e}");
+    let e = parse_nvme(serde_json::json!({"eviction_polcy": "arc"})).unwrap_err();
+    assert_eq!(e.context_value("did_you_mean"), Some("eviction_policy"));
+    let e = parse_nvme(serde_json::json!({"eviction_policy": 1})).unwrap_err();
+    assert_eq!(
+        e.context_value("key"),
+        Some("secondary_tiers[0].eviction_policy")
+    );
+}
+
+/// TinyLFU weighs a candidate against the entry the configured eviction policy would evict.
+/// Four slots: keys 0 and 1 stored and looked up (estimate 2 each; ARC's T2), keys 2 and 3
+/// stored (estimate 1; ARC's T1). Key 4 asked for once, then offered (estimate 2). LRU would
+/// evict key 0 (the least recently used; estimate 2, a tie: rejected). ARC evicts T1's least
+/// recent entry, key 2 (estimate 1): admitted, key 2 gone, key 0 kept.
+#[test]
+fn tinylfu_decides_against_the_victim_of_the_eviction_policy() {
+    use kvtier::config::EvictionPolicyKind;
+    for policy in [EvictionPolicyKind::Lru, EvictionPolicyKind::Arc] {
+        let d = tmpdir();
+        let r = region(8);
+        let mut cfg = config(&[d.path()], 4);
+        cfg.admission = AdmissionKind::TinyLfu;
+        cfg.eviction_policy = policy;
+        let mut t = open(cfg, &r);
+        for i in 0..8u32 {
+            fill_row(&r, i, u64::from(i));
+        }
+        assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+        assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+        assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+        assert!(run(&mut t, job(2, &[2, 3], &[2, 3], false)).success);
+        assert_eq!(lookup(&mut t, 4), LookupResult::Miss);
+        let res = run(&mut t, job(3, &[4], &[4], false));
+        assert!(res.success, "{policy:?}: {res:?}");
+        if policy == EvictionPolicyKind::Arc {
+            assert_eq!(res.transfer_bytes, Some(STRIDE as u64), "ARC: admitted");
+            assert_eq!(lookup(&mut t, 4), LookupResult::Hit);
+            assert_eq!(lookup(&mut t, 2), LookupResult::Miss, "ARC's victim");
+            assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+        } else {
+            assert_eq!(res.transfer_bytes, Some(0), "LRU: a tie with key 0");
+            assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+            assert_eq!(lookup(&mut t, 2), LookupResult::Hit);
+        }
+        t.shutdown().unwrap();
+    }
+}
+
+/// A job's keys are a prefix: a key rejected before an admitted one would end the reusable
+/// prefix there, so it is admitted too. Two slots hold keys 0 and 1 (estimate 2 each: a store
+/// and a lookup; LRU order 0, 1). Key 5 asked for twice (estimate 2). Job [4, 5]: key 4
+/// (estimate 1) loses to key 0 (2); key 5 (3) beats key 0: admitted, and so key 4 before it.
+/// Both written, keys 0 and 1 evicted; nothing counted rejected.
+#[test]
+fn a_key_rejected_before_an_admitted_one_is_admitted_too() {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], 2);
+    cfg.admission = AdmissionKind::TinyLfu;
+    let mut t = open(cfg, &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
+    assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
+    assert_eq!(lookup(&mut t, 5), LookupResult::Miss);
+    assert_eq!(lookup(&mut t, 5), LookupResult::Miss);
+    let res = run(&mut t, job(2, &[4, 5], &[4, 5], false));
+    assert!(res.success, "{res:?}");
+    assert_eq!(res.transfer_bytes, Some(2 * STRIDE as u64));
+    for (k, want) in [
+        (4, LookupResult::Hit),
+        (5, LookupResult::Hit),
+        (0, LookupResult::Miss),
+        (1, LookupResult::Miss),
+    ] {
+        assert_eq!(lookup(&mut t, k), want, "key {k}");
+    }
+    assert_eq!(outcome(&t, "g3_admission_blocks", "admitted"), 4.0);
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 0.0);
+    // Job [6, 7], both never asked for (estimate 1) against keys 4 and 5: both rejected,
+    // nothing after them admitted, nothing to close.
+    let res = run(&mut t, job(3, &[6, 7], &[6, 7], false));
+    assert_eq!(res.transfer_bytes, Some(0));
+    assert_eq!(outcome(&t, "g3_admission_blocks", "rejected"), 2.0);
+    t.shutdown().unwrap();
+}

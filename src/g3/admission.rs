@@ -6,6 +6,12 @@
 //! succeeds, and its `transfer_bytes` count only what was written (vLLM's manager then feeds
 //! its back-pressure detector only the bytes that moved, and releases the pins of every key of
 //! the job as it does for any finished store).
+//!
+//! A job's keys are one request's blocks in prefix order, and a lookup stops at the first
+//! miss, so a key is reachable only while every key before it is held. The gate therefore
+//! keeps the job's admitted keys a prefix: every key before the last admitted one is admitted
+//! too (a key the policy rejected there would otherwise end the reusable prefix and strand
+//! the admitted keys after it).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -148,6 +154,7 @@ impl AdmissionGate {
         let fresh: Vec<usize> = (0..n).filter(|&i| !ix.is_held(&job.keys[i])).collect();
         let free = ix.free_slots();
         let victims = ix.eviction_candidates(fresh.len().saturating_sub(free));
+        let mut last_admitted = None;
         for i in fresh {
             let key = &job.keys[i];
             self.policy.record_access(key);
@@ -157,9 +164,20 @@ impl AdmissionGate {
                 .and_then(|v| victims.get(v));
             if self.policy.should_admit(key, victim) {
                 admitted.push(key.clone());
+                last_admitted = Some(i);
             } else {
                 keep[i] = false;
                 rejected += 1;
+            }
+        }
+        // Prefix closure: admit every rejected key before the last admitted one.
+        if let Some(last) = last_admitted {
+            for (k, key) in keep[..last].iter_mut().zip(&job.keys) {
+                if !*k {
+                    *k = true;
+                    rejected -= 1;
+                    admitted.push(key.clone());
+                }
             }
         }
         if rejected > 0 {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
+use crate::config::model::EvictionPolicyKind;
 use crate::config::model::TierConfig;
 use crate::contract::admission::AdmissionKind;
 use crate::error::{Error, Result};
@@ -157,6 +158,10 @@ pub struct G3TierConfig {
     /// Which offered keys the tier writes (`admission`: `all` or `tinylfu`; see
     /// [`crate::contract::admission`]).
     pub admission: AdmissionKind,
+    /// How the tier picks the entry a store evicts when it is full (`eviction_policy`: `lru`
+    /// or `arc`, as the primary's top-level key; default `lru`). Admission weighs a candidate
+    /// against the entry this policy would evict.
+    pub eviction_policy: EvictionPolicyKind,
     /// Bytes of each primary row the tier stores: a prefix of the row, so slots can be
     /// smaller than rows. `None`: the whole row. Not a config key: the embedding sets it (a
     /// canonical layout stores only its canonical area, which is shorter than vLLM's row for
@@ -199,6 +204,7 @@ impl G3TierConfig {
             idle: IdlePolicy::default(),
             gds: GdsMode::Off,
             admission: AdmissionKind::All,
+            eviction_policy: EvictionPolicyKind::Lru,
             slot_bytes: None,
             region_huge_pages: AdoptHugePages::Auto,
             layout: None,
@@ -336,6 +342,15 @@ impl G3TierConfig {
             let name = str_value(v, &kp("admission"))?;
             cfg.admission = AdmissionKind::parse(name)
                 .ok_or_else(|| bad_choice(&kp("admission"), name, &AdmissionKind::CHOICES))?;
+        }
+        if let Some(v) = tc.params.get("eviction_policy") {
+            let name = str_value(v, &kp("eviction_policy"))?;
+            // Case-insensitive, as the primary's top-level `eviction_policy`.
+            cfg.eviction_policy = match name.to_ascii_lowercase().as_str() {
+                "lru" => EvictionPolicyKind::Lru,
+                "arc" => EvictionPolicyKind::Arc,
+                _ => return Err(bad_choice(&kp("eviction_policy"), name, &["lru", "arc"])),
+            };
         }
         if let Some(v) = tc.params.get("region_huge_pages") {
             cfg.region_huge_pages = match str_value(v, &kp("region_huge_pages"))? {
@@ -548,6 +563,7 @@ pub const KNOWN_KEYS: &[&str] = &[
     "gds",
     "region_huge_pages",
     "admission",
+    "eviction_policy",
     "module_path",
     "layout",
     "enable_kv_events",

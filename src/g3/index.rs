@@ -3,10 +3,12 @@
 
 use std::collections::HashMap;
 
+use crate::config::model::EvictionPolicyKind;
 use crate::g3::keymap::{KeyTable, advise_huge_pages_spare};
 use crate::g3::slot_key::SlotKey;
 use crate::hash::KeyHasher;
 use crate::key::ChunkKey;
+use crate::primary::policy::{ArcPolicy, EvictionPolicy};
 
 /// A slot number within the stripe set (defined with the key table, which stores them).
 pub use crate::g3::keymap::Slot;
@@ -83,6 +85,11 @@ pub struct Index {
     /// Reads in flight per pinned slot (few at a time; kept out of the slot entries so that
     /// each entry fits one cache line).
     readers: HashMap<Slot, u32>,
+    /// `eviction_policy = "arc"`: the primary's ARC over the committed slots, which picks
+    /// victims instead of the LRU end (the LRU list is kept either way: checkpoints write
+    /// entries in its order). An entry is evictable while committed, unpinned and on a live
+    /// path. `None`: LRU.
+    arc: Option<Box<ArcPolicy>>,
 }
 
 const _: () = assert!(std::mem::size_of::<SlotEntry>() == 64);
@@ -125,6 +132,7 @@ impl Index {
             dead_paths: vec![false; n_paths.max(1)],
             valid: 0,
             readers: HashMap::new(),
+            arc: None,
         }
     }
 
@@ -181,6 +189,9 @@ impl Index {
             Some(s) if self.slots[s as usize].state == SlotState::Valid => {
                 self.unlink(s);
                 self.push_mru(s);
+                if let Some(arc) = &mut self.arc {
+                    arc.touch(s, true);
+                }
                 true
             }
             _ => false,
@@ -235,6 +246,7 @@ impl Index {
         e.state = SlotState::Valid;
         self.valid += 1;
         self.push_mru(slot);
+        self.arc_insert(slot);
         true
     }
 
@@ -252,6 +264,9 @@ impl Index {
         if e.state == SlotState::Valid {
             self.valid -= 1;
             self.unlink(slot);
+            if let Some(arc) = &mut self.arc {
+                arc.remove(slot);
+            }
         }
         let e = &mut self.slots[slot as usize];
         if let Some(k) = std::mem::take(&mut e.key).bytes() {
@@ -274,6 +289,10 @@ impl Index {
     /// used committed slot that no read holds. `None` when every candidate is busy.
     pub fn reserve(&mut self, key: &ChunkKey) -> Option<Reservation> {
         debug_assert!(self.find(key).is_none());
+        if let Some(arc) = &mut self.arc {
+            // A store miss: a ghost of the key adapts ARC's target before the victim is chosen.
+            arc.on_store_miss(self.hasher.hash(key.as_bytes()));
+        }
         let mut evicted = None;
         let slot = loop {
             if let Some(s) = self.free.pop() {
@@ -283,7 +302,7 @@ impl Index {
                 }
                 break s;
             }
-            let victim = self.lru_victim()?;
+            let victim = self.victim()?;
             let k = self.slots[victim as usize].key.to_chunk_key();
             self.clear_slot(victim);
             if let Some(k) = k {
@@ -304,6 +323,13 @@ impl Index {
     /// order (fewer when fewer entries can be evicted): what an admission policy weighs a
     /// candidate against. Changes nothing.
     pub fn eviction_candidates(&self, n: usize) -> Vec<ChunkKey> {
+        if let Some(arc) = &self.arc {
+            return arc
+                .peek_victims(n)
+                .into_iter()
+                .filter_map(|s| self.slots[s as usize].key.to_chunk_key())
+                .collect();
+        }
         let mut out = Vec::new();
         let mut s = self.tail;
         let mut scanned = 0;
@@ -319,6 +345,18 @@ impl Index {
             scanned += 1;
         }
         out
+    }
+
+    /// The next victim of the configured policy (ARC removes it from its lists and keeps its
+    /// fingerprint as a ghost).
+    fn victim(&mut self) -> Option<Slot> {
+        let Some(arc) = &mut self.arc else {
+            return self.lru_victim();
+        };
+        let (slots, hasher) = (&self.slots, &self.hasher);
+        let mut v = Vec::with_capacity(1);
+        let mut fp = |s: u32| slots[s as usize].key.bytes().map_or(0, |k| hasher.hash(k));
+        arc.evict(1, &[], &mut fp, &mut v).then(|| v[0])
     }
 
     fn lru_victim(&self) -> Option<Slot> {
@@ -347,6 +385,7 @@ impl Index {
         e.generation = generation;
         self.valid += 1;
         self.push_mru(slot);
+        self.arc_insert(slot);
     }
 
     /// The write of a reserved slot failed: forget the key, free the slot.
@@ -372,6 +411,10 @@ impl Index {
         }
         self.unlink(s);
         self.push_mru(s);
+        if let Some(arc) = &mut self.arc {
+            arc.touch(s, true);
+            arc.mark_non_evictable(s);
+        }
         *self.readers.entry(s).or_insert(0) += 1;
         Some((s, self.slots[s as usize].crc))
     }
@@ -387,6 +430,12 @@ impl Index {
         };
         if left == 0 {
             self.readers.remove(&slot);
+            if self.state(slot) == Some(SlotState::Valid)
+                && !self.dead_paths[self.path_of(slot)]
+                && let Some(arc) = &mut self.arc
+            {
+                arc.mark_evictable(slot);
+            }
             let Some(e) = self.slots.get_mut(slot as usize) else {
                 return;
             };
@@ -407,6 +456,9 @@ impl Index {
         let readers = self.readers.get(&slot).copied().unwrap_or(0);
         self.valid -= 1;
         self.unlink(slot);
+        if let Some(arc) = &mut self.arc {
+            arc.remove(slot);
+        }
         let e = &mut self.slots[slot as usize];
         let key = std::mem::take(&mut e.key).to_chunk_key();
         if let Some(k) = &key {
@@ -434,6 +486,11 @@ impl Index {
     pub fn mark_path_dead(&mut self, path: usize) {
         if path < self.dead_paths.len() {
             self.dead_paths[path] = true;
+            if let Some(arc) = &mut self.arc {
+                for slot in (path..self.slots.len()).step_by(self.n_paths) {
+                    arc.mark_non_evictable(slot as Slot);
+                }
+            }
         }
     }
 
@@ -490,6 +547,57 @@ impl Index {
         out
     }
 
+    // ---- eviction policy ----
+
+    /// Chooses how victims are picked (`eviction_policy`). Switching to ARC seeds T1 with the
+    /// committed entries in LRU order (the least recently used is T1's least recent entry),
+    /// target 0 and no ghosts: after recovery that is the order of the checkpoint followed
+    /// by the journal's inserts, so ARC's first victims are LRU's. Switching to LRU drops
+    /// ARC's state (the LRU list is always kept).
+    pub fn set_eviction_policy(&mut self, kind: EvictionPolicyKind) {
+        match kind {
+            EvictionPolicyKind::Lru => self.arc = None,
+            EvictionPolicyKind::Arc => {
+                self.arc = Some(Box::new(ArcPolicy::new(self.slots.len())));
+                let mut s = self.tail;
+                while s != NIL {
+                    self.arc_insert(s);
+                    s = self.slots[s as usize].prev;
+                }
+            }
+        }
+    }
+
+    /// The configured eviction policy.
+    pub fn eviction_policy(&self) -> EvictionPolicyKind {
+        if self.arc.is_some() {
+            EvictionPolicyKind::Arc
+        } else {
+            EvictionPolicyKind::Lru
+        }
+    }
+
+    /// A slot just became committed: ARC inserts it at T1's front (its ghost forgotten), as
+    /// evictable unless pinned or on a dead path.
+    fn arc_insert(&mut self, slot: Slot) {
+        let Some(arc) = &mut self.arc else {
+            return;
+        };
+        let fp = self.slots[slot as usize]
+            .key
+            .bytes()
+            .map_or(0, |k| self.hasher.hash(k));
+        arc.insert(slot, fp);
+        if !self.readers.contains_key(&slot) && !self.dead_paths[slot as usize % self.n_paths] {
+            arc.mark_evictable(slot);
+        }
+    }
+
+    /// ARC's sizes (`None` under LRU), for tests and diagnostics.
+    pub fn arc_stats(&self) -> Option<crate::primary::policy::ArcStats> {
+        self.arc.as_ref().and_then(|a| a.stats().arc)
+    }
+
     // ---- intrusive LRU list ----
 
     fn unlink(&mut self, s: Slot) {
@@ -540,6 +648,70 @@ mod tests {
         let r = ix.reserve(&k(i)).unwrap();
         ix.commit(r.slot, i, u64::from(i));
         r
+    }
+
+    /// The key a store of `i` evicts (`None`: a free slot was used).
+    fn evicts(ix: &mut Index, i: u32) -> Option<ChunkKey> {
+        store(ix, i).evicted.map(|(key, _)| key)
+    }
+
+    /// ARC over four slots, victims worked out by hand from Megiddo & Modha's rules (FAST'03,
+    /// Fig. 4): REPLACE takes T1's LRU when |T1| > p, else T2's LRU; a hit moves the entry
+    /// to T2's MRU; a miss whose ghost is in B1 sets p += max(1, |B2| / |B1|). kvtier's ARC
+    /// (vLLM's) differs from the paper in two places the sequence avoids: it takes T1 when
+    /// |T1| >= floor(p) (never |T1| == floor(p) here) and inserts a ghost hit into T1 (only
+    /// the last store below follows one, and its victim comes from T2 either way).
+    #[test]
+    fn arc_victims_follow_the_papers_rules() {
+        let mut ix = Index::new(4, 1);
+        ix.set_eviction_policy(EvictionPolicyKind::Arc);
+        for i in 1..=4 {
+            assert_eq!(evicts(&mut ix, i), None);
+        }
+        for i in 1..=4 {
+            assert!(ix.touch(&k(i))); // T2 = [4 3 2 1], T1 = []
+        }
+        // T1 empty: REPLACE takes T2's LRU. B2 = [1].
+        assert_eq!(ix.eviction_candidates(1), vec![k(1)]);
+        assert_eq!(evicts(&mut ix, 5), Some(k(1)));
+        assert!(ix.touch(&k(5))); // T2 = [5 4 3 2]
+        assert_eq!(evicts(&mut ix, 6), Some(k(2))); // B2 = [2 1]
+        assert!(ix.touch(&k(6))); // T2 = [6 5 4 3]
+        assert_eq!(evicts(&mut ix, 7), Some(k(3))); // T1 = [7], B2 = [3 2 1]
+        // |T1| = 1 > p = 0: T1's LRU (7), where LRU would evict 4.
+        assert_eq!(ix.eviction_candidates(1), vec![k(7)]);
+        assert_eq!(evicts(&mut ix, 8), Some(k(7))); // T1 = [8], B1 = [7]
+        let s = ix.arc_stats().unwrap();
+        assert_eq!((s.t1, s.t2, s.b1, s.b2, s.target_t1), (1, 3, 1, 3, 0.0));
+        // 7 again: a B1 ghost, p = 0 + max(1, 3 / 1) = 3; |T1| = 1 is not > 3: T2's LRU (4),
+        // where p = 0 would have taken 8.
+        assert_eq!(evicts(&mut ix, 7), Some(k(4)));
+        assert_eq!(ix.arc_stats().unwrap().target_t1, 3.0);
+        // Paper: T1 = [8], T2 = [7 6 5]; |T1| = 1 is not > 3: T2's LRU, 5.
+        assert_eq!(evicts(&mut ix, 9), Some(k(5)));
+        for i in [6, 7, 8, 9] {
+            assert!(ix.is_valid(&k(i)), "{i} resident");
+        }
+    }
+
+    #[test]
+    fn arc_skips_pinned_entries_and_starts_from_the_lru_order() {
+        let mut ix = Index::new(3, 1);
+        for i in 1..=3 {
+            store(&mut ix, i);
+        }
+        assert!(ix.touch(&k(1))); // LRU order: 2 3 1
+        ix.set_eviction_policy(EvictionPolicyKind::Arc);
+        let s = ix.arc_stats().unwrap();
+        assert_eq!((s.t1, s.t2), (3, 0), "every entry starts in T1");
+        assert_eq!(ix.eviction_candidates(3), vec![k(2), k(3), k(1)]);
+        let (slot, _) = ix.pin(&k(2)).unwrap(); // 2 -> T2, pinned
+        assert_eq!(ix.eviction_candidates(3), vec![k(3), k(1)]);
+        assert_eq!(evicts(&mut ix, 4), Some(k(3)));
+        ix.unpin(slot);
+        assert_eq!(ix.eviction_candidates(3), vec![k(1), k(4), k(2)]);
+        ix.set_eviction_policy(EvictionPolicyKind::Lru);
+        assert_eq!(ix.arc_stats(), None);
     }
 
     #[test]

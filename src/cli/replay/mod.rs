@@ -37,6 +37,7 @@ use trace::{TOKENS_PER_BLOCK, Trace};
 #[command(after_help = "Examples:
   kvtier replay --trace mooncake.jsonl --tier-capacity 25%
   kvtier replay --trace mooncake.jsonl --tier-capacity 25% --admission tinylfu --json
+  kvtier replay --trace mooncake.jsonl --tier-capacity 25% --tier-eviction arc
   kvtier replay --trace mooncake.jsonl --layout llama-3.1-8b --primary 4GiB --tier-capacity 40GiB")]
 pub struct ReplayArgs {
     /// The trace: one JSON request per line (`timestamp` ms, `input_length`, `hash_ids` of
@@ -59,6 +60,9 @@ pub struct ReplayArgs {
     /// The tier's admission policy (`all` or `tinylfu`; the config key `admission`).
     #[arg(long, default_value = "all", value_name = "POLICY")]
     pub admission: String,
+    /// The tier's eviction policy (`lru` or `arc`; the tier's config key `eviction_policy`).
+    #[arg(long, default_value = "lru", value_name = "POLICY")]
+    pub tier_eviction: String,
     /// Directory for the tier's slab (a fresh directory inside it, removed afterwards).
     /// Default: the system temp dir.
     #[arg(long, value_name = "DIR")]
@@ -112,6 +116,12 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode> {
             ),
         )
     })?;
+    if !matches!(args.tier_eviction.as_str(), "lru" | "arc") {
+        return Err(Error::config(
+            "--tier-eviction",
+            format!("expected lru | arc, found {:?}", args.tier_eviction),
+        ));
+    }
     if !matches!(args.fsync.as_str(), "always" | "never") {
         return Err(Error::config(
             "--fsync",
@@ -177,6 +187,7 @@ pub fn run(args: ReplayArgs) -> Result<ExitCode> {
         primary_blocks,
         tier_blocks,
         admission: admission.as_str().to_string(),
+        tier_eviction: args.tier_eviction.clone(),
         wall_s,
         device_busy,
     };
@@ -268,6 +279,7 @@ fn build_stack(
         "io_engine": engine,
         "fsync": args.fsync,
         "admission": admission.as_str(),
+        "eviction_policy": args.tier_eviction,
     });
     tier.params = params.as_object().cloned().unwrap_or_default();
     let mut cfg = KvtierConfig::new(region.len() as u64);

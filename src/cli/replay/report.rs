@@ -24,6 +24,8 @@ pub struct Report {
     pub tier_blocks: u64,
     /// The tier's admission policy.
     pub admission: String,
+    /// The tier's eviction policy (`lru` or `arc`).
+    pub tier_eviction: String,
     /// The counts.
     #[serde(flatten)]
     pub counts: Counts,
@@ -87,6 +89,7 @@ impl Report {
             primary_blocks: base.primary_blocks,
             tier_blocks: base.tier_blocks,
             admission: base.admission,
+            tier_eviction: base.tier_eviction,
             prefill_tokens_saved: c.tokens_saved(),
             prefill_tokens_saved_tier: c.tokens_saved_tier(),
             tier_hit_ratio: c.served_tier as f64 / refs,
@@ -118,11 +121,12 @@ impl Report {
             self.unique_blocks
         )?;
         outln!(
-            "stack            primary {} blocks, tier {} blocks of {} (admission {})",
+            "stack            primary {} blocks, tier {} blocks of {} (admission {}, eviction {})",
             self.primary_blocks,
             self.tier_blocks,
             format_size(self.bytes_per_block),
-            self.admission
+            self.admission,
+            self.tier_eviction
         )?;
         outln!(
             "served           primary {} ({:.1} %), tier {} ({:.1} %), recomputed {} ({:.1} %)",
@@ -194,6 +198,8 @@ pub struct ReportBase {
     pub tier_blocks: u64,
     /// Admission policy name.
     pub admission: String,
+    /// Tier eviction policy name.
+    pub tier_eviction: String,
     /// Wall seconds.
     pub wall_s: f64,
     /// Device busy seconds, or why unknown.

@@ -150,6 +150,8 @@ impl Worker {
                 index.mark_path_dead(i);
             }
         }
+        // ARC starts from the recovered LRU order (its ghosts are not persisted).
+        index.set_eviction_policy(self.cfg.eviction_policy);
         self.refresh_slot_gauges(&index);
         *self.sh.index.lock() = Some(index);
         self.publish_journal_state();

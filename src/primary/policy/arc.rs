@@ -111,6 +111,46 @@ impl ArcPolicy {
         }
         None
     }
+    /// Appends up to `n` victims in REPLACE order (evictable, unprotected entries), changing
+    /// nothing; returns how many it found.
+    fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
+        let target = self.p as usize;
+        let mut virtual_t1 = self.t1.len();
+        let mut c1 = self.t1.back();
+        let mut c2 = self.t2.back();
+        for found in 0..n {
+            let mut pick = None;
+            if virtual_t1 >= target
+                && let Some(s) = self.next_candidate(&mut c1)
+            {
+                virtual_t1 -= 1;
+                pick = Some(s);
+            }
+            if pick.is_none() {
+                pick = self.next_candidate(&mut c2);
+            }
+            if pick.is_none() {
+                pick = self.next_candidate(&mut c1);
+                if pick.is_some() {
+                    virtual_t1 -= 1;
+                }
+            }
+            match pick {
+                Some(s) => victims.push(s),
+                None => return found,
+            }
+        }
+        n
+    }
+
+    /// The slots the next `n` evictions would take, in order (fewer when fewer entries are
+    /// evictable), with the current target: what an admission policy weighs a candidate
+    /// against. Changes nothing.
+    pub fn peek_victims(&self, n: usize) -> Vec<u32> {
+        let mut v = Vec::with_capacity(n.min(self.evictable));
+        self.select(n.min(self.evictable), &mut v);
+        v
+    }
 }
 
 impl EvictionPolicy for ArcPolicy {
@@ -208,36 +248,7 @@ impl EvictionPolicy for ArcPolicy {
         }
         // Select all `n` first (vLLM: candidates collected atomically, scans monotonic).
         let start = victims.len();
-        let target = self.p as usize;
-        let mut virtual_t1 = self.t1.len();
-        let mut c1 = self.t1.back();
-        let mut c2 = self.t2.back();
-        let mut ok = true;
-        for _ in 0..n {
-            let mut pick = None;
-            if virtual_t1 >= target
-                && let Some(s) = self.next_candidate(&mut c1)
-            {
-                virtual_t1 -= 1;
-                pick = Some(s);
-            }
-            if pick.is_none() {
-                pick = self.next_candidate(&mut c2);
-            }
-            if pick.is_none() {
-                pick = self.next_candidate(&mut c1);
-                if pick.is_some() {
-                    virtual_t1 -= 1;
-                }
-            }
-            match pick {
-                Some(s) => victims.push(s),
-                None => {
-                    ok = false;
-                    break;
-                }
-            }
-        }
+        let ok = self.select(n, victims) == n;
         for &s in protected {
             self.state[s as usize] &= !PROTECTED;
         }
