@@ -27,9 +27,10 @@ pub const HUGE_PAGE: usize = 2 << 20;
 /// `libc::madvise` below because rustix's `Advice` has no `MADV_COLLAPSE`.
 const MADV_COLLAPSE: libc::c_int = 25;
 
-/// How long adopting or mapping another process's region spends collapsing at most (see
-/// `docs/performance.md`: about 0.7 s per GiB on the development machine); the collapse then
-/// continues in the background ([`Collapser`]). kvtier's own region has no budget: its
+/// How long adopting or mapping another process's region may take at most, measured from the
+/// start of the mapping (the measurement of its pages included; the collapse gets what is
+/// left: about 0.7 s per GiB on the development machine, `docs/performance.md`); the collapse
+/// then continues in the background ([`Collapser`]). kvtier's own region has no budget: its
 /// collapse copies nothing (one page per huge page is faulted in first).
 pub(super) const COLLAPSE_BUDGET: std::time::Duration = std::time::Duration::from_millis(900);
 

@@ -241,6 +241,9 @@ pub(super) fn map_collapsed(
     len: usize,
     name: &str,
 ) -> Result<Collapsed, String> {
+    // The start-up budget covers this whole function (mapping, measuring, collapsing), not
+    // only the collapse: adoption adds at most about `collapse_budget()` to a constructor.
+    let started = std::time::Instant::now();
     if len < HUGE_PAGE {
         return Err(format!(
             "the region ({len} bytes) is smaller than one 2 MiB page"
@@ -298,12 +301,10 @@ pub(super) fn map_collapsed(
         });
     }
     let mut done = vec![false; whole];
+    let budget = collapse_budget().saturating_sub(started.elapsed());
     // SAFETY: `map` is 2 MiB-aligned and its `whole` huge pages lie inside our own mapping.
-    let (collapsed, last_error, untried) = unsafe {
-        collapse_pages_with(map.cast(), whole, Some(collapse_budget()), &mut |i| {
-            done[i] = true
-        })
-    };
+    let (collapsed, last_error, untried) =
+        unsafe { collapse_pages_with(map.cast(), whole, Some(budget), &mut |i| done[i] = true) };
     // Out of time with pages left: they are collapsed in the background while the tier
     // serves (the engine stages the rows that are not in 2 MiB pages yet).
     let collapser = untried.and_then(|from| {
