@@ -16,7 +16,7 @@ use pyo3::types::PyBytes;
 
 use kvtier::canonical::VllmSpecFields;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
-use kvtier::contract::secondary::{SecondaryTier, TierMetricKind};
+use kvtier::contract::secondary::{SecondaryTier, TierMetric, TierMetricKind};
 use kvtier::tiering::factory::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
@@ -642,20 +642,7 @@ impl Tier {
     /// The tier's metrics now: `(name, kind, labels, value)`, kind `counter` or `gauge`.
     fn metrics(&self, py: Python<'_>) -> PyResult<Vec<MetricTuple>> {
         let samples = py.detach(|| self.with_tier(|t| t.metrics()))?;
-        Ok(samples
-            .into_iter()
-            .map(|m| {
-                (
-                    m.name.to_string(),
-                    kind_name(m.kind),
-                    m.labels
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), v))
-                        .collect(),
-                    m.value,
-                )
-            })
-            .collect())
+        Ok(metric_tuples(samples))
     }
 
     /// The tier's static facts: `(label name, value)` pairs.
@@ -675,6 +662,24 @@ impl Tier {
     fn namespace(&self) -> String {
         self.namespace.clone()
     }
+}
+
+/// A tier's metric samples as the Python side takes them: `(name, kind, labels, value)`.
+fn metric_tuples(samples: Vec<TierMetric>) -> Vec<MetricTuple> {
+    samples
+        .into_iter()
+        .map(|m| {
+            (
+                m.name.to_string(),
+                kind_name(m.kind),
+                m.labels
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect(),
+                m.value,
+            )
+        })
+        .collect()
 }
 
 fn kind_name(kind: TierMetricKind) -> &'static str {

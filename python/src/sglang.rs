@@ -28,7 +28,7 @@ use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::{Builder, ChunkKey, Error, PrimaryRegion};
 
-use crate::{ConfigError, KvtierError, MetricTuple, install_logger, kind_name, to_py};
+use crate::{ConfigError, KvtierError, MetricTuple, install_logger, metric_tuples, to_py};
 
 /// The key path kvtier's configuration errors give the entry; SGLang users wrote its keys in
 /// `--hicache-storage-backend-extra-config`.
@@ -512,20 +512,7 @@ impl SglangStore {
     /// The tier's metrics now: `(name, kind, labels, value)` (as `Tier.metrics`).
     fn metrics(&self, py: Python<'_>) -> PyResult<Vec<MetricTuple>> {
         let samples = py.detach(|| self.with_tier(|t| t.metrics()))?;
-        Ok(samples
-            .into_iter()
-            .map(|m| {
-                (
-                    m.name.to_string(),
-                    kind_name(m.kind),
-                    m.labels
-                        .into_iter()
-                        .map(|(k, v)| (k.to_string(), v))
-                        .collect(),
-                    m.value,
-                )
-            })
-            .collect())
+        Ok(metric_tuples(samples))
     }
 
     /// kvtier's namespace digest (64 hex digits), which the slab superblocks carry.
