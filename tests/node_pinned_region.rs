@@ -4,10 +4,11 @@
 //! the CRC computed in the copy, and the bytes round-trip (checked by reading the region file
 //! itself, not through kvtier).
 
+mod io_common;
 mod node_common;
 
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -18,39 +19,12 @@ use kvtier::region::{AdoptHugePages, PrimaryRegion};
 use kvtier::{ChunkKey, ErrorKind};
 use serde_json::json;
 
+use io_common::region_file_of;
 use node_common::{key, payload_of};
 
 const STRIDE: u64 = 2 << 20;
 const ROWS: u64 = 8;
 const DIGEST: [u8; 32] = [0x29; 32];
-
-/// This process's descriptor of the (unlinked) file behind `region`'s owner mapping.
-fn region_file_of(region: &PrimaryRegion) -> std::fs::File {
-    let base = region.base_ptr() as usize;
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    let inode: u64 = maps
-        .lines()
-        .find_map(|l| {
-            let (range, rest) = l.split_once(' ')?;
-            let (s, e) = range.split_once('-')?;
-            let (s, e) = (
-                usize::from_str_radix(s, 16).ok()?,
-                usize::from_str_radix(e, 16).ok()?,
-            );
-            (s <= base && base < e).then(|| rest.split_whitespace().nth(3)?.parse().ok())?
-        })
-        .unwrap();
-    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
-        if std::fs::metadata(entry.path()).is_ok_and(|m| m.ino() == inode && m.nlink() == 0) {
-            return std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(entry.path())
-                .unwrap();
-        }
-    }
-    panic!("no descriptor of the region file (inode {inode})");
-}
 
 #[test]
 fn a_pinned_engine_region_is_staged_and_round_trips_through_the_service() {

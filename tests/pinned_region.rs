@@ -8,7 +8,7 @@
 mod io_common;
 
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -316,35 +316,6 @@ fn a_pinned_region_moves_the_right_bytes_through_staging() {
         Err(e) => panic!("{e}"),
     };
     round_trip(region, "in-process");
-}
-
-/// The region file behind `region` (a vLLM-shaped region in the owner's mapping), opened
-/// through this process's descriptor of it.
-fn region_file_of(region: &PrimaryRegion) -> std::fs::File {
-    let base = region.base_ptr() as usize;
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-    let inode: u64 = maps
-        .lines()
-        .find_map(|l| {
-            let (range, rest) = l.split_once(' ')?;
-            let (s, e) = range.split_once('-')?;
-            let (s, e) = (
-                usize::from_str_radix(s, 16).ok()?,
-                usize::from_str_radix(e, 16).ok()?,
-            );
-            (s <= base && base < e).then(|| rest.split_whitespace().nth(3)?.parse().ok())?
-        })
-        .unwrap();
-    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
-        if std::fs::metadata(entry.path()).is_ok_and(|m| m.ino() == inode && m.nlink() == 0) {
-            return std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open(entry.path())
-                .unwrap();
-        }
-    }
-    panic!("no descriptor of the region file (inode {inode})");
 }
 
 #[test]

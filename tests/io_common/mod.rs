@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -173,4 +173,33 @@ pub fn collect(engine: &dyn IoEngine, n: usize) -> HashMap<u64, Result<usize>> {
         );
     }
     out
+}
+
+/// The region file behind `region` (a vLLM-shaped region in the owner's mapping), opened
+/// through this process's descriptor of it.
+pub fn region_file_of(region: &kvtier::region::PrimaryRegion) -> std::fs::File {
+    let base = region.base_ptr() as usize;
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let inode: u64 = maps
+        .lines()
+        .find_map(|l| {
+            let (range, rest) = l.split_once(' ')?;
+            let (s, e) = range.split_once('-')?;
+            let (s, e) = (
+                usize::from_str_radix(s, 16).ok()?,
+                usize::from_str_radix(e, 16).ok()?,
+            );
+            (s <= base && base < e).then(|| rest.split_whitespace().nth(3)?.parse().ok())?
+        })
+        .unwrap();
+    for entry in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+        if std::fs::metadata(entry.path()).is_ok_and(|m| m.ino() == inode && m.nlink() == 0) {
+            return std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(entry.path())
+                .unwrap();
+        }
+    }
+    panic!("no descriptor of the region file (inode {inode})");
 }
