@@ -13,6 +13,26 @@ use kvtier::contract::job::LookupResult;
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::G3Tier;
 
+/// A G3 tier of `slots` slots in a fresh directory over an 8-row region (the tier holds it)
+/// whose row `i` holds pattern `i`, with `admission` and whatever else `adjust` sets in its
+/// configuration.
+fn tier_of(
+    slots: u64,
+    admission: AdmissionKind,
+    adjust: impl FnOnce(&mut kvtier::g3::G3TierConfig),
+) -> (tempfile::TempDir, G3Tier) {
+    let d = tmpdir();
+    let r = region(8);
+    let mut cfg = config(&[d.path()], slots);
+    cfg.admission = admission;
+    adjust(&mut cfg);
+    let t = open(cfg, &r);
+    for i in 0..8u32 {
+        fill_row(&r, i, u64::from(i));
+    }
+    (d, t)
+}
+
 fn outcome(t: &G3Tier, name: &str, outcome: &str) -> f64 {
     t.metrics()
         .iter()
@@ -27,14 +47,7 @@ fn outcome(t: &G3Tier, name: &str, outcome: &str) -> f64 {
 
 #[test]
 fn tinylfu_skips_cold_keys_and_admits_them_once_they_are_asked_for() {
-    let d = tmpdir();
-    let r = region(8);
-    let mut cfg = config(&[d.path()], 4);
-    cfg.admission = AdmissionKind::TinyLfu;
-    let mut t = open(cfg, &r);
-    for i in 0..8u32 {
-        fill_row(&r, i, u64::from(i));
-    }
+    let (_d, mut t) = tier_of(4, AdmissionKind::TinyLfu, |_| {});
     // Four free slots: keys 0..4 are admitted whatever their counts (each estimate 1 now).
     let res = run(&mut t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false));
     assert!(res.success, "{res:?}");
@@ -75,14 +88,7 @@ fn tinylfu_skips_cold_keys_and_admits_them_once_they_are_asked_for() {
 
 #[test]
 fn a_job_whose_keys_are_all_rejected_is_reported_once_and_keys_held_pass() {
-    let d = tmpdir();
-    let r = region(8);
-    let mut cfg = config(&[d.path()], 2);
-    cfg.admission = AdmissionKind::TinyLfu;
-    let mut t = open(cfg, &r);
-    for i in 0..8u32 {
-        fill_row(&r, i, u64::from(i));
-    }
+    let (_d, mut t) = tier_of(2, AdmissionKind::TinyLfu, |_| {});
     assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
     // Key 1 is held (passes untouched, counted as neither); keys 5 and 6 tie with the
     // victims and are rejected.
@@ -102,12 +108,7 @@ fn a_job_whose_keys_are_all_rejected_is_reported_once_and_keys_held_pass() {
 
 #[test]
 fn admission_all_writes_everything_and_counts_zero() {
-    let d = tmpdir();
-    let r = region(8);
-    let mut t = open(config(&[d.path()], 2), &r);
-    for i in 0..8u32 {
-        fill_row(&r, i, u64::from(i));
-    }
+    let (_d, mut t) = tier_of(2, AdmissionKind::All, |_| {});
     assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
     // Never asked for, the tier full: `all` writes it anyway, evicting key 0.
     assert!(run(&mut t, job(2, &[2], &[2], false)).success);
@@ -184,15 +185,7 @@ fn the_eviction_policy_key_takes_lru_or_arc_and_names_itself_otherwise() {
 fn tinylfu_decides_against_the_victim_of_the_eviction_policy() {
     use kvtier::config::EvictionPolicyKind;
     for policy in [EvictionPolicyKind::Lru, EvictionPolicyKind::Arc] {
-        let d = tmpdir();
-        let r = region(8);
-        let mut cfg = config(&[d.path()], 4);
-        cfg.admission = AdmissionKind::TinyLfu;
-        cfg.eviction_policy = policy;
-        let mut t = open(cfg, &r);
-        for i in 0..8u32 {
-            fill_row(&r, i, u64::from(i));
-        }
+        let (_d, mut t) = tier_of(4, AdmissionKind::TinyLfu, |c| c.eviction_policy = policy);
         assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
         assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
         assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
@@ -221,14 +214,7 @@ fn tinylfu_decides_against_the_victim_of_the_eviction_policy() {
 /// Both written, keys 0 and 1 evicted; nothing counted rejected.
 #[test]
 fn a_key_rejected_before_an_admitted_one_is_admitted_too() {
-    let d = tmpdir();
-    let r = region(8);
-    let mut cfg = config(&[d.path()], 2);
-    cfg.admission = AdmissionKind::TinyLfu;
-    let mut t = open(cfg, &r);
-    for i in 0..8u32 {
-        fill_row(&r, i, u64::from(i));
-    }
+    let (_d, mut t) = tier_of(2, AdmissionKind::TinyLfu, |_| {});
     assert!(run(&mut t, job(1, &[0, 1], &[0, 1], false)).success);
     assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
     assert_eq!(lookup(&mut t, 1), LookupResult::Hit);
