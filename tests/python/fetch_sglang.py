@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import subprocess
 import sys
-import tempfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -53,31 +51,9 @@ def verified_wheel(cache: Path, pin: dict):
     if kept.exists() and sha256_of(kept) == pin["sha256"]:
         yield kept
         return
-    where = fetch_vllm.download_dir(cache)
-    where.mkdir(parents=True, exist_ok=True)
-    log(f"downloading {pin['filename']} (about 40 MB, once) into {where}")
-    with tempfile.TemporaryDirectory(dir=where, prefix=".kvtier-sglang-download-") as tmp:
-        req = Path(tmp) / "requirements.txt"
-        req.write_text(f"{PACKAGE}=={pin['version']} --hash=sha256:{pin['sha256']}\n")
-        # The platform flags pick exactly the pinned file whatever this host is (only its
-        # Python sources are used); --require-hashes refuses any other bytes.
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--platform", "manylinux_2_34_x86_64", "--implementation", "cp",
-            "--python-version", "3.11", "--abi", "cp311", "--require-hashes",
-            "--disable-pip-version-check", "--progress-bar", "off", "--no-cache-dir",
-            "-r", str(req), "-d", tmp,
-        ]
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        got = Path(tmp) / pin["filename"]
-        if result.returncode != 0 or not got.exists():
-            tail = "\n".join(result.stdout.strip().splitlines()[-6:])
-            if "HASH" in result.stdout.upper() and "MISMATCH" in result.stdout.upper():
-                raise FetchError(f"pip download: the index served other bytes:\n{tail}")
-            raise Unavailable(f"pip download failed (exit {result.returncode}):\n{tail}")
-        found = sha256_of(got)
-        if found != pin["sha256"]:
-            raise FetchError(f"downloaded {got.name} has sha256 {found}, expected {pin['sha256']}")
+    with fetch_vllm.downloaded_wheel(
+        cache, pin, PACKAGE, "manylinux_2_34_x86_64", "cp311", "40 MB"
+    ) as got:
         yield got
 
 
@@ -85,32 +61,7 @@ def ensure_sources(cache: Path, pin: dict, wheel: Path) -> Path:
     target = source_dir(cache, pin)
     if target.exists():
         shutil.rmtree(target)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{target.name}-"))
-    try:
-        count = 0
-        with zipfile.ZipFile(wheel) as z:
-            for info in z.infolist():
-                name = info.filename
-                wanted = (name.startswith(f"{PACKAGE}/") and name.endswith(".py")) or (
-                    name.split("/", 1)[0].endswith(".dist-info") and not name.endswith("/")
-                )
-                if not wanted:
-                    continue
-                dest = fetch_vllm._member_path(tmp, name)
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with z.open(info) as src, dest.open("wb") as out:
-                    shutil.copyfileobj(src, out)
-                count += 1
-        if count == 0:
-            raise FetchError(f"{wheel} holds no {PACKAGE}/*.py files")
-        (tmp / COMPLETE_MARKER).write_text(pin["sha256"] + "\n")
-        tmp.chmod(0o755)
-        tmp.rename(target)
-        log(f"unpacked {count} files into {target}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return target
+    return fetch_vllm.unpack_sources(wheel, PACKAGE, target, pin["sha256"])
 
 
 def ensure(cache: Path | None = None) -> Path:

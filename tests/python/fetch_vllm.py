@@ -117,18 +117,27 @@ def verified_wheel(cache: Path, pin: dict):
         bad = kept.with_name(kept.name + f".sha256-{found[:12]}.rejected")
         log(f"{kept} has sha256 {found}, expected {pin['sha256']}; moved to {bad}")
         kept.replace(bad)
+    with downloaded_wheel(cache, pin, "vllm", "manylinux_2_28_x86_64", "abi3", "340 MB") as got:
+        yield got
+
+
+@contextlib.contextmanager
+def downloaded_wheel(cache: Path, pin: dict, package: str, platform: str, abi: str, size: str):
+    """``package``'s pinned wheel (``pin``: version, filename, sha256), downloaded with ``pip
+    download --require-hashes`` into :func:`download_dir` and deleted when the block ends.
+    Raises ``Unavailable`` without a package index, ``FetchError`` for other bytes."""
     where = download_dir(cache)
     where.mkdir(parents=True, exist_ok=True)
-    log(f"downloading {pin['filename']} (about 340 MB, once) into {where}")
-    with tempfile.TemporaryDirectory(dir=where, prefix=".kvtier-vllm-download-") as tmp:
+    log(f"downloading {pin['filename']} (about {size}, once) into {where}")
+    with tempfile.TemporaryDirectory(dir=where, prefix=f".kvtier-{package}-download-") as tmp:
         req = Path(tmp) / "requirements.txt"
-        req.write_text(f"vllm=={pin['version']} --hash=sha256:{pin['sha256']}\n")
-        # The platform flags pick exactly the pinned file whatever this host is; the hash
-        # check (--require-hashes) refuses anything else.
+        req.write_text(f"{package}=={pin['version']} --hash=sha256:{pin['sha256']}\n")
+        # The platform flags pick exactly the pinned file whatever this host is (only its
+        # Python sources are used); --require-hashes refuses any other bytes.
         cmd = [
             sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--platform", "manylinux_2_28_x86_64", "--implementation", "cp",
-            "--python-version", "3.11", "--abi", "abi3", "--require-hashes",
+            "--platform", platform, "--implementation", "cp",
+            "--python-version", "3.11", "--abi", abi, "--require-hashes",
             "--disable-pip-version-check", "--progress-bar", "off", "--no-cache-dir",
             "-r", str(req), "-d", tmp,
         ]
@@ -165,13 +174,19 @@ def ensure_sources(cache: Path, pin: dict, wheel: Path) -> Path:
     if target.exists():
         log(f"{target} is incomplete; unpacking again")
         shutil.rmtree(target)
-    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=f".{target.name}-"))
+    return unpack_sources(wheel, "vllm", target, pin["sha256"])
+
+
+def unpack_sources(wheel: Path, package: str, target: Path, sha256: str) -> Path:
+    """Unpacks ``package/**/*.py`` and the ``.dist-info`` metadata of ``wheel`` into ``target``
+    (made whole in a temporary directory, marked complete with ``sha256``, then renamed)."""
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         count = 0
         with zipfile.ZipFile(wheel) as z:
             for info in z.infolist():
                 name = info.filename
-                wanted = (name.startswith("vllm/") and name.endswith(".py")) or (
+                wanted = (name.startswith(f"{package}/") and name.endswith(".py")) or (
                     name.split("/", 1)[0].endswith(".dist-info") and not name.endswith("/")
                 )
                 if not wanted:
@@ -182,8 +197,8 @@ def ensure_sources(cache: Path, pin: dict, wheel: Path) -> Path:
                     shutil.copyfileobj(src, out)
                 count += 1
         if count == 0:
-            raise FetchError(f"{wheel} holds no vllm/*.py files")
-        (tmp / COMPLETE_MARKER).write_text(pin["sha256"] + "\n")
+            raise FetchError(f"{wheel} holds no {package}/*.py files")
+        (tmp / COMPLETE_MARKER).write_text(sha256 + "\n")
         tmp.chmod(0o755)  # mkdtemp made it private; the cache is shared by checkouts
         tmp.rename(target)
         log(f"unpacked {count} files into {target}")
