@@ -62,7 +62,6 @@
 //!     a single tier (used by `kvtier serve`, `kvtier bench` and the Python package).
 //! 13. [`node`]: the node-local service (one G3 pool shared by every engine process of a
 //!     host over a Unix socket) and its client, [`node::NodeClient`].
-//! 14. `cli`: the `kvtier` command line (private; the binary calls [`run_cli`]).
 //!
 //! # What is public
 //! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`] and
@@ -95,8 +94,7 @@ pub mod tiering;
 
 // The engine's inner modules: public only with the `internals` feature (kvtier's own
 // integration tests, the `kvtier-replay` driver and other tools that look inside; not a stable
-// API). The command line is private in every build; the binary enters it through `run_cli`.
-mod cli;
+// API). The command line is its own crate (`cli/`, the `kvtier` binary).
 #[cfg(feature = "internals")]
 pub mod fs;
 #[cfg(not(feature = "internals"))]
@@ -118,10 +116,6 @@ pub mod io;
 #[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
 pub(crate) mod io;
 
-/// Runs the `kvtier` command line (the `kvtier` binary's `main`).
-pub use cli::main as run_cli;
-/// The cargo features of this build and whether each is on (`kvtier version` prints them).
-pub use cli::version::BUILD_FEATURES;
 pub use config::KvtierConfig;
 pub use contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 pub use contract::secondary::SecondaryTier;

@@ -35,7 +35,6 @@ use std::path::{Path, PathBuf};
 /// * `tiering`: the manager tying the tiers together.
 /// * `embed`: the `Builder`, configuration in, running manager or tier out.
 /// * `node`: the node-local service (one G3 pool for every engine of a host) and its client.
-/// * `cli`: the command line.
 const LAYERS: &[&[&str]] = &[
     &["error", "key", "hash", "size"],
     &["geometry"],
@@ -50,7 +49,6 @@ const LAYERS: &[&[&str]] = &[
     &["tiering"],
     &["embed"],
     &["node"],
-    &["cli"],
 ];
 
 /// Circles between files of one folder that are tolerated for now, each with the issue that
@@ -458,9 +456,6 @@ impl Crate {
         // Files included with `#[path = "x.rs"] mod name;` belong to the including module.
         let mut path_attr: BTreeMap<PathBuf, String> = BTreeMap::new();
         for f in &files {
-            if f == &src.join("main.rs") || f.starts_with(src.join("bin")) {
-                continue; // binaries' crates (`kvtier`, `kvtier-replay`): not part of the library
-            }
             let text = fs::read_to_string(f).expect("read source");
             let module = module_of(&src, f);
             // `#[path = "x.rs"] mod name;`: the file is module `<this>::name`.

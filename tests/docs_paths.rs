@@ -144,6 +144,6 @@ fn the_scan_sees_paths_and_skips_other_code() {
     assert_eq!(names, ["src/g3/slab.rs", "layouts", "docs/format.md"]);
     let repo = repo_paths();
     assert!(exists("policy/lru.rs", &root(), &repo));
-    assert!(!exists("src/cli/bench_phases.rs", &root(), &repo));
+    assert!(!exists("cli/src/bench_phases.rs", &root(), &repo));
     assert!(!exists("no_such_module.rs", &root(), &repo));
 }

@@ -155,7 +155,7 @@ pub fn load_resolved(path: &Path) -> Result<ResolvedConfig> {
 }
 
 /// The same error with `<path>: ` in front of its message and the path in its context.
-pub(crate) fn error_in_file(path: &Path, e: Error) -> Error {
+pub fn error_in_file(path: &Path, e: Error) -> Error {
     let mut out = Error::new(e.kind(), format!("{}: {}", path.display(), e.message()));
     for (k, v) in e.context() {
         out = out.with(k, v.clone());

@@ -391,7 +391,7 @@ pub fn clear_tier(tier: &TierConfig) -> Result<()> {
 }
 
 /// Whether a tier of `tier_type` is a G3 tier (`nvme`, or [`VLLM_TIER_CLASS`], the same tier).
-pub(crate) fn is_nvme(tier_type: &str) -> bool {
+pub fn is_nvme(tier_type: &str) -> bool {
     tier_type == "nvme" || tier_type == VLLM_TIER_CLASS
 }
 

@@ -108,7 +108,7 @@ fn check_no_nul(path: &Path) -> Result<()> {
 
 /// The `statfs` `f_type` magic of the filesystem holding `path` (a 32-bit value; the C field
 /// is a signed word, so it is masked to 32 bits).
-pub(crate) fn statfs_magic(path: &Path) -> Result<u64> {
+pub fn statfs_magic(path: &Path) -> Result<u64> {
     check_no_nul(path)?;
     let st = rustix::fs::statfs(path).map_err(|e| Error::io("statfs", path, e.into()))?;
     Ok(st.f_type as u64 & 0xffff_ffff)

@@ -3,7 +3,7 @@
 vLLM's side is its real ``FileSystemTierManager`` (built by vLLM's own spec and factory from
 a ``secondary_tiers`` entry, over vLLM's CPU primary) and its real ``FileMapper``; the paths,
 ``config.json`` and the files themselves come from vLLM's code, never from a copy of its rules.
-kvtier's side is the ``kvtier-replay fs`` driver (``src/bin/kvtier_replay/fs.rs``) running
+kvtier's side is the ``kvtier-replay fs`` driver (``cli/src/bin/kvtier_replay/fs.rs``) running
 kvtier's ``FsTier`` on the same directory. Checked:
 
 * the file path of every key (random 16- and 32-byte block hashes, group ids up to 2^32 - 1),

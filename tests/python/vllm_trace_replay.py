@@ -34,7 +34,7 @@ def _mix(x: int) -> int:
 
 def key(block: int, seed: int = 1) -> bytes:
     """The key ``kvtier replay --seed 1`` gives trace block ``block`` (``block_key`` in
-    ``src/cli/replay/driver.rs``): a 32-byte hash and group 0, vLLM's key shape. The same
+    ``cli/src/replay/driver.rs``): a 32-byte hash and group 0, vLLM's key shape. The same
     bytes on both sides, so that the admission sketch (a hash of the key) sees the same
     collisions and the two replays count the same."""
     le = lambda v: (v & MASK).to_bytes(8, "little")  # noqa: E731

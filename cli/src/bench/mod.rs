@@ -1,0 +1,349 @@
+//! `kvtier bench`: the whole stack end to end on a temporary (or given) G3 tier.
+//!
+//! 1. Fill: reserve primary rows through the manager (`prepare_store`) and write each chunk's
+//!    deterministic bytes into its row (what the GPU -> primary copy does in vLLM).
+//! 2. Store: `complete_store` per job-sized batch; the manager cascades every batch to the G3
+//!    tier as one store job. A window of outstanding jobs keeps the tier's byte budget busy.
+//! 3. Evict: `reset_cache` drains the tier and empties the primary (G3 keeps its data).
+//! 4. Load: `lookup` finds each chunk in G3 and starts a promotion; `on_schedule_end` submits
+//!    one load job per request (batch).
+//! 5. Verify: pin every row (`prepare_load`) and compare it byte for byte with what was stored.
+//!
+//! * [`plan`]: what the arguments mean (rows, jobs, capacity), checked before anything runs.
+//! * [`tier`]: the stack the bench runs on (primary, one G3 tier, the manager).
+//! * [`phases`]: fill, store, load, verify. [`data`]: each chunk's deterministic bytes.
+//! * [`report`]: the `--json` schema and the human table.
+//! * [`fs_tier`]: `--tier fs`: the same phases on an fs tier, in rounds beside
+//!   [`vllm_fs`] (vLLM's fs tier approach, mirrored) and optionally fio.
+
+pub mod data;
+pub mod fs_tier;
+pub mod gds;
+pub mod phases;
+pub mod plan;
+pub mod report;
+pub mod tier;
+pub mod vllm_fs;
+
+use std::process::ExitCode;
+
+use crate::args::{InFlightArgs, PathArgs, RowArgs, parse_engine};
+use crate::bench::data::chunk_key;
+use crate::bench::phases::{
+    corrupt_chunk_for_test, corrupt_loaded_chunk, fill, load_phase, store_phase, verify,
+};
+use crate::bench::plan::Plan;
+use crate::bench::report::{
+    BenchReport, LayoutReport, PhaseReport, RegionRound, RegionSummary, TierReport, render,
+};
+use crate::bench::tier::{BenchTier, TierFacts, TierOptions};
+use crate::output::{display_paths, errln, out, print_json};
+use crate::region_arg::BenchRegion;
+use crate::size::{format_size, parse_size};
+use kvtier::canonical::namespace_digest;
+use kvtier::error::Result;
+use kvtier::io::IoEngineKind;
+use kvtier::key::ChunkKey;
+
+/// Arguments of `kvtier bench`.
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "Examples:
+  kvtier bench                                   # 2 GiB of Llama-3.1-8B chunks (2 MiB rows) on the temp dir
+  kvtier bench --path /mnt/nvme0 --path /mnt/nvme1 --bytes 16GiB
+  kvtier bench --layout layouts/qwen3-32b.toml --tp 2 --blocks-per-chunk 4
+  kvtier bench --bytes 256MiB --keep --json      # keep the tier for `kvtier tier inspect`
+  kvtier bench --tier fs --path /mnt/shared --bytes 512MiB --fio   # fs tier vs vLLM's approach vs fio
+
+The tier gets a new sub-directory in each --path (one slab each), removed afterwards unless
+--keep. Exits 1 if any stored byte does not come back intact.")]
+pub struct BenchArgs {
+    /// Where the tier goes.
+    #[command(flatten)]
+    pub path: PathArgs,
+    /// Tier capacity over all paths. Default: just enough for --bytes.
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub capacity: Option<u64>,
+    /// Bytes of KV chunks to store and load back (rounded down to whole rows, at least one).
+    #[arg(long, default_value = "2GiB", value_parser = parse_size, value_name = "SIZE")]
+    pub bytes: u64,
+    /// The rows: model layout, TP size, blocks per chunk.
+    #[command(flatten)]
+    pub row: RowArgs,
+    /// The tier's byte budget in flight.
+    #[command(flatten)]
+    pub in_flight: InFlightArgs,
+    /// I/O engine: auto, uring or psync.
+    #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
+    pub io_engine: IoEngineKind,
+    /// How long the tier's worker lingers (naps instead of blocking) after its last work, as
+    /// the nvme key `idle_linger_ms`; 0 turns lingering off.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub idle_linger_ms: u64,
+    /// Keep the tier afterwards (its path is printed) for `kvtier tier inspect/verify`.
+    #[arg(long)]
+    pub keep: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The tier: `nvme` (G3 slab files) or `fs` (one file per chunk in one --path, as on a
+    /// shared file system, measured in rounds beside vLLM's fs tier approach).
+    #[arg(long, value_enum, default_value = "nvme")]
+    pub tier: BenchTierKind,
+    /// With --tier fs: rounds, each running every side once (the side that goes first
+    /// alternates); the report gives each side's medians. Default 3.
+    #[arg(long, value_name = "N")]
+    pub rounds: Option<u32>,
+    /// With --tier fs: also run fio's one-file-per-chunk profiles (fio-profiles/fs-store.fio,
+    /// fs-load.fio: 16 threads, O_DIRECT, the raw ceiling) in every round.
+    #[arg(long)]
+    pub fio: bool,
+    /// The primary region (repeatable; with several, each runs on a fresh tier, in --rounds
+    /// alternating rounds, and the report sets them side by side): `own` (kvtier's memfd in
+    /// 2 MiB pages), `vllm` (a /dev/shm file mapped as vLLM 0.33 maps its region, 4 KiB pages,
+    /// adopted as the Python tier adopts it: kvtier collapses its own mapping into 2 MiB pages
+    /// where it can), `vllm-4k` (the same, adopted with huge pages off). Default: own.
+    #[arg(long = "region", value_enum, value_name = "REGION")]
+    pub regions: Vec<BenchRegion>,
+    /// Instead: chunks in GPU memory stored and loaded by GPUDirect Storage and, from the same
+    /// GPU buffers, by the CPU path (GPU -> pinned row -> O_DIRECT), every byte verified; one
+    /// table of GB/s. Needs a build with `--features gds` and a GPU.
+    #[arg(long)]
+    pub gds: bool,
+}
+
+/// Which tier `kvtier bench` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchTierKind {
+    /// The G3 NVMe tier (slab files).
+    Nvme,
+    /// The fs tier (one file per chunk).
+    Fs,
+}
+
+/// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
+/// directories (even with `--keep`) and exits 130.
+pub fn run(args: BenchArgs) -> Result<ExitCode> {
+    crate::interrupt::run_interruptible(|| run_caught(args))
+}
+
+fn run_caught(args: BenchArgs) -> Result<ExitCode> {
+    if args.gds {
+        return gds::run(&args);
+    }
+    if args.tier == BenchTierKind::Fs {
+        return fs_tier::run(&args);
+    }
+    if args.fio {
+        return Err(kvtier::error::Error::config(
+            "--fio",
+            "applies to --tier fs only (the nvme tier is compared with fio by `kvtier fio-compare`)",
+        ));
+    }
+    let mut regions = args.regions.clone();
+    if regions.is_empty() {
+        regions.push(BenchRegion::Own);
+    }
+    regions.dedup();
+    let rounds = args.rounds.unwrap_or(1);
+    if rounds == 0 {
+        return Err(kvtier::error::Error::config(
+            "--rounds",
+            "must be at least 1",
+        ));
+    }
+    if args.keep && (rounds > 1 || regions.len() > 1) {
+        return Err(kvtier::error::Error::config(
+            "--keep",
+            "keeps the tier of a single run: give one --region and one round",
+        ));
+    }
+    let plan = Plan::from_args(&args)?;
+    let namespace = namespace_digest(&plan.layout, &plan.params);
+    let progress = !args.json;
+    let mut summaries: Vec<RegionSummary> = regions
+        .iter()
+        .map(|r| RegionSummary::new(r.name()))
+        .collect();
+    let mut first: Option<(Run, TierFacts)> = None;
+    let mut totals = (0u64, 0u64, 0u64);
+    for round in 0..rounds {
+        let mut order: Vec<usize> = (0..regions.len()).collect();
+        if round % 2 == 1 {
+            order.reverse();
+        }
+        for i in order {
+            let (run, facts) = run_once(&args, &plan, namespace, regions[i], progress)?;
+            if progress && (rounds > 1 || regions.len() > 1) {
+                errln!(
+                    "round {}/{rounds} region {}: store {:.2} GB/s, load {:.2} GB/s",
+                    round + 1,
+                    regions[i].name(),
+                    run.store.gb_per_s,
+                    run.load.gb_per_s
+                );
+            }
+            totals.0 += run.verified;
+            totals.1 += run.mismatched;
+            totals.2 += run.missing;
+            summaries[i].pages = facts.pages.clone();
+            summaries[i].rounds.push(RegionRound {
+                store: run.store.clone(),
+                load: run.load.clone(),
+            });
+            if i == 0 && first.is_none() {
+                first = Some((run, facts));
+            }
+        }
+    }
+    for s in &mut summaries {
+        s.compute_medians();
+    }
+    let Some((run, facts)) = first else {
+        return Err(kvtier::error::Error::new(
+            kvtier::error::ErrorKind::Internal,
+            "the bench ran nothing",
+        ));
+    };
+    let expected = plan.chunks * u64::from(rounds) * regions.len() as u64;
+    let report = BenchReport {
+        layout: LayoutReport {
+            model: plan.layout.model_name.clone(),
+            tp: args.row.model.tp,
+            blocks_per_chunk: args.row.blocks_per_chunk,
+            tokens_per_chunk: plan.layout.tokens_per_block * args.row.blocks_per_chunk,
+            row_stride: plan.row_stride,
+            page_encoding: plan.encoding.0.describe(),
+            page_encoding_source: plan.encoding.1.as_str(),
+            namespace: hex::encode(namespace),
+        },
+        tier: TierReport {
+            paths: facts.dirs,
+            capacity_bytes: plan.capacity,
+            max_bytes_in_flight: plan.max_bytes_in_flight,
+            io_engine: facts.io_engine,
+            direct_io: facts.direct_io,
+            kept: run.kept,
+        },
+        region: regions[0].name(),
+        region_pages: facts.pages,
+        chunks: plan.chunks,
+        store: run.store,
+        load: run.load,
+        chunks_verified: run.verified,
+        chunks_mismatched: run.mismatched,
+        chunks_missing: run.missing,
+        ok: totals.0 == expected,
+        regions: if regions.len() > 1 || rounds > 1 {
+            summaries
+        } else {
+            Vec::new()
+        },
+    };
+    if args.json {
+        print_json(&report)?;
+    } else {
+        out!("{}", render(&report))?;
+    }
+    if report.ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        errln!(
+            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
+            expected - totals.0,
+            expected,
+            totals.1,
+            totals.2
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// What one run on one region measured.
+struct Run {
+    store: PhaseReport,
+    load: PhaseReport,
+    verified: u64,
+    mismatched: u64,
+    missing: u64,
+    kept: bool,
+}
+
+/// Builds a fresh stack on `region` and runs fill, store, evict, load and verify once.
+fn run_once(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    region: BenchRegion,
+    progress: bool,
+) -> Result<(Run, TierFacts)> {
+    let mut tier = BenchTier::open(&TierOptions {
+        parent_dirs: args.path.paths.clone(),
+        capacity: plan.capacity,
+        row_stride: plan.row_stride,
+        primary_rows: plan.chunks,
+        max_bytes_in_flight: plan.max_bytes_in_flight,
+        io_engine: args.io_engine,
+        idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
+        namespace,
+        slot_bytes: plan.params.slot_prefix(),
+        keep: args.keep,
+        fs_fields: None,
+        region,
+    })?;
+    if args.path.paths.is_empty() && progress {
+        // The user named no directory: say where the slabs go, before the long part starts.
+        errln!(
+            "kvtier bench: writing {} of slabs in {} (the system temp dir; --path DIR to choose \
+             another; {})",
+            format_size(plan.capacity),
+            display_paths(&tier.facts().dirs),
+            if args.keep {
+                "kept at the end (--keep)"
+            } else {
+                "removed at the end"
+            }
+        );
+    }
+    let seed = run_seed();
+    let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
+    let batches = plan.batches();
+
+    fill(&mut tier.manager, &keys, &batches, seed, progress)?;
+    let store = store_phase(&mut tier.manager, plan, &keys, &batches, progress)?;
+    tier.manager.reset_cache()?;
+    tier.manager.on_reset_flushed();
+    let load = load_phase(&mut tier.manager, plan, &keys, &batches, progress)?;
+    if let Some(index) = corrupt_chunk_for_test()? {
+        corrupt_loaded_chunk(&mut tier.manager, &keys, index)?;
+    }
+    let (verified, mismatched, missing) = verify(
+        &mut tier.manager,
+        &keys,
+        seed,
+        plan.params.slot_prefix(),
+        progress,
+    )?;
+
+    let facts = tier.facts();
+    let kept = tier.close()?;
+    Ok((
+        Run {
+            store,
+            load,
+            verified,
+            mismatched,
+            missing,
+            kept,
+        },
+        facts,
+    ))
+}
+
+/// A seed that differs between runs (so a kept tier never makes a later run look good).
+pub(crate) fn run_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}

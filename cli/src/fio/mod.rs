@@ -1,0 +1,560 @@
+//! `kvtier fio-compare`: runs fio and the equivalent kvtier workload on the same path, on the
+//! same kind of file, at the same row size and depth, alternating them, and reports medians and
+//! the ratio kvtier/fio per profile.
+//!
+//! File state: before the first measured pass every file (fio's and kvtier's) is preallocated
+//! with `fallocate` and then written in full once, so every measured pass overwrites (store) or
+//! reads (load) written extents. A first write into fresh (unwritten) extents costs about twice
+//! an overwrite on the development disk, so mixing the two states would make the ratio
+//! meaningless.
+//!
+//! * [`plan`]: what will run, checked before anything runs. [`runner`]: fio itself (job files,
+//!   JSON output). [`files`]: the test files, prepared identically for both sides.
+//! * [`kvtier_workload`], [`g3_workload`]: kvtier's side, through its I/O engine alone or the
+//!   whole G3 tier.
+//! * [`report`], [`plot`]: the `--json` objects, the tables and the SVG chart.
+
+pub mod files;
+pub mod g3_workload;
+pub mod kvtier_workload;
+pub mod memory;
+pub mod plan;
+pub mod plot;
+pub mod report;
+pub mod runner;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use crate::args::{InFlightArgs, PathArgs, parse_engine};
+use crate::fio::g3_workload::{G3Shape, G3Workload};
+use crate::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
+use crate::fio::memory::FioChoice;
+use crate::fio::plan::Plan;
+use crate::fio::plot::{Panel, Series, render_svg};
+use crate::fio::report::{DepthPoint, ProfileComparison, render_report};
+use crate::fio::runner::{FioRun, Profile};
+use crate::output::{display_paths, out, outln, print_json, progress_bar};
+use crate::region_arg::BenchRegion;
+use crate::size::{format_size, parse_size};
+use crate::stats::median;
+use crate::stats::process_cpu_seconds;
+use kvtier::error::{Error, ErrorKind, Result};
+use kvtier::io::IoEngineKind;
+use kvtier::region::PrimaryRegion;
+
+/// Which kvtier code path the comparison drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvtierSide {
+    /// The G3 tier's whole data path (jobs, slots, CRC32, journal), fsync never.
+    G3,
+    /// kvtier's I/O engine alone on a plain file (what the tier's I/O layer can do).
+    Engine,
+}
+
+/// Arguments of `kvtier fio-compare`.
+#[derive(Debug, clap::Args)]
+#[command(after_help = "Examples:
+  kvtier fio-compare                                  # store and load, 2 MiB rows, on the temp dir
+  kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
+  kvtier fio-compare --profile load --pairs 5 --json
+  kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
+  kvtier fio-compare --region vllm --plot sweep.svg --row-sizes 64KiB,1MiB,16MiB --depths 1,8,64
+
+Needs fio (apt-get install fio). Every pass covers each row of the file once.")]
+pub struct FioCompareArgs {
+    /// The directories to test.
+    #[command(flatten)]
+    pub path: PathArgs,
+    /// Workload to compare (repeatable). Default: store and load.
+    #[arg(long = "profile", value_enum, value_name = "NAME")]
+    pub profiles: Vec<Profile>,
+    /// Bytes per I/O: one primary row.
+    #[arg(long, default_value = "2MiB", value_parser = parse_size, value_name = "SIZE")]
+    pub row_size: u64,
+    /// File bytes per side over all paths (each pass moves this much per direction).
+    #[arg(long, default_value = "1GiB", value_parser = parse_size, value_name = "SIZE")]
+    pub size: u64,
+    /// Bytes in flight per direction.
+    #[command(flatten)]
+    pub in_flight: InFlightArgs,
+    /// Rows in flight per direction (overrides --max-bytes-in-flight).
+    #[arg(long, value_name = "N")]
+    pub iodepth: Option<u32>,
+    /// kvtier/fio pairs per profile (and per depth with --plot); the order alternates.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub pairs: usize,
+    /// What kvtier runs: the G3 tier's data path, or its I/O engine on a plain file.
+    #[arg(long, value_enum, default_value = "g3", value_name = "SIDE")]
+    pub kvtier_side: KvtierSide,
+    /// kvtier's I/O engine: auto, uring or psync.
+    #[arg(long, default_value = "uring", value_parser = parse_engine, value_name = "ENGINE")]
+    pub io_engine: IoEngineKind,
+    /// kvtier's buffer rows: `own` (kvtier's region, 2 MiB pages), `vllm` (made as vLLM 0.33
+    /// makes its /dev/shm region and adopted as the Python tier adopts it) or `vllm-4k` (the
+    /// same, adopted with huge pages off). fio's buffers get the same kind of memory.
+    #[arg(long, value_enum, default_value = "own", value_name = "REGION")]
+    pub region: BenchRegion,
+    /// With --plot: also sweep these row sizes (comma-separated, e.g. 64KiB,256KiB,1MiB,4MiB,16MiB).
+    #[arg(long, value_delimiter = ',', value_parser = parse_size, value_name = "SIZE,...")]
+    pub row_sizes: Vec<u64>,
+    /// Also sweep the depth (and --row-sizes) and draw throughput against depth to this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// Depths for --plot (comma-separated). Default: powers of two up to the depth.
+    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
+    pub depths: Vec<u32>,
+    /// Keep the test files afterwards.
+    #[arg(long)]
+    pub keep: bool,
+    /// Print JSON (an array with one object per profile) instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `kvtier fio-compare`. Ctrl-C or SIGTERM stops it between passes, removes its files
+/// (unless `--keep`) and exits 130.
+pub fn run(args: FioCompareArgs) -> Result<ExitCode> {
+    crate::interrupt::run_interruptible(|| run_caught(args))
+}
+
+/// Where fio's 4 KiB shared buffer file goes (a tmpfs, as vLLM's region).
+fn fio_shm_file() -> PathBuf {
+    PathBuf::from(crate::region_arg::VLLM_SHM_DIR)
+        .join(format!("kvtier-fio-buffers-{}", std::process::id()))
+}
+
+fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
+    // The arguments first (paths, sizes, depth, plot folder), then fio: a mistake is reported
+    // as such on a machine without fio too.
+    let plan = Plan::from_args(&args)?;
+    let fio_version = runner::fio_version()?;
+    let shm_file = fio_shm_file();
+    let mut cleanup = Cleanup {
+        files: plan.all_files(),
+        dirs: plan.g3_dirs.clone(),
+        keep: args.keep,
+    };
+    // fio's files, and kvtier's on the engine side (the G3 side prepares its own slabs).
+    files::prepare(&cleanup.files, plan.per_file, plan.max_row_size())?;
+    cleanup.files.push(shm_file.clone());
+    let scratch = tempfile::Builder::new()
+        .prefix("kvtier-fio-")
+        .tempdir()
+        .map_err(|e| Error::new(ErrorKind::Io, format!("cannot create a scratch dir: {e}")))?;
+
+    let fio_sides = 2;
+    let runs = plan.profiles.len()
+        * plan.depths.len()
+        * plan.row_sizes.len()
+        * plan.pairs
+        * (1 + fio_sides);
+    let bar = progress_bar(runs as u64, "fio-compare", !args.json);
+    let mut points: Vec<(Profile, DepthPoint)> = Vec::new();
+    let jobs = if plan.profiles.contains(&Profile::Mixed) {
+        2
+    } else {
+        1
+    };
+    for &row_size in &plan.row_sizes {
+        let mut workload = Side::open(&plan, &args, row_size)?;
+        let kvtier_engine = workload.describe();
+        let region = workload.region();
+        let kvtier_pages = crate::region_arg::pages_note(&region);
+        // kvtier's rows count as 2 MiB pages when most of them are (a partial collapse is
+        // named in the report's pages).
+        let kvtier_huge = region.huge_page_share() >= 0.5;
+        for &depth in &plan.depths {
+            // fio's memory per point: the hugetlb pages this row size and depth need are
+            // reserved for it alone, so a point too large for the machine's free 2 MiB blocks
+            // is marked (and says why) while the others still run like for like.
+            let needed = memory::hugetlb_pages_needed(row_size, depth, jobs);
+            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.clone(), needed);
+            for &profile in &plan.profiles {
+                let mut point = measure(
+                    &plan,
+                    profile,
+                    row_size,
+                    depth,
+                    &choice,
+                    &mut workload,
+                    scratch.path(),
+                    &bar,
+                )?;
+                point.kvtier_pages = kvtier_pages.clone();
+                point.kvtier_engine = kvtier_engine.clone();
+                points.push((profile, point));
+            }
+            drop(reservation);
+        }
+        workload.close()?;
+    }
+    bar.finish_and_clear();
+    drop(cleanup);
+
+    let mut results = Vec::new();
+    for &profile in &plan.profiles {
+        let sweep: Vec<DepthPoint> = points
+            .iter()
+            .filter(|(p, _)| *p == profile)
+            .map(|(_, d)| d.clone())
+            .collect();
+        let main = sweep
+            .iter()
+            .find(|p| p.iodepth == plan.depth && p.row_size == plan.row_size)
+            .cloned()
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "main point missing from the sweep"))?;
+        results.push(ProfileComparison {
+            profile: profile.name(),
+            kvtier_bytes_per_sec: main.kvtier_bytes_per_sec,
+            fio_bytes_per_sec: main.fio_bytes_per_sec,
+            ratio: main.ratio,
+            fio_best_bytes_per_sec: main.fio_best_bytes_per_sec,
+            ratio_to_best: main.ratio_to_best,
+            kvtier_cpu_seconds_per_gb: main.kvtier_cpu_seconds_per_gb,
+            fio_cpu_seconds_per_gb: main.fio_cpu_seconds_per_gb,
+            fio_best_cpu_seconds_per_gb: main.fio_best_cpu_seconds_per_gb,
+            row_size: plan.row_size,
+            iodepth: plan.depth,
+            file_size: plan.per_file * plan.paths.len() as u64,
+            paths: plan.paths.clone(),
+            file_state: plan.file_state,
+            pairs: plan.pairs,
+            kvtier_side: plan.side_name,
+            kvtier_region: args.region.name(),
+            kvtier_pages: main.kvtier_pages.clone(),
+            kvtier_engine: main.kvtier_engine.clone(),
+            fio_version: fio_version.clone(),
+            fio_setup: main.fio_setup.clone(),
+            fio_like_for_like: main.fio_like_for_like,
+            fio_note: main.fio_note.clone(),
+            fio_best_setup: main.fio_best_setup.clone(),
+            kvtier_samples: main.kvtier_samples,
+            fio_samples: main.fio_samples,
+            pair_ratios: main.pair_ratios.clone(),
+            ratio_spread: main.ratio_spread,
+            sweep: if args.plot.is_some() {
+                sweep
+            } else {
+                Vec::new()
+            },
+        });
+    }
+
+    if let Some(svg_path) = &args.plot {
+        let mut panels: Vec<Panel> = Vec::new();
+        for &row_size in &plan.row_sizes {
+            for r in &results {
+                let at: Vec<&DepthPoint> =
+                    r.sweep.iter().filter(|p| p.row_size == row_size).collect();
+                let mut series = vec![
+                    Series::new(
+                        "kvtier",
+                        at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
+                    ),
+                    Series::new(
+                        "fio, same memory",
+                        at.iter().map(|p| p.fio_bytes_per_sec).collect(),
+                    ),
+                ];
+                if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
+                    series.push(Series::new(
+                        "fio best (hugetlb)",
+                        at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
+                    ));
+                }
+                // Points where fio could not have the same memory are named in the title.
+                let unlike: Vec<String> = at
+                    .iter()
+                    .filter(|p| !p.fio_like_for_like)
+                    .map(|p| p.iodepth.to_string())
+                    .collect();
+                let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
+                if !unlike.is_empty() {
+                    title.push_str(&format!(
+                        " (fio NOT like for like at depth {})",
+                        unlike.join(", ")
+                    ));
+                }
+                panels.push(Panel {
+                    title,
+                    depths: at.iter().map(|p| p.iodepth).collect(),
+                    series,
+                });
+            }
+        }
+        let main = results.first();
+        let subtitle = format!(
+            "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
+            args.region.name(),
+            main.map_or("", |r| r.kvtier_pages.as_str()),
+            main.map_or_else(String::new, |r| r.fio_setup.describe()),
+            format_size(plan.per_file * plan.paths.len() as u64),
+            display_paths(&plan.paths),
+            plan.pairs,
+            fio_version
+        );
+        std::fs::write(
+            svg_path,
+            render_svg(&panels, plan.profiles.len(), &subtitle),
+        )
+        .map_err(|e| Error::io("write plot", svg_path, e))?;
+    }
+
+    if args.json {
+        print_json(&results)?;
+    } else {
+        out!("{}", render_report(&plan, &results, &fio_version))?;
+        if let Some(svg_path) = &args.plot {
+            outln!("plot: {}", svg_path.display())?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One pass's throughput and CPU cost.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    bytes_per_sec: f64,
+    cpu_seconds_per_gb: f64,
+}
+
+/// Runs `plan.pairs` rounds of kvtier, fio on the same memory and (when it differs) fio's best
+/// configuration, the order rotating each round so no side always goes first.
+#[allow(clippy::too_many_arguments)]
+fn measure(
+    plan: &Plan,
+    profile: Profile,
+    row_size: u64,
+    depth: u32,
+    choice: &FioChoice,
+    workload: &mut Side,
+    scratch: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<DepthPoint> {
+    let fio_run = |setup: &memory::FioSetup| FioRun {
+        profile,
+        files: plan.fio_files.clone(),
+        size: plan.per_file * plan.fio_files.len() as u64,
+        block_size: row_size,
+        iodepth: depth,
+        setup: setup.clone(),
+    };
+    let like = fio_run(&choice.like);
+    let best = choice.best.as_ref().map(fio_run);
+    let sides = if best.is_some() { 3 } else { 2 };
+    let mut samples: [Vec<Sample>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    // The reference each round's kvtier sample is compared with: fio's best where it runs
+    // separately, else fio on the same memory.
+    let reference = if best.is_some() { 2 } else { 1 };
+    let max_pairs = plan.pairs.saturating_mul(MAX_PAIRS_FACTOR);
+    let mut pair = 0;
+    while pair < plan.pairs
+        || (pair < max_pairs && pair_spread(&samples[0], &samples[reference]) > WIDE_SPREAD)
+    {
+        if pair >= plan.pairs {
+            // A wide spread: one more round (the bar grows with it).
+            bar.inc_length(sides.max(2) as u64);
+        }
+        for k in 0..sides {
+            crate::interrupt::check("fio-compare")?;
+            let side = (k + pair) % sides;
+            let sample = match side {
+                0 => {
+                    let cpu0 = process_cpu_seconds();
+                    let pass = workload.run_pass(profile, depth)?;
+                    let cpu = process_cpu_seconds() - cpu0;
+                    Sample {
+                        bytes_per_sec: pass.bytes_per_sec(),
+                        cpu_seconds_per_gb: cpu / (pass.bytes as f64 / 1e9).max(1e-12),
+                    }
+                }
+                1 => fio_sample(&runner::run_fio(&like, scratch)?),
+                _ => match &best {
+                    Some(b) => fio_sample(&runner::run_fio(b, scratch)?),
+                    None => continue,
+                },
+            };
+            samples[side].push(sample);
+            bar.inc(1);
+        }
+        if sides == 2 {
+            bar.inc(1);
+        }
+        pair += 1;
+    }
+    let pair_ratios = pair_ratios(&samples[0], &samples[reference]);
+    let med = |v: &[Sample], f: fn(&Sample) -> f64| {
+        median(&v.iter().map(f).collect::<Vec<_>>()).unwrap_or(f64::NAN)
+    };
+    let speed = |s: &Sample| s.bytes_per_sec;
+    let cost = |s: &Sample| s.cpu_seconds_per_gb;
+    let (k, f) = (med(&samples[0], speed), med(&samples[1], speed));
+    // Without a separate best run, fio on the same memory is the best when that memory is
+    // hugetlb pages (like for like with kvtier's own region).
+    let best_is_like = best.is_none() && choice.like_for_like && choice.like.memory.huge();
+    let (b, b_cost, b_samples) = if best_is_like {
+        (f, med(&samples[1], cost), Vec::new())
+    } else {
+        (
+            med(&samples[2], speed),
+            med(&samples[2], cost),
+            samples[2].iter().map(speed).collect(),
+        )
+    };
+    let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
+    Ok(DepthPoint {
+        row_size,
+        iodepth: depth,
+        kvtier_bytes_per_sec: k,
+        fio_bytes_per_sec: f,
+        ratio: ratio(k, f),
+        fio_best_bytes_per_sec: b,
+        ratio_to_best: ratio(k, b),
+        kvtier_cpu_seconds_per_gb: med(&samples[0], cost),
+        fio_cpu_seconds_per_gb: med(&samples[1], cost),
+        fio_best_cpu_seconds_per_gb: b_cost,
+        kvtier_samples: samples[0].iter().map(speed).collect(),
+        fio_samples: samples[1].iter().map(speed).collect(),
+        fio_best_samples: b_samples,
+        fio_setup: choice.like.clone(),
+        fio_like_for_like: choice.like_for_like,
+        fio_note: choice.note.clone(),
+        fio_best_setup: choice
+            .best
+            .clone()
+            .or_else(|| best_is_like.then(|| choice.like.clone())),
+        kvtier_pages: String::new(),
+        kvtier_engine: String::new(),
+        ratio_spread: spread_of(&pair_ratios),
+        pair_ratios,
+    })
+}
+
+/// Above this spread of the per-round kvtier/reference ratios ((max - min) / median),
+/// `measure` takes more rounds.
+const WIDE_SPREAD: f64 = 0.10;
+
+/// At most this many times `--pairs` rounds when the spread stays wide.
+const MAX_PAIRS_FACTOR: usize = 3;
+
+/// Each round's kvtier throughput over the reference's in the same round.
+fn pair_ratios(kvtier: &[Sample], reference: &[Sample]) -> Vec<f64> {
+    kvtier
+        .iter()
+        .zip(reference)
+        .filter(|(_, r)| r.bytes_per_sec > 0.0)
+        .map(|(k, r)| k.bytes_per_sec / r.bytes_per_sec)
+        .collect()
+}
+
+/// (max - min) / median of `v`; NaN when empty.
+pub(crate) fn spread_of(v: &[f64]) -> f64 {
+    let Some(m) = median(v) else {
+        return f64::NAN;
+    };
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if m > 0.0 { (hi - lo) / m } else { f64::NAN }
+}
+
+/// [`spread_of`] the pair ratios so far (0 with fewer than two rounds).
+fn pair_spread(kvtier: &[Sample], reference: &[Sample]) -> f64 {
+    let r = pair_ratios(kvtier, reference);
+    if r.len() < 2 { 0.0 } else { spread_of(&r) }
+}
+
+fn fio_sample(r: &runner::FioReport) -> Sample {
+    let bytes = (r.read.io_bytes + r.write.io_bytes) as f64;
+    Sample {
+        bytes_per_sec: r.total_bytes_per_sec(),
+        cpu_seconds_per_gb: r.cpu_seconds / (bytes / 1e9).max(1e-12),
+    }
+}
+
+/// Removes the test files and tier directories on drop unless asked to keep them.
+struct Cleanup {
+    files: Vec<PathBuf>,
+    dirs: Vec<PathBuf>,
+    keep: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if self.keep {
+            return;
+        }
+        for f in &self.files {
+            if let Err(e) = std::fs::remove_file(f)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cannot remove {}: {e}", f.display());
+            }
+        }
+        for d in &self.dirs {
+            if let Err(e) = std::fs::remove_dir_all(d)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                log::warn!("cannot remove {}: {e}", d.display());
+            }
+        }
+    }
+}
+
+/// kvtier's side of the comparison.
+enum Side {
+    Engine(KvtierWorkload),
+    G3(Box<G3Workload>),
+}
+
+impl Side {
+    fn open(plan: &Plan, args: &FioCompareArgs, row_size: u64) -> Result<Self> {
+        Ok(match args.kvtier_side {
+            KvtierSide::Engine => Side::Engine(KvtierWorkload::open(&WorkloadShape {
+                files: plan.kvtier_files.clone(),
+                file_size: plan.per_file,
+                row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+                region: args.region,
+            })?),
+            KvtierSide::G3 => Side::G3(Box::new(G3Workload::open(&G3Shape {
+                dirs: plan.g3_dirs.clone(),
+                bytes_per_path: plan.per_file,
+                row_size,
+                max_depth: plan.max_depth(),
+                engine: args.io_engine,
+                region: args.region,
+            })?)),
+        })
+    }
+
+    fn region(&self) -> Arc<PrimaryRegion> {
+        match self {
+            Side::Engine(w) => w.region(),
+            Side::G3(w) => w.region(),
+        }
+    }
+
+    fn run_pass(&mut self, profile: Profile, depth: u32) -> Result<PassStats> {
+        match self {
+            Side::Engine(w) => w.run_pass(profile, depth),
+            Side::G3(w) => w.run_pass(profile, depth),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Side::Engine(w) => format!("I/O engine on a plain file: {}", w.describe()),
+            Side::G3(w) => w.describe(),
+        }
+    }
+
+    fn close(self) -> Result<()> {
+        match self {
+            Side::Engine(w) => w.close(),
+            Side::G3(w) => w.close(),
+        }
+    }
+}
