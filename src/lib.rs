@@ -44,7 +44,7 @@
 //! no two modules of one folder import each other (`tests/architecture.rs` checks both on
 //! every test run and prints the import graph with `-- --nocapture`). From the bottom:
 //!
-//! 1. [`error`], [`key`], [`hash`], [`size`]: the vocabulary every layer speaks.
+//! 1. [`error`], [`key`], `hash`, [`size`]: the vocabulary every layer speaks.
 //! 2. [`geometry`]: the one place that turns sizes into rows (row stride, row alignment,
 //!    rows for a byte budget, slots per file).
 //! 3. [`metrics`]: a small Prometheus text-exposition registry (owned, never global).
@@ -53,7 +53,7 @@
 //! 6. [`contract`]: the tier contract: job vocabulary and the `SecondaryTier` trait.
 //! 7. [`config`]: configuration model, parsing and one `validate` per type.
 //! 8. [`canonical`]: the canonical layout that makes stored bytes portable across TP sizes.
-//! 9. [`primary`]: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
+//! 9. `primary`: the CPU primary tier (slots, ref counts, LRU / ARC eviction).
 //! 10. [`g3`]: the G3 NVMe tier (slab files, persistent index, recovery); [`fs`]: the
 //!     file-per-chunk tier for shared file systems (vLLM `fs` tier compatible), which reuses
 //!     a few of G3's pieces.
@@ -67,54 +67,50 @@
 //! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`] and
 //! the byte [`size`]s it reads, [`contract`], [`region`], [`key`], [`error`]), the node
 //! service and its client ([`node`]), and what outside
-//! tools need to compare kvtier with other implementations: the primary tier ([`primary`]), the tiering manager with its
+//! tools need to compare kvtier with other implementations: the primary tier (`primary`), the tiering manager with its
 //! injectable clock and back-pressure detector ([`tiering`]), the canonical mapping
 //! ([`canonical`]), with the row [`geometry`] and the [`metrics`] registry their signatures
 //! use. The engine's inner modules (`g3`, `fs`, `io`, `hash`) are public only with the cargo
 //! feature `internals`, which kvtier's own integration tests and the `kvtier-replay` driver
 //! use; they are not a stable API. The command line's items are private to the crate.
 
-// The public face: what an embedder builds with (`embed`, `config`, `contract`, `region`,
-// `key`, `error`) and what outside tools compare with other implementations (the primary tier,
-// the manager with its injectable clock and back-pressure detector in `tiering`, the canonical
-// mapping in `canonical`), plus the row geometry and the metrics registry their signatures use.
+/// Declares modules that are private to the crate in a shipped build and public with the
+/// `test-support` feature, which kvtier's own tests, benches and the `kvtier-replay` driver
+/// turn on to look inside. Used at the crate root and in each module's `mod.rs`: a module's
+/// face is what it declares `pub` and re-exports, its inner files stay private.
+macro_rules! test_visible {
+    ($($(#[$attr:meta])* mod $name:ident;)*) => {$(
+        $(#[$attr])*
+        #[cfg(feature = "test-support")]
+        pub mod $name;
+        $(#[$attr])*
+        #[cfg(not(feature = "test-support"))]
+        pub(crate) mod $name;
+    )*};
+}
+
+// The face: what an embedder builds with and what the `kvtier` command line needs. Each
+// module's own face is what its `mod.rs` makes public; its inner files are `test_visible`.
 pub mod canonical;
 pub mod config;
 pub mod contract;
 pub mod embed;
 pub mod error;
+pub mod fs;
+pub mod g3;
 pub mod geometry;
+pub mod io;
 pub mod key;
 pub mod metrics;
 pub mod node;
-pub mod primary;
 pub mod region;
 pub mod size;
 pub mod tiering;
 
-// The engine's inner modules: public only with the `internals` feature (kvtier's own
-// integration tests, the `kvtier-replay` driver and other tools that look inside; not a stable
-// API). The command line is its own crate (`cli/`, the `kvtier` binary).
-#[cfg(feature = "internals")]
-pub mod fs;
-#[cfg(not(feature = "internals"))]
-#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
-pub(crate) mod fs;
-#[cfg(feature = "internals")]
-pub mod g3;
-#[cfg(not(feature = "internals"))]
-#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
-pub(crate) mod g3;
-#[cfg(feature = "internals")]
-pub mod hash;
-#[cfg(not(feature = "internals"))]
-#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
-pub(crate) mod hash;
-#[cfg(feature = "internals")]
-pub mod io;
-#[cfg(not(feature = "internals"))]
-#[allow(dead_code, unused_imports)] // what only the tests and tools use is exported, not dead
-pub(crate) mod io;
+test_visible! {
+    mod hash;
+    mod primary;
+}
 
 pub use config::KvtierConfig;
 pub use contract::job::{JobResult, LookupResult, RequestContext, TransferJob};

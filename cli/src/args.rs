@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::size::parse_size;
 use kvtier::canonical::{LayoutDescriptor, default_layout};
-use kvtier::config::in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
+use kvtier::config::{check_max_bytes_in_flight, max_bytes_in_flight};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::io::IoEngineKind;
 

@@ -19,7 +19,7 @@ use kvtier::config::{self, Format, KvtierConfig};
 use kvtier::embed::Builder;
 use kvtier::error::Result;
 use kvtier::geometry::ChunkGeometry;
-use kvtier::tiering::factory::TierFactory;
+use kvtier::tiering::TierFactory;
 
 /// `kvtier config ...`.
 #[derive(Debug, Args)]

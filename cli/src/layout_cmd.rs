@@ -9,9 +9,9 @@ use serde_json::{Value, json};
 use crate::args::name_flag;
 use crate::layout_vllm;
 use crate::output::{outln, print_json};
-use kvtier::canonical::digest::{self, NamespaceParams, VllmDigestFields};
-use kvtier::canonical::gather::direct_row_range;
-use kvtier::canonical::validate::static_portability_claim;
+use kvtier::canonical::direct_row_range;
+use kvtier::canonical::static_portability_claim;
+use kvtier::canonical::{self as digest, NamespaceParams, VllmDigestFields};
 use kvtier::canonical::{
     LayerMapping, LayerView, LayoutDescriptor, ParallelConfig, RowPlan, allocated_encoding,
     allocator_views, derive_all_ranks, prepare_canonical, resolve_encoding, verify_tiling,

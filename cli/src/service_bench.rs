@@ -185,7 +185,7 @@ impl Bench {
                 args.chunks
             )));
         };
-        if let Some(free) = kvtier::g3::slab::available_bytes(&args.dir)
+        if let Some(free) = kvtier::g3::available_bytes(&args.dir)
             && free < need
         {
             return Err(Error::new(

@@ -4,12 +4,12 @@
 
 /// clap value parser for human sizes (`2MiB`, `64G`, `4096`).
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    kvtier::config::size::parse_size(text).map_err(|e| e.to_string())
+    kvtier::config::parse_size(text).map_err(|e| e.to_string())
 }
 
 /// Formats bytes for people: `2 MiB`, `1.50 GiB`, `512 B`.
 pub fn format_size(bytes: u64) -> String {
-    kvtier::config::size::format_size_human(bytes)
+    kvtier::config::format_size_human(bytes)
 }
 
 /// Formats a throughput in decimal GB/s (10^9 bytes per second), as fio and disk vendors do.

@@ -11,7 +11,7 @@ use kvtier::error::Result;
 /// `Cargo.toml` is added here too.
 pub const BUILD_FEATURES: [(&str, bool); 2] = [
     ("gds", cfg!(feature = "gds")),
-    ("internals", cfg!(feature = "internals")),
+    ("test-support", cfg!(feature = "test-support")),
 ];
 
 /// The report, one `key: value` line each.

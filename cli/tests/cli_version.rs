@@ -21,7 +21,7 @@ fn workspace_manifest() -> String {
 fn built_with(name: &str) -> bool {
     match name {
         "gds" => cfg!(feature = "gds"),
-        "internals" => cfg!(feature = "internals"),
+        "test-support" => cfg!(feature = "test-support"),
         other => panic!("cli/Cargo.toml declares feature {other:?}: add it to built_with"),
     }
 }

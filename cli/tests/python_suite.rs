@@ -255,8 +255,8 @@ fn build_package(venv: &Venv) -> Result<(), StepError> {
     if cfg!(feature = "gds") {
         features.push("gds");
     }
-    if cfg!(feature = "internals") {
-        features.push("internals");
+    if cfg!(feature = "test-support") {
+        features.push("test-support");
     }
     let mut cmd = Command::new(&maturin);
     // `--strip`: the extension without its debug symbols (6 MB instead of 80 MB, in the

@@ -319,7 +319,7 @@ impl NamespaceParams {
 impl NamespaceParams {
     /// `slot_bytes` when a tier stores only a prefix of the row (the canonical area of a row
     /// vLLM sizes larger: replicated GQA heads), else `None` (whole rows). What
-    /// [`crate::tiering::factory::TierBuildContext::slot_bytes`] takes.
+    /// `crate::tiering::factory::TierBuildContext::slot_bytes` takes.
     pub fn slot_prefix(&self) -> Option<u64> {
         (self.slot_bytes < self.row_stride).then_some(self.slot_bytes)
     }
@@ -382,7 +382,7 @@ pub fn namespace_fields(desc: &LayoutDescriptor, params: &NamespaceParams) -> Va
     Value::Object(m)
 }
 
-/// kvtier's namespace digest: sha256 of [`namespace_fields`] serialised like vLLM's digest.
+/// kvtier's namespace digest: sha256 of `namespace_fields` serialised like vLLM's digest.
 pub fn namespace_digest(desc: &LayoutDescriptor, params: &NamespaceParams) -> [u8; 32] {
     let text = python_json_dumps(&namespace_fields(desc, params));
     Sha256::digest(text.as_bytes()).into()
@@ -407,6 +407,7 @@ pub fn namespace_hex(desc: &LayoutDescriptor, params: &NamespaceParams) -> Strin
 
 /// Refuses stored data whose namespace differs from the current one. `what` names the store
 /// (a path or tier) for the message.
+#[cfg(any(test, feature = "test-support"))]
 pub fn check_namespace(what: &str, stored: &[u8; 32], current: &[u8; 32]) -> Result<()> {
     if stored == current {
         return Ok(());

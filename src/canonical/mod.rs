@@ -3,48 +3,50 @@
 //! A chunk is stored as the whole unsharded block (all KV heads, all tokens), so bytes stored
 //! under one TP size load under another (contract §8). The pieces, in the order they are used:
 //!
-//! 1. [`LayoutDescriptor`] ([`descriptor`]): a model's KV geometry, from a TOML file in `layouts/`.
-//! 2. [`derive_mappings`] ([`mapping`]): per layer and rank, the copy runs from the local page
+//! 1. [`LayoutDescriptor`] (`descriptor`): a model's KV geometry, from a TOML file in `layouts/`.
+//! 2. [`derive_mappings`] (`mapping`): per layer and rank, the copy runs from the local page
 //!    into the canonical page, the writer election and the portability flag.
-//! 3. [`verify_tiling`] ([`tiling`]): runs partition each local page and the elected writers tile
+//! 3. [`verify_tiling`] (`tiling`): runs partition each local page and the elected writers tile
 //!    each canonical page exactly once.
-//! 4. [`validate_canonical`] ([`validate`]): the seed's `_validate_canonical_refs` rules.
-//! 5. [`RowPlan`] with [`gather`](fn@gather) / [`scatter`] ([`gather`](mod@gather)): move bytes between a
+//! 4. [`validate_canonical`] (`validate`): the seed's `_validate_canonical_refs` rules.
+//! 5. [`RowPlan`] with [`gather`](fn@gather) / [`scatter`] (`gather`): move bytes between a
 //!    rank's local chunk and the canonical area of a primary row.
 //! 6. [`digest::vllm_digest`] and [`digest::namespace_digest`]: what storage is keyed by.
 //!
-//! Where kvtier sees the engine's tensors, [`check_views`] ([`views`]) derives the page
+//! Where kvtier sees the engine's tensors, [`check_views`] (`views`) derives the page
 //! encoding from their shapes and strides and refuses a descriptor that claims another;
 //! [`prepare_canonical_from_views`] does it before preparing.
 //!
 //! Where vLLM's workers write the canonical pages themselves (kvtier as vLLM's tier),
 //! [`VllmSpecFields::canonical_area`] sizes the area of the row they fill from a descriptor
-//! ([`shipped`] or a file), checked against vLLM's configuration.
+//! (`shipped` or a file), checked against vLLM's configuration.
 
 mod copy;
-pub mod descriptor;
-pub mod digest;
-pub mod gather;
-pub mod mapping;
-pub mod shipped;
+test_visible! {
+    mod descriptor;
+    mod digest;
+    mod gather;
+    mod mapping;
+    mod shipped;
+    mod tiling;
+    mod validate;
+    mod views;
+}
 mod spec_area;
-pub mod tiling;
-pub mod validate;
-pub mod views;
 
 pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
 pub use digest::{
     NamespaceParams, VllmDigestFields, VllmSpecFields, engine_pool_namespace, namespace_digest,
-    vllm_digest,
+    namespace_hex, vllm_digest,
 };
-pub use gather::{ByteCopy, Direction, RowPlan, gather, scatter};
+pub use gather::{ByteCopy, Direction, RowPlan, direct_row_range, gather, scatter};
 pub use mapping::{
     CanonicalPageMapping, CopyRun, LayerMapping, MappingKind, ParallelConfig, canonical_page_ids,
     derive_all_ranks, derive_mappings, derive_mappings_for,
 };
 pub use shipped::{SHIPPED_LAYOUTS, resolve_layout, shipped_layout};
 pub use tiling::verify_tiling;
-pub use validate::{CanonicalStatus, validate_canonical};
+pub use validate::{CanonicalStatus, static_portability_claim, validate_canonical};
 pub use views::{
     EncodingSource, LayerView, PageEncoding, allocated_encoding, allocator_views, check_views,
     resolve_encoding,

@@ -3,7 +3,9 @@
 //! receive portable bytes. Fails closed with errors that say how to turn canonical layout off.
 
 use crate::canonical::descriptor::LayoutDescriptor;
-use crate::canonical::mapping::{LayerMapping, MappingKind};
+use crate::canonical::mapping::LayerMapping;
+#[cfg(any(test, feature = "test-support"))]
+use crate::canonical::mapping::MappingKind;
 use crate::error::{Error, ErrorKind, Result};
 
 /// What validation found.
@@ -76,6 +78,7 @@ pub fn static_portability_claim(
 }
 
 /// Whether a layer set contains any opaque-fallback layer.
+#[cfg(any(test, feature = "test-support"))]
 pub fn has_fallback(layers: &[LayerMapping]) -> bool {
     layers
         .iter()

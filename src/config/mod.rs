@@ -1,10 +1,10 @@
 //! Configuration: vLLM's `kv_connector_extra_config` shape read from JSON or TOML, merged and
 //! validated into the resolved [`KvtierConfig`].
 //!
-//! * [`model`]: the resolved (validated) types every other module consumes.
-//! * [`size`]: human byte sizes (`"64GiB"`).
-//! * [`backpressure`]: the field-by-field back-pressure merge, presets and defaults.
-//! * [`in_flight`]: the one rule of every tier's `max_bytes_in_flight`.
+//! * `model`: the resolved (validated) types every other module consumes.
+//! * `size`: human byte sizes (`"64GiB"`).
+//! * `backpressure`: the field-by-field back-pressure merge, presets and defaults.
+//! * `in_flight`: the one rule of every tier's `max_bytes_in_flight`.
 //! * `validate`: one `validate` per resolved type ([`KvtierConfig::validate`],
 //!   [`TierConfig::validate`], [`BackpressureConfig::validate`]), the value rules every way
 //!   in runs (the parser runs them after it has checked the shape of the tree).
@@ -14,12 +14,14 @@
 //!
 //! The reference of every key is `docs/configuration.md`.
 
-pub mod backpressure;
+test_visible! {
+    mod backpressure;
+    mod in_flight;
+    mod model;
+    mod size;
+}
 mod fields;
-pub mod in_flight;
-pub mod model;
 mod parse;
-pub mod size;
 mod validate;
 
 use std::path::Path;
@@ -28,6 +30,7 @@ use serde_json::Value;
 
 use crate::error::{Error, ErrorKind, Result};
 
+pub use in_flight::{check_max_bytes_in_flight, max_bytes_in_flight};
 pub use model::{
     BackpressureConfig, ChunkSizing, EvictionPolicyKind, KvtierConfig, ServiceConfig, TierConfig,
 };
@@ -35,7 +38,7 @@ pub use parse::{
     KVTIER_KEYS, ResolvedConfig, SERVICE_KEYS, TIER_COMMON_KEYS, VLLM_OWNED_KEYS, WRAPPER_KEYS,
     resolve, resolve_tier_entry,
 };
-pub use size::ByteSize;
+pub use size::{ByteSize, format_size_human, parse_size};
 
 /// The text format of a configuration file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,11 +10,13 @@
 //! * [`secondary`]: the [`SecondaryTier`](secondary::SecondaryTier) trait every secondary tier
 //!   implements, and the tier-owned metric samples it reports.
 //! * [`admission`]: which offered chunks a secondary tier writes (`admission` key; TinyLFU).
-//! * [`ledger`]: the bookkeeping of tiers with a worker thread (jobs reported without the
+//! * `ledger`: the bookkeeping of tiers with a worker thread (jobs reported without the
 //!   worker, jobs not yet reported, the shutdown handshake).
 
 pub mod admission;
 pub mod hints;
 pub mod job;
-pub mod ledger;
+test_visible! {
+    mod ledger;
+}
 pub mod secondary;

@@ -141,7 +141,7 @@ impl Builder {
 
     /// Bytes of each row the slot tiers (`nvme`) store: a prefix of the row (default: what the
     /// layout's namespace names, the canonical area for the canonical layout; without a
-    /// layout, the whole row). See [`TierBuildContext::slot_bytes`].
+    /// layout, the whole row). See `TierBuildContext::slot_bytes`.
     pub fn slot_bytes(mut self, bytes: u64) -> Self {
         self.options.slot_bytes = Some(bytes);
         self

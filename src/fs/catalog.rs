@@ -54,6 +54,7 @@ impl Catalog {
     }
 
     /// True when no file is known.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
@@ -64,6 +65,7 @@ impl Catalog {
     }
 
     /// The capacity in bytes.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn capacity(&self) -> u64 {
         self.capacity
     }
@@ -164,6 +166,7 @@ impl Catalog {
     }
 
     /// Keys from least to most recently used (for tests and tools).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn keys_lru_first(&self) -> Vec<ChunkKey> {
         let mut out = Vec::with_capacity(self.len());
         let mut i = self.tail;

@@ -16,6 +16,7 @@ use crate::size::format_size_human;
 
 /// Default cap on bytes moving between the primary and chunk files at once (unless a row is
 /// larger: [`crate::config::in_flight`]).
+#[cfg(any(test, feature = "test-support"))]
 pub use crate::config::in_flight::DEFAULT_MAX_BYTES_IN_FLIGHT;
 /// Default number of threads for the blocking per-file steps (open, xattr, rename, close),
 /// as many as vLLM's fs tier has threads of each kind.

@@ -258,7 +258,7 @@ fn no_tier_in(dir: &Path) -> Error {
 ///
 /// Everything that can be known before anything is removed is checked first: every directory
 /// takes files, no live tier holds a slab, and the new slabs fit in the space available plus
-/// what the old ones free. The directories' locks ([`slab::lock_dirs`]) are held from the first
+/// what the old ones free. The directories' locks (`slab::lock_dirs`) are held from the first
 /// removal to the last write, so two formats of one directory never interleave: the second
 /// is refused, naming the first one's pid.
 pub fn format(paths: &[PathBuf], opts: &FormatOptions) -> Result<SlabReport> {

@@ -18,6 +18,7 @@ use crate::size::{count, format_size_human};
 
 /// Default cap on bytes moving between the primary and the slabs at once (unless a row is
 /// larger: [`crate::config::in_flight`]).
+#[cfg(any(test, feature = "test-support"))]
 pub use crate::config::in_flight::DEFAULT_MAX_BYTES_IN_FLIGHT;
 /// Default number of jobs that may wait in the tier's queue before new ones fail fast.
 pub const DEFAULT_MAX_QUEUED_JOBS: usize = 4096;
@@ -410,7 +411,7 @@ impl G3TierConfig {
     /// Errors name `<key_prefix>.<key>` (`secondary_tiers[2].max_queued_jobs`; the bare key
     /// for an empty prefix). With the primary's `row_stride` known, the capacity is checked
     /// too: at least one slot per path and fewer than 2^32 - 1 slots in all; and
-    /// `max_bytes_in_flight` holds at least one row ([`crate::config::in_flight`]). Slots are
+    /// `max_bytes_in_flight` holds at least one row (`crate::config::in_flight`). Slots are
     /// [`G3TierConfig::slot_bytes_for`] the row.
     pub fn validate(&self, key_prefix: &str, row_stride: Option<u64>) -> Result<()> {
         let kp = |k: &str| {

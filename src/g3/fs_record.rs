@@ -266,7 +266,7 @@ pub struct Records {
 }
 
 impl Records {
-    /// The records of [`state_dir`]; `None` when there is no state directory.
+    /// The records of `state_dir`; `None` when there is no state directory.
     pub fn default_location() -> Option<Self> {
         state_dir().map(|d| Self::in_state_dir(&d))
     }

@@ -96,6 +96,7 @@ const _: () = assert!(std::mem::size_of::<SlotEntry>() == 64);
 
 impl Index {
     /// An empty index over `total_slots` slots striped across `n_paths` files.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn new(total_slots: u32, n_paths: usize) -> Self {
         let mut ix = Self::without_free_list(total_slots, n_paths);
         ix.free = (0..total_slots).rev().collect();
@@ -153,6 +154,7 @@ impl Index {
     }
 
     /// True when no entry is committed.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_empty(&self) -> bool {
         self.valid == 0
     }
@@ -173,6 +175,7 @@ impl Index {
     }
 
     /// True if `key` is committed (loadable now).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_valid(&self, key: &ChunkKey) -> bool {
         self.find(key)
             .is_some_and(|s| self.slots[s as usize].state == SlotState::Valid)
@@ -217,6 +220,7 @@ impl Index {
 
     /// Replays an insert: `slot` now holds `key`. Idempotent; whatever `slot` or `key` held
     /// before is dropped. Returns false if `slot` is out of range.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn apply_insert(&mut self, key: ChunkKey, slot: Slot, crc: u32, generation: u64) -> bool {
         let h = self.key_hash(key.as_bytes());
         self.apply_insert_hashed(key.as_bytes(), h, slot, crc, generation)
@@ -524,6 +528,7 @@ impl Index {
     }
 
     /// Whether `path` is out of service.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_path_dead(&self, path: usize) -> bool {
         self.dead_paths.get(path).copied().unwrap_or(false)
     }
@@ -569,6 +574,7 @@ impl Index {
     }
 
     /// The configured eviction policy.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn eviction_policy(&self) -> EvictionPolicyKind {
         if self.arc.is_some() {
             EvictionPolicyKind::Arc
@@ -594,6 +600,7 @@ impl Index {
     }
 
     /// ARC's sizes (`None` under LRU), for tests and diagnostics.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn arc_stats(&self) -> Option<crate::primary::policy::ArcStats> {
         self.arc.as_ref().and_then(|a| a.stats().arc)
     }

@@ -201,6 +201,7 @@ impl IndexDir {
     }
 
     /// The directory's path (as configured).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -14,13 +14,16 @@ use std::sync::Arc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::index::Slot;
 use crate::g3::index_dir::IndexDir;
+#[cfg(any(test, feature = "test-support"))]
 use crate::g3::index_dir::JOURNAL_TMP_FILE_NAME;
 use crate::g3::record::{FileHeader, JOURNAL_MAGIC, RecordCodec};
 use crate::io::{IoEngine, MetaFile, MetaOp};
 use crate::key::ChunkKey;
 
 pub use crate::g3::index_dir::{CHECKPOINT_FILE_NAME, JOURNAL_FILE_NAME};
-pub use crate::g3::record::{FILE_HEADER_SIZE, MAX_KEY_LEN};
+pub use crate::g3::record::FILE_HEADER_SIZE;
+#[cfg(any(test, feature = "test-support"))]
+pub use crate::g3::record::MAX_KEY_LEN;
 
 /// The 64-byte header of a journal continuing checkpoint `seq` of the set `set_uuid`.
 pub fn journal_header(set_uuid: [u8; 16], seq: u64) -> [u8; FILE_HEADER_SIZE] {
@@ -77,6 +80,7 @@ impl JournalWriter {
     /// Replaces the current journal of `dir` with an empty one continuing checkpoint `seq`
     /// (temp file, fsync, rename, directory fsync). For tools and tests: the tier starts
     /// journals with [`crate::g3::checkpoint::rotate`], which keeps the previous generation.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn create(dir: &IndexDir, set_uuid: [u8; 16], seq: u64) -> Result<Self> {
         dir.write_file(
             JOURNAL_TMP_FILE_NAME,
@@ -108,6 +112,7 @@ impl JournalWriter {
     }
 
     /// The journal's path.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -46,11 +46,13 @@ impl KeyTable {
     }
 
     /// Entries held.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// True when empty.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

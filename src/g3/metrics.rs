@@ -13,8 +13,6 @@ use crate::contract::secondary::{MetricDescriptor, TierMetric, TierMetricKind};
 pub struct PathStatus {
     /// Whether the data descriptor is O_DIRECT.
     pub direct: bool,
-    /// Filesystem type.
-    pub fs_type: String,
     /// Set after a failed write or fsync, or once the slab is not what its path names any
     /// more: no further writes go to this path.
     pub poisoned: AtomicBool,
@@ -184,7 +182,6 @@ impl G3Metrics {
     pub fn descriptors() -> Vec<MetricDescriptor> {
         let one_path = PathStatus {
             direct: true,
-            fs_type: String::new(),
             poisoned: Default::default(),
             problem: Default::default(),
             lost: Default::default(),

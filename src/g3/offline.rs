@@ -47,7 +47,6 @@ impl OfflineTier {
             .map(|d| {
                 let p = PathStatus {
                     direct: false,
-                    fs_type: String::new(),
                     poisoned: true.into(),
                     problem: parking_lot::Mutex::new(Some(refusal.message().to_string())),
                     lost: Default::default(),

@@ -12,6 +12,7 @@
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::format::{le_u32, le_u64};
 use crate::g3::index::Slot;
+#[cfg(any(test, feature = "test-support"))]
 use crate::key::ChunkKey;
 
 /// Magic of a journal file.
@@ -161,6 +162,7 @@ impl FileHeader {
 }
 
 /// One index record.
+#[cfg(any(test, feature = "test-support"))]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
     /// `slot` now holds `key`, whose bytes have [`chunk_crc`] `crc`.
@@ -204,6 +206,7 @@ pub enum RecordRef<'a> {
 
 impl RecordRef<'_> {
     /// The owned [`Record`].
+    #[cfg(any(test, feature = "test-support"))]
     pub fn to_record(&self) -> Record {
         match *self {
             RecordRef::Insert {
@@ -421,12 +424,14 @@ impl Damage {
     }
 
     /// True when empty (never, for a reported stretch).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_empty(&self) -> bool {
         self.end == self.start
     }
 }
 
 /// What [`decode_records`] found: the records, in order, and the damage skipped.
+#[cfg(any(test, feature = "test-support"))]
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Decoded {
     /// Every valid record.
@@ -440,6 +445,7 @@ pub struct Decoded {
 /// Decodes every valid record of `body`, which lies at file offset `base` and runs to the end
 /// of the file, skipping damaged records and resynchronising on the next valid one (the same
 /// checks as the streaming reader, `crate::g3::record_reader::stream_records`).
+#[cfg(any(test, feature = "test-support"))]
 pub fn decode_records(codec: &RecordCodec, body: &[u8], base: u64) -> Decoded {
     let mut out = Decoded::default();
     let mut pos = 0;

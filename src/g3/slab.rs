@@ -964,6 +964,7 @@ pub fn read_superblock(f: &File, p: &Path) -> Result<Superblock> {
 
 /// Removes the slab files of `dirs` after taking their locks (so a live tier is never
 /// reformatted under its feet). Missing files are ignored.
+#[cfg(any(test, feature = "test-support"))]
 pub fn remove_set(dirs: &[PathBuf]) -> Result<()> {
     let dirs = check_dirs(dirs)?;
     remove_locked(lock_slabs(&dirs)?)

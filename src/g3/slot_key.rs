@@ -64,6 +64,7 @@ impl SlotKey {
     }
 
     /// True when this holds a key.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_some(&self) -> bool {
         !matches!(self, SlotKey::Empty)
     }

@@ -194,7 +194,6 @@ impl G3Tier {
                 .iter()
                 .map(|f| PathStatus {
                     direct: f.direct,
-                    fs_type: f.fs_type.clone(),
                     poisoned: Default::default(),
                     problem: Default::default(),
                     lost: Default::default(),
@@ -274,7 +273,7 @@ impl G3Tier {
     }
 
     /// A handle for another data path (GPUDirect Storage) to move rows into and out of this
-    /// tier's slots under its index, journal and CRC rules (see [`crate::g3::direct`]).
+    /// tier's slots under its index, journal and CRC rules (see `crate::g3::direct`).
     pub fn direct_slots(&self) -> Result<crate::g3::direct::DirectSlots> {
         let cmd_tx = self
             .cmd_tx

@@ -10,24 +10,36 @@
 
 use std::sync::Arc;
 
+// Fault injection: compiled only for tests (`test-support`), never shipped.
+#[cfg(any(test, feature = "test-support"))]
 pub mod faulty;
+test_visible! {
+    mod probe;
+    mod psync;
+    mod uring;
+}
 mod files;
 mod idle;
 mod open;
-pub mod probe;
-pub mod psync;
 mod queue;
 mod thread;
-pub mod uring;
 
+#[cfg(any(test, feature = "test-support"))]
 pub use faulty::{DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault};
-pub use files::{ATTACHED_FLAG, MAX_TRANSIENT_RETRIES, is_transient};
+pub(crate) use files::is_transient;
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
-pub use open::{EngineHandle, EngineInfo, EngineOptions, open_engine};
-pub use probe::{
-    DirectIoProbe, FilesystemFacts, filesystem_facts, probe_direct_io, probe_io_uring,
-};
-pub use thread::{batch_policy_failures, current_policy, spawn_io_thread};
+#[cfg(feature = "test-support")]
+pub use open::EngineHandle;
+#[cfg(not(feature = "test-support"))]
+pub(crate) use open::EngineHandle;
+pub use open::{EngineInfo, EngineOptions, open_engine};
+pub use probe::{DirectIoProbe, probe_direct_io, probe_io_uring, statfs_magic};
+pub(crate) use probe::{FilesystemFacts, filesystem_facts};
+#[cfg(feature = "test-support")]
+pub use thread::batch_policy_failures;
+#[cfg(not(feature = "test-support"))]
+pub(crate) use thread::batch_policy_failures;
+pub(crate) use thread::spawn_io_thread;
 
 use crossbeam_channel::Receiver;
 
@@ -62,12 +74,12 @@ pub struct IoRequest {
 
 /// The tag of the transfer of key `index` of a tier's active job `serial` (the two halves of
 /// the `u64`), so that a completion leads straight back to its job and key.
-pub fn job_tag(serial: u32, index: usize) -> u64 {
+pub(crate) fn job_tag(serial: u32, index: usize) -> u64 {
     (u64::from(serial) << 32) | (index as u64 & 0xffff_ffff)
 }
 
 /// The job serial and key index of a [`job_tag`].
-pub fn split_job_tag(tag: u64) -> (u32, usize) {
+pub(crate) fn split_job_tag(tag: u64) -> (u32, usize) {
     ((tag >> 32) as u32, (tag & 0xffff_ffff) as usize)
 }
 

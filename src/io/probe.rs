@@ -405,7 +405,7 @@ pub fn probe_direct_io(dir: &Path) -> Result<DirectIoProbe> {
 }
 
 /// Whether an io_uring can be set up here, has the opcodes kvtier needs
-/// ([`crate::io::uring::REQUIRED_OPCODES`]) and completes a NOP; `Err` says why not, naming
+/// (`crate::io::uring::REQUIRED_OPCODES`) and completes a NOP; `Err` says why not, naming
 /// any missing opcode.
 pub fn probe_io_uring() -> std::result::Result<(), String> {
     let mut ring = io_uring::IoUring::new(4).map_err(|e| {

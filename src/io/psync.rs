@@ -67,6 +67,7 @@ impl PsyncEngine {
     }
 
     /// Number of worker threads.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn threads(&self) -> usize {
         self.workers.lock().len()
     }

@@ -45,6 +45,7 @@ pub fn batch_policy_failures() -> u64 {
 
 /// The calling thread's scheduling policy (`libc::SCHED_*`). Raw libc here and in
 /// `set_batch_policy`: neither std nor rustix has `sched_getscheduler`/`sched_setscheduler`.
+#[cfg(test)]
 pub fn current_policy() -> i32 {
     // SAFETY: sched_getscheduler(0) reads the calling thread's policy; no memory is passed.
     unsafe { libc::sched_getscheduler(0) }

@@ -23,7 +23,9 @@
 mod index;
 mod mem_hints;
 mod pins;
-pub mod policy;
+test_visible! {
+    mod policy;
+}
 mod requests;
 mod store;
 mod table;

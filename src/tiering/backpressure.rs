@@ -19,8 +19,9 @@ pub const MIB: f64 = (1u64 << 20) as f64;
 /// vLLM's defaults, defined once in the configuration layer.
 pub use crate::config::backpressure::{
     DEFAULT_ALPHA, DEFAULT_COOLDOWN_S, DEFAULT_DECAY_HALF_LIFE_S, DEFAULT_WARMUP_COMPLETIONS,
-    DETECTOR_CLS as DETECTOR_CLASS,
 };
+#[cfg(any(test, feature = "test-support"))]
+pub use crate::config::backpressure::DETECTOR_CLS as DETECTOR_CLASS;
 use crate::config::backpressure::{LOCAL_PRESET, NETWORK_PRESET};
 /// Consecutive completions below low water after which the gate is bypassed.
 pub const HEALTHY_THRESHOLD: u32 = 10;

@@ -2,9 +2,13 @@
 //! idle decay all read it, so tests can inject a [`ManualClock`] and stay deterministic.
 
 use std::fmt::Debug;
+#[cfg(any(test, feature = "test-support"))]
 use std::sync::Arc;
+#[cfg(any(test, feature = "test-support"))]
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
+#[cfg(any(test, feature = "test-support"))]
+use std::time::Duration;
 
 /// A monotonic time source.
 pub trait Clock: Send + Sync + Debug {
@@ -23,12 +27,14 @@ impl Clock for SystemClock {
 }
 
 /// A clock that only moves when told to (tests, simulations). Cheap to clone; clones share time.
+#[cfg(any(test, feature = "test-support"))]
 #[derive(Debug, Clone)]
 pub struct ManualClock {
     base: Instant,
     offset_ns: Arc<AtomicU64>,
 }
 
+#[cfg(any(test, feature = "test-support"))]
 impl ManualClock {
     /// A clock starting at the current real instant.
     pub fn new() -> Self {
@@ -57,12 +63,14 @@ impl ManualClock {
     }
 }
 
+#[cfg(any(test, feature = "test-support"))]
 impl Default for ManualClock {
     fn default() -> Self {
         Self::new()
     }
 }
 
+#[cfg(any(test, feature = "test-support"))]
 impl Clock for ManualClock {
     fn now(&self) -> Instant {
         self.base + self.elapsed()

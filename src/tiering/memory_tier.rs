@@ -21,6 +21,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::io::IdlePolicy;
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
+#[cfg(any(test, feature = "test-support"))]
 use crate::tiering::clock::Clock;
 
 pub use crate::tiering::rng::XorShift64;
@@ -35,6 +36,7 @@ pub enum ExecMode {
     },
     /// On the submitting thread; a job's result is released once `clock` reaches its
     /// `submit_time` plus the latency (deterministic with a manual clock).
+    #[cfg(any(test, feature = "test-support"))]
     Inline {
         /// The clock that releases results.
         clock: Arc<dyn Clock>,
@@ -49,6 +51,7 @@ pub enum ExecMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Misreport {
     /// Report the first finished job twice.
+    #[cfg(any(test, feature = "test-support"))]
     Duplicate,
     /// Report a job id that was never submitted.
     Unknown,
@@ -279,6 +282,7 @@ enum Engine {
         results: Receiver<JobResult>,
         thread: Option<JoinHandle<()>>,
     },
+    #[cfg(any(test, feature = "test-support"))]
     Inline {
         exec: Box<Executor>,
         clock: Arc<dyn Clock>,
@@ -352,6 +356,7 @@ impl MemoryTier {
                     thread: Some(thread),
                 }
             }
+            #[cfg(any(test, feature = "test-support"))]
             ExecMode::Inline {
                 clock,
                 store_latency,
@@ -381,16 +386,19 @@ impl MemoryTier {
     }
 
     /// Number of chunks held.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn len(&self) -> usize {
         self.store.lock().map.len()
     }
 
     /// True when nothing is held.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// A copy of the bytes held for `key`.
+    #[cfg(any(test, feature = "test-support"))]
     pub fn get(&self, key: &ChunkKey) -> Option<Vec<u8>> {
         self.store.lock().map.get(key).map(|d| d.to_vec())
     }
@@ -417,6 +425,7 @@ impl MemoryTier {
                     self.stash.push(JobResult::failed(id, e));
                 }
             }
+            #[cfg(any(test, feature = "test-support"))]
             Engine::Inline {
                 exec,
                 store_latency,
@@ -448,6 +457,7 @@ impl MemoryTier {
                     }
                 }
             }
+            #[cfg(any(test, feature = "test-support"))]
             Engine::Inline { clock, waiting, .. } => {
                 let now = clock.now();
                 let (ready, wait): (Vec<_>, Vec<_>) =
@@ -538,6 +548,11 @@ impl SecondaryTier for MemoryTier {
         self.collect(true);
     }
 
+    // Without the test-only inline engine, `Engine` has one variant.
+    #[cfg_attr(
+        not(any(test, feature = "test-support")),
+        allow(irrefutable_let_patterns)
+    )]
     fn shutdown(&mut self) -> Result<()> {
         self.drain_jobs();
         self.closed = true;

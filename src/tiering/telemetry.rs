@@ -309,6 +309,7 @@ impl TieringMetrics {
     }
 
     /// The label of tier `idx` (0 = primary, `i + 1` = secondary `i`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn label(&self, idx: usize) -> &str {
         &self.labels[idx]
     }

@@ -112,7 +112,7 @@ def replay_path() -> str:
         raise ReplayError(
             "KVTIER_REPLAY is not set: run the Python tests through "
             "`cargo test --test python_suite` (which builds kvtier-replay and sets it), or set "
-            "KVTIER_REPLAY=target/debug/kvtier-replay after `cargo build -p kvtier-cli --features internals --bin kvtier-replay`"
+            "KVTIER_REPLAY=target/debug/kvtier-replay after `cargo build -p kvtier-cli --features test-support --bin kvtier-replay`"
         )
     return path
 

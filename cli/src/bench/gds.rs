@@ -190,7 +190,7 @@ mod gpu {
             .unwrap_or_else(std::env::temp_dir);
         let dir = tempfile::tempdir_in(&parent)
             .map_err(|e| Error::io("create a directory in", &parent, e))?;
-        let magic = kvtier::io::probe::statfs_magic(dir.path())?;
+        let magic = kvtier::io::statfs_magic(dir.path())?;
         let mode = match dev.mode_for(magic) {
             Ok((m, why)) => format!("{} ({why})", m.as_str()),
             Err(why) => return Err(Error::new(ErrorKind::Unsupported, why)),

@@ -17,7 +17,7 @@ use crate::stats::process_cpu_seconds;
 use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::key::ChunkKey;
-use kvtier::tiering::manager::{ScheduleEndContext, TieringManager};
+use kvtier::tiering::{ScheduleEndContext, TieringManager};
 
 /// How often the driver polls the manager while it waits for jobs.
 pub const POLL_INTERVAL: Duration = Duration::from_micros(200);

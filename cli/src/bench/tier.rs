@@ -11,7 +11,7 @@ use kvtier::config::{EvictionPolicyKind, KvtierConfig, TierConfig};
 use kvtier::embed::Builder;
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::io::IoEngineKind;
-use kvtier::tiering::manager::TieringManager;
+use kvtier::tiering::TieringManager;
 
 use crate::region_arg::{BenchRegion, pages_note};
 
@@ -184,7 +184,7 @@ impl BenchTier {
             }
             return Ok(true);
         }
-        let records = kvtier::g3::fs_record::Records::default_location();
+        let records = kvtier::g3::Records::default_location();
         for d in self.dirs {
             let path = d.path().to_path_buf();
             // The tier goes with its directory: so does the record of its filesystem.

@@ -18,7 +18,7 @@ use kvtier::io::{
     EngineInfo, EngineOptions, IoDir, IoEngine, IoEngineKind, IoRequest, open_engine,
 };
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::rng::XorShift64;
+use kvtier::tiering::XorShift64;
 
 /// What the workload runs on.
 #[derive(Debug, Clone)]

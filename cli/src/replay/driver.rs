@@ -18,7 +18,7 @@ use crate::replay::trace::{TOKENS_PER_BLOCK, Trace, TraceRequest};
 use kvtier::contract::job::{LookupResult, RequestContext};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::key::ChunkKey;
-use kvtier::tiering::manager::{ScheduleEndContext, TieringManager};
+use kvtier::tiering::{ScheduleEndContext, TieringManager};
 
 /// Longest the driver waits for the manager's jobs (a load, or the cascades of a request)
 /// before it calls the tier stuck.

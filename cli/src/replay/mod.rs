@@ -26,7 +26,7 @@ use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::geometry::ROW_ALIGNMENT;
 use kvtier::io::IoEngineKind;
 use kvtier::region::PrimaryRegion;
-use kvtier::tiering::manager::TieringManager;
+use kvtier::tiering::TieringManager;
 
 use driver::{DriveOptions, drive};
 use report::{Report, ReportBase, TierBytes, io_ticks_ms};

@@ -20,8 +20,8 @@ use kvtier::config::KvtierConfig;
 use kvtier::contract::secondary::{HealthState, TierHealth};
 use kvtier::embed::Builder;
 use kvtier::error::{Error, ErrorKind, Result};
-use kvtier::tiering::factory::TierFactory;
-use kvtier::tiering::manager::TieringManager;
+use kvtier::tiering::TierFactory;
+use kvtier::tiering::TieringManager;
 
 /// Arguments of `kvtier serve`.
 #[derive(Debug, clap::Args)]
@@ -112,7 +112,7 @@ fn namespace_hint(
     for_: crate::tier::FormatFor,
 ) -> Error {
     use crate::tier::FormatFor;
-    use kvtier::g3::format::{MISMATCH_NAMESPACE, MISMATCH_ROW_STRIDE};
+    use kvtier::g3::{MISMATCH_NAMESPACE, MISMATCH_ROW_STRIDE};
     // Only a tier formatted under other settings is fixed by a format that matches them;
     // every other refusal (paths in another order, a member of another set, a slab of another
     // format version or capacity) already says what fixes it, and a format would discard

@@ -15,9 +15,9 @@ use crate::output::{
 use crate::size::{format_size, parse_size};
 use kvtier::canonical::{NamespaceParams, engine_pool_namespace, namespace_digest};
 use kvtier::error::{Error, ErrorKind, Result};
+use kvtier::g3::CHECKPOINT_FILE_NAME;
+use kvtier::g3::SLAB_FILE_NAME;
 use kvtier::g3::admin::{self, BadKind, FormatOptions, SlabReport};
-use kvtier::g3::journal::CHECKPOINT_FILE_NAME;
-use kvtier::g3::slab::SLAB_FILE_NAME;
 use kvtier::g3::{DirectIoMode, G3TierConfig};
 use kvtier::size::count;
 

@@ -431,6 +431,7 @@ impl UringEngine {
     }
 
     /// Bytes per registered buffer piece (a whole number of rows, at most 1 GiB).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn piece_bytes(&self) -> Option<usize> {
         self.piece
     }

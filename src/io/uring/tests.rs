@@ -227,7 +227,7 @@ fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
-    use crate::io::MAX_TRANSIENT_RETRIES;
+    use crate::io::files::MAX_TRANSIENT_RETRIES;
 
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = OpenOptions::new()

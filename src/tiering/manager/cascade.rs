@@ -118,7 +118,7 @@ impl TieringManager {
         self.primary.prepare_load(keys, req)
     }
 
-    /// Marks chunks as recently used in the primary (see [`crate::primary::PrimaryTier::touch`])
+    /// Marks chunks as recently used in the primary (see `crate::primary::PrimaryTier::touch`)
     /// and tells every secondary tier (vLLM 0.33.0's scheduler never calls it).
     pub fn touch(&mut self, keys: &[ChunkKey], req: &RequestContext) {
         self.primary.touch(keys);

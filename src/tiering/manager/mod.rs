@@ -56,7 +56,7 @@ pub struct ManagerOptions {
     /// vLLM's FileMapper fields of the model, handed to `fs` tiers (they name its folder).
     pub file_mapper_fields: Option<serde_json::Value>,
     /// Bytes of each row persistent slot tiers store (`None`: the whole row); see
-    /// [`TierBuildContext::slot_bytes`].
+    /// `TierBuildContext::slot_bytes`.
     pub slot_bytes: Option<u64>,
 }
 
