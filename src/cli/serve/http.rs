@@ -17,10 +17,11 @@
 //! connection to itself, then shuts the open connections down and waits for their threads.
 //! Reading and checking the request head lives in `head`.
 //!
-//! The server is written here, on `std` alone, because the small HTTP server crates own the
-//! accepted sockets and give no way to do the above: served by `tiny_http` 0.12 the endpoint
-//! tests fail (no deadline, no head cap, no connection limit, connections kept open after the
-//! answer and at stop). The measurement: docs/metrics.md, "Why the endpoint has its own server".
+//! The server is written here, on `std` alone: the small server crates cannot do the above
+//! (`tiny_http` 0.12 owns the accepted sockets and has no deadline, head cap or connection
+//! limit, and keeps connections open after the answer and at stop; served by it, the 12 tests
+//! of `serve` that read an answer fail). The comparison and the measurement: docs/metrics.md,
+//! "Why the endpoint has its own server".
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
