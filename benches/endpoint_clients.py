@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -115,6 +116,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             serve.kill()
             print("did not exit within 30 s of SIGTERM")
+            serve.wait()
+        shutil.rmtree(work, ignore_errors=True)
     print(f"exit code after SIGTERM: {serve.returncode}")
     return 0
 
