@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::bench::data::chunk_key;
 use crate::bench::phases::{fill, load_phase, store_phase, verify};
 use crate::bench::plan::Plan;
@@ -140,7 +140,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     let mut engine = String::new();
     let mut direct_io = String::new();
     for round in 0..rounds {
-        let seed = super::run_seed() ^ u64::from(round);
+        let seed = crate::bench::data::run_seed() ^ u64::from(round);
         let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
         let mut order: Vec<usize> = (0..sides.len()).collect();
         if round % 2 == 1 {

@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use crate::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use kvtier::error::{Error, ErrorKind, Result};
 
 /// Runs the GPU benchmark (needs the `gds` feature and a GPU).

@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 
 use crate::args::InFlightArgs;
+use crate::fio::args::{FioCompareArgs, KvtierSide};
 use crate::fio::runner::Profile;
-use crate::fio::{FioCompareArgs, KvtierSide};
 use crate::size::format_size;
 use kvtier::error::{Error, Result};
 use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
