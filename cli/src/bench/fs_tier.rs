@@ -31,7 +31,8 @@ use crate::fio::runner::{fio_version, run_job_file};
 use crate::output::{Table, errln, out, print_json};
 use crate::size::format_size;
 use crate::stats::median;
-use kvtier::canonical::{VllmDigestFields, namespace_digest};
+use kvtier::canonical::VllmDigestFields;
+use kvtier::embed::PoolOpener;
 use kvtier::error::{Error, Result};
 use kvtier::fs::FileMapper;
 use kvtier::key::ChunkKey;
@@ -118,7 +119,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         fio_version()?;
     }
     let fields = VllmDigestFields::from_descriptor(&plan.layout, &plan.params).to_json();
-    let namespace = namespace_digest(&plan.layout, &plan.params);
+    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
     let probe = kvtier::io::probe_direct_io(parent)?;
     let progress = !args.json;
     let mut sides: Vec<SideReport> = vec![

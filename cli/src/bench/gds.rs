@@ -42,10 +42,11 @@ mod gpu {
     use crate::size::format_size;
     use kvtier::canonical::{
         Direction, EncodingSource, LayerView, ParallelConfig, RowPlan, allocator_views,
-        namespace_digest, prepare_canonical_from_views,
+        prepare_canonical_from_views,
     };
     use kvtier::contract::job::TransferJob;
     use kvtier::contract::secondary::SecondaryTier;
+    use kvtier::embed::PoolOpener;
     use kvtier::g3::gpu_path::{GpuChunk, GpuPath, chunk_runs, gds_error};
     use kvtier::g3::{FsyncPolicy, G3Tier, G3TierConfig, GdsMode};
     use kvtier::key::ChunkKey;
@@ -204,7 +205,7 @@ mod gpu {
         cfg.fsync = FsyncPolicy::Never;
         cfg.gds = GdsMode::Required;
         cfg.slot_bytes = plan.params.slot_prefix();
-        let ns = namespace_digest(&plan.layout, &plan.params);
+        let ns = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
         let mut tier = G3Tier::open(cfg, region.clone(), ns, "bench-gds".into(), None)?;
         tier.wait_recovered(Duration::from_secs(60));
         // SAFETY: the region stays mapped (held by `region`) until unpinned below.

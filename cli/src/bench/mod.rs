@@ -41,7 +41,7 @@ use crate::bench::tier::{BenchTier, TierFacts, TierOptions};
 use crate::output::{display_paths, errln, out, print_json};
 use crate::region_arg::BenchRegion;
 use crate::size::format_size;
-use kvtier::canonical::namespace_digest;
+use kvtier::embed::PoolOpener;
 use kvtier::error::Result;
 use kvtier::key::ChunkKey;
 
@@ -83,7 +83,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
         ));
     }
     let plan = Plan::from_args(&args)?;
-    let namespace = namespace_digest(&plan.layout, &plan.params);
+    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
     let progress = !args.json;
     let mut summaries: Vec<RegionSummary> = regions
         .iter()

@@ -22,7 +22,7 @@ use crate::serve::refusal::namespace_hint;
 use crate::serve::service::{Service, serve_until_signal};
 use kvtier::config::KvtierConfig;
 use kvtier::contract::secondary::HealthState;
-use kvtier::embed::Builder;
+use kvtier::embed::{Builder, PoolOpener};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::tiering::factory::TierFactory;
 use kvtier::tiering::manager::TieringManager;
@@ -58,7 +58,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             &cfg,
             &layout,
             &plan.params,
-            crate::tier::FormatFor::InProcess,
+            PoolOpener::serving(&cfg),
         )
     })?;
     serve_until_signal(listener, Box::new(ManagerService { manager }))?;

@@ -9,11 +9,9 @@ use crate::serve::args::ServeArgs;
 use crate::serve::health::health_body;
 use crate::serve::refusal::{in_file, namespace_hint};
 use crate::serve::service::{Service, serve_until_signal};
-use crate::tier::FormatFor;
 use kvtier::canonical::LayoutDescriptor;
-use kvtier::canonical::engine_pool_namespace;
 use kvtier::config::KvtierConfig;
-use kvtier::embed::Plan;
+use kvtier::embed::{Plan, PoolOpener};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::node::NodeService;
 use kvtier::node::server::start_from_config;
@@ -31,8 +29,10 @@ pub fn run(
     // The namespace vLLM engines of this model and configuration present with the tier
     // entry's `layout` key (its canonical area where that is shorter than the row), not the
     // descriptor namespace of an in-process tier; `kvtier tier format` writes it by default.
-    let digest =
-        engine_pool_namespace(layout, &plan.params).map_err(|e| in_file(config_path, e))?;
+    let opener = PoolOpener::serving(cfg);
+    let digest = opener
+        .namespace(layout, &plan.params)
+        .map_err(|e| in_file(config_path, e))?;
     let service = start_from_config(
         cfg,
         plan.geometry.row_stride,
@@ -41,7 +41,7 @@ pub fn run(
     )
     .map_err(|e| {
         if e.kind() == ErrorKind::IncompatibleLayout {
-            namespace_hint(e, args, cfg, layout, &plan.params, FormatFor::Vllm)
+            namespace_hint(e, args, cfg, layout, &plan.params, opener)
         } else {
             in_file(config_path, e)
         }

@@ -3,23 +3,24 @@
 //! `kvtier tier format` command that makes a tier serve opens.
 
 use crate::serve::args::ServeArgs;
+use crate::tier::FormatFor;
 use kvtier::config::KvtierConfig;
+use kvtier::embed::PoolOpener;
 use kvtier::error::{Error, ErrorKind};
 
 /// A namespace or row-size refusal `e` (a tier formatted for another model, TP size, row
 /// layout or opener) with the inputs serve derives its namespace from (`layout`: the `--layout` model)
-/// and the exact `kvtier tier format` command that makes a tier it opens (`for_`: the
-/// in-process tiers' namespace, or the node service's, which vLLM engines present). Any
-/// other refusal is returned as it is.
+/// and the exact `kvtier tier format` command that makes a tier it opens (`opener`: the
+/// in-process tiers, or the node service, whose namespace vLLM engines present). Any other
+/// refusal is returned as it is.
 pub fn namespace_hint(
     e: Error,
     args: &ServeArgs,
     cfg: &KvtierConfig,
     layout: &kvtier::canonical::LayoutDescriptor,
     params: &kvtier::canonical::NamespaceParams,
-    for_: crate::tier::FormatFor,
+    opener: PoolOpener,
 ) -> Error {
-    use crate::tier::FormatFor;
     use kvtier::g3::format::{MISMATCH_NAMESPACE, MISMATCH_ROW_STRIDE};
     // Only a tier formatted under other settings is fixed by a format that matches them;
     // every other refusal (paths in another order, a member of another set, a slab of another
@@ -32,15 +33,13 @@ pub fn namespace_hint(
         return e;
     }
     let blocks_per_chunk = params.blocks_per_chunk;
+    let for_ = FormatFor::of(opener);
     // A tier formatted for this model but for the other opener says so.
-    let other_for = match for_ {
-        FormatFor::InProcess => FormatFor::Vllm,
-        FormatFor::Vllm => FormatFor::InProcess,
-    };
-    let other = other_for
+    let other = opener
+        .other()
         .namespace(layout, params)
         .ok()
-        .map(|d| (d, other_for.openers()));
+        .map(|d| (d, FormatFor::of(opener.other()).openers()));
     let formatted_for = match (other, e.context_value("found")) {
         (Some((digest, who)), Some(found)) if hex::encode(digest) == found => {
             format!(" (the tier was formatted for {who})")
