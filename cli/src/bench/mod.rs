@@ -64,6 +64,34 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             "applies to --tier fs only (the nvme tier is compared with fio by `kvtier fio-compare`)",
         ));
     }
+    let (regions, rounds) = regions_and_rounds(&args)?;
+    let plan = Plan::from_args(&args)?;
+    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
+    let rounds_run = run_rounds(&args, &plan, namespace, &regions, rounds)?;
+    let (report, expected, totals) =
+        bench_report(&args, &plan, namespace, &regions, rounds, rounds_run);
+    if args.json {
+        print_json(&report)?;
+    } else {
+        out!("{}", render(&report))?;
+    }
+    if report.ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        errln!(
+            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
+            expected - totals.0,
+            expected,
+            totals.1,
+            totals.2
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// The regions to run (`--region`, default own, in the order given) and the rounds; `--keep`
+/// keeps the tier of a single run only.
+fn regions_and_rounds(args: &BenchArgs) -> Result<(Vec<BenchRegion>, u32)> {
     let mut regions = args.regions.clone();
     if regions.is_empty() {
         regions.push(BenchRegion::Own);
@@ -82,8 +110,25 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             "keeps the tier of a single run: give one --region and one round",
         ));
     }
-    let plan = Plan::from_args(&args)?;
-    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
+    Ok((regions, rounds))
+}
+
+/// What the rounds measured: each region's rounds, the first region's first run (with its
+/// tier's facts) and the chunks verified, mismatched and missing over every run.
+struct Rounds {
+    summaries: Vec<RegionSummary>,
+    first: (Run, TierFacts),
+    totals: (u64, u64, u64),
+}
+
+/// Runs every region `rounds` times on a fresh stack each, the order alternating by round.
+fn run_rounds(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    regions: &[BenchRegion],
+    rounds: u32,
+) -> Result<Rounds> {
     let progress = !args.json;
     let mut summaries: Vec<RegionSummary> = regions
         .iter()
@@ -97,7 +142,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             order.reverse();
         }
         for i in order {
-            let (run, facts) = run_once(&args, &plan, namespace, regions[i], progress)?;
+            let (run, facts) = run_once(args, plan, namespace, regions[i], progress)?;
             if progress && (rounds > 1 || regions.len() > 1) {
                 errln!(
                     "round {}/{rounds} region {}: store {:.2} GB/s, load {:.2} GB/s",
@@ -123,12 +168,33 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     for s in &mut summaries {
         s.compute_medians();
     }
-    let Some((run, facts)) = first else {
+    let Some(first) = first else {
         return Err(kvtier::error::Error::new(
             kvtier::error::ErrorKind::Internal,
             "the bench ran nothing",
         ));
     };
+    Ok(Rounds {
+        summaries,
+        first,
+        totals,
+    })
+}
+
+/// The report of the rounds, with the chunks expected to load back intact and the totals.
+fn bench_report(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    regions: &[BenchRegion],
+    rounds: u32,
+    r: Rounds,
+) -> (BenchReport, u64, (u64, u64, u64)) {
+    let Rounds {
+        summaries,
+        first: (run, facts),
+        totals,
+    } = r;
     let expected = plan.chunks * u64::from(rounds) * regions.len() as u64;
     let report = BenchReport {
         layout: LayoutReport {
@@ -164,23 +230,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             Vec::new()
         },
     };
-    if args.json {
-        print_json(&report)?;
-    } else {
-        out!("{}", render(&report))?;
-    }
-    if report.ok {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        errln!(
-            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
-            expected - totals.0,
-            expected,
-            totals.1,
-            totals.2
-        );
-        Ok(ExitCode::from(1))
-    }
+    (report, expected, totals)
 }
 
 /// What one run on one region measured.
