@@ -74,6 +74,32 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         .tempdir()
         .map_err(|e| Error::new(ErrorKind::Io, format!("cannot create a scratch dir: {e}")))?;
 
+    let points = measure_points(&plan, &args, &shm_file, scratch.path())?;
+    drop(cleanup);
+    let results = comparisons(&plan, &args, &points, &fio_version)?;
+    if let Some(svg_path) = &args.plot {
+        write_plot(svg_path, &plan, &args, &results, &fio_version)?;
+    }
+
+    if args.json {
+        print_json(&results)?;
+    } else {
+        out!("{}", render_report(&plan, &results, &fio_version))?;
+        if let Some(svg_path) = &args.plot {
+            outln!("plot: {}", svg_path.display())?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every point of the plan (row size x depth x profile), each measured in rounds on both sides
+/// with fio's memory chosen for it, behind a progress bar.
+fn measure_points(
+    plan: &Plan,
+    args: &FioCompareArgs,
+    shm_file: &Path,
+    scratch: &Path,
+) -> Result<Vec<(Profile, DepthPoint)>> {
     let fio_sides = 2;
     let runs = plan.profiles.len()
         * plan.depths.len()
@@ -88,7 +114,7 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         1
     };
     for &row_size in &plan.row_sizes {
-        let mut workload = Side::open(&plan, &args, row_size)?;
+        let mut workload = Side::open(plan, args, row_size)?;
         let kvtier_engine = workload.describe();
         let region = workload.region();
         let kvtier_pages = crate::region_arg::pages_note(&region);
@@ -100,16 +126,16 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             // reserved for it alone, so a point too large for the machine's free 2 MiB blocks
             // is marked (and says why) while the others still run like for like.
             let needed = memory::hugetlb_pages_needed(row_size, depth, jobs);
-            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.clone(), needed);
+            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.to_path_buf(), needed);
             for &profile in &plan.profiles {
                 let mut point = measure(
-                    &plan,
+                    plan,
                     profile,
                     row_size,
                     depth,
                     &choice,
                     &mut workload,
-                    scratch.path(),
+                    scratch,
                     &bar,
                 )?;
                 point.kvtier_pages = kvtier_pages.clone();
@@ -121,8 +147,17 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         workload.close()?;
     }
     bar.finish_and_clear();
-    drop(cleanup);
+    Ok(points)
+}
 
+/// One comparison per profile: its figures at the plan's row size and depth, and with
+/// `--plot` the whole sweep.
+fn comparisons(
+    plan: &Plan,
+    args: &FioCompareArgs,
+    points: &[(Profile, DepthPoint)],
+    fio_version: &str,
+) -> Result<Vec<ProfileComparison>> {
     let mut results = Vec::new();
     for &profile in &plan.profiles {
         let sweep: Vec<DepthPoint> = points
@@ -155,7 +190,7 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             kvtier_region: args.region.name(),
             kvtier_pages: main.kvtier_pages.clone(),
             kvtier_engine: main.kvtier_engine.clone(),
-            fio_version: fio_version.clone(),
+            fio_version: fio_version.to_string(),
             fio_setup: main.fio_setup.clone(),
             fio_like_for_like: main.fio_like_for_like,
             fio_note: main.fio_note.clone(),
@@ -171,76 +206,74 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             },
         });
     }
+    Ok(results)
+}
 
-    if let Some(svg_path) = &args.plot {
-        let mut panels: Vec<Panel> = Vec::new();
-        for &row_size in &plan.row_sizes {
-            for r in &results {
-                let at: Vec<&DepthPoint> =
-                    r.sweep.iter().filter(|p| p.row_size == row_size).collect();
-                let mut series = vec![
-                    Series::new(
-                        "kvtier",
-                        at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
-                    ),
-                    Series::new(
-                        "fio, same memory",
-                        at.iter().map(|p| p.fio_bytes_per_sec).collect(),
-                    ),
-                ];
-                if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
-                    series.push(Series::new(
-                        "fio best (hugetlb)",
-                        at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
-                    ));
-                }
-                // Points where fio could not have the same memory are named in the title.
-                let unlike: Vec<String> = at
-                    .iter()
-                    .filter(|p| !p.fio_like_for_like)
-                    .map(|p| p.iodepth.to_string())
-                    .collect();
-                let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
-                if !unlike.is_empty() {
-                    title.push_str(&format!(
-                        " (fio NOT like for like at depth {})",
-                        unlike.join(", ")
-                    ));
-                }
-                panels.push(Panel {
-                    title,
-                    depths: at.iter().map(|p| p.iodepth).collect(),
-                    series,
-                });
+/// Draws throughput against depth, one panel per row size and profile, to `svg_path`.
+fn write_plot(
+    svg_path: &Path,
+    plan: &Plan,
+    args: &FioCompareArgs,
+    results: &[ProfileComparison],
+    fio_version: &str,
+) -> Result<()> {
+    let mut panels: Vec<Panel> = Vec::new();
+    for &row_size in &plan.row_sizes {
+        for r in results {
+            let at: Vec<&DepthPoint> = r.sweep.iter().filter(|p| p.row_size == row_size).collect();
+            let mut series = vec![
+                Series::new(
+                    "kvtier",
+                    at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
+                ),
+                Series::new(
+                    "fio, same memory",
+                    at.iter().map(|p| p.fio_bytes_per_sec).collect(),
+                ),
+            ];
+            if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
+                series.push(Series::new(
+                    "fio best (hugetlb)",
+                    at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
+                ));
             }
-        }
-        let main = results.first();
-        let subtitle = format!(
-            "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
-            args.region.name(),
-            main.map_or("", |r| r.kvtier_pages.as_str()),
-            main.map_or_else(String::new, |r| r.fio_setup.describe()),
-            format_size(plan.per_file * plan.paths.len() as u64),
-            display_paths(&plan.paths),
-            plan.pairs,
-            fio_version
-        );
-        std::fs::write(
-            svg_path,
-            render_svg(&panels, plan.profiles.len(), &subtitle),
-        )
-        .map_err(|e| Error::io("write plot", svg_path, e))?;
-    }
-
-    if args.json {
-        print_json(&results)?;
-    } else {
-        out!("{}", render_report(&plan, &results, &fio_version))?;
-        if let Some(svg_path) = &args.plot {
-            outln!("plot: {}", svg_path.display())?;
+            // Points where fio could not have the same memory are named in the title.
+            let unlike: Vec<String> = at
+                .iter()
+                .filter(|p| !p.fio_like_for_like)
+                .map(|p| p.iodepth.to_string())
+                .collect();
+            let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
+            if !unlike.is_empty() {
+                title.push_str(&format!(
+                    " (fio NOT like for like at depth {})",
+                    unlike.join(", ")
+                ));
+            }
+            panels.push(Panel {
+                title,
+                depths: at.iter().map(|p| p.iodepth).collect(),
+                series,
+            });
         }
     }
-    Ok(ExitCode::SUCCESS)
+    let main = results.first();
+    let subtitle = format!(
+        "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
+        args.region.name(),
+        main.map_or("", |r| r.kvtier_pages.as_str()),
+        main.map_or_else(String::new, |r| r.fio_setup.describe()),
+        format_size(plan.per_file * plan.paths.len() as u64),
+        display_paths(&plan.paths),
+        plan.pairs,
+        fio_version
+    );
+    std::fs::write(
+        svg_path,
+        render_svg(&panels, plan.profiles.len(), &subtitle),
+    )
+    .map_err(|e| Error::io("write plot", svg_path, e))?;
+    Ok(())
 }
 
 /// One pass's throughput and CPU cost.
