@@ -8,7 +8,7 @@ use crate::fio::args::{FioCompareArgs, KvtierSide};
 use crate::fio::runner::Profile;
 use crate::size::format_size;
 use kvtier::error::{Error, Result};
-use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+use kvtier::geometry::ChunkGeometry;
 use kvtier::size::count;
 
 /// How the files are prepared, in the words the report uses (engine side).
@@ -123,15 +123,7 @@ impl Plan {
 /// `--row-size` and, with `--plot`, `--row-sizes`: every row size to run, ascending, each a
 /// positive multiple of the row alignment and dividing the largest.
 fn row_sizes(args: &FioCompareArgs) -> Result<Vec<u64>> {
-    if !ChunkGeometry::is_row_aligned(args.row_size) {
-        return Err(Error::config(
-            "--row-size",
-            format!(
-                "{} is not a positive multiple of {ROW_ALIGNMENT}",
-                args.row_size
-            ),
-        ));
-    }
+    ChunkGeometry::check_row_size("--row-size", args.row_size)?;
     if !args.row_sizes.is_empty() && args.plot.is_none() {
         return Err(Error::config(
             "--row-sizes",
@@ -142,14 +134,8 @@ fn row_sizes(args: &FioCompareArgs) -> Result<Vec<u64>> {
     row_sizes.push(args.row_size);
     row_sizes.sort_unstable();
     row_sizes.dedup();
-    if let Some(bad) = row_sizes
-        .iter()
-        .find(|r| !ChunkGeometry::is_row_aligned(**r))
-    {
-        return Err(Error::config(
-            "--row-sizes",
-            format!("{bad} is not a positive multiple of {ROW_ALIGNMENT}"),
-        ));
+    for &r in &row_sizes {
+        ChunkGeometry::check_row_size("--row-sizes", r)?;
     }
     let largest = row_sizes.iter().copied().max().unwrap_or(args.row_size);
     if let Some(odd) = row_sizes.iter().find(|r| !largest.is_multiple_of(**r)) {
