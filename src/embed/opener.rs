@@ -12,7 +12,7 @@ use crate::error::Result;
 
 /// Who opens a pool of slabs (an `nvme` tier's stripe set). The opener decides the namespace
 /// digest the pool's superblocks carry; a pool formatted for one opener is refused by the
-/// other (their digests differ), with [`crate::g3::format::MISMATCH_NAMESPACE`].
+/// other (their digests differ: the error's `mismatch` context is `namespace`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PoolOpener {
     /// vLLM engines, in process or in client mode, which present the namespace of the tier
