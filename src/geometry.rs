@@ -163,6 +163,19 @@ impl ChunkGeometry {
         bytes != 0 && bytes.is_multiple_of(ROW_ALIGNMENT_BYTES)
     }
 
+    /// Checks a row size the user gives as `key` (a flag such as `--row-size`) by the row
+    /// stride rule: a positive multiple of [`ROW_ALIGNMENT`], else an [`ErrorKind::Config`]
+    /// error naming `key` and the value.
+    pub fn check_row_size(key: &str, bytes: u64) -> Result<()> {
+        if Self::is_row_aligned(bytes) {
+            return Ok(());
+        }
+        Err(Error::config(
+            key,
+            format!("{bytes} is not a positive multiple of {ROW_ALIGNMENT}"),
+        ))
+    }
+
     /// Checks a row stride given from outside (an adopted region, a caller's dimensions):
     /// a positive multiple of [`ROW_ALIGNMENT`], else [`ErrorKind::Misaligned`].
     pub fn check_row_stride(row_stride: u64) -> Result<()> {
@@ -307,6 +320,21 @@ mod tests {
             let e = ChunkGeometry::check_row_stride(bad).unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Misaligned);
             assert_eq!(e.context_value("found"), Some(bad.to_string().as_str()));
+        }
+    }
+
+    #[test]
+    fn a_row_size_from_the_user_is_a_config_error_naming_its_flag() {
+        ChunkGeometry::check_row_size("--row-size", 4096).unwrap();
+        ChunkGeometry::check_row_size("--row-size", 2 << 20).unwrap();
+        for bad in [0, 1000, 4097] {
+            let e = ChunkGeometry::check_row_size("--row-size", bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Config);
+            assert_eq!(e.context_value("key"), Some("--row-size"));
+            assert_eq!(
+                e.message(),
+                format!("--row-size: {bad} is not a positive multiple of 4096")
+            );
         }
     }
 

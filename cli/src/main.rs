@@ -13,17 +13,19 @@
 //! * [`tier`]: `kvtier tier format|inspect|verify|ls|clear`.
 //! * [`config_cmd`], [`layout_cmd`], [`version`]: `kvtier config check`,
 //!   `kvtier layout show|check`, `kvtier version`.
-//! * [`args`]: the argument groups and flag parsers several commands share; [`output`],
+//! * [`args`]: the argument groups and flag parsers several commands share; [`exit`]: the
+//!   exit code of an error; [`output`],
 //!   [`size`], [`stats`], [`interrupt`], [`logger`], [`sigpipe`]: what every
 //!   command uses.
 //!
 //! Exit codes: 0 success, 1 internal failure, 2 user mistake (bad path, unknown option,
 //! unreadable or invalid config, tier locked by another process, layout mismatch), decided
-//! for every command by [`is_user_error`].
+//! for every command by [`exit::is_user_error`].
 
 pub mod args;
 pub mod bench;
 pub mod config_cmd;
+pub mod exit;
 pub mod fio;
 pub mod interrupt;
 pub mod layout_cmd;
@@ -45,8 +47,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use crate::exit::report;
 use crate::output::errln;
-use kvtier::error::{Error, ErrorKind};
 
 /// kvtier: a fast, trustworthy storage tier for LLM KV cache.
 #[derive(Debug, Parser)]
@@ -96,40 +98,6 @@ pub enum Command {
     Config(config_cmd::ConfigArgs),
     /// Inspect and validate KV layout descriptors (canonical mappings and digests).
     Layout(layout_cmd::LayoutArgs),
-}
-
-/// Whether an error is the user's to fix (exit 2) or kvtier's (exit 1), the same for every
-/// command: a path the user named that kvtier may not read or write (`EACCES`, `EPERM`,
-/// `EROFS`), that does not exist, or that holds something other than a kvtier file (a bad
-/// magic) is the user's input; a kvtier file that fails its checks (CRC) or I/O that fails
-/// is kvtier's.
-pub fn is_user_error(e: &Error) -> bool {
-    let denied = e
-        .raw_os_error()
-        .or_else(|| e.context_value("errno").and_then(|n| n.parse().ok()))
-        .is_some_and(|n| [libc::EACCES, libc::EPERM, libc::EROFS].contains(&n));
-    denied
-        || matches!(
-            e.kind(),
-            ErrorKind::Config
-                | ErrorKind::InvalidPath
-                | ErrorKind::Locked
-                | ErrorKind::IncompatibleLayout
-                | ErrorKind::Misaligned
-                | ErrorKind::NoSpace
-                | ErrorKind::Unsupported
-                | ErrorKind::PermissionDenied
-        )
-}
-
-/// Prints an error as one line on stderr and maps it to the exit code.
-pub fn report(e: &Error) -> ExitCode {
-    errln!("kvtier: error: {e}");
-    if is_user_error(e) {
-        ExitCode::from(2)
-    } else {
-        ExitCode::from(1)
-    }
 }
 
 /// A command-line mistake as one line, `kvtier: error: ...` with clap's hint (exit 2). Help and

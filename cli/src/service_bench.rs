@@ -26,7 +26,7 @@
 //! Medians are then over every request of every round, and the slowest request of each round
 //! is reported as well (its median over rounds).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,7 @@ use kvtier::contract::hints::KvHintsEnvelope;
 use kvtier::contract::job::{LookupResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::error::{Error, ErrorKind, Result};
+use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 use kvtier::key::ChunkKey;
 use kvtier::node::{ClientHello, NodeClient, NodeService, NodeTier, RegionSource};
 use kvtier::region::PrimaryRegion;
@@ -150,125 +151,160 @@ fn bench_error(msg: impl Into<String>) -> Error {
     Error::new(ErrorKind::Config, msg.into())
 }
 
-impl Bench {
-    fn start(args: &BenchArgs) -> Result<Bench> {
-        if args.row_size == 0 || !args.row_size.is_multiple_of(4096) {
-            return Err(bench_error(format!(
-                "--row-size {}: expected a positive multiple of 4096",
-                args.row_size
-            )));
-        }
-        if args.chunks == 0 || args.rounds == 0 {
-            return Err(bench_error("--chunks and --rounds must be at least 1"));
-        }
-        if !(1..=64).contains(&args.concurrent_requests) {
-            return Err(bench_error(format!(
-                "--concurrent-requests {}: expected 1 to 64",
-                args.concurrent_requests
-            )));
-        }
-        let lanes = args.concurrent_requests as usize;
-        let row = args.row_size;
-        // The chunks of one side's requests of one round. G3 keeps two sets per round for
-        // two rounds; the pool holds the sets of one round.
-        let sizes = row
-            .checked_mul(u64::from(args.chunks))
-            .and_then(|b| b.checked_mul(lanes as u64))
-            .and_then(|per_set| {
-                let capacity = per_set.checked_mul(4)?;
-                Some((per_set, capacity, capacity.checked_add(16 << 20)?))
-            });
-        let Some((per_set, capacity, need)) = sizes else {
-            return Err(bench_error(format!(
-                "--row-size {row} times --chunks {} times --concurrent-requests {lanes}: more \
-                 bytes than a machine holds",
-                args.chunks
-            )));
-        };
-        if let Some(free) = kvtier::g3::available_bytes(&args.dir)
-            && free < need
-        {
+/// The arguments checked, and the bytes of one side's chunks of one round (the primary and
+/// each DRAM set) and the tier's capacity (the sets of two rounds, twice), with room for them
+/// in `--dir`.
+fn sizes(args: &BenchArgs) -> Result<(u64, u64)> {
+    if !ChunkGeometry::is_row_aligned(args.row_size) {
+        return Err(bench_error(format!(
+            "--row-size {}: expected a positive multiple of {ROW_ALIGNMENT}",
+            args.row_size
+        )));
+    }
+    if args.chunks == 0 || args.rounds == 0 {
+        return Err(bench_error("--chunks and --rounds must be at least 1"));
+    }
+    if !(1..=64).contains(&args.concurrent_requests) {
+        return Err(bench_error(format!(
+            "--concurrent-requests {}: expected 1 to 64",
+            args.concurrent_requests
+        )));
+    }
+    let lanes = args.concurrent_requests as usize;
+    let row = args.row_size;
+    // The chunks of one side's requests of one round. G3 keeps two sets per round for
+    // two rounds; the pool holds the sets of one round.
+    let sizes = row
+        .checked_mul(u64::from(args.chunks))
+        .and_then(|b| b.checked_mul(lanes as u64))
+        .and_then(|per_set| {
+            let capacity = per_set.checked_mul(4)?;
+            Some((per_set, capacity, capacity.checked_add(16 << 20)?))
+        });
+    let Some((per_set, capacity, need)) = sizes else {
+        return Err(bench_error(format!(
+            "--row-size {row} times --chunks {} times --concurrent-requests {lanes}: more \
+             bytes than a machine holds",
+            args.chunks
+        )));
+    };
+    if let Some(free) = kvtier::g3::available_bytes(&args.dir)
+        && free < need
+    {
+        return Err(Error::new(
+            ErrorKind::NoSpace,
+            format!(
+                "{} has {} free; the benchmark's slabs need {} (lower --chunks or \
+                 --row-size, or give another --dir)",
+                args.dir.display(),
+                format_size(free),
+                format_size(need)
+            ),
+        ));
+    }
+    Ok((per_set, capacity))
+}
+
+/// Starts the node service in `dir` (its socket, and its slabs in `slabs/`) for rows of `row`
+/// bytes, a primary of `per_set` bytes, twice that in DRAM and a tier of `capacity`, and
+/// waits until its tier has opened.
+fn start_service(dir: &Path, row: u64, per_set: u64, capacity: u64) -> Result<NodeService> {
+    std::fs::create_dir(dir.join("slabs")).map_err(|e| Error::io("create", dir, e))?;
+    let mut cfg = kvtier::config::from_value(serde_json::json!({
+        "cpu_bytes_to_use": per_set,
+        "secondary_tiers": [{
+            "type": "nvme",
+            "paths": [dir.join("slabs").display().to_string()],
+            "capacity_bytes": capacity,
+            "direct_io": "auto",
+        }],
+    }))?;
+    let mut service = ServiceConfig::new(dir.join("kvtier.sock"));
+    service.dram_bytes = 2 * per_set;
+    cfg.service = Some(service);
+    let svc = kvtier::node::server::start_from_config(&cfg, row, None, DIGEST)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !svc.with_tier(|t| t.is_recovered()) {
+        if Instant::now() > deadline {
             return Err(Error::new(
-                ErrorKind::NoSpace,
-                format!(
-                    "{} has {} free; the benchmark's slabs need {} (lower --chunks or \
-                     --row-size, or give another --dir)",
-                    args.dir.display(),
-                    format_size(free),
-                    format_size(need)
-                ),
+                ErrorKind::Io,
+                "the benchmark's G3 tier did not open within 60 s",
             ));
         }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(svc)
+}
+
+/// How an engine of rows of `row` bytes introduces itself.
+fn hello(name: &str, row: u64) -> ClientHello {
+    ClientHello {
+        engine: name.into(),
+        row_stride: row,
+        digest: DIGEST,
+    }
+}
+
+/// Engines B and C of every lane, each with its own region of `rows` rows of `row` bytes
+/// (`stride`), connected to the service on `socket` as node tiers; and their regions.
+#[allow(clippy::type_complexity)]
+fn connect_lanes(
+    socket: &Path,
+    lanes: usize,
+    rows: usize,
+    stride: usize,
+    row: u64,
+) -> Result<(Vec<[parking_lot::Mutex<NodeTier>; 2]>, Vec<PrimaryRegion>)> {
+    let mut regions = Vec::new();
+    let mut tiers = Vec::new();
+    for lane in 0..lanes {
+        let mut pair = Vec::new();
+        for name in ["bench-b", "bench-c"] {
+            let r = PrimaryRegion::create(rows, stride)?;
+            let fd = r
+                .fd()
+                .ok_or_else(|| Error::new(ErrorKind::Internal, "the region has no descriptor"))?;
+            let name = if lanes == 1 {
+                name.to_string()
+            } else {
+                format!("{name}-{lane}")
+            };
+            let t = NodeTier::connect(
+                socket,
+                &hello(&name, row),
+                RegionSource::Fd(fd),
+                rows as u64,
+                None,
+            )?;
+            pair.push(parking_lot::Mutex::new(t));
+            regions.push(r);
+        }
+        let [tb, tc]: [_; 2] = pair.try_into().map_err(|_| bench_error("two tiers"))?;
+        tiers.push([tb, tc]);
+    }
+    Ok((tiers, regions))
+}
+
+impl Bench {
+    fn start(args: &BenchArgs) -> Result<Bench> {
+        let (per_set, capacity) = sizes(args)?;
+        let lanes = args.concurrent_requests as usize;
+        let row = args.row_size;
         let dir = tempfile::Builder::new()
             .prefix("kvtier-service-bench-")
             .tempdir_in(&args.dir)
             .map_err(|e| Error::io("create a folder in", &args.dir, e))?;
-        std::fs::create_dir(dir.path().join("slabs"))
-            .map_err(|e| Error::io("create", dir.path(), e))?;
-        let mut cfg = kvtier::config::from_value(serde_json::json!({
-            "cpu_bytes_to_use": per_set,
-            "secondary_tiers": [{
-                "type": "nvme",
-                "paths": [dir.path().join("slabs").display().to_string()],
-                "capacity_bytes": capacity,
-                "direct_io": "auto",
-            }],
-        }))?;
-        let mut service = ServiceConfig::new(dir.path().join("kvtier.sock"));
-        service.dram_bytes = 2 * per_set;
-        cfg.service = Some(service);
-        let svc = kvtier::node::server::start_from_config(&cfg, row, None, DIGEST)?;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !svc.with_tier(|t| t.is_recovered()) {
-            if Instant::now() > deadline {
-                return Err(Error::new(
-                    ErrorKind::Io,
-                    "the benchmark's G3 tier did not open within 60 s",
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let svc = start_service(dir.path(), row, per_set, capacity)?;
         let socket = dir.path().join("kvtier.sock");
         let rows = args.chunks as usize;
         let stride = usize::try_from(row).map_err(|_| bench_error("--row-size too large"))?;
-        let hello = |name: &str| ClientHello {
-            engine: name.into(),
-            row_stride: row,
-            digest: DIGEST,
-        };
         let a_region = PrimaryRegion::create(rows, stride)?;
-        let a = NodeClient::connect(&socket, &hello("bench-a"))?;
+        let a = NodeClient::connect(&socket, &hello("bench-a", row))?;
         let fd = a_region
             .fd()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "the region has no descriptor"))?;
         a.register_fd(fd, rows as u64)?;
-        let mut regions = Vec::new();
-        let mut tiers = Vec::new();
-        for lane in 0..lanes {
-            let mut pair = Vec::new();
-            for name in ["bench-b", "bench-c"] {
-                let r = PrimaryRegion::create(rows, stride)?;
-                let fd = r.fd().ok_or_else(|| {
-                    Error::new(ErrorKind::Internal, "the region has no descriptor")
-                })?;
-                let name = if lanes == 1 {
-                    name.to_string()
-                } else {
-                    format!("{name}-{lane}")
-                };
-                let t = NodeTier::connect(
-                    &socket,
-                    &hello(&name),
-                    RegionSource::Fd(fd),
-                    rows as u64,
-                    None,
-                )?;
-                pair.push(parking_lot::Mutex::new(t));
-                regions.push(r);
-            }
-            let [tb, tc]: [_; 2] = pair.try_into().map_err(|_| bench_error("two tiers"))?;
-            tiers.push([tb, tc]);
-        }
+        let (tiers, regions) = connect_lanes(&socket, lanes, rows, stride, row)?;
         Ok(Bench {
             service: Some(svc),
             _dir: dir,

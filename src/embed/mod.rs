@@ -12,6 +12,9 @@
 //!   offload region adopted in place with [`PrimaryRegion::adopt`]; the namespace then comes
 //!   from [`Builder::namespace`] (for vLLM: [`crate::canonical::digest::VllmSpecFields`]).
 //!
+//! Which namespace a pool of slabs is formatted for is [`PoolOpener`]'s to say: vLLM engines
+//! and the node service, or kvtier's in-process tiers (this builder's, with a layout).
+//!
 //! # Lookups while the index recovers
 //! A persistent (`nvme`) tier opens at once and recovers its index on its own I/O thread.
 //! Until recovery has finished its `lookup` answers RETRY (the manager answers RETRY too, and
@@ -22,13 +25,15 @@
 //! metric and `kvtier tier inspect`. [`SecondaryTier::ready`] says when it is over.
 
 mod memory;
+mod opener;
 
 use std::path::Path;
 use std::sync::Arc;
 
 pub use memory::mem_available;
+pub use opener::PoolOpener;
 
-use crate::canonical::{LayoutDescriptor, NamespaceParams, VllmDigestFields, namespace_digest};
+use crate::canonical::{LayoutDescriptor, NamespaceParams, VllmDigestFields};
 use crate::config::{self, KvtierConfig, TierConfig};
 use crate::contract::secondary::{MetricDescriptor, SecondaryTier};
 use crate::error::{Error, ErrorKind, Result};
@@ -296,10 +301,12 @@ impl Builder {
         let Plan {
             params, geometry, ..
         } = self.plan()?;
-        let namespace = self
-            .options
-            .namespace
-            .or_else(|| Some(namespace_digest(layout, &params)));
+        // The builder's tiers are in-process ones: their pools carry the descriptor namespace.
+        let namespace = match self.options.namespace {
+            Some(n) => n,
+            None => PoolOpener::InProcess.namespace(layout, &params)?,
+        };
+        let namespace = Some(namespace);
         let file_mapper_fields = self
             .options
             .file_mapper_fields

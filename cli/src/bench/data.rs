@@ -1,4 +1,4 @@
-//! Deterministic chunk contents for `kvtier bench`, and process CPU time.
+//! Deterministic chunk contents for `kvtier bench`, and the seed that makes each run differ.
 //!
 //! Every chunk's bytes are a function of its index alone, so the bench can fill a row, forget
 //! it, and later check a loaded row without keeping a copy: any wrong byte, wrong row or wrong
@@ -54,6 +54,15 @@ pub fn first_mismatch(row: &[u8], run_seed: u64, index: u64) -> Option<usize> {
         }
     }
     None
+}
+
+/// A seed that differs between runs (so a kept tier never makes a later run look good).
+pub(crate) fn run_seed() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::bench::data::chunk_key;
 use crate::bench::phases::{fill, load_phase, store_phase, verify};
 use crate::bench::plan::Plan;
@@ -31,7 +31,8 @@ use crate::fio::runner::{fio_version, run_job_file};
 use crate::output::{Table, errln, out, print_json};
 use crate::size::format_size;
 use crate::stats::median;
-use kvtier::canonical::{VllmDigestFields, namespace_digest};
+use kvtier::canonical::VllmDigestFields;
+use kvtier::embed::PoolOpener;
 use kvtier::error::{Error, Result};
 use kvtier::fs::FileMapper;
 use kvtier::key::ChunkKey;
@@ -118,7 +119,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         fio_version()?;
     }
     let fields = VllmDigestFields::from_descriptor(&plan.layout, &plan.params).to_json();
-    let namespace = namespace_digest(&plan.layout, &plan.params);
+    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
     let probe = kvtier::io::probe_direct_io(parent)?;
     let progress = !args.json;
     let mut sides: Vec<SideReport> = vec![
@@ -140,7 +141,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     let mut engine = String::new();
     let mut direct_io = String::new();
     for round in 0..rounds {
-        let seed = super::run_seed() ^ u64::from(round);
+        let seed = crate::bench::data::run_seed() ^ u64::from(round);
         let keys: Vec<ChunkKey> = (0..plan.chunks).map(|i| chunk_key(seed, i)).collect();
         let mut order: Vec<usize> = (0..sides.len()).collect();
         if round % 2 == 1 {

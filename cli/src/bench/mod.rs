@@ -9,13 +9,14 @@
 //!    one load job per request (batch).
 //! 5. Verify: pin every row (`prepare_load`) and compare it byte for byte with what was stored.
 //!
-//! * [`plan`]: what the arguments mean (rows, jobs, capacity), checked before anything runs.
+//! * [`args`]: the arguments. [`plan`]: what they mean (rows, jobs, capacity), checked before anything runs.
 //! * [`tier`]: the stack the bench runs on (primary, one G3 tier, the manager).
 //! * [`phases`]: fill, store, load, verify. [`data`]: each chunk's deterministic bytes.
 //! * [`report`]: the `--json` schema and the human table.
 //! * [`fs_tier`]: `--tier fs`: the same phases on an fs tier, in rounds beside
 //!   [`vllm_fs`] (vLLM's fs tier approach, mirrored) and optionally fio.
 
+pub mod args;
 pub mod data;
 pub mod fs_tier;
 pub mod gds;
@@ -27,8 +28,8 @@ pub mod vllm_fs;
 
 use std::process::ExitCode;
 
-use crate::args::{InFlightArgs, PathArgs, RowArgs, parse_engine};
-use crate::bench::data::chunk_key;
+pub use crate::bench::args::{BenchArgs, BenchTierKind};
+use crate::bench::data::{chunk_key, run_seed};
 use crate::bench::phases::{
     corrupt_chunk_for_test, corrupt_loaded_chunk, fill, load_phase, store_phase, verify,
 };
@@ -39,86 +40,10 @@ use crate::bench::report::{
 use crate::bench::tier::{BenchTier, TierFacts, TierOptions};
 use crate::output::{display_paths, errln, out, print_json};
 use crate::region_arg::BenchRegion;
-use crate::size::{format_size, parse_size};
-use kvtier::canonical::namespace_digest;
+use crate::size::format_size;
+use kvtier::embed::PoolOpener;
 use kvtier::error::Result;
-use kvtier::io::IoEngineKind;
 use kvtier::key::ChunkKey;
-
-/// Arguments of `kvtier bench`.
-#[derive(Debug, Clone, clap::Args)]
-#[command(after_help = "Examples:
-  kvtier bench                                   # 2 GiB of Llama-3.1-8B chunks (2 MiB rows) on the temp dir
-  kvtier bench --path /mnt/nvme0 --path /mnt/nvme1 --bytes 16GiB
-  kvtier bench --layout layouts/qwen3-32b.toml --tp 2 --blocks-per-chunk 4
-  kvtier bench --bytes 256MiB --keep --json      # keep the tier for `kvtier tier inspect`
-  kvtier bench --tier fs --path /mnt/shared --bytes 512MiB --fio   # fs tier vs vLLM's approach vs fio
-
-The tier gets a new sub-directory in each --path (one slab each), removed afterwards unless
---keep. Exits 1 if any stored byte does not come back intact.")]
-pub struct BenchArgs {
-    /// Where the tier goes.
-    #[command(flatten)]
-    pub path: PathArgs,
-    /// Tier capacity over all paths. Default: just enough for --bytes.
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
-    pub capacity: Option<u64>,
-    /// Bytes of KV chunks to store and load back (rounded down to whole rows, at least one).
-    #[arg(long, default_value = "2GiB", value_parser = parse_size, value_name = "SIZE")]
-    pub bytes: u64,
-    /// The rows: model layout, TP size, blocks per chunk.
-    #[command(flatten)]
-    pub row: RowArgs,
-    /// The tier's byte budget in flight.
-    #[command(flatten)]
-    pub in_flight: InFlightArgs,
-    /// I/O engine: auto, uring or psync.
-    #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
-    pub io_engine: IoEngineKind,
-    /// How long the tier's worker lingers (naps instead of blocking) after its last work, as
-    /// the nvme key `idle_linger_ms`; 0 turns lingering off.
-    #[arg(long, default_value_t = 50, value_name = "MS")]
-    pub idle_linger_ms: u64,
-    /// Keep the tier afterwards (its path is printed) for `kvtier tier inspect/verify`.
-    #[arg(long)]
-    pub keep: bool,
-    /// Print the report as JSON.
-    #[arg(long)]
-    pub json: bool,
-    /// The tier: `nvme` (G3 slab files) or `fs` (one file per chunk in one --path, as on a
-    /// shared file system, measured in rounds beside vLLM's fs tier approach).
-    #[arg(long, value_enum, default_value = "nvme")]
-    pub tier: BenchTierKind,
-    /// With --tier fs: rounds, each running every side once (the side that goes first
-    /// alternates); the report gives each side's medians. Default 3.
-    #[arg(long, value_name = "N")]
-    pub rounds: Option<u32>,
-    /// With --tier fs: also run fio's one-file-per-chunk profiles (fio-profiles/fs-store.fio,
-    /// fs-load.fio: 16 threads, O_DIRECT, the raw ceiling) in every round.
-    #[arg(long)]
-    pub fio: bool,
-    /// The primary region (repeatable; with several, each runs on a fresh tier, in --rounds
-    /// alternating rounds, and the report sets them side by side): `own` (kvtier's memfd in
-    /// 2 MiB pages), `vllm` (a /dev/shm file mapped as vLLM 0.33 maps its region, 4 KiB pages,
-    /// adopted as the Python tier adopts it: kvtier collapses its own mapping into 2 MiB pages
-    /// where it can), `vllm-4k` (the same, adopted with huge pages off). Default: own.
-    #[arg(long = "region", value_enum, value_name = "REGION")]
-    pub regions: Vec<BenchRegion>,
-    /// Instead: chunks in GPU memory stored and loaded by GPUDirect Storage and, from the same
-    /// GPU buffers, by the CPU path (GPU -> pinned row -> O_DIRECT), every byte verified; one
-    /// table of GB/s. Needs a build with `--features gds` and a GPU.
-    #[arg(long)]
-    pub gds: bool,
-}
-
-/// Which tier `kvtier bench` measures.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum BenchTierKind {
-    /// The G3 NVMe tier (slab files).
-    Nvme,
-    /// The fs tier (one file per chunk).
-    Fs,
-}
 
 /// Runs `kvtier bench`. Ctrl-C or SIGTERM stops it between batches, removes the tier's
 /// directories (even with `--keep`) and exits 130.
@@ -139,6 +64,34 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             "applies to --tier fs only (the nvme tier is compared with fio by `kvtier fio-compare`)",
         ));
     }
+    let (regions, rounds) = regions_and_rounds(&args)?;
+    let plan = Plan::from_args(&args)?;
+    let namespace = PoolOpener::InProcess.namespace(&plan.layout, &plan.params)?;
+    let rounds_run = run_rounds(&args, &plan, namespace, &regions, rounds)?;
+    let (report, expected, totals) =
+        bench_report(&args, &plan, namespace, &regions, rounds, rounds_run);
+    if args.json {
+        print_json(&report)?;
+    } else {
+        out!("{}", render(&report))?;
+    }
+    if report.ok {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        errln!(
+            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
+            expected - totals.0,
+            expected,
+            totals.1,
+            totals.2
+        );
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// The regions to run (`--region`, default own, in the order given) and the rounds; `--keep`
+/// keeps the tier of a single run only.
+fn regions_and_rounds(args: &BenchArgs) -> Result<(Vec<BenchRegion>, u32)> {
     let mut regions = args.regions.clone();
     if regions.is_empty() {
         regions.push(BenchRegion::Own);
@@ -157,8 +110,25 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             "keeps the tier of a single run: give one --region and one round",
         ));
     }
-    let plan = Plan::from_args(&args)?;
-    let namespace = namespace_digest(&plan.layout, &plan.params);
+    Ok((regions, rounds))
+}
+
+/// What the rounds measured: each region's rounds, the first region's first run (with its
+/// tier's facts) and the chunks verified, mismatched and missing over every run.
+struct Rounds {
+    summaries: Vec<RegionSummary>,
+    first: (Run, TierFacts),
+    totals: (u64, u64, u64),
+}
+
+/// Runs every region `rounds` times on a fresh stack each, the order alternating by round.
+fn run_rounds(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    regions: &[BenchRegion],
+    rounds: u32,
+) -> Result<Rounds> {
     let progress = !args.json;
     let mut summaries: Vec<RegionSummary> = regions
         .iter()
@@ -172,7 +142,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             order.reverse();
         }
         for i in order {
-            let (run, facts) = run_once(&args, &plan, namespace, regions[i], progress)?;
+            let (run, facts) = run_once(args, plan, namespace, regions[i], progress)?;
             if progress && (rounds > 1 || regions.len() > 1) {
                 errln!(
                     "round {}/{rounds} region {}: store {:.2} GB/s, load {:.2} GB/s",
@@ -198,12 +168,33 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
     for s in &mut summaries {
         s.compute_medians();
     }
-    let Some((run, facts)) = first else {
+    let Some(first) = first else {
         return Err(kvtier::error::Error::new(
             kvtier::error::ErrorKind::Internal,
             "the bench ran nothing",
         ));
     };
+    Ok(Rounds {
+        summaries,
+        first,
+        totals,
+    })
+}
+
+/// The report of the rounds, with the chunks expected to load back intact and the totals.
+fn bench_report(
+    args: &BenchArgs,
+    plan: &Plan,
+    namespace: [u8; 32],
+    regions: &[BenchRegion],
+    rounds: u32,
+    r: Rounds,
+) -> (BenchReport, u64, (u64, u64, u64)) {
+    let Rounds {
+        summaries,
+        first: (run, facts),
+        totals,
+    } = r;
     let expected = plan.chunks * u64::from(rounds) * regions.len() as u64;
     let report = BenchReport {
         layout: LayoutReport {
@@ -239,23 +230,7 @@ fn run_caught(args: BenchArgs) -> Result<ExitCode> {
             Vec::new()
         },
     };
-    if args.json {
-        print_json(&report)?;
-    } else {
-        out!("{}", render(&report))?;
-    }
-    if report.ok {
-        Ok(ExitCode::SUCCESS)
-    } else {
-        errln!(
-            "kvtier: error: {} of {} chunks did not load back intact ({} mismatched, {} missing)",
-            expected - totals.0,
-            expected,
-            totals.1,
-            totals.2
-        );
-        Ok(ExitCode::from(1))
-    }
+    (report, expected, totals)
 }
 
 /// What one run on one region measured.
@@ -337,13 +312,4 @@ fn run_once(
         },
         facts,
     ))
-}
-
-/// A seed that differs between runs (so a kept tier never makes a later run look good).
-pub(crate) fn run_seed() -> u64 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    t ^ (u64::from(std::process::id()) << 32)
 }

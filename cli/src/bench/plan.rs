@@ -2,7 +2,7 @@
 //! (layout, row stride, chunk count, job size and window, tier capacity), with the argument
 //! checks that need those figures.
 
-use crate::bench::BenchArgs;
+use crate::bench::args::BenchArgs;
 use crate::size::format_size;
 use kvtier::canonical::{
     EncodingSource, LayoutDescriptor, NamespaceParams, PageEncoding, allocated_encoding,
@@ -196,7 +196,7 @@ mod tests {
             ErrorKind::Config
         );
         let e = plan(&["--tp", "3"]).unwrap_err();
-        assert!(crate::is_user_error(&e), "{e:?}");
+        assert!(crate::exit::is_user_error(&e), "{e:?}");
         assert!(e.to_string().contains("TP size 3"), "{e}");
         let e = check_memory(8 << 30, Some(8 << 30)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);

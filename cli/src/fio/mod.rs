@@ -8,12 +8,13 @@
 //! an overwrite on the development disk, so mixing the two states would make the ratio
 //! meaningless.
 //!
-//! * [`plan`]: what will run, checked before anything runs. [`runner`]: fio itself (job files,
+//! * [`args`]: the arguments. [`plan`]: what will run, checked before anything runs. [`runner`]: fio itself (job files,
 //!   JSON output). [`files`]: the test files, prepared identically for both sides.
 //! * [`kvtier_workload`], [`g3_workload`]: kvtier's side, through its I/O engine alone or the
 //!   whole G3 tier.
 //! * [`report`], [`plot`]: the `--json` objects, the tables and the SVG chart.
 
+pub mod args;
 pub mod files;
 pub mod g3_workload;
 pub mod kvtier_workload;
@@ -27,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use crate::args::{InFlightArgs, PathArgs, parse_engine};
+pub use crate::fio::args::{FioCompareArgs, KvtierSide};
 use crate::fio::g3_workload::{G3Shape, G3Workload};
 use crate::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
 use crate::fio::memory::FioChoice;
@@ -36,82 +37,11 @@ use crate::fio::plot::{Panel, Series, render_svg};
 use crate::fio::report::{DepthPoint, ProfileComparison, render_report};
 use crate::fio::runner::{FioRun, Profile};
 use crate::output::{display_paths, out, outln, print_json, progress_bar};
-use crate::region_arg::BenchRegion;
-use crate::size::{format_size, parse_size};
+use crate::size::format_size;
 use crate::stats::median;
 use crate::stats::process_cpu_seconds;
 use kvtier::error::{Error, ErrorKind, Result};
-use kvtier::io::IoEngineKind;
 use kvtier::region::PrimaryRegion;
-
-/// Which kvtier code path the comparison drives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum KvtierSide {
-    /// The G3 tier's whole data path (jobs, slots, CRC32, journal), fsync never.
-    G3,
-    /// kvtier's I/O engine alone on a plain file (what the tier's I/O layer can do).
-    Engine,
-}
-
-/// Arguments of `kvtier fio-compare`.
-#[derive(Debug, clap::Args)]
-#[command(after_help = "Examples:
-  kvtier fio-compare                                  # store and load, 2 MiB rows, on the temp dir
-  kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
-  kvtier fio-compare --profile load --pairs 5 --json
-  kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
-  kvtier fio-compare --region vllm --plot sweep.svg --row-sizes 64KiB,1MiB,16MiB --depths 1,8,64
-
-Needs fio (apt-get install fio). Every pass covers each row of the file once.")]
-pub struct FioCompareArgs {
-    /// The directories to test.
-    #[command(flatten)]
-    pub path: PathArgs,
-    /// Workload to compare (repeatable). Default: store and load.
-    #[arg(long = "profile", value_enum, value_name = "NAME")]
-    pub profiles: Vec<Profile>,
-    /// Bytes per I/O: one primary row.
-    #[arg(long, default_value = "2MiB", value_parser = parse_size, value_name = "SIZE")]
-    pub row_size: u64,
-    /// File bytes per side over all paths (each pass moves this much per direction).
-    #[arg(long, default_value = "1GiB", value_parser = parse_size, value_name = "SIZE")]
-    pub size: u64,
-    /// Bytes in flight per direction.
-    #[command(flatten)]
-    pub in_flight: InFlightArgs,
-    /// Rows in flight per direction (overrides --max-bytes-in-flight).
-    #[arg(long, value_name = "N")]
-    pub iodepth: Option<u32>,
-    /// kvtier/fio pairs per profile (and per depth with --plot); the order alternates.
-    #[arg(long, default_value_t = 3, value_name = "N")]
-    pub pairs: usize,
-    /// What kvtier runs: the G3 tier's data path, or its I/O engine on a plain file.
-    #[arg(long, value_enum, default_value = "g3", value_name = "SIDE")]
-    pub kvtier_side: KvtierSide,
-    /// kvtier's I/O engine: auto, uring or psync.
-    #[arg(long, default_value = "uring", value_parser = parse_engine, value_name = "ENGINE")]
-    pub io_engine: IoEngineKind,
-    /// kvtier's buffer rows: `own` (kvtier's region, 2 MiB pages), `vllm` (made as vLLM 0.33
-    /// makes its /dev/shm region and adopted as the Python tier adopts it) or `vllm-4k` (the
-    /// same, adopted with huge pages off). fio's buffers get the same kind of memory.
-    #[arg(long, value_enum, default_value = "own", value_name = "REGION")]
-    pub region: BenchRegion,
-    /// With --plot: also sweep these row sizes (comma-separated, e.g. 64KiB,256KiB,1MiB,4MiB,16MiB).
-    #[arg(long, value_delimiter = ',', value_parser = parse_size, value_name = "SIZE,...")]
-    pub row_sizes: Vec<u64>,
-    /// Also sweep the depth (and --row-sizes) and draw throughput against depth to this SVG file.
-    #[arg(long, value_name = "FILE.svg")]
-    pub plot: Option<PathBuf>,
-    /// Depths for --plot (comma-separated). Default: powers of two up to the depth.
-    #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
-    pub depths: Vec<u32>,
-    /// Keep the test files afterwards.
-    #[arg(long)]
-    pub keep: bool,
-    /// Print JSON (an array with one object per profile) instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
 
 /// Runs `kvtier fio-compare`. Ctrl-C or SIGTERM stops it between passes, removes its files
 /// (unless `--keep`) and exits 130.
@@ -144,6 +74,32 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         .tempdir()
         .map_err(|e| Error::new(ErrorKind::Io, format!("cannot create a scratch dir: {e}")))?;
 
+    let points = measure_points(&plan, &args, &shm_file, scratch.path())?;
+    drop(cleanup);
+    let results = comparisons(&plan, &args, &points, &fio_version)?;
+    if let Some(svg_path) = &args.plot {
+        write_plot(svg_path, &plan, &args, &results, &fio_version)?;
+    }
+
+    if args.json {
+        print_json(&results)?;
+    } else {
+        out!("{}", render_report(&plan, &results, &fio_version))?;
+        if let Some(svg_path) = &args.plot {
+            outln!("plot: {}", svg_path.display())?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Every point of the plan (row size x depth x profile), each measured in rounds on both sides
+/// with fio's memory chosen for it, behind a progress bar.
+fn measure_points(
+    plan: &Plan,
+    args: &FioCompareArgs,
+    shm_file: &Path,
+    scratch: &Path,
+) -> Result<Vec<(Profile, DepthPoint)>> {
     let fio_sides = 2;
     let runs = plan.profiles.len()
         * plan.depths.len()
@@ -158,7 +114,7 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         1
     };
     for &row_size in &plan.row_sizes {
-        let mut workload = Side::open(&plan, &args, row_size)?;
+        let mut workload = Side::open(plan, args, row_size)?;
         let kvtier_engine = workload.describe();
         let region = workload.region();
         let kvtier_pages = crate::region_arg::pages_note(&region);
@@ -170,16 +126,16 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             // reserved for it alone, so a point too large for the machine's free 2 MiB blocks
             // is marked (and says why) while the others still run like for like.
             let needed = memory::hugetlb_pages_needed(row_size, depth, jobs);
-            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.clone(), needed);
+            let (choice, reservation) = memory::choose(kvtier_huge, shm_file.to_path_buf(), needed);
             for &profile in &plan.profiles {
                 let mut point = measure(
-                    &plan,
+                    plan,
                     profile,
                     row_size,
                     depth,
                     &choice,
                     &mut workload,
-                    scratch.path(),
+                    scratch,
                     &bar,
                 )?;
                 point.kvtier_pages = kvtier_pages.clone();
@@ -191,8 +147,17 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
         workload.close()?;
     }
     bar.finish_and_clear();
-    drop(cleanup);
+    Ok(points)
+}
 
+/// One comparison per profile: its figures at the plan's row size and depth, and with
+/// `--plot` the whole sweep.
+fn comparisons(
+    plan: &Plan,
+    args: &FioCompareArgs,
+    points: &[(Profile, DepthPoint)],
+    fio_version: &str,
+) -> Result<Vec<ProfileComparison>> {
     let mut results = Vec::new();
     for &profile in &plan.profiles {
         let sweep: Vec<DepthPoint> = points
@@ -225,7 +190,7 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             kvtier_region: args.region.name(),
             kvtier_pages: main.kvtier_pages.clone(),
             kvtier_engine: main.kvtier_engine.clone(),
-            fio_version: fio_version.clone(),
+            fio_version: fio_version.to_string(),
             fio_setup: main.fio_setup.clone(),
             fio_like_for_like: main.fio_like_for_like,
             fio_note: main.fio_note.clone(),
@@ -241,76 +206,74 @@ fn run_caught(args: FioCompareArgs) -> Result<ExitCode> {
             },
         });
     }
+    Ok(results)
+}
 
-    if let Some(svg_path) = &args.plot {
-        let mut panels: Vec<Panel> = Vec::new();
-        for &row_size in &plan.row_sizes {
-            for r in &results {
-                let at: Vec<&DepthPoint> =
-                    r.sweep.iter().filter(|p| p.row_size == row_size).collect();
-                let mut series = vec![
-                    Series::new(
-                        "kvtier",
-                        at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
-                    ),
-                    Series::new(
-                        "fio, same memory",
-                        at.iter().map(|p| p.fio_bytes_per_sec).collect(),
-                    ),
-                ];
-                if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
-                    series.push(Series::new(
-                        "fio best (hugetlb)",
-                        at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
-                    ));
-                }
-                // Points where fio could not have the same memory are named in the title.
-                let unlike: Vec<String> = at
-                    .iter()
-                    .filter(|p| !p.fio_like_for_like)
-                    .map(|p| p.iodepth.to_string())
-                    .collect();
-                let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
-                if !unlike.is_empty() {
-                    title.push_str(&format!(
-                        " (fio NOT like for like at depth {})",
-                        unlike.join(", ")
-                    ));
-                }
-                panels.push(Panel {
-                    title,
-                    depths: at.iter().map(|p| p.iodepth).collect(),
-                    series,
-                });
+/// Draws throughput against depth, one panel per row size and profile, to `svg_path`.
+fn write_plot(
+    svg_path: &Path,
+    plan: &Plan,
+    args: &FioCompareArgs,
+    results: &[ProfileComparison],
+    fio_version: &str,
+) -> Result<()> {
+    let mut panels: Vec<Panel> = Vec::new();
+    for &row_size in &plan.row_sizes {
+        for r in results {
+            let at: Vec<&DepthPoint> = r.sweep.iter().filter(|p| p.row_size == row_size).collect();
+            let mut series = vec![
+                Series::new(
+                    "kvtier",
+                    at.iter().map(|p| p.kvtier_bytes_per_sec).collect(),
+                ),
+                Series::new(
+                    "fio, same memory",
+                    at.iter().map(|p| p.fio_bytes_per_sec).collect(),
+                ),
+            ];
+            if at.iter().any(|p| !p.fio_best_samples.is_empty()) {
+                series.push(Series::new(
+                    "fio best (hugetlb)",
+                    at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
+                ));
             }
-        }
-        let main = results.first();
-        let subtitle = format!(
-            "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
-            args.region.name(),
-            main.map_or("", |r| r.kvtier_pages.as_str()),
-            main.map_or_else(String::new, |r| r.fio_setup.describe()),
-            format_size(plan.per_file * plan.paths.len() as u64),
-            display_paths(&plan.paths),
-            plan.pairs,
-            fio_version
-        );
-        std::fs::write(
-            svg_path,
-            render_svg(&panels, plan.profiles.len(), &subtitle),
-        )
-        .map_err(|e| Error::io("write plot", svg_path, e))?;
-    }
-
-    if args.json {
-        print_json(&results)?;
-    } else {
-        out!("{}", render_report(&plan, &results, &fio_version))?;
-        if let Some(svg_path) = &args.plot {
-            outln!("plot: {}", svg_path.display())?;
+            // Points where fio could not have the same memory are named in the title.
+            let unlike: Vec<String> = at
+                .iter()
+                .filter(|p| !p.fio_like_for_like)
+                .map(|p| p.iodepth.to_string())
+                .collect();
+            let mut title = format!("{} rows, {}", format_size(row_size), r.profile);
+            if !unlike.is_empty() {
+                title.push_str(&format!(
+                    " (fio NOT like for like at depth {})",
+                    unlike.join(", ")
+                ));
+            }
+            panels.push(Panel {
+                title,
+                depths: at.iter().map(|p| p.iodepth).collect(),
+                series,
+            });
         }
     }
-    Ok(ExitCode::SUCCESS)
+    let main = results.first();
+    let subtitle = format!(
+        "kvtier region {} ({}); fio: {}; {} per side on {}, medians of {} rotating rounds, {}",
+        args.region.name(),
+        main.map_or("", |r| r.kvtier_pages.as_str()),
+        main.map_or_else(String::new, |r| r.fio_setup.describe()),
+        format_size(plan.per_file * plan.paths.len() as u64),
+        display_paths(&plan.paths),
+        plan.pairs,
+        fio_version
+    );
+    std::fs::write(
+        svg_path,
+        render_svg(&panels, plan.profiles.len(), &subtitle),
+    )
+    .map_err(|e| Error::io("write plot", svg_path, e))?;
+    Ok(())
 }
 
 /// One pass's throughput and CPU cost.

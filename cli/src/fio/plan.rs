@@ -4,11 +4,11 @@
 use std::path::PathBuf;
 
 use crate::args::InFlightArgs;
+use crate::fio::args::{FioCompareArgs, KvtierSide};
 use crate::fio::runner::Profile;
-use crate::fio::{FioCompareArgs, KvtierSide};
 use crate::size::format_size;
 use kvtier::error::{Error, Result};
-use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+use kvtier::geometry::ChunkGeometry;
 use kvtier::size::count;
 
 /// How the files are prepared, in the words the report uses (engine side).
@@ -42,48 +42,10 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn from_args(args: &FioCompareArgs) -> Result<Self> {
         let paths = args.path.dirs()?;
-        if !ChunkGeometry::is_row_aligned(args.row_size) {
-            return Err(Error::config(
-                "--row-size",
-                format!(
-                    "{} is not a positive multiple of {ROW_ALIGNMENT}",
-                    args.row_size
-                ),
-            ));
-        }
-        let n = paths.len() as u64;
-        if !args.row_sizes.is_empty() && args.plot.is_none() {
-            return Err(Error::config(
-                "--row-sizes",
-                "sweeps row sizes for --plot only",
-            ));
-        }
-        let mut row_sizes = args.row_sizes.clone();
-        row_sizes.push(args.row_size);
-        row_sizes.sort_unstable();
-        row_sizes.dedup();
-        if let Some(bad) = row_sizes
-            .iter()
-            .find(|r| !ChunkGeometry::is_row_aligned(**r))
-        {
-            return Err(Error::config(
-                "--row-sizes",
-                format!("{bad} is not a positive multiple of {ROW_ALIGNMENT}"),
-            ));
-        }
+        let row_sizes = row_sizes(args)?;
         // Files hold whole rows of every size: the largest row divides the others' multiples
         // when the sizes are powers of two, and `slots_per_file` rounds down to it.
         let largest = row_sizes.iter().copied().max().unwrap_or(args.row_size);
-        if let Some(odd) = row_sizes.iter().find(|r| !largest.is_multiple_of(**r)) {
-            return Err(Error::config(
-                "--row-sizes",
-                format!(
-                    "{} does not divide the largest row size {}",
-                    format_size(*odd),
-                    format_size(largest)
-                ),
-            ));
-        }
         let per_file = ChunkGeometry::slots_per_file(args.size, paths.len(), largest) * largest;
         if per_file == 0 {
             return Err(Error::config(
@@ -91,63 +53,18 @@ impl Plan {
                 format!(
                     "{} over {} is less than one {} row per path",
                     format_size(args.size),
-                    count(n, "path"),
+                    count(paths.len() as u64, "path"),
                     format_size(largest)
                 ),
             ));
         }
-        let depth = match args.iodepth {
-            Some(0) => return Err(Error::config("--iodepth", "must be at least 1")),
-            Some(d) => d,
-            None => u32::try_from(ChunkGeometry::rows_in_flight(
-                args.in_flight.for_row(args.row_size)?,
-                args.row_size,
-            ))
-            .map_err(|_| Error::config(InFlightArgs::KEY, "too large"))?,
-        };
+        let depth = depth(args)?;
         if args.pairs == 0 {
             return Err(Error::config("--pairs", "must be at least 1"));
         }
-        // Found out before the runs, not after minutes of them.
-        if let Some(svg) = &args.plot {
-            let parent = svg.parent().filter(|p| !p.as_os_str().is_empty());
-            if parent.is_some_and(|p| !p.is_dir()) {
-                return Err(Error::config(
-                    "--plot",
-                    format!("{}: its folder does not exist", svg.display()),
-                ));
-            }
-        }
-        let mut depths = if args.plot.is_some() {
-            if args.depths.is_empty() {
-                std::iter::successors(Some(1u32), |d| d.checked_mul(2))
-                    .take_while(|d| *d < depth)
-                    .collect()
-            } else {
-                args.depths.clone()
-            }
-        } else {
-            Vec::new()
-        };
-        if depths.contains(&0) {
-            return Err(Error::config("--depths", "depths must be at least 1"));
-        }
-        depths.push(depth);
-        depths.sort_unstable();
-        depths.dedup();
-        let mut profiles = if args.profiles.is_empty() {
-            vec![Profile::Store, Profile::Load]
-        } else {
-            args.profiles.clone()
-        };
-        profiles.dedup();
-        if args.kvtier_side == KvtierSide::G3 && profiles.contains(&Profile::Mixed) {
-            return Err(Error::config(
-                "--profile",
-                "mixed runs on the engine side only (concurrent stores would evict the keys \
-                 being loaded): add --kvtier-side engine",
-            ));
-        }
+        check_plot_folder(args)?;
+        let depths = depths(args, depth)?;
+        let profiles = profiles(args)?;
         let in_each = |name: &str| -> Vec<PathBuf> { paths.iter().map(|p| p.join(name)).collect() };
         let fio_files = in_each("kvtier-fio-compare.fio.dat");
         let (kvtier_files, g3_dirs, file_state, side_name) = match args.kvtier_side {
@@ -201,6 +118,105 @@ impl Plan {
             .cloned()
             .collect()
     }
+}
+
+/// `--row-size` and, with `--plot`, `--row-sizes`: every row size to run, ascending, each a
+/// positive multiple of the row alignment and dividing the largest.
+fn row_sizes(args: &FioCompareArgs) -> Result<Vec<u64>> {
+    ChunkGeometry::check_row_size("--row-size", args.row_size)?;
+    if !args.row_sizes.is_empty() && args.plot.is_none() {
+        return Err(Error::config(
+            "--row-sizes",
+            "sweeps row sizes for --plot only",
+        ));
+    }
+    let mut row_sizes = args.row_sizes.clone();
+    row_sizes.push(args.row_size);
+    row_sizes.sort_unstable();
+    row_sizes.dedup();
+    for &r in &row_sizes {
+        ChunkGeometry::check_row_size("--row-sizes", r)?;
+    }
+    let largest = row_sizes.iter().copied().max().unwrap_or(args.row_size);
+    if let Some(odd) = row_sizes.iter().find(|r| !largest.is_multiple_of(**r)) {
+        return Err(Error::config(
+            "--row-sizes",
+            format!(
+                "{} does not divide the largest row size {}",
+                format_size(*odd),
+                format_size(largest)
+            ),
+        ));
+    }
+    Ok(row_sizes)
+}
+
+/// Rows in flight per direction: `--iodepth`, or the rows `--max-bytes-in-flight` holds.
+fn depth(args: &FioCompareArgs) -> Result<u32> {
+    match args.iodepth {
+        Some(0) => Err(Error::config("--iodepth", "must be at least 1")),
+        Some(d) => Ok(d),
+        None => u32::try_from(ChunkGeometry::rows_in_flight(
+            args.in_flight.for_row(args.row_size)?,
+            args.row_size,
+        ))
+        .map_err(|_| Error::config(InFlightArgs::KEY, "too large")),
+    }
+}
+
+/// The `--plot` file's folder exists: found out before the runs, not after minutes of them.
+fn check_plot_folder(args: &FioCompareArgs) -> Result<()> {
+    if let Some(svg) = &args.plot {
+        let parent = svg.parent().filter(|p| !p.as_os_str().is_empty());
+        if parent.is_some_and(|p| !p.is_dir()) {
+            return Err(Error::config(
+                "--plot",
+                format!("{}: its folder does not exist", svg.display()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every depth to run, ascending, `depth` included: with `--plot`, `--depths` or the powers
+/// of two below `depth`.
+fn depths(args: &FioCompareArgs, depth: u32) -> Result<Vec<u32>> {
+    let mut depths = if args.plot.is_some() {
+        if args.depths.is_empty() {
+            std::iter::successors(Some(1u32), |d| d.checked_mul(2))
+                .take_while(|d| *d < depth)
+                .collect()
+        } else {
+            args.depths.clone()
+        }
+    } else {
+        Vec::new()
+    };
+    if depths.contains(&0) {
+        return Err(Error::config("--depths", "depths must be at least 1"));
+    }
+    depths.push(depth);
+    depths.sort_unstable();
+    depths.dedup();
+    Ok(depths)
+}
+
+/// The profiles to compare (default store and load); mixed only on the engine side.
+fn profiles(args: &FioCompareArgs) -> Result<Vec<Profile>> {
+    let mut profiles = if args.profiles.is_empty() {
+        vec![Profile::Store, Profile::Load]
+    } else {
+        args.profiles.clone()
+    };
+    profiles.dedup();
+    if args.kvtier_side == KvtierSide::G3 && profiles.contains(&Profile::Mixed) {
+        return Err(Error::config(
+            "--profile",
+            "mixed runs on the engine side only (concurrent stores would evict the keys \
+             being loaded): add --kvtier-side engine",
+        ));
+    }
+    Ok(profiles)
 }
 
 #[cfg(test)]

@@ -132,6 +132,48 @@ pub(crate) fn render_report(
     results: &[ProfileComparison],
     fio_version: &str,
 ) -> String {
+    let mut out = render_preamble(plan, results, fio_version);
+    let mut table = Table::new(std::iter::once("profile").chain(HEADER));
+    for r in results {
+        let c = cells(
+            [
+                r.kvtier_bytes_per_sec,
+                r.kvtier_cpu_seconds_per_gb,
+                r.fio_bytes_per_sec,
+                r.fio_cpu_seconds_per_gb,
+                r.ratio,
+                r.fio_best_bytes_per_sec,
+                r.fio_best_cpu_seconds_per_gb,
+                r.ratio_to_best,
+                r.ratio_spread,
+            ],
+            r.pair_ratios.len(),
+        );
+        table.row(std::iter::once(r.profile.to_string()).chain(c));
+    }
+    out.push_str(&table.render());
+    if results.iter().any(|r| !r.sweep.is_empty()) {
+        out.push('\n');
+        out.push_str(&render_sweep(results));
+    }
+    out
+}
+
+/// The columns of both tables after their first ones.
+const HEADER: [&str; 9] = [
+    "kvtier",
+    "CPU s/GB",
+    "fio",
+    "CPU s/GB",
+    "kvtier/fio",
+    "fio best",
+    "CPU s/GB",
+    "kvtier/best",
+    "spread",
+];
+
+/// What ran and how (rows, depth, files, both sides' memory, the notes on CPU and spread).
+fn render_preamble(plan: &Plan, results: &[ProfileComparison], fio_version: &str) -> String {
     let mut out = format!(
         "fio-compare: {} rows, depth {} ({} in flight), {} per side on {}, {} rounds (order \
          rotating)\n",
@@ -172,87 +214,58 @@ pub(crate) fn render_report(
              run in brackets); above 10 % more rounds are taken, up to 3 x --pairs\n\n",
         );
     }
-    let header = [
-        "kvtier",
-        "CPU s/GB",
-        "fio",
-        "CPU s/GB",
-        "kvtier/fio",
-        "fio best",
-        "CPU s/GB",
-        "kvtier/best",
-        "spread",
-    ];
-    #[allow(clippy::too_many_arguments)]
-    let cells = |k: f64,
-                 kc: f64,
-                 f: f64,
-                 fc: f64,
-                 ratio: f64,
-                 b: f64,
-                 bc: f64,
-                 rb: f64,
-                 spread: f64,
-                 rounds: usize| {
-        let num = |v: f64, digits: usize| {
-            if v.is_finite() {
-                format!("{v:.digits$}")
-            } else {
-                "-".to_string()
-            }
-        };
-        let speed = |v: f64| {
-            if v.is_finite() {
-                format_gbps(v)
-            } else {
-                "-".to_string()
-            }
-        };
-        [
-            speed(k),
-            num(kc, 3),
-            speed(f),
-            num(fc, 3),
-            num(ratio, 3),
-            speed(b),
-            num(bc, 3),
-            num(rb, 3),
-            if spread.is_finite() {
-                format!("{:.0} % ({rounds})", spread * 100.0)
-            } else {
-                "-".to_string()
-            },
-        ]
+    out
+}
+
+/// The [`HEADER`] cells of one row: kvtier, fio and fio's best (speed and CPU s/GB), the two
+/// ratios and the spread over `rounds` rounds; `-` where a figure is missing.
+fn cells(figures: [f64; 9], rounds: usize) -> [String; 9] {
+    let [k, kc, f, fc, ratio, b, bc, rb, spread] = figures;
+    let num = |v: f64, digits: usize| {
+        if v.is_finite() {
+            format!("{v:.digits$}")
+        } else {
+            "-".to_string()
+        }
     };
-    let mut table = Table::new(std::iter::once("profile").chain(header));
+    let speed = |v: f64| {
+        if v.is_finite() {
+            format_gbps(v)
+        } else {
+            "-".to_string()
+        }
+    };
+    [
+        speed(k),
+        num(kc, 3),
+        speed(f),
+        num(fc, 3),
+        num(ratio, 3),
+        speed(b),
+        num(bc, 3),
+        num(rb, 3),
+        if spread.is_finite() {
+            format!("{:.0} % ({rounds})", spread * 100.0)
+        } else {
+            "-".to_string()
+        },
+    ]
+}
+
+/// The `--plot` sweep as a table (profile, row size, depth), fio's memory named, and a note
+/// under it for each point where fio's memory was not like kvtier's.
+fn render_sweep(results: &[ProfileComparison]) -> String {
+    let mut sweep = Table::new(
+        ["profile", "row", "depth"]
+            .into_iter()
+            .chain(HEADER)
+            .chain(["fio memory"]),
+    );
+    let mut unlike: Vec<String> = Vec::new();
     for r in results {
-        let c = cells(
-            r.kvtier_bytes_per_sec,
-            r.kvtier_cpu_seconds_per_gb,
-            r.fio_bytes_per_sec,
-            r.fio_cpu_seconds_per_gb,
-            r.ratio,
-            r.fio_best_bytes_per_sec,
-            r.fio_best_cpu_seconds_per_gb,
-            r.ratio_to_best,
-            r.ratio_spread,
-            r.pair_ratios.len(),
-        );
-        table.row(std::iter::once(r.profile.to_string()).chain(c));
-    }
-    out.push_str(&table.render());
-    if results.iter().any(|r| !r.sweep.is_empty()) {
-        out.push('\n');
-        let mut sweep = Table::new(
-            ["profile", "row", "depth"]
-                .into_iter()
-                .chain(header)
-                .chain(["fio memory"]),
-        );
-        let mut unlike: Vec<String> = Vec::new();
-        for r in results {
-            for p in &r.sweep {
-                let c = cells(
+        for p in &r.sweep {
+            let c = cells(
+                [
                     p.kvtier_bytes_per_sec,
                     p.kvtier_cpu_seconds_per_gb,
                     p.fio_bytes_per_sec,
@@ -262,39 +275,39 @@ pub(crate) fn render_report(
                     p.fio_best_cpu_seconds_per_gb,
                     p.ratio_to_best,
                     p.ratio_spread,
-                    p.pair_ratios.len(),
-                );
-                let memory = if p.fio_like_for_like {
-                    p.fio_setup.memory.short().to_string()
-                } else {
-                    format!("{} (NOT like for like *)", p.fio_setup.memory.short())
-                };
-                sweep.row(
-                    [
-                        r.profile.to_string(),
-                        format_size(p.row_size),
-                        p.iodepth.to_string(),
-                    ]
-                    .into_iter()
-                    .chain(c)
-                    .chain([memory]),
-                );
-                if !p.fio_like_for_like {
-                    unlike.push(format!(
-                        "* {} {} x {}: {}",
-                        r.profile,
-                        format_size(p.row_size),
-                        p.iodepth,
-                        p.fio_note.as_deref().unwrap_or("fio's memory differs")
-                    ));
-                }
+                ],
+                p.pair_ratios.len(),
+            );
+            let memory = if p.fio_like_for_like {
+                p.fio_setup.memory.short().to_string()
+            } else {
+                format!("{} (NOT like for like *)", p.fio_setup.memory.short())
+            };
+            sweep.row(
+                [
+                    r.profile.to_string(),
+                    format_size(p.row_size),
+                    p.iodepth.to_string(),
+                ]
+                .into_iter()
+                .chain(c)
+                .chain([memory]),
+            );
+            if !p.fio_like_for_like {
+                unlike.push(format!(
+                    "* {} {} x {}: {}",
+                    r.profile,
+                    format_size(p.row_size),
+                    p.iodepth,
+                    p.fio_note.as_deref().unwrap_or("fio's memory differs")
+                ));
             }
         }
-        out.push_str(&sweep.render());
-        for line in unlike {
-            out.push_str(&line);
-            out.push('\n');
-        }
+    }
+    let mut out = sweep.render();
+    for line in unlike {
+        out.push_str(&line);
+        out.push('\n');
     }
     out
 }

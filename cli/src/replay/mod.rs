@@ -23,7 +23,7 @@ use kvtier::contract::admission::AdmissionKind;
 use kvtier::contract::secondary::TierMetric;
 use kvtier::embed::Builder;
 use kvtier::error::{Error, ErrorKind, Result};
-use kvtier::geometry::ROW_ALIGNMENT;
+use kvtier::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 use kvtier::io::IoEngineKind;
 use kvtier::region::PrimaryRegion;
 use kvtier::tiering::TieringManager;
@@ -220,7 +220,7 @@ fn row_bytes(args: &ReplayArgs) -> Result<u64> {
         return Ok(p.row_stride);
     }
     let b = args.bytes_per_block;
-    if b == 0 || !b.is_multiple_of(ROW_ALIGNMENT as u64) {
+    if !ChunkGeometry::is_row_aligned(b) {
         return Err(Error::config(
             "--bytes-per-block",
             format!("must be a positive multiple of {ROW_ALIGNMENT} bytes, found {b}"),

@@ -5,14 +5,13 @@
 use std::net::TcpListener;
 use std::process::ExitCode;
 
-use crate::serve::ServeArgs;
-use crate::serve::health_body;
+use crate::serve::args::ServeArgs;
+use crate::serve::health::health_body;
+use crate::serve::refusal::{in_file, namespace_hint};
 use crate::serve::service::{Service, serve_until_signal};
-use crate::tier::FormatFor;
 use kvtier::canonical::LayoutDescriptor;
-use kvtier::canonical::engine_pool_namespace;
 use kvtier::config::KvtierConfig;
-use kvtier::embed::Plan;
+use kvtier::embed::{Plan, PoolOpener};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::node::NodeService;
 use kvtier::node::server::start_from_config;
@@ -30,8 +29,10 @@ pub fn run(
     // The namespace vLLM engines of this model and configuration present with the tier
     // entry's `layout` key (its canonical area where that is shorter than the row), not the
     // descriptor namespace of an in-process tier; `kvtier tier format` writes it by default.
-    let digest =
-        engine_pool_namespace(layout, &plan.params).map_err(|e| super::in_file(config_path, e))?;
+    let opener = PoolOpener::serving(cfg);
+    let digest = opener
+        .namespace(layout, &plan.params)
+        .map_err(|e| in_file(config_path, e))?;
     let service = start_from_config(
         cfg,
         plan.geometry.row_stride,
@@ -40,9 +41,9 @@ pub fn run(
     )
     .map_err(|e| {
         if e.kind() == ErrorKind::IncompatibleLayout {
-            super::namespace_hint(e, args, cfg, layout, &plan.params, FormatFor::Vllm)
+            namespace_hint(e, args, cfg, layout, &plan.params, opener)
         } else {
-            super::in_file(config_path, e)
+            in_file(config_path, e)
         }
     })?;
     if let Some(s) = &cfg.service {
@@ -95,7 +96,7 @@ pub fn run_for_namespace(
     // Every engine's row is one slot: the whole row is stored.
     let service = start_from_config(cfg, slot_bytes, None, digest).map_err(|e| {
         if e.kind() != ErrorKind::IncompatibleLayout {
-            return super::in_file(config_path, e);
+            return in_file(config_path, e);
         }
         // `kvtier tier format` makes vLLM's and kvtier's namespaces, not this one.
         let mut out = Error::new(
@@ -112,7 +113,7 @@ pub fn run_for_namespace(
                 out = out.with(key, v.to_string());
             }
         }
-        super::in_file(config_path, out)
+        in_file(config_path, out)
     })?;
     if let Some(s) = &cfg.service {
         crate::output::errln!(

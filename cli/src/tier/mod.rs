@@ -13,7 +13,8 @@ use crate::output::{
     Table, display_paths, errln, out, outln, print_json, progress_bar, stdout_error,
 };
 use crate::size::{format_size, parse_size};
-use kvtier::canonical::{NamespaceParams, engine_pool_namespace, namespace_digest};
+use kvtier::canonical::NamespaceParams;
+use kvtier::embed::PoolOpener;
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::g3::CHECKPOINT_FILE_NAME;
 use kvtier::g3::SLAB_FILE_NAME;
@@ -133,14 +134,15 @@ pub struct FormatArgs {
     pub json: bool,
 }
 
-/// `kvtier tier format --for`: who opens the tier (its namespace digest).
+/// `kvtier tier format --for`: who opens the tier (its namespace digest), as the flag spells
+/// the library's [`PoolOpener`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FormatFor {
     /// vLLM engines (with the entry's `layout` key) and the node service:
-    /// [`engine_pool_namespace`].
+    /// [`PoolOpener::VllmEngines`].
     Vllm,
-    /// kvtier's in-process tiers: the descriptor namespace [`namespace_digest`].
+    /// kvtier's in-process tiers: [`PoolOpener::InProcess`].
     InProcess,
 }
 
@@ -153,15 +155,19 @@ impl FormatFor {
         }
     }
 
-    /// The namespace digest of a tier formatted for this opener, for `layout` with `params`.
-    pub fn namespace(
-        self,
-        layout: &kvtier::canonical::LayoutDescriptor,
-        params: &NamespaceParams,
-    ) -> Result<[u8; 32]> {
+    /// The opener this `--for` value names.
+    pub fn opener(self) -> PoolOpener {
         match self {
-            FormatFor::Vllm => engine_pool_namespace(layout, params),
-            FormatFor::InProcess => Ok(namespace_digest(layout, params)),
+            FormatFor::Vllm => PoolOpener::VllmEngines,
+            FormatFor::InProcess => PoolOpener::InProcess,
+        }
+    }
+
+    /// The `--for` value that names `opener`.
+    pub fn of(opener: PoolOpener) -> Self {
+        match opener {
+            PoolOpener::VllmEngines => FormatFor::Vllm,
+            PoolOpener::InProcess => FormatFor::InProcess,
         }
     }
 
@@ -277,7 +283,7 @@ fn format(a: FormatArgs) -> Result<ExitCode> {
             // Slots of what the tier will store: the canonical area or the whole row.
             row_stride: params.slot_bytes,
             capacity_bytes: a.capacity,
-            namespace: a.for_.namespace(&layout, &params)?,
+            namespace: a.for_.opener().namespace(&layout, &params)?,
             direct_io: a.direct_io,
             new_filesystem: a.new_filesystem,
         },
