@@ -35,18 +35,15 @@ use parking_lot::{Condvar, Mutex};
 
 use kvtier::error::{Error, ErrorKind, Result};
 
+mod answer;
 mod head;
+
+use answer::{ALLOWED_METHODS, Answer};
 
 use head::{Head, Request, parse_request, read_head};
 
 /// Default metrics address: loopback only (never all interfaces unless asked).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
-
-/// Prometheus text exposition content type.
-const METRICS_CONTENT_TYPE: &str = kvtier::metrics::CONTENT_TYPE;
-
-/// The methods every path answers.
-const ALLOWED_METHODS: &str = "GET, HEAD";
 
 /// Produces the `/metrics` body; an error becomes a 500 answer.
 pub type RenderMetrics = Arc<dyn Fn() -> Result<String> + Send + Sync>;
@@ -402,62 +399,6 @@ fn linger(stream: &mut TcpStream) {
             Ok(0) | Err(_) => return,
             Ok(n) => left = left.saturating_sub(n),
         }
-    }
-}
-
-/// One answer: status line, content type, body, and the headers some answers add.
-#[derive(Debug)]
-struct Answer {
-    status: &'static str,
-    content_type: &'static str,
-    body: String,
-    /// `Allow: GET, HEAD` (a 405).
-    allow: bool,
-    /// `Retry-After: 1` (a 503 for too many connections).
-    retry_after: bool,
-    /// A HEAD request: the headers of the GET answer, no body.
-    head_only: bool,
-}
-
-impl Answer {
-    fn text(status: &'static str, body: impl Into<String>) -> Self {
-        Answer {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            body: body.into(),
-            allow: false,
-            retry_after: false,
-            head_only: false,
-        }
-    }
-
-    fn metrics(body: String) -> Self {
-        Answer {
-            content_type: METRICS_CONTENT_TYPE,
-            ..Answer::text("200 OK", body)
-        }
-    }
-
-    /// The status line, headers and (unless `head_only`) the body.
-    fn to_bytes(&self) -> Vec<u8> {
-        let mut head = format!(
-            "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-            self.status,
-            self.content_type,
-            self.body.len()
-        );
-        if self.allow {
-            head.push_str(&format!("Allow: {ALLOWED_METHODS}\r\n"));
-        }
-        if self.retry_after {
-            head.push_str("Retry-After: 1\r\n");
-        }
-        head.push_str("\r\n");
-        let mut bytes = head.into_bytes();
-        if !self.head_only {
-            bytes.extend_from_slice(self.body.as_bytes());
-        }
-        bytes
     }
 }
 

@@ -6,7 +6,7 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::time::Instant;
 
-use super::Answer;
+use super::answer::Answer;
 
 /// How reading a request head ended.
 #[derive(Debug, PartialEq)]
