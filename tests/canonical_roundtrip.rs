@@ -12,7 +12,7 @@ use canonical_support::{
     all_layouts, encode_local_chunk, g3_transfer, open_g3, open_g3_slots, reduced,
 };
 use kvtier::canonical::digest::{NamespaceParams, check_namespace, namespace_digest};
-use kvtier::canonical::gather::direct_row_range;
+use kvtier::canonical::gather::rank_page_range;
 use kvtier::canonical::{
     KvLayout, KvSplit, LayoutDescriptor, ParallelConfig, PreparedCanonical, prepare_canonical,
 };
@@ -255,7 +255,7 @@ fn direct_path_loads_only_under_the_same_topology() {
                 let row = unsafe { region.row_mut(0).unwrap() };
                 row.fill(SENTINEL);
                 for rank in 0..tp {
-                    let r = direct_row_range(page, slot(rank));
+                    let r = rank_page_range(page, slot(rank));
                     let local = encode_local_chunk(&d, tp, rank, 7, bpc);
                     row[r.start as usize..r.end as usize].copy_from_slice(&local);
                 }
@@ -272,7 +272,7 @@ fn direct_path_loads_only_under_the_same_topology() {
             // SAFETY: as above; the load has completed.
             let row = unsafe { region.row(1).unwrap() };
             for rank in 0..tp {
-                let r = direct_row_range(page, slot(rank));
+                let r = rank_page_range(page, slot(rank));
                 let expected = encode_local_chunk(&d, tp, rank, 7, bpc);
                 assert!(
                     row[r.start as usize..r.end as usize] == expected[..],

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use crate::args::name_flag;
 use crate::layout_vllm;
 use crate::output::{outln, print_json};
-use kvtier::canonical::direct_row_range;
+use kvtier::canonical::rank_page_range;
 use kvtier::canonical::static_portability_claim;
 use kvtier::canonical::{self as digest, NamespaceParams, VllmDigestFields};
 use kvtier::canonical::{
@@ -154,10 +154,11 @@ pub fn show_json(desc: &LayoutDescriptor, args: &ShowArgs) -> Result<Value> {
         "canonical_bytes_per_block": desc.canonical_bytes_per_block(),
         "rank_chunk_bytes": rank_bytes,
         "row_area_bytes": plan_bytes,
+        // The JSON key keeps its name: `kvtier layout show --json` output is unchanged.
         "direct_row_range": (!args.canonical).then(|| {
             // A replicated layout keeps one copy at the row start, written alike by every rank.
             let slot = if params.replicated_layout { 0 } else { args.rank };
-            let r = direct_row_range(rank_bytes, slot);
+            let r = rank_page_range(rank_bytes, slot);
             [r.start, r.end]
         }),
         "page_encoding": {

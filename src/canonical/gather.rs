@@ -371,9 +371,9 @@ pub fn scatter(plan: &RowPlan, row: &[u8], local: &mut [u8]) -> Result<u64> {
     plan.scatter(row, local)
 }
 
-/// The direct (non-canonical) layout: rank `rank`'s worker page sits whole at
+/// The per-rank (non-canonical) layout: rank `rank`'s worker page sits whole at
 /// `rank * local_chunk_bytes` in the row. Returns that byte range.
-pub fn direct_row_range(local_chunk_bytes: u64, rank: u32) -> std::ops::Range<u64> {
+pub fn rank_page_range(local_chunk_bytes: u64, rank: u32) -> std::ops::Range<u64> {
     let start = u64::from(rank) * local_chunk_bytes;
     start..start + local_chunk_bytes
 }

@@ -39,7 +39,7 @@ pub use digest::{
     NamespaceParams, VllmDigestFields, VllmSpecFields, engine_pool_namespace, namespace_digest,
     namespace_hex, vllm_digest,
 };
-pub use gather::{ByteCopy, Direction, RowPlan, direct_row_range, gather, scatter};
+pub use gather::{ByteCopy, Direction, RowPlan, gather, rank_page_range, scatter};
 pub use mapping::{
     CanonicalPageMapping, CopyRun, LayerMapping, MappingKind, ParallelConfig, canonical_page_ids,
     derive_all_ranks, derive_mappings, derive_mappings_for,
