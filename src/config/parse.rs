@@ -150,6 +150,69 @@ fn resolve_extra(
     outer_engine_id: Option<String>,
     notes: &mut Vec<String>,
 ) -> Result<KvtierConfig> {
+    check_extra_keys(obj, prefix)?;
+    let path = |k: &str| join(prefix, k);
+    let cpu_bytes_to_use = match obj.get("cpu_bytes_to_use") {
+        None => {
+            return Err(fields::missing(
+                &path("cpu_bytes_to_use"),
+                CPU_BYTES_EXPECTED,
+            ));
+        }
+        Some(v) => byte_count(&path("cpu_bytes_to_use"), v)?,
+    };
+    let chunk = chunk_sizing(obj, prefix)?;
+    let eviction_policy = match obj.get("eviction_policy") {
+        None => EvictionPolicyKind::Lru,
+        Some(v) => eviction_policy(&path("eviction_policy"), v)?,
+    };
+    let store_threshold = match obj.get("store_threshold") {
+        None => 0,
+        Some(v) => {
+            let p = path("store_threshold");
+            let n = fields::integer(&p, v, "0 or 1")?;
+            // The range is KvtierConfig::validate's; a value beyond u32 breaks the same rule.
+            u32::try_from(n).map_err(|_| store_threshold_error(&p, n))?
+        }
+    };
+    let canonical_layout = match obj.get("canonical_layout") {
+        None => false,
+        Some(v) => fields::boolean(&path("canonical_layout"), v)?,
+    };
+    let engine_id = merged_engine_id(obj, prefix, outer_engine_id)?;
+    let secondary_tiers = secondary_tiers(obj, prefix, notes)?;
+    check_spec(obj, prefix, &secondary_tiers)?;
+    let ignored: Vec<&str> = VLLM_OWNED_KEYS
+        .iter()
+        .copied()
+        .filter(|k| obj.contains_key(*k))
+        .collect();
+    if !ignored.is_empty() {
+        notes.push(format!(
+            "keys read by vLLM, not by kvtier (type-checked, otherwise ignored): {}",
+            ignored.join(", ")
+        ));
+    }
+    let service = match obj.get("service") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(service(&path("service"), v)?),
+    };
+    let config = KvtierConfig {
+        cpu_bytes_to_use,
+        chunk,
+        eviction_policy,
+        store_threshold,
+        canonical_layout,
+        engine_id,
+        secondary_tiers,
+        service,
+    };
+    config.validate_at(prefix)?;
+    Ok(config)
+}
+
+/// Refuses a key that neither kvtier nor vLLM reads, and type-checks vLLM's own keys.
+fn check_extra_keys(obj: &Map<String, Value>, prefix: &str) -> Result<()> {
     let valid: Vec<&str> = KVTIER_KEYS
         .iter()
         .chain(&VLLM_OWNED_KEYS)
@@ -163,18 +226,14 @@ fn resolve_extra(
             check_vllm_key(&join(prefix, k), k, v)?;
         }
     }
-    let path = |k: &str| join(prefix, k);
+    Ok(())
+}
 
-    let cpu_bytes_to_use = match obj.get("cpu_bytes_to_use") {
-        None => {
-            return Err(fields::missing(
-                &path("cpu_bytes_to_use"),
-                CPU_BYTES_EXPECTED,
-            ));
-        }
-        Some(v) => byte_count(&path("cpu_bytes_to_use"), v)?,
-    };
-    let chunk = match (obj.get("block_size"), obj.get("blocks_per_chunk")) {
+/// `block_size` (tokens) or `blocks_per_chunk` (GPU blocks), never both; one GPU block per
+/// chunk when neither is set.
+fn chunk_sizing(obj: &Map<String, Value>, prefix: &str) -> Result<ChunkSizing> {
+    let path = |k: &str| join(prefix, k);
+    Ok(match (obj.get("block_size"), obj.get("blocks_per_chunk")) {
         (Some(_), Some(_)) => {
             return Err(Error::config(
                 path("block_size"),
@@ -194,46 +253,45 @@ fn resolve_extra(
             "a positive integer (GPU blocks per chunk)",
         )?),
         (None, None) => ChunkSizing::BlocksPerChunk(1),
-    };
-    let eviction_policy = match obj.get("eviction_policy") {
-        None => EvictionPolicyKind::Lru,
-        Some(v) => eviction_policy(&path("eviction_policy"), v)?,
-    };
-    let store_threshold = match obj.get("store_threshold") {
-        None => 0,
-        Some(v) => {
-            let p = path("store_threshold");
-            let n = fields::integer(&p, v, "0 or 1")?;
-            // The range is KvtierConfig::validate's; a value beyond u32 breaks the same rule.
-            u32::try_from(n).map_err(|_| store_threshold_error(&p, n))?
-        }
-    };
-    let canonical_layout = match obj.get("canonical_layout") {
-        None => false,
-        Some(v) => fields::boolean(&path("canonical_layout"), v)?,
-    };
+    })
+}
+
+/// The `engine_id`: this object's, or the enclosing `kv_transfer_config`'s; both set must
+/// agree.
+fn merged_engine_id(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    outer_engine_id: Option<String>,
+) -> Result<Option<String>> {
+    let path = join(prefix, "engine_id");
     let inner_engine_id = match obj.get("engine_id") {
         None => None,
-        Some(v) => Some(engine_id(&path("engine_id"), v)?),
+        Some(v) => Some(engine_id(&path, v)?),
     };
-    let engine_id = match (inner_engine_id, outer_engine_id) {
-        (Some(a), Some(b)) if a != b => {
-            return Err(Error::config(
-                path("engine_id"),
-                "differs from the engine_id of the enclosing kv_transfer_config",
-            )
-            .with("found", a)
-            .with("expected", b));
-        }
-        (a, b) => a.or(b),
-    };
+    match (inner_engine_id, outer_engine_id) {
+        (Some(a), Some(b)) if a != b => Err(Error::config(
+            path,
+            "differs from the engine_id of the enclosing kv_transfer_config",
+        )
+        .with("found", a)
+        .with("expected", b)),
+        (a, b) => Ok(a.or(b)),
+    }
+}
 
+/// The `secondary_tiers`, each merged with the top-level `backpressure` dict; notes when
+/// that dict is empty and so configures nothing.
+fn secondary_tiers(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    notes: &mut Vec<String>,
+) -> Result<Vec<TierConfig>> {
     // vLLM merges only a truthy top-level dict: `null` contributes nothing.
     let top_bp = match obj.get("backpressure") {
         None | Some(Value::Null) => None,
-        Some(v) => Some(Overlay::parse(&path("backpressure"), v)?),
+        Some(v) => Some(Overlay::parse(&join(prefix, "backpressure"), v)?),
     };
-    let tiers_path = path("secondary_tiers");
+    let tiers_path = join(prefix, "secondary_tiers");
     let tier_values: &[Value] = match obj.get("secondary_tiers") {
         None => &[],
         Some(Value::Array(a)) => a,
@@ -249,7 +307,6 @@ fn resolve_extra(
     for (i, v) in tier_values.iter().enumerate() {
         secondary_tiers.push(resolve_tier(i, v, &tiers_path, top_bp.as_ref())?);
     }
-
     if let Some(top) = &top_bp
         && top.is_empty()
         && secondary_tiers.iter().any(|t| t.backpressure.is_none())
@@ -257,50 +314,31 @@ fn resolve_extra(
         notes.push(format!(
             "{}: an empty top-level dict configures no tier (vLLM merges only non-empty dicts); \
              tiers without their own backpressure key have no detector",
-            path("backpressure")
+            join(prefix, "backpressure")
         ));
     }
+    Ok(secondary_tiers)
+}
+
+/// Refuses `secondary_tiers` under a vLLM spec other than the tiering one (it ignores them).
+fn check_spec(
+    obj: &Map<String, Value>,
+    prefix: &str,
+    secondary_tiers: &[TierConfig],
+) -> Result<()> {
     if let Some(Value::String(spec)) = obj.get("spec_name")
         && spec != SPEC_TIERING
         && obj.get("spec_module_path").is_none()
         && !secondary_tiers.is_empty()
     {
         return Err(Error::config(
-            path("spec_name"),
+            join(prefix, "spec_name"),
             "secondary_tiers need vLLM's TieringOffloadingSpec; this spec ignores them",
         )
         .with("expected", SPEC_TIERING)
         .with("found", spec.as_str()));
     }
-    let ignored: Vec<&str> = VLLM_OWNED_KEYS
-        .iter()
-        .copied()
-        .filter(|k| obj.contains_key(*k))
-        .collect();
-    if !ignored.is_empty() {
-        notes.push(format!(
-            "keys read by vLLM, not by kvtier (type-checked, otherwise ignored): {}",
-            ignored.join(", ")
-        ));
-    }
-
-    let service = match obj.get("service") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(service(&path("service"), v)?),
-    };
-
-    let config = KvtierConfig {
-        cpu_bytes_to_use,
-        chunk,
-        eviction_policy,
-        store_threshold,
-        canonical_layout,
-        engine_id,
-        secondary_tiers,
-        service,
-    };
-    config.validate_at(prefix)?;
-    Ok(config)
+    Ok(())
 }
 
 /// The `service` object: a socket path, an octal mode string or integer, a list of uids.

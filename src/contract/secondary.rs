@@ -3,6 +3,8 @@
 //! [`SecondaryTier::drain_jobs`] and [`SecondaryTier::shutdown`] must return in microseconds:
 //! validate, enqueue to the tier's own I/O threads, return.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
     TransferJob,
@@ -35,7 +37,33 @@ pub struct TierMetric {
     pub value: f64,
 }
 
+/// One row of a tier's table of metrics: name, help text, kind and value (see
+/// [`TierMetric::rows`]).
+pub type MetricRow = (&'static str, &'static str, TierMetricKind, f64);
+
+/// The value of a counter or gauge a tier's threads keep in an atomic (read relaxed).
+pub fn sampled(a: &AtomicU64) -> f64 {
+    a.load(Ordering::Relaxed) as f64
+}
+
+/// The value of a flag a tier's threads keep in an atomic: 1 when set, else 0.
+pub fn sampled_flag(a: &AtomicBool) -> f64 {
+    f64::from(u8::from(a.load(Ordering::Relaxed)))
+}
+
 impl TierMetric {
+    /// Samples without labels, one per row of `rows`, in order.
+    pub fn rows(rows: impl IntoIterator<Item = MetricRow>) -> impl Iterator<Item = TierMetric> {
+        rows.into_iter()
+            .map(|(name, help, kind, value)| TierMetric::new(name, help, kind, value))
+    }
+
+    /// This sample with the label `name` = `value` added after its others.
+    pub fn with_label(mut self, name: &'static str, value: String) -> Self {
+        self.labels.push((name, value));
+        self
+    }
+
     /// A sample without labels.
     pub fn new(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> Self {
         TierMetric {

@@ -1,11 +1,15 @@
 //! The `fs` tier's own metrics: atomics updated by its threads, sampled by
 //! [`crate::contract::secondary::SecondaryTier::metrics`]. Labels come from small fixed sets.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 
 use parking_lot::Mutex;
 
-use crate::contract::secondary::{TierMetric, TierMetricKind};
+use crate::contract::secondary::{
+    MetricRow, TierMetric,
+    TierMetricKind::{Counter, Gauge},
+    sampled, sampled_flag,
+};
 
 /// Counters and gauges of one `fs` tier.
 #[derive(Debug, Default)]
@@ -88,207 +92,236 @@ pub struct FsMetrics {
     pub failed: Mutex<Option<String>>,
 }
 
-fn get(a: &AtomicU64) -> f64 {
-    a.load(Ordering::Relaxed) as f64
-}
-
-fn flag(a: &AtomicBool) -> f64 {
-    f64::from(u8::from(a.load(Ordering::Relaxed)))
-}
-
 impl FsMetrics {
     /// Samples every metric.
     pub fn sample(&self, capacity: u64) -> Vec<TierMetric> {
-        use TierMetricKind::{Counter, Gauge};
-        let counters: [(&'static str, &'static str, &AtomicU64); 22] = [
-            (
-                "fs_jobs_rejected",
-                "Jobs refused because the queue was full",
-                &self.jobs_rejected,
-            ),
-            (
-                "fs_jobs_cancelled",
-                "Queued jobs cancelled by a drain",
-                &self.jobs_cancelled,
-            ),
-            (
-                "fs_files_stored",
-                "Chunk files this process published",
-                &self.files_stored,
-            ),
-            (
-                "fs_store_races",
-                "Stores that found the file published by another writer meanwhile",
-                &self.store_races,
-            ),
-            (
-                "fs_stores_skipped",
-                "Store keys skipped because the file was already there",
-                &self.stores_skipped,
-            ),
-            (
-                "fs_files_loaded_verified",
-                "Chunk files loaded whose CRC32 record matched",
-                &self.files_loaded_verified,
-            ),
-            (
-                "fs_files_loaded_unverified",
-                "Chunk files loaded without a CRC32 record (written by vLLM or with integrity = none)",
-                &self.files_loaded_unverified,
-            ),
-            (
-                "fs_checksum_failures",
-                "Loads whose bytes failed their CRC32",
-                &self.checksum_failures,
-            ),
-            (
-                "fs_corrupt_files",
-                "Loads of a file of the wrong size or with an unreadable CRC record",
-                &self.corrupt_files,
-            ),
-            (
-                "fs_missing_files",
-                "Loads of a file that was gone (removed by another host)",
-                &self.missing_files,
-            ),
-            (
-                "fs_key_failures",
-                "Keys whose store or load failed",
-                &self.key_failures,
-            ),
-            (
-                "fs_io_errors",
-                "Failed file operations (open, transfer, xattr, rename, sync)",
-                &self.io_errors,
-            ),
-            (
-                "fs_bytes_written",
-                "Bytes written to chunk files",
-                &self.bytes_written,
-            ),
-            (
-                "fs_bytes_read",
-                "Bytes read from chunk files",
-                &self.bytes_read,
-            ),
-            (
-                "fs_evictions",
-                "Chunk files removed to stay within capacity_bytes",
-                &self.evictions,
-            ),
-            (
-                "fs_eviction_failures",
-                "Evictions whose unlink failed",
-                &self.eviction_failures,
-            ),
-            (
-                "fs_lookup_catalog_hits",
-                "Lookups answered HIT from the files this process knows",
-                &self.lookup_catalog_hits,
-            ),
-            (
-                "fs_lookup_probes",
-                "Existence checks run in the background for lookups",
-                &self.lookup_probes,
-            ),
-            (
-                "fs_lookup_retries",
-                "Lookups answered RETRY while their existence check ran",
-                &self.lookup_retries,
-            ),
-            (
-                "fs_lookup_overflows",
-                "Lookups answered MISS because the verdict cache was full of unresolved checks",
-                &self.lookup_overflows,
-            ),
-            (
-                "fs_lookup_timeouts",
-                "Lookups answered MISS because their check took longer than lookup_timeout_ms",
-                &self.lookup_timeouts,
-            ),
-            (
-                "fs_stale_temps_removed",
-                "Leftover temporary files removed by the start-up scan",
-                &self.stale_temps_removed,
-            ),
-        ];
-        let gauges: [(&'static str, &'static str, f64); 10] = [
-            (
-                "fs_bytes_in_flight",
-                "Bytes of chunk transfers admitted and not finished",
-                get(&self.bytes_in_flight),
-            ),
-            (
-                "fs_queued_jobs",
-                "Jobs waiting to start",
-                get(&self.queued_jobs),
-            ),
-            (
-                "fs_active_jobs",
-                "Jobs started and not finished",
-                get(&self.active_jobs),
-            ),
-            (
-                "fs_known_files",
-                "Chunk files this process knows under the tier's folder",
-                get(&self.known_files),
-            ),
-            (
-                "fs_known_bytes",
-                "Bytes of the chunk files this process knows",
-                get(&self.known_bytes),
-            ),
-            (
-                "fs_capacity_bytes",
-                "capacity_bytes: known bytes above it are evicted",
-                capacity as f64,
-            ),
-            (
-                "fs_lookup_cache_entries",
-                "Lookup verdicts cached",
-                get(&self.lookup_cache_entries),
-            ),
-            (
-                "fs_scanned_files",
-                "Chunk files found by the start-up scan",
-                get(&self.scanned_files),
-            ),
-            (
-                "fs_scan_done",
-                "1 once the start-up scan of the tier's folder has finished",
-                flag(&self.scan_done),
-            ),
-            (
-                "fs_direct_io",
-                "1 when chunk files use O_DIRECT, 0 when the tier fell back to buffered I/O",
-                flag(&self.direct_io),
-            ),
-        ];
-        let mut out: Vec<TierMetric> = counters
-            .into_iter()
-            .map(|(n, h, a)| TierMetric::new(n, h, Counter, get(a)))
-            .chain(
-                gauges
-                    .into_iter()
-                    .map(|(n, h, v)| TierMetric::new(n, h, Gauge, v)),
-            )
+        let mut out: Vec<TierMetric> = TierMetric::rows(self.transfer_counters())
+            .chain(TierMetric::rows(self.eviction_and_lookup_counters()))
+            .chain(TierMetric::rows(self.gauges(capacity)))
             .collect();
         out.push(TierMetric::new(
             "fs_crc_records_written",
             "1 when kvtier writes a CRC32 record with each file (integrity = xattr), 0 when not",
             Gauge,
-            flag(&self.writes_records),
+            sampled_flag(&self.writes_records),
         ));
-        let mut engine = TierMetric::engine_info(
+        let engine = TierMetric::engine_info(
             "fs_engine_info",
             "The I/O engine and publish method in use (value 1)",
             self.engine.lock().clone(),
             self.engine_fallback.lock().is_some(),
         );
-        engine
-            .labels
-            .push(("publish", self.publish_mode.lock().to_string()));
-        out.push(engine);
+        out.push(engine.with_label("publish", self.publish_mode.lock().to_string()));
         out
+    }
+
+    /// The counters of jobs and of the files and bytes they stored and loaded.
+    fn transfer_counters(&self) -> [MetricRow; 14] {
+        [
+            (
+                "fs_jobs_rejected",
+                "Jobs refused because the queue was full",
+                Counter,
+                sampled(&self.jobs_rejected),
+            ),
+            (
+                "fs_jobs_cancelled",
+                "Queued jobs cancelled by a drain",
+                Counter,
+                sampled(&self.jobs_cancelled),
+            ),
+            (
+                "fs_files_stored",
+                "Chunk files this process published",
+                Counter,
+                sampled(&self.files_stored),
+            ),
+            (
+                "fs_store_races",
+                "Stores that found the file published by another writer meanwhile",
+                Counter,
+                sampled(&self.store_races),
+            ),
+            (
+                "fs_stores_skipped",
+                "Store keys skipped because the file was already there",
+                Counter,
+                sampled(&self.stores_skipped),
+            ),
+            (
+                "fs_files_loaded_verified",
+                "Chunk files loaded whose CRC32 record matched",
+                Counter,
+                sampled(&self.files_loaded_verified),
+            ),
+            (
+                "fs_files_loaded_unverified",
+                "Chunk files loaded without a CRC32 record (written by vLLM or with integrity = none)",
+                Counter,
+                sampled(&self.files_loaded_unverified),
+            ),
+            (
+                "fs_checksum_failures",
+                "Loads whose bytes failed their CRC32",
+                Counter,
+                sampled(&self.checksum_failures),
+            ),
+            (
+                "fs_corrupt_files",
+                "Loads of a file of the wrong size or with an unreadable CRC record",
+                Counter,
+                sampled(&self.corrupt_files),
+            ),
+            (
+                "fs_missing_files",
+                "Loads of a file that was gone (removed by another host)",
+                Counter,
+                sampled(&self.missing_files),
+            ),
+            (
+                "fs_key_failures",
+                "Keys whose store or load failed",
+                Counter,
+                sampled(&self.key_failures),
+            ),
+            (
+                "fs_io_errors",
+                "Failed file operations (open, transfer, xattr, rename, sync)",
+                Counter,
+                sampled(&self.io_errors),
+            ),
+            (
+                "fs_bytes_written",
+                "Bytes written to chunk files",
+                Counter,
+                sampled(&self.bytes_written),
+            ),
+            (
+                "fs_bytes_read",
+                "Bytes read from chunk files",
+                Counter,
+                sampled(&self.bytes_read),
+            ),
+        ]
+    }
+
+    /// The counters of evictions, lookups and the start-up scan.
+    fn eviction_and_lookup_counters(&self) -> [MetricRow; 8] {
+        [
+            (
+                "fs_evictions",
+                "Chunk files removed to stay within capacity_bytes",
+                Counter,
+                sampled(&self.evictions),
+            ),
+            (
+                "fs_eviction_failures",
+                "Evictions whose unlink failed",
+                Counter,
+                sampled(&self.eviction_failures),
+            ),
+            (
+                "fs_lookup_catalog_hits",
+                "Lookups answered HIT from the files this process knows",
+                Counter,
+                sampled(&self.lookup_catalog_hits),
+            ),
+            (
+                "fs_lookup_probes",
+                "Existence checks run in the background for lookups",
+                Counter,
+                sampled(&self.lookup_probes),
+            ),
+            (
+                "fs_lookup_retries",
+                "Lookups answered RETRY while their existence check ran",
+                Counter,
+                sampled(&self.lookup_retries),
+            ),
+            (
+                "fs_lookup_overflows",
+                "Lookups answered MISS because the verdict cache was full of unresolved checks",
+                Counter,
+                sampled(&self.lookup_overflows),
+            ),
+            (
+                "fs_lookup_timeouts",
+                "Lookups answered MISS because their check took longer than lookup_timeout_ms",
+                Counter,
+                sampled(&self.lookup_timeouts),
+            ),
+            (
+                "fs_stale_temps_removed",
+                "Leftover temporary files removed by the start-up scan",
+                Counter,
+                sampled(&self.stale_temps_removed),
+            ),
+        ]
+    }
+
+    /// The gauges.
+    fn gauges(&self, capacity: u64) -> [MetricRow; 10] {
+        [
+            (
+                "fs_bytes_in_flight",
+                "Bytes of chunk transfers admitted and not finished",
+                Gauge,
+                sampled(&self.bytes_in_flight),
+            ),
+            (
+                "fs_queued_jobs",
+                "Jobs waiting to start",
+                Gauge,
+                sampled(&self.queued_jobs),
+            ),
+            (
+                "fs_active_jobs",
+                "Jobs started and not finished",
+                Gauge,
+                sampled(&self.active_jobs),
+            ),
+            (
+                "fs_known_files",
+                "Chunk files this process knows under the tier's folder",
+                Gauge,
+                sampled(&self.known_files),
+            ),
+            (
+                "fs_known_bytes",
+                "Bytes of the chunk files this process knows",
+                Gauge,
+                sampled(&self.known_bytes),
+            ),
+            (
+                "fs_capacity_bytes",
+                "capacity_bytes: known bytes above it are evicted",
+                Gauge,
+                capacity as f64,
+            ),
+            (
+                "fs_lookup_cache_entries",
+                "Lookup verdicts cached",
+                Gauge,
+                sampled(&self.lookup_cache_entries),
+            ),
+            (
+                "fs_scanned_files",
+                "Chunk files found by the start-up scan",
+                Gauge,
+                sampled(&self.scanned_files),
+            ),
+            (
+                "fs_scan_done",
+                "1 once the start-up scan of the tier's folder has finished",
+                Gauge,
+                sampled_flag(&self.scan_done),
+            ),
+            (
+                "fs_direct_io",
+                "1 when chunk files use O_DIRECT, 0 when the tier fell back to buffered I/O",
+                Gauge,
+                sampled_flag(&self.direct_io),
+            ),
+        ]
     }
 }

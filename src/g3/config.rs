@@ -16,6 +16,12 @@ use crate::io::{IdlePolicy, IoEngineKind};
 use crate::region::AdoptHugePages;
 use crate::size::{count, format_size_human};
 
+mod params;
+
+#[cfg(any(test, feature = "test-support"))]
+pub use params::{KNOWN_KEYS, parse_size};
+use params::{Params, bad_choice};
+
 /// Default cap on bytes moving between the primary and the slabs at once (unless a row is
 /// larger: [`crate::config::in_flight`]).
 #[cfg(any(test, feature = "test-support"))]
@@ -235,171 +241,95 @@ impl G3TierConfig {
     /// Parses and validates the tier's `params`. Unknown keys are errors naming
     /// `secondary_tiers[i].<key>` with the closest known key.
     pub fn from_tier(tc: &TierConfig) -> Result<Self> {
-        let prefix = tc.key_path();
-        let kp = |k: &str| format!("{prefix}.{k}");
-        for key in tc.params.keys() {
-            if !KNOWN_KEYS.contains(&key.as_str()) {
-                let mut e = Error::config(kp(key), "unknown key for a tier of type nvme");
-                if let Some(s) = closest_key(key) {
-                    e = e.with("did_you_mean", s);
-                }
-                return Err(e.with("known_keys", KNOWN_KEYS.join(", ")));
-            }
-        }
-        let paths = match tc.params.get("paths") {
-            None => {
-                return Err(Error::config(
-                    kp("paths"),
-                    "required (one or more directories)",
-                ));
-            }
-            Some(Value::String(s)) => vec![PathBuf::from(s)],
-            Some(Value::Array(a)) => a
-                .iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Value::String(s) => Ok(PathBuf::from(s)),
-                    other => Err(Error::config(
-                        format!("{prefix}.paths[{i}]"),
-                        format!("expected a directory path string, found {other}"),
-                    )),
-                })
-                .collect::<Result<Vec<_>>>()?,
-            Some(other) => {
-                return Err(Error::config(
-                    kp("paths"),
-                    format!("expected a list of directories, found {other}"),
-                ));
-            }
+        let p = Params {
+            map: &tc.params,
+            prefix: tc.key_path(),
         };
-        let capacity_bytes = match tc.params.get("capacity_bytes") {
-            None => None,
-            Some(v) => Some(size_value(v, &kp("capacity_bytes"))?),
-        };
+        p.check_known_keys()?;
+        let paths = p.paths()?;
+        let capacity_bytes = p.size("capacity_bytes")?;
         let mut cfg = G3TierConfig::new(paths, capacity_bytes.unwrap_or(0));
-        if let Some(v) = tc.params.get("max_bytes_in_flight") {
-            cfg.max_bytes_in_flight = Some(size_value(v, &kp("max_bytes_in_flight"))?);
+        if let Some(n) = p.size("max_bytes_in_flight")? {
+            cfg.max_bytes_in_flight = Some(n);
         }
-        if let Some(v) = tc.params.get("io_engine") {
-            cfg.io_engine = match str_value(v, &kp("io_engine"))? {
-                "auto" => IoEngineKind::Auto,
-                "uring" => IoEngineKind::Uring,
-                "psync" => IoEngineKind::Psync,
-                other => {
-                    return Err(bad_choice(
-                        &kp("io_engine"),
-                        other,
-                        &["auto", "uring", "psync"],
-                    ));
-                }
-            };
+        if let Some(e) = p.choice("io_engine", &IO_ENGINES)? {
+            cfg.io_engine = e;
         }
-        if let Some(v) = tc.params.get("direct_io") {
-            cfg.direct_io = match str_value(v, &kp("direct_io"))? {
-                "required" => DirectIoMode::Required,
-                "auto" => DirectIoMode::Auto,
-                other => return Err(bad_choice(&kp("direct_io"), other, &["required", "auto"])),
-            };
+        if let Some(m) = p.choice("direct_io", &DIRECT_IO_MODES)? {
+            cfg.direct_io = m;
         }
-        if let Some(v) = tc.params.get("fsync") {
-            cfg.fsync = match str_value(v, &kp("fsync"))? {
-                "always" => FsyncPolicy::Always,
-                "never" => FsyncPolicy::Never,
-                other => return Err(bad_choice(&kp("fsync"), other, &["always", "never"])),
-            };
+        if let Some(f) = p.choice("fsync", &FSYNC_POLICIES)? {
+            cfg.fsync = f;
         }
-        if let Some(v) = tc.params.get("checkpoint_journal_bytes") {
-            cfg.checkpoint_journal_bytes = size_value(v, &kp("checkpoint_journal_bytes"))?;
+        if let Some(n) = p.size("checkpoint_journal_bytes")? {
+            cfg.checkpoint_journal_bytes = n;
         }
         cfg.max_journal_bytes = default_max_journal_bytes(cfg.checkpoint_journal_bytes);
-        if let Some(v) = tc.params.get("max_journal_bytes") {
-            cfg.max_journal_bytes = size_value(v, &kp("max_journal_bytes"))?;
+        if let Some(n) = p.size("max_journal_bytes")? {
+            cfg.max_journal_bytes = n;
         }
-        if let Some(v) = tc.params.get("checkpoint_interval_s") {
+        if let Some(v) = p.map.get("checkpoint_interval_s") {
             let secs = v
                 .as_f64()
                 .filter(|s| (0.0..=MAX_CHECKPOINT_INTERVAL_S as f64).contains(s))
-                .ok_or_else(|| checkpoint_interval_error(&kp("checkpoint_interval_s"), v))?;
+                .ok_or_else(|| checkpoint_interval_error(&p.path("checkpoint_interval_s"), v))?;
             // In range, so the conversion cannot fail (nor overflow any later arithmetic).
             cfg.checkpoint_interval = (secs > 0.0)
                 .then(|| Duration::try_from_secs_f64(secs).ok())
                 .flatten();
         }
-        if let Some(v) = tc.params.get("max_queued_jobs") {
+        if let Some(v) = p.map.get("max_queued_jobs") {
             cfg.max_queued_jobs = v
                 .as_u64()
                 .and_then(|n| usize::try_from(n).ok())
-                .ok_or_else(|| queued_jobs_error(&kp("max_queued_jobs"), v))?;
+                .ok_or_else(|| queued_jobs_error(&p.path("max_queued_jobs"), v))?;
         }
-        if let Some(v) = tc.params.get("gds") {
-            cfg.gds = match str_value(v, &kp("gds"))? {
-                "off" => GdsMode::Off,
-                "auto" => GdsMode::Auto,
-                "required" => GdsMode::Required,
-                other => return Err(bad_choice(&kp("gds"), other, &["off", "auto", "required"])),
-            };
+        if let Some(g) = p.choice("gds", &GDS_MODES)? {
+            cfg.gds = g;
         }
-        if let Some(v) = tc.params.get("admission") {
-            let name = str_value(v, &kp("admission"))?;
+        if let Some(name) = p.str("admission")? {
             cfg.admission = AdmissionKind::parse(name)
-                .ok_or_else(|| bad_choice(&kp("admission"), name, &AdmissionKind::CHOICES))?;
+                .ok_or_else(|| bad_choice(&p.path("admission"), name, &AdmissionKind::CHOICES))?;
         }
-        if let Some(v) = tc.params.get("eviction_policy") {
-            let name = str_value(v, &kp("eviction_policy"))?;
+        if let Some(name) = p.str("eviction_policy")? {
             // Case-insensitive, as the primary's top-level `eviction_policy`.
             cfg.eviction_policy = match name.to_ascii_lowercase().as_str() {
                 "lru" => EvictionPolicyKind::Lru,
                 "arc" => EvictionPolicyKind::Arc,
-                _ => return Err(bad_choice(&kp("eviction_policy"), name, &["lru", "arc"])),
-            };
-        }
-        if let Some(v) = tc.params.get("region_huge_pages") {
-            cfg.region_huge_pages = match str_value(v, &kp("region_huge_pages"))? {
-                "auto" => AdoptHugePages::Auto,
-                "never" => AdoptHugePages::Never,
-                other => {
+                _ => {
                     return Err(bad_choice(
-                        &kp("region_huge_pages"),
-                        other,
-                        &["auto", "never"],
+                        &p.path("eviction_policy"),
+                        name,
+                        &["lru", "arc"],
                     ));
                 }
             };
         }
-        if let Some(v) = tc.params.get("on_wrong_filesystem") {
-            cfg.on_wrong_filesystem = match str_value(v, &kp("on_wrong_filesystem"))? {
-                "refuse" => WrongFilesystem::Refuse,
-                "degraded" => WrongFilesystem::Degraded,
-                other => {
-                    return Err(bad_choice(
-                        &kp("on_wrong_filesystem"),
-                        other,
-                        &["refuse", "degraded"],
-                    ));
-                }
-            };
+        if let Some(h) = p.choice("region_huge_pages", &REGION_HUGE_PAGES)? {
+            cfg.region_huge_pages = h;
         }
-        if let Some(v) = tc.params.get("layout") {
-            // Only vLLM's entry may carry it; the tier factory refuses it elsewhere.
-            cfg.layout = Some(str_value(v, &kp("layout"))?.to_string());
+        if let Some(w) = p.choice("on_wrong_filesystem", &WRONG_FILESYSTEM)? {
+            cfg.on_wrong_filesystem = w;
         }
-        if let Some(v) = tc.params.get("enable_kv_events") {
+        // Only vLLM's entry may carry `layout`; the tier factory refuses it elsewhere.
+        cfg.layout = p.str("layout")?.map(str::to_string);
+        if let Some(v) = p.map.get("enable_kv_events") {
             cfg.enable_kv_events = v.as_bool().ok_or_else(|| {
                 Error::config(
-                    kp("enable_kv_events"),
+                    p.path("enable_kv_events"),
                     format!("expected true or false, found {v}"),
                 )
             })?;
         }
-        if let Some(v) = tc.params.get("idle_poll_us") {
-            cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &kp("idle_poll_us"))?);
+        if let Some(v) = p.map.get("idle_poll_us") {
+            cfg.idle.poll_interval = Duration::from_micros(idle_value(v, &p.path("idle_poll_us"))?);
         }
-        if let Some(v) = tc.params.get("idle_linger_ms") {
-            cfg.idle.linger = Duration::from_millis(idle_value(v, &kp("idle_linger_ms"))?);
+        if let Some(v) = p.map.get("idle_linger_ms") {
+            cfg.idle.linger = Duration::from_millis(idle_value(v, &p.path("idle_linger_ms"))?);
         }
-        cfg.validate(&prefix, None)?;
+        cfg.validate(&p.prefix, None)?;
         if capacity_bytes.is_none() {
-            return Err(Error::config(kp("capacity_bytes"), "required"));
+            return Err(Error::config(p.path("capacity_bytes"), "required"));
         }
         Ok(cfg)
     }
@@ -546,69 +476,38 @@ fn idle_value(v: &Value, key_path: &str) -> Result<u64> {
     v.as_u64().ok_or_else(|| idle_error(key_path, v))
 }
 
-/// Every key a `type = "nvme"` tier accepts in its params (`module_path` is accepted and
-/// ignored, since vLLM's factory passes it along for out-of-tree tiers).
-pub const KNOWN_KEYS: &[&str] = &[
-    "paths",
-    "capacity_bytes",
-    "max_bytes_in_flight",
-    "io_engine",
-    "direct_io",
-    "fsync",
-    "checkpoint_journal_bytes",
-    "max_journal_bytes",
-    "checkpoint_interval_s",
-    "max_queued_jobs",
-    "idle_poll_us",
-    "idle_linger_ms",
-    "gds",
-    "region_huge_pages",
-    "admission",
-    "eviction_policy",
-    "module_path",
-    "layout",
-    "enable_kv_events",
-    "on_wrong_filesystem",
+/// The choices of `io_engine`, in the order errors list them.
+const IO_ENGINES: [(&str, IoEngineKind); 3] = [
+    ("auto", IoEngineKind::Auto),
+    ("uring", IoEngineKind::Uring),
+    ("psync", IoEngineKind::Psync),
 ];
-
-fn closest_key(key: &str) -> Option<&'static str> {
-    KNOWN_KEYS
-        .iter()
-        .map(|k| (strsim::jaro_winkler(key, k), *k))
-        .filter(|(score, _)| *score >= 0.75)
-        .max_by(|a, b| a.0.total_cmp(&b.0))
-        .map(|(_, k)| k)
-}
-
-fn bad_choice(key_path: &str, found: &str, allowed: &[&str]) -> Error {
-    Error::config(key_path, format!("unknown value {found:?}"))
-        .with("expected", allowed.join(" | "))
-        .with("found", found.to_string())
-}
-
-fn str_value<'a>(v: &'a Value, key_path: &str) -> Result<&'a str> {
-    v.as_str()
-        .ok_or_else(|| Error::config(key_path, format!("expected a string, found {v}")))
-}
-
-fn size_value(v: &Value, key_path: &str) -> Result<u64> {
-    match v {
-        Value::Number(n) => n.as_u64().ok_or_else(|| {
-            Error::config(key_path, format!("expected a byte count >= 0, found {n}"))
-        }),
-        Value::String(s) => parse_size(s).map_err(|why| Error::config(key_path, why)),
-        other => Err(Error::config(
-            key_path,
-            format!("expected a byte count (e.g. 68719476736 or \"64GiB\"), found {other}"),
-        )),
-    }
-}
-
-/// Parses a byte count with the crate's one size parser ([`crate::config::size::parse_size`]):
-/// an integer or a number with a unit (`64GiB`, `1.5 KiB`, `2MB`).
-pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    crate::config::size::parse_size(s).map_err(|e| e.to_string())
-}
+/// The choices of `direct_io`.
+const DIRECT_IO_MODES: [(&str, DirectIoMode); 2] = [
+    ("required", DirectIoMode::Required),
+    ("auto", DirectIoMode::Auto),
+];
+/// The choices of `fsync`.
+const FSYNC_POLICIES: [(&str, FsyncPolicy); 2] = [
+    ("always", FsyncPolicy::Always),
+    ("never", FsyncPolicy::Never),
+];
+/// The choices of `gds`.
+const GDS_MODES: [(&str, GdsMode); 3] = [
+    ("off", GdsMode::Off),
+    ("auto", GdsMode::Auto),
+    ("required", GdsMode::Required),
+];
+/// The choices of `region_huge_pages`.
+const REGION_HUGE_PAGES: [(&str, AdoptHugePages); 2] = [
+    ("auto", AdoptHugePages::Auto),
+    ("never", AdoptHugePages::Never),
+];
+/// The choices of `on_wrong_filesystem`.
+const WRONG_FILESYSTEM: [(&str, WrongFilesystem); 2] = [
+    ("refuse", WrongFilesystem::Refuse),
+    ("degraded", WrongFilesystem::Degraded),
+];
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use crate::contract::secondary::{MetricDescriptor, TierMetric, TierMetricKind};
+use crate::contract::secondary::{
+    MetricDescriptor, MetricRow, TierMetric,
+    TierMetricKind::{Counter, Gauge},
+    sampled, sampled_flag,
+};
 
 /// Per-path facts fixed at open, plus its health.
 #[derive(Debug)]
@@ -155,14 +159,6 @@ pub struct G3Metrics {
     pub admission: crate::g3::admission::AdmissionCounters,
 }
 
-fn get(a: &AtomicU64) -> f64 {
-    a.load(Ordering::Relaxed) as f64
-}
-
-fn m(name: &'static str, help: &'static str, kind: TierMetricKind, value: f64) -> TierMetric {
-    TierMetric::new(name, help, kind, value)
-}
-
 impl G3Metrics {
     /// Time since the last checkpoint was written, when one is known.
     pub fn checkpoint_age(&self) -> Option<std::time::Duration> {
@@ -201,279 +197,319 @@ impl G3Metrics {
 
     /// Samples every metric.
     pub fn sample(&self, paths: &[PathStatus]) -> Vec<TierMetric> {
-        use TierMetricKind::{Counter, Gauge};
-        let mut out = vec![
-            m(
+        let mut out: Vec<TierMetric> = TierMetric::rows(self.transfer_rows()).collect();
+        out.extend(self.index_metrics());
+        out.extend(TierMetric::rows(self.worker_rows()));
+        out.extend(self.engine_metrics());
+        for (i, p) in paths.iter().enumerate() {
+            out.extend(path_metrics(i, p));
+        }
+        out.extend(self.admission.sample());
+        out
+    }
+
+    /// The jobs and the bytes and keys they moved.
+    fn transfer_rows(&self) -> [MetricRow; 15] {
+        [
+            (
                 "g3_bytes_in_flight",
                 "Bytes of slab I/O submitted and not completed",
                 Gauge,
-                get(&self.bytes_in_flight),
+                sampled(&self.bytes_in_flight),
             ),
-            m(
+            (
                 "g3_queued_jobs",
                 "Jobs waiting to start",
                 Gauge,
-                get(&self.queued_jobs),
+                sampled(&self.queued_jobs),
             ),
-            m(
+            (
                 "g3_active_jobs",
                 "Jobs started and not finished",
                 Gauge,
-                get(&self.active_jobs),
+                sampled(&self.active_jobs),
             ),
-            m(
+            (
                 "g3_checksum_failures",
                 "Loads whose bytes failed their CRC32",
                 Counter,
-                get(&self.checksum_failures),
+                sampled(&self.checksum_failures),
             ),
-            m(
+            (
                 "g3_evictions",
                 "Entries evicted to make room",
                 Counter,
-                get(&self.evictions),
+                sampled(&self.evictions),
             ),
-            m(
+            (
                 "g3_stores_skipped",
                 "Store keys skipped because already held",
                 Counter,
-                get(&self.stores_skipped),
+                sampled(&self.stores_skipped),
             ),
-            m(
+            (
                 "g3_keys_stored",
                 "Keys stored",
                 Counter,
-                get(&self.keys_stored),
+                sampled(&self.keys_stored),
             ),
-            m(
+            (
                 "g3_keys_loaded",
                 "Keys loaded with a valid CRC",
                 Counter,
-                get(&self.keys_loaded),
+                sampled(&self.keys_loaded),
             ),
-            m(
+            (
                 "g3_key_failures",
                 "Keys whose transfer failed",
                 Counter,
-                get(&self.key_failures),
+                sampled(&self.key_failures),
             ),
-            m(
+            (
                 "g3_io_errors",
                 "Failed slab I/O operations",
                 Counter,
-                get(&self.io_errors),
+                sampled(&self.io_errors),
             ),
-            m(
+            (
                 "g3_bytes_written",
                 "Bytes written to slabs",
                 Counter,
-                get(&self.bytes_written),
+                sampled(&self.bytes_written),
             ),
-            m(
+            (
                 "g3_bytes_read",
                 "Bytes read from slabs",
                 Counter,
-                get(&self.bytes_read),
+                sampled(&self.bytes_read),
             ),
-            m(
+            (
                 "g3_jobs_cancelled",
                 "Queued jobs cancelled by a drain",
                 Counter,
-                get(&self.jobs_cancelled),
+                sampled(&self.jobs_cancelled),
             ),
-            m(
+            (
                 "g3_jobs_rejected",
                 "Jobs refused because the queue was full",
                 Counter,
-                get(&self.jobs_rejected),
+                sampled(&self.jobs_rejected),
             ),
-            m(
+            (
                 "g3_checkpoints",
                 "Index checkpoints written",
                 Counter,
-                get(&self.checkpoints),
+                sampled(&self.checkpoints),
             ),
-            m(
+        ]
+    }
+
+    /// The index: its recovery, its journal and its checkpoints.
+    fn index_metrics(&self) -> Vec<TierMetric> {
+        let recovered =
+            self.recovered.load(Ordering::Relaxed) && !self.recovery_failed.load(Ordering::Relaxed);
+        let mut out: Vec<TierMetric> = TierMetric::rows([
+            (
                 "g3_recovery_seconds",
                 "Time the index recovery took",
                 Gauge,
-                get(&self.recovery_micros) / 1e6,
+                sampled(&self.recovery_micros) / 1e6,
             ),
-            m(
+            (
                 "g3_recovery_records",
                 "Index records applied by recovery",
                 Gauge,
-                get(&self.recovery_records),
+                sampled(&self.recovery_records),
             ),
-            m(
+            (
                 "g3_recovery_cut_bytes",
                 "Journal bytes cut off at recovery",
                 Gauge,
-                get(&self.recovery_cut_bytes),
+                sampled(&self.recovery_cut_bytes),
             ),
-            m(
+            (
                 "g3_recovery_skipped_bytes",
                 "Bytes of index-file damage skipped at recovery (records lost to it)",
                 Gauge,
-                get(&self.recovery_skipped_bytes),
+                sampled(&self.recovery_skipped_bytes),
             ),
-            m(
+            (
                 "g3_recovery_damaged_files",
                 "Damaged index files kept aside at recovery",
                 Gauge,
-                get(&self.recovery_damaged_files),
+                sampled(&self.recovery_damaged_files),
             ),
-            m(
+            (
                 "g3_recovered",
                 "1 once the index is recovered (0 while recovering, or when recovery failed)",
                 Gauge,
-                f64::from(u8::from(
-                    self.recovered.load(Ordering::Relaxed)
-                        && !self.recovery_failed.load(Ordering::Relaxed),
-                )),
+                f64::from(u8::from(recovered)),
             ),
-            m(
+            (
                 "g3_entries_fenced",
                 "Entries dropped from the index because their path was taken out of service \
                  (g3_path_healthy 0)",
                 Counter,
-                get(&self.entries_fenced),
+                sampled(&self.entries_fenced),
             ),
-            m(
+            (
                 "g3_journal_healthy",
                 "0 while the journal refuses writes (stores refused until a checkpoint succeeds)",
                 Gauge,
                 f64::from(u8::from(!self.journal_poisoned.load(Ordering::Relaxed))),
             ),
-            {
-                let state = JournalState::from_u8(self.journal_state.load(Ordering::Relaxed));
-                let mut info = m(
-                    "g3_journal_info",
-                    "The index journal's state: healthy, poisoned, not_open, full or \
-                     directory_lost (value 1)",
-                    Gauge,
-                    1.0,
-                );
-                info.labels.push(("state", state.as_str().to_string()));
-                info
-            },
-            m(
+        ])
+        .collect();
+        let state = JournalState::from_u8(self.journal_state.load(Ordering::Relaxed));
+        out.push(
+            TierMetric::new(
+                "g3_journal_info",
+                "The index journal's state: healthy, poisoned, not_open, full or \
+                 directory_lost (value 1)",
+                Gauge,
+                1.0,
+            )
+            .with_label("state", state.as_str().to_string()),
+        );
+        out.extend(TierMetric::rows([
+            (
                 "g3_journal_bytes",
                 "Bytes in the current index journal",
                 Gauge,
-                get(&self.journal_bytes),
+                sampled(&self.journal_bytes),
             ),
-            m(
+            (
                 "g3_stores_refused",
                 "Store keys refused because the index cannot take them (journal unhealthy or full)",
                 Counter,
-                get(&self.stores_refused),
+                sampled(&self.stores_refused),
             ),
-            m(
+            (
                 "g3_checkpoint_age_seconds",
                 "Seconds since the last checkpoint was written",
                 Gauge,
                 self.checkpoint_age().map_or(0.0, |d| d.as_secs_f64()),
             ),
-            m(
+        ]));
+        out
+    }
+
+    /// The slots and the worker: its thread policy, checkpoint failures, naps and busy
+    /// lookups.
+    fn worker_rows(&self) -> [MetricRow; 6] {
+        [
+            (
                 "g3_used_slots",
                 "Slots holding a chunk or being written",
                 Gauge,
-                get(&self.used_slots),
+                sampled(&self.used_slots),
             ),
-            m("g3_free_slots", "Free slots", Gauge, get(&self.free_slots)),
-        ];
-        out.push(m(
-            "g3_io_threads_without_batch_policy",
-            "kvtier I/O threads in this process that could not switch to SCHED_BATCH",
-            Gauge,
-            crate::io::batch_policy_failures() as f64,
-        ));
-        out.push(m(
-            "g3_checkpoint_failures",
-            "Checkpoints that failed (retried with backoff)",
-            Counter,
-            get(&self.checkpoint_failures),
-        ));
-        out.push(m(
-            "g3_idle_naps",
-            "Naps the idle worker took while lingering for new jobs",
-            Counter,
-            get(&self.idle_naps),
-        ));
-        out.push(m(
-            "g3_lookup_retries_busy",
-            "Lookups answered RETRY because the index was busy",
-            Counter,
-            get(&self.lookup_retries_busy),
-        ));
-        out.push(TierMetric::engine_info(
+            (
+                "g3_free_slots",
+                "Free slots",
+                Gauge,
+                sampled(&self.free_slots),
+            ),
+            (
+                "g3_io_threads_without_batch_policy",
+                "kvtier I/O threads in this process that could not switch to SCHED_BATCH",
+                Gauge,
+                crate::io::batch_policy_failures() as f64,
+            ),
+            (
+                "g3_checkpoint_failures",
+                "Checkpoints that failed (retried with backoff)",
+                Counter,
+                sampled(&self.checkpoint_failures),
+            ),
+            (
+                "g3_idle_naps",
+                "Naps the idle worker took while lingering for new jobs",
+                Counter,
+                sampled(&self.idle_naps),
+            ),
+            (
+                "g3_lookup_retries_busy",
+                "Lookups answered RETRY because the index was busy",
+                Counter,
+                sampled(&self.lookup_retries_busy),
+            ),
+        ]
+    }
+
+    /// How the bytes move: the I/O engine, the region's pages, staging and GPUDirect Storage.
+    fn engine_metrics(&self) -> Vec<TierMetric> {
+        let mut out = vec![TierMetric::engine_info(
             "g3_engine_info",
             "The I/O engine in use (value 1)",
             self.engine.lock().clone(),
             self.engine_fallback.lock().is_some(),
-        ));
-        out.push(m(
-            "g3_region_huge_pages",
-            "Share (0 to 1) of the primary rows the tier moves that are backed by 2 MiB pages \
-             (one DMA segment per 2 MiB); below 1 the reason is logged once",
-            Gauge,
-            get(&self.region_huge_page_ppm) / 1e6,
-        ));
-        out.push(m(
-            "g3_paths_unrecorded",
-            "Paths whose filesystem kvtier could not record (no writable state directory): a \
-             restart cannot tell that filesystem, unmounted, from an empty directory there",
-            Gauge,
-            get(&self.paths_unrecorded),
-        ));
-        out.push(m(
-            "g3_staged_bytes",
-            "Bytes copied through the engine's own 2 MiB-page staging buffers because the \
-             primary region is in 4 KiB pages (0 when it does not stage; the reason is logged \
-             once)",
-            Counter,
-            self.staged_bytes.lock().as_ref().map_or(0.0, |c| get(c)),
-        ));
+        )];
+        out.extend(TierMetric::rows([
+            (
+                "g3_region_huge_pages",
+                "Share (0 to 1) of the primary rows the tier moves that are backed by 2 MiB pages \
+                 (one DMA segment per 2 MiB); below 1 the reason is logged once",
+                Gauge,
+                sampled(&self.region_huge_page_ppm) / 1e6,
+            ),
+            (
+                "g3_paths_unrecorded",
+                "Paths whose filesystem kvtier could not record (no writable state directory): a \
+                 restart cannot tell that filesystem, unmounted, from an empty directory there",
+                Gauge,
+                sampled(&self.paths_unrecorded),
+            ),
+            (
+                "g3_staged_bytes",
+                "Bytes copied through the engine's own 2 MiB-page staging buffers because the \
+                 primary region is in 4 KiB pages (0 when it does not stage; the reason is logged \
+                 once)",
+                Counter,
+                self.staged_bytes
+                    .lock()
+                    .as_ref()
+                    .map_or(0.0, |c| sampled(c)),
+            ),
+        ]));
         let gds = self.gds.lock().clone();
-        let mut info = m(
-            "g3_gds_info",
-            "GPUDirect Storage: mode off, cpu_fallback, ready, p2p or compat, and why (value 1)",
-            Gauge,
-            1.0,
+        out.push(
+            TierMetric::new(
+                "g3_gds_info",
+                "GPUDirect Storage: mode off, cpu_fallback, ready, p2p or compat, and why (value 1)",
+                Gauge,
+                1.0,
+            )
+            .with_label("mode", gds.state.as_str().to_string())
+            .with_label("reason", gds.reason),
         );
-        info.labels.push(("mode", gds.state.as_str().to_string()));
-        info.labels.push(("reason", gds.reason));
-        out.push(info);
-        for (i, p) in paths.iter().enumerate() {
-            let mut d = m(
-                "g3_direct_io",
-                "1 when the path uses O_DIRECT, 0 when it fell back to buffered I/O",
-                Gauge,
-                f64::from(u8::from(p.direct)),
-            );
-            d.labels.push(("path", i.to_string()));
-            out.push(d);
-            let mut h = m(
-                "g3_path_healthy",
-                "0 after a failed write or fsync on the path, or once its slab is not what the \
-                 path names (no further writes)",
-                Gauge,
-                f64::from(u8::from(!p.poisoned.load(Ordering::Relaxed))),
-            );
-            h.labels.push(("path", i.to_string()));
-            out.push(h);
-            let mut w = m(
-                "g3_wrong_filesystem",
-                "1 when the path was found on another filesystem than its tier was created on \
-                 (not mounted?) and the tier runs without it",
-                Gauge,
-                f64::from(u8::from(p.wrong_filesystem.load(Ordering::Relaxed))),
-            );
-            w.labels.push(("path", i.to_string()));
-            out.push(w);
-        }
-        out.extend(self.admission.sample());
         out
     }
+}
+
+/// The metrics of path `i` (label `path`).
+fn path_metrics(i: usize, p: &PathStatus) -> impl Iterator<Item = TierMetric> {
+    TierMetric::rows([
+        (
+            "g3_direct_io",
+            "1 when the path uses O_DIRECT, 0 when it fell back to buffered I/O",
+            Gauge,
+            f64::from(u8::from(p.direct)),
+        ),
+        (
+            "g3_path_healthy",
+            "0 after a failed write or fsync on the path, or once its slab is not what the \
+             path names (no further writes)",
+            Gauge,
+            f64::from(u8::from(!p.poisoned.load(Ordering::Relaxed))),
+        ),
+        (
+            "g3_wrong_filesystem",
+            "1 when the path was found on another filesystem than its tier was created on \
+             (not mounted?) and the tier runs without it",
+            Gauge,
+            sampled_flag(&p.wrong_filesystem),
+        ),
+    ])
+    .map(move |m| m.with_label("path", i.to_string()))
 }

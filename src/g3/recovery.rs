@@ -265,6 +265,281 @@ impl Reader<'_> {
     }
 }
 
+/// The checkpoint recovery starts from, chosen by [`Reader::choose_base`].
+struct Base {
+    /// The index read from it (`None` when no checkpoint is intact).
+    index: Option<Index>,
+    /// What reading it applied.
+    replay: Replay,
+    /// Its position among the checkpoints (`None` when none is intact).
+    at: Option<usize>,
+    /// The positions of the damaged checkpoints.
+    damaged: Vec<usize>,
+}
+
+/// What replaying the journals found, from [`Reader::replay_journals`].
+struct JournalsReplayed {
+    /// Bytes of the current journal's torn tail.
+    cut_bytes: u64,
+    /// Where the current journal's valid records end, when it was replayed last.
+    append_at: Option<u64>,
+    /// Whether any replayed journal was damaged (beyond a torn tail of the current one).
+    damaged: bool,
+}
+
+impl Reader<'_> {
+    /// Opens every index file of the directory: the checkpoints newest first (one whose
+    /// header is damaged last), then the journals.
+    fn find_all(&mut self) -> Result<(Vec<Found>, Vec<Found>)> {
+        let mut ckpts = Vec::new();
+        for name in [CHECKPOINT_FILE_NAME, CHECKPOINT_PREV_FILE_NAME] {
+            ckpts.extend(self.find(name, CHECKPOINT_MAGIC, MetaFile::Checkpoint)?);
+        }
+        let mut journals = Vec::new();
+        for name in [JOURNAL_FILE_NAME, JOURNAL_PREV_FILE_NAME] {
+            journals.extend(self.find(name, JOURNAL_MAGIC, MetaFile::Journal)?);
+        }
+        // Newest first; a checkpoint whose header is damaged comes last.
+        ckpts.sort_by_key(|c| std::cmp::Reverse(c.seq().map_or(0, |s| s + 1)));
+        Ok((ckpts, journals))
+    }
+
+    /// The base: the newest intact checkpoint of `ckpts` (newest first). The damaged ones
+    /// before it are named, kept and their damage counted.
+    fn choose_base(&mut self, ckpts: &[Found]) -> Result<Base> {
+        // (An index is allocated only for what is read into it: its slot table is written
+        // whole when it is made, hundreds of MB for millions of slots.)
+        let mut damaged = Vec::new();
+        for (i, c) in ckpts.iter().enumerate() {
+            let mut ix = self.fresh_index();
+            let mut rp = Replay::default();
+            let end = self.stream(c, &mut ix, &mut rp)?;
+            let shown = self.dir.file_path(c.name).display().to_string();
+            let problem = match (end.problem(), c.header) {
+                (Some(p), _) => Some(p),
+                (None, None) => Some("its header is damaged".to_string()),
+                (None, Some(h)) if rp.records != h.count => Some(format!(
+                    "it holds {} entries, its header says {}",
+                    rp.records, h.count
+                )),
+                (None, Some(_)) => None,
+            };
+            let Some(p) = problem else {
+                return Ok(Base {
+                    index: Some(ix),
+                    replay: rp,
+                    at: Some(i),
+                    damaged,
+                });
+            };
+            self.skipped_bytes += end.skipped_bytes() + end.tail.map_or(0, |t| t.len());
+            self.warn(format!(
+                "G3 checkpoint {shown} is damaged ({p}); {} of its entries are readable",
+                rp.records
+            ));
+            self.keep(c.name, true, MetaFile::Checkpoint);
+            damaged.push(i);
+        }
+        Ok(Base {
+            index: None,
+            replay: Replay::default(),
+            at: None,
+            damaged,
+        })
+    }
+
+    /// Drops the header of a previous journal that claims to be as new as the current one,
+    /// and returns the current journal's sequence.
+    ///
+    /// The names give the journals' order: a checkpoint renames the current journal to
+    /// `.prev` before the next one takes the name, so `.journal.prev` is always older than
+    /// `.journal`. A header that says otherwise (a `seq` at or above the current journal's)
+    /// is not trusted: the journal is placed by its name and its records' own generations,
+    /// like a journal whose header is damaged.
+    fn distrust_newer_prev_journal(&mut self, journals: &mut [Found]) -> Option<u64> {
+        let current_seq = journals
+            .iter()
+            .find(|j| j.name == JOURNAL_FILE_NAME)
+            .and_then(Found::seq);
+        for j in journals
+            .iter_mut()
+            .filter(|j| j.name == JOURNAL_PREV_FILE_NAME)
+        {
+            if let (Some(p), Some(c)) = (j.seq(), current_seq)
+                && p >= c
+            {
+                self.warn(format!(
+                    "G3 journal {}: its header names checkpoint {p}, not older than the current \
+                     journal's {c}: the header is wrong (the previous journal is always the \
+                     older); placed by its name and its records instead",
+                    self.dir.file_path(j.name).display()
+                ));
+                j.header = None;
+            }
+        }
+        current_seq
+    }
+
+    /// The journals (oldest first) to replay onto a base that holds the checkpoint of
+    /// sequence `from` and the generations below `base_generations`. A journal whose header
+    /// is damaged is kept aside and placed by its name and its records' generations.
+    fn select_journals<'f>(
+        &mut self,
+        journals: &'f [Found],
+        from: u64,
+        base_generations: Option<u64>,
+        current_seq: Option<u64>,
+    ) -> Result<Vec<&'f Found>> {
+        let current_beyond_base = current_seq.is_some_and(|c| c > from)
+            && journals
+                .iter()
+                .any(|j| j.name == JOURNAL_FILE_NAME && j.header.is_some());
+        let mut use_journals: Vec<&Found> = Vec::new();
+        for j in journals {
+            let shown = self.dir.file_path(j.name).display().to_string();
+            let replayed = match j.seq() {
+                Some(s) => s >= from,
+                None => {
+                    // A damaged header: the file is kept aside, and its records' generations
+                    // say whether the base already holds them.
+                    self.keep(j.name, false, MetaFile::Journal);
+                    let newest = self.newest_generation(j)?;
+                    let replayed = match (base_generations, newest) {
+                        (None, _) => true,
+                        (Some(g), Some(n)) => n >= g,
+                        // No insert to date it: the current journal is the newest file; the
+                        // previous one continues the base only when the current one does not.
+                        (Some(_), None) => j.name == JOURNAL_FILE_NAME || current_beyond_base,
+                    };
+                    self.warn(format!(
+                        "G3 journal {shown} has a damaged header; {}",
+                        damaged_header_verdict(replayed, newest)
+                    ));
+                    replayed
+                }
+            };
+            if replayed {
+                use_journals.push(j);
+            } else if j.header.is_some() {
+                log::info!(
+                    "G3 journal {shown} continues checkpoint {} and predates checkpoint {from}; \
+                     already folded in",
+                    j.seq().unwrap_or(0)
+                );
+            }
+        }
+        Ok(use_journals)
+    }
+
+    /// Replays `journals` (oldest first) into `index`: damage is skipped and named, the torn
+    /// tail of the current journal (when it is the last) is cut off.
+    fn replay_journals(
+        &mut self,
+        journals: &[&Found],
+        index: &mut Index,
+        replay: &mut Replay,
+        base_seq: Option<u64>,
+        from: u64,
+    ) -> Result<JournalsReplayed> {
+        let mut out = JournalsReplayed {
+            cut_bytes: 0,
+            append_at: None,
+            damaged: false,
+        };
+        let last = journals.len().saturating_sub(1);
+        for (i, j) in journals.iter().enumerate() {
+            let end = self.stream(j, index, replay)?;
+            let shown = self.dir.file_path(j.name).display().to_string();
+            let current = j.name == JOURNAL_FILE_NAME;
+            if !end.skipped.is_empty() {
+                out.damaged = true;
+                self.skipped_bytes += end.skipped_bytes();
+                self.warn(format!(
+                    "G3 journal {shown} is damaged ({}); the records after the damage were \
+                     replayed",
+                    end.problem().unwrap_or_default()
+                ));
+                self.keep(j.name, false, MetaFile::Journal);
+            }
+            if let Some(t) = end.tail {
+                if current && i == last {
+                    out.cut_bytes = t.len();
+                    self.warn(format!(
+                        "G3 journal {shown}: {} at offset {}; cutting off the last {} bytes",
+                        t.why,
+                        t.start,
+                        t.len()
+                    ));
+                } else {
+                    out.damaged = true;
+                    self.skipped_bytes += t.len();
+                    self.warn(format!(
+                        "G3 journal {shown}: its last {} bytes hold no valid record ({})",
+                        t.len(),
+                        t.why
+                    ));
+                    self.keep(j.name, false, MetaFile::Journal);
+                }
+            }
+            if current && i == last {
+                out.append_at = Some(end.valid_end);
+            }
+            if j.header.is_some() && j.seq() != base_seq && current && base_seq.is_some() {
+                self.warn(format!(
+                    "G3 journal {shown} continues checkpoint {} but checkpoint {from} was used; \
+                     replayed (loads stay CRC-checked)",
+                    j.seq().unwrap_or(0)
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What happened to a journal whose header is damaged, for its warning.
+fn damaged_header_verdict(replayed: bool, newest: Option<u64>) -> String {
+    match (replayed, newest) {
+        (true, _) => "its records were replayed by its name and generations".to_string(),
+        (false, Some(n)) => format!(
+            "its newest insert (generation {n}) predates the checkpoint used: already folded \
+             in, not replayed"
+        ),
+        (false, None) => {
+            "it is older than the checkpoint used: already folded in, not replayed".to_string()
+        }
+    }
+}
+
+/// The damaged checkpoints (by position in `ckpts`, oldest first) whose readable records are
+/// replayed onto the base: those newer than the base when no journal continues it (the
+/// records between the base and them exist nowhere else); without an intact checkpoint, the
+/// newest damaged one, as the base.
+fn newer_damaged(
+    ckpts: &[Found],
+    base: &Base,
+    base_seq: Option<u64>,
+    continued: bool,
+) -> Vec<usize> {
+    let mut newer: Vec<usize> = base
+        .damaged
+        .iter()
+        .copied()
+        .filter(|&i| match (base_seq, ckpts[i].seq()) {
+            (None, _) => true,
+            (Some(b), Some(s)) => s > b,
+            (Some(_), None) => true,
+        })
+        .collect();
+    if base.at.is_some() && continued {
+        newer.clear();
+    } else if base.at.is_none() {
+        // No intact checkpoint: the readable records of the newest damaged one are the base.
+        newer.truncate(1);
+    }
+    newer.sort_by_key(|&i| ckpts[i].seq().map_or(u64::MAX, |s| s));
+    newer
+}
+
 /// Rebuilds the index of the stripe set `set_uuid` from the files in `dir` (read-only).
 pub fn recover(
     dir: &IndexDir,
@@ -284,108 +559,21 @@ pub fn recover(
         max_seq: 0,
         skipped_bytes: 0,
     };
-    let mut ckpts = Vec::new();
-    for name in [CHECKPOINT_FILE_NAME, CHECKPOINT_PREV_FILE_NAME] {
-        ckpts.extend(rd.find(name, CHECKPOINT_MAGIC, MetaFile::Checkpoint)?);
-    }
-    let mut journals = Vec::new();
-    for name in [JOURNAL_FILE_NAME, JOURNAL_PREV_FILE_NAME] {
-        journals.extend(rd.find(name, JOURNAL_MAGIC, MetaFile::Journal)?);
-    }
-    // Newest first; a checkpoint whose header is damaged comes last.
-    ckpts.sort_by_key(|c| std::cmp::Reverse(c.seq().map_or(0, |s| s + 1)));
-
-    // The base: the newest intact checkpoint.
-    // (An index is allocated only for what is read into it: its slot table is written whole
-    // when it is made, hundreds of MB for millions of slots.)
-    let mut index: Option<Index> = None;
-    let mut replay = Replay::default();
-    let mut base: Option<usize> = None;
-    let mut damaged: Vec<usize> = Vec::new();
-    for (i, c) in ckpts.iter().enumerate() {
-        let mut ix = rd.fresh_index();
-        let mut rp = Replay::default();
-        let end = rd.stream(c, &mut ix, &mut rp)?;
-        let shown = rd.dir.file_path(c.name).display().to_string();
-        let problem = match (end.problem(), c.header) {
-            (Some(p), _) => Some(p),
-            (None, None) => Some("its header is damaged".to_string()),
-            (None, Some(h)) if rp.records != h.count => Some(format!(
-                "it holds {} entries, its header says {}",
-                rp.records, h.count
-            )),
-            (None, Some(_)) => None,
-        };
-        match problem {
-            None => {
-                index = Some(ix);
-                replay = rp;
-                base = Some(i);
-                break;
-            }
-            Some(p) => {
-                rd.skipped_bytes += end.skipped_bytes() + end.tail.map_or(0, |t| t.len());
-                rd.warn(format!(
-                    "G3 checkpoint {shown} is damaged ({p}); {} of its entries are readable",
-                    rp.records
-                ));
-                rd.keep(c.name, true, MetaFile::Checkpoint);
-                damaged.push(i);
-            }
-        }
-    }
-    let base_seq = base.and_then(|b| ckpts[b].seq());
-    // The names give the journals' order: a checkpoint renames the current journal to
-    // `.prev` before the next one takes the name, so `.journal.prev` is always older than
-    // `.journal`. A header that says otherwise (a `seq` at or above the current journal's) is
-    // not trusted: the journal is placed by its name and its records' own generations, like a
-    // journal whose header is damaged.
-    let current_seq = journals
-        .iter()
-        .find(|j| j.name == JOURNAL_FILE_NAME)
-        .and_then(Found::seq);
-    for j in journals
-        .iter_mut()
-        .filter(|j| j.name == JOURNAL_PREV_FILE_NAME)
-    {
-        if let (Some(p), Some(c)) = (j.seq(), current_seq)
-            && p >= c
-        {
-            rd.warn(format!(
-                "G3 journal {}: its header names checkpoint {p}, not older than the current \
-                 journal's {c}: the header is wrong (the previous journal is always the older); \
-                 placed by its name and its records instead",
-                rd.dir.file_path(j.name).display()
-            ));
-            j.header = None;
-        }
-    }
+    let (ckpts, mut journals) = rd.find_all()?;
+    let base = rd.choose_base(&ckpts)?;
+    let base_seq = base.at.and_then(|b| ckpts[b].seq());
+    let current_seq = rd.distrust_newer_prev_journal(&mut journals);
     journals.sort_by_key(|j| u8::from(j.name == JOURNAL_FILE_NAME));
-    // Damaged checkpoints newer than the base: their readable records are needed when no
-    // journal continues the base (the records between the base and them exist nowhere else).
     let continued = journals.iter().any(|j| j.seq() == base_seq);
-    let mut newer_damaged: Vec<usize> = damaged
-        .iter()
-        .copied()
-        .filter(|&i| match (base_seq, ckpts[i].seq()) {
-            (None, _) => true,
-            (Some(b), Some(s)) => s > b,
-            (Some(_), None) => true,
-        })
-        .collect();
-    if base.is_some() && continued {
-        newer_damaged.clear();
-    } else if base.is_none() {
-        // No intact checkpoint: the readable records of the newest damaged one are the base.
-        newer_damaged.truncate(1);
-    }
-    newer_damaged.sort_by_key(|&i| ckpts[i].seq().map_or(u64::MAX, |s| s));
+    let newer_damaged = newer_damaged(&ckpts, &base, base_seq, continued);
     // Journals continuing the base (or a later checkpoint), oldest first. Without an intact
     // checkpoint, the damaged one used as the base decides (when its header is readable).
     let from = base_seq
         .or_else(|| newer_damaged.first().and_then(|&i| ckpts[i].seq()))
         .unwrap_or(0);
-    let mut index = index.unwrap_or_else(|| rd.fresh_index());
+    let base_header = base.at.and_then(|b| ckpts[b].header);
+    let mut index = base.index.unwrap_or_else(|| rd.fresh_index());
+    let mut replay = base.replay;
     for &i in &newer_damaged {
         rd.stream(&ckpts[i], &mut index, &mut replay)?;
         rd.warn(format!(
@@ -395,61 +583,14 @@ pub fn recover(
     }
     // Generations below this are in the base: every insert made before a checkpoint has a
     // generation below its `next_generation`, every insert after it one at or above.
-    let base_generations = match base.and_then(|b| ckpts[b].header) {
+    let base_generations = match base_header {
         Some(h) => Some(h.next_generation),
         None if replay.records > 0 => Some(replay.max_gen.saturating_add(1)),
         None => None,
     };
-    let current_beyond_base = current_seq.is_some_and(|c| c > from)
-        && journals
-            .iter()
-            .any(|j| j.name == JOURNAL_FILE_NAME && j.header.is_some());
-    let mut use_journals: Vec<&Found> = Vec::new();
-    for j in &journals {
-        let shown = rd.dir.file_path(j.name).display().to_string();
-        let replayed = match j.seq() {
-            Some(s) => s >= from,
-            None => {
-                // A damaged header: the file is kept aside, and its records' generations say
-                // whether the base already holds them.
-                rd.keep(j.name, false, MetaFile::Journal);
-                let newest = rd.newest_generation(j)?;
-                let replayed = match (base_generations, newest) {
-                    (None, _) => true,
-                    (Some(g), Some(n)) => n >= g,
-                    // No insert to date it: the current journal is the newest file; the
-                    // previous one continues the base only when the current one does not.
-                    (Some(_), None) => j.name == JOURNAL_FILE_NAME || current_beyond_base,
-                };
-                rd.warn(format!(
-                    "G3 journal {shown} has a damaged header; {}",
-                    match (replayed, newest) {
-                        (true, _) =>
-                            "its records were replayed by its name and generations".to_string(),
-                        (false, Some(n)) => format!(
-                            "its newest insert (generation {n}) predates the checkpoint used: \
-                             already folded in, not replayed"
-                        ),
-                        (false, None) => "it is older than the checkpoint used: already folded \
-                             in, not replayed"
-                            .to_string(),
-                    }
-                ));
-                replayed
-            }
-        };
-        if replayed {
-            use_journals.push(j);
-        } else if j.header.is_some() {
-            log::info!(
-                "G3 journal {shown} continues checkpoint {} and predates checkpoint {from}; \
-                 already folded in",
-                j.seq().unwrap_or(0)
-            );
-        }
-    }
-    if let Some(b) = base
-        && !damaged.is_empty()
+    let use_journals = rd.select_journals(&journals, from, base_generations, current_seq)?;
+    if let Some(b) = base.at
+        && !base.damaged.is_empty()
     {
         rd.warn(format!(
             "G3 index rebuilt from the previous generation {} (seq {}) and the journals since",
@@ -457,66 +598,19 @@ pub fn recover(
             base_seq.unwrap_or(0)
         ));
     }
-
-    let mut cut_bytes = 0;
-    let mut append_at = None;
-    let mut journal_damaged = false;
-    let last = use_journals.len().saturating_sub(1);
-    for (i, j) in use_journals.iter().enumerate() {
-        let end = rd.stream(j, &mut index, &mut replay)?;
-        let shown = rd.dir.file_path(j.name).display().to_string();
-        let current = j.name == JOURNAL_FILE_NAME;
-        if !end.skipped.is_empty() {
-            journal_damaged = true;
-            rd.skipped_bytes += end.skipped_bytes();
-            rd.warn(format!(
-                "G3 journal {shown} is damaged ({}); the records after the damage were \
-                 replayed",
-                end.problem().unwrap_or_default()
-            ));
-            rd.keep(j.name, false, MetaFile::Journal);
-        }
-        if let Some(t) = end.tail {
-            if current && i == last {
-                cut_bytes = t.len();
-                rd.warn(format!(
-                    "G3 journal {shown}: {} at offset {}; cutting off the last {} bytes",
-                    t.why,
-                    t.start,
-                    t.len()
-                ));
-            } else {
-                journal_damaged = true;
-                rd.skipped_bytes += t.len();
-                rd.warn(format!(
-                    "G3 journal {shown}: its last {} bytes hold no valid record ({})",
-                    t.len(),
-                    t.why
-                ));
-                rd.keep(j.name, false, MetaFile::Journal);
-            }
-        }
-        if current && i == last {
-            append_at = Some(end.valid_end);
-        }
-        if j.header.is_some() && j.seq() != base_seq && current && base_seq.is_some() {
-            rd.warn(format!(
-                "G3 journal {shown} continues checkpoint {} but checkpoint {from} was used; \
-                 replayed (loads stay CRC-checked)",
-                j.seq().unwrap_or(0)
-            ));
-        }
-    }
+    let replayed = rd.replay_journals(&use_journals, &mut index, &mut replay, base_seq, from)?;
     // The current journal is appended to only when nothing needs rewriting: it continues the
     // current checkpoint, intact, and no other file was damaged.
-    let current_ckpt = base.is_some_and(|b| ckpts[b].name == CHECKPOINT_FILE_NAME);
+    let current_ckpt = base
+        .at
+        .is_some_and(|b| ckpts[b].name == CHECKPOINT_FILE_NAME);
     let current_journal_continues = use_journals
         .last()
         .is_some_and(|j| j.name == JOURNAL_FILE_NAME && j.header.is_some() && j.seq() == base_seq);
-    let clean = rd.keep.is_empty() && damaged.is_empty() && !journal_damaged;
-    if !(clean && current_ckpt && current_journal_continues && use_journals.len() == 1) {
-        append_at = None;
-    }
+    let clean = rd.keep.is_empty() && base.damaged.is_empty() && !replayed.damaged;
+    let append_at = replayed
+        .append_at
+        .filter(|_| clean && current_ckpt && current_journal_continues && use_journals.len() == 1);
     if replay.out_of_range > 0 {
         rd.warn(format!(
             "{} G3 index records named slots beyond {total_slots}; ignored",
@@ -524,9 +618,7 @@ pub fn recover(
         ));
     }
     index.finish_recovery();
-    let header_gen = base
-        .and_then(|b| ckpts[b].header)
-        .map_or(1, |h| h.next_generation);
+    let header_gen = base_header.map_or(1, |h| h.next_generation);
     Ok(Recovered {
         index,
         next_generation: header_gen.max(replay.max_gen.saturating_add(1)).max(1),
@@ -535,11 +627,11 @@ pub fn recover(
         append_at,
         keep_damaged: rd.keep,
         records: replay.records,
-        cut_bytes,
+        cut_bytes: replayed.cut_bytes,
         skipped_bytes: rd.skipped_bytes,
         warnings: rd.warnings,
         duration: start.elapsed(),
-        checkpoint_written: base.and_then(|b| ckpts[b].written),
+        checkpoint_written: base.at.and_then(|b| ckpts[b].written),
     })
 }
 

@@ -6,24 +6,34 @@
 //! under an index that may still name its slots). Reformatting is [`remove_set`] followed by a
 //! fresh open, and only the admin commands do that.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::File;
 use std::io::ErrorKind as IoErrorKind;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::aligned::AlignedBuf;
 use crate::g3::config::DirectIoMode;
+use crate::g3::dirs::check_writable_dir;
 pub use crate::g3::dirs::sync_dir;
-use crate::g3::dirs::{check_writable_dir, unwritable_reason};
 use crate::g3::format::{
     MISMATCH_CAPACITY, MISMATCH_ROW_STRIDE, MISMATCH_STRIPE, SLAB_FORMAT_VERSION, SUPERBLOCK_SIZE,
     Superblock, namespace_mismatch, random_uuid, read_at_most, slab_file_len,
 };
 use crate::g3::fs_record::FsGuard;
-use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
+use crate::geometry::ChunkGeometry;
 use crate::size::{count, format_size_human};
+
+mod data;
+mod lock;
+mod space;
+
+pub use data::fs_type_of;
+use data::open_data;
+#[cfg(any(test, feature = "test-support"))]
+pub use lock::DirLock;
+pub use lock::{lock_dirs, lock_holder_of, open_locked, open_locked_read_only};
+use space::preallocate;
+pub use space::{available_bytes, check_format_space};
 
 /// Name of the slab file created in each path.
 pub const SLAB_FILE_NAME: &str = "kvtier-g3.slab";
@@ -184,45 +194,6 @@ pub fn check_writable_dirs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let dirs = check_dirs(paths)?;
     dirs.iter().try_for_each(|d| check_writable_dir(d))?;
     Ok(dirs)
-}
-
-/// A directory's own lock: `flock(LOCK_EX | LOCK_NB)` on the directory itself (no file is
-/// added to it). Whatever removes or creates a stripe set's files holds it from its first
-/// removal to its last write (`tier format`, `tier repair`, a tier creating its set), so that
-/// two of them never interleave. Released on drop.
-#[derive(Debug)]
-pub struct DirLock {
-    _dir: File,
-}
-
-/// Takes the [`DirLock`] of every directory in `dirs` (in order), retrying a held one for up
-/// to a second; a directory another process keeps locked is a `Locked` error naming it and
-/// the holder's pid.
-pub fn lock_dirs(dirs: &[PathBuf]) -> Result<Vec<DirLock>> {
-    let mut held = Vec::with_capacity(dirs.len());
-    for d in dirs {
-        let f = File::open(d).map_err(|e| Error::io("open directory", d, e))?;
-        match lock_retrying(&f) {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                let holder =
-                    lock_holder_of(&f).map_or_else(|| "unknown".to_string(), |p| p.to_string());
-                return Err(Error::new(
-                    ErrorKind::Locked,
-                    format!(
-                        "{} is being changed by another kvtier process (pid {holder}: a \
-                         `kvtier tier format` or `repair`, or a tier creating its slabs); \
-                         try again once it has finished",
-                        d.display()
-                    ),
-                )
-                .with("path", d.display().to_string()));
-            }
-            Err(TryLockError::Error(e)) => return Err(Error::io("flock", d, e)),
-        }
-        held.push(DirLock { _dir: f });
-    }
-    Ok(held)
 }
 
 /// Whether each directory of `dirs` holds a slab file. A directory whose entries cannot be
@@ -666,148 +637,6 @@ pub fn create_member(p: &Path, superblock: &Superblock, made: &mut Vec<PathBuf>)
     Ok(meta)
 }
 
-/// Opens (or creates, with `create`) `p` read-write and takes `flock(LOCK_EX | LOCK_NB)`. An
-/// existing file must be a regular file (a FIFO is refused without blocking).
-pub fn open_locked(p: &Path, create: bool) -> Result<File> {
-    open_and_lock(p, create, true)
-}
-
-/// Opens the existing slab `p` read-only (it may be on a read-only filesystem) and takes the
-/// same exclusive lock as [`open_locked`]: for commands that only read but must not run beside
-/// a live tier.
-pub fn open_locked_read_only(p: &Path) -> Result<File> {
-    open_and_lock(p, false, false)
-}
-
-fn open_and_lock(p: &Path, create: bool, write: bool) -> Result<File> {
-    let mut o = OpenOptions::new();
-    o.read(true)
-        .write(write)
-        .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC);
-    if create {
-        o.create_new(true);
-    } else {
-        // A FIFO in place of a slab must not block the open; it is refused below.
-        o.custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK);
-    }
-    let f = o.open(p).map_err(|e| {
-        let dir = p.parent().unwrap_or(Path::new("."));
-        if !create && matches!(e.raw_os_error(), Some(libc::EACCES | libc::EPERM)) {
-            // The file is there: its own permissions refuse this process.
-            return Error::new(
-                ErrorKind::InvalidPath,
-                format!(
-                    "cannot open {}: {e} (this process may not {} it: check its owner and \
-                     mode)",
-                    p.display(),
-                    if write { "read and write" } else { "read" }
-                ),
-            )
-            .with("path", p.display().to_string())
-            .with_source(e);
-        }
-        match unwritable_reason(&e) {
-            Some(reason) => Error::new(
-                ErrorKind::InvalidPath,
-                format!(
-                    "cannot {} {} ({} is not writable: {reason}): {e}",
-                    if create { "create" } else { "open" },
-                    p.display(),
-                    dir.display()
-                ),
-            )
-            .with("path", p.display().to_string())
-            .with_source(e),
-            None => Error::io(if create { "create" } else { "open" }, p, e),
-        }
-    })?;
-    if !create {
-        let md = f.metadata().map_err(|e| Error::io("stat", p, e))?;
-        crate::g3::index_dir::require_regular(md.mode(), p)?;
-        let fl = rustix::fs::fcntl_getfl(&f).map_err(|e| Error::io("fcntl", p, e.into()))?;
-        rustix::fs::fcntl_setfl(&f, fl - rustix::fs::OFlags::NONBLOCK)
-            .map_err(|e| Error::io("fcntl", p, e.into()))?;
-    }
-    match lock_retrying(&f) {
-        Ok(()) => Ok(f),
-        Err(TryLockError::WouldBlock) => Err(lock_error(
-            p,
-            &f,
-            std::io::Error::from_raw_os_error(libc::EWOULDBLOCK),
-            true,
-        )),
-        Err(TryLockError::Error(e)) => Err(lock_error(p, &f, e, false)),
-    }
-}
-
-/// `flock(LOCK_EX | LOCK_NB)` on `f` (`File::try_lock` on Linux), retrying a held lock for up
-/// to [`LOCK_RETRY`]. A process forked by any thread of this one holds a copy of every
-/// descriptor until its exec closes it, so the lock of a tier closed a moment ago can outlive
-/// the close by that long (measured: 275 of 300 immediate reopens failed while another thread
-/// ran a command). Retry briefly before calling the path locked.
-fn lock_retrying(f: &File) -> std::result::Result<(), TryLockError> {
-    let started = std::time::Instant::now();
-    loop {
-        match f.try_lock() {
-            Err(TryLockError::WouldBlock) if started.elapsed() < LOCK_RETRY => {
-                std::thread::sleep(std::time::Duration::from_millis(1));
-            }
-            done => return done,
-        }
-    }
-}
-
-/// How long [`lock_retrying`] retries a lock that is held (see there).
-const LOCK_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// The error for a failed `flock` (`busy`: EWOULDBLOCK, naming the holder when known).
-fn lock_error(p: &Path, f: &File, err: std::io::Error, busy: bool) -> Error {
-    if !busy {
-        return Error::io("flock", p, err);
-    }
-    let pid = lock_holder_of(f);
-    let holder = pid.map_or_else(|| "unknown".to_string(), |p| p.to_string());
-    let msg = if pid == Some(std::process::id()) {
-        format!(
-            "{} is already open in this process (pid {holder}): a G3 tier may be \
-             opened only once; check for two tier entries naming the same path",
-            p.display()
-        )
-    } else {
-        format!(
-            "{} is locked by another process (pid {holder})",
-            p.display()
-        )
-    };
-    Error::new(ErrorKind::Locked, msg)
-        .with("path", p.display().to_string())
-        .with("pid", holder)
-        .with_source(err)
-}
-
-/// The pid holding a `flock` on the file `f` refers to, from `/proc/locks`.
-pub fn lock_holder_of(f: &File) -> Option<u32> {
-    let md = f.metadata().ok()?;
-    let dev = md.dev();
-    let want = format!(
-        "{:02x}:{:02x}:{}",
-        rustix::fs::major(dev),
-        rustix::fs::minor(dev),
-        md.ino()
-    );
-    let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    locks.lines().find_map(|line| {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        // "1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF"; blocked waiters carry "->".
-        if fields.len() >= 6 && fields[1] == "FLOCK" && fields[5] == want {
-            fields[4].parse().ok()
-        } else {
-            None
-        }
-    })
-}
-
 /// The [`SlabFile`] for slab `p`, whose locked descriptor `meta` holds `superblock`: opens its
 /// data descriptor with [`open_data`].
 fn slab_file(p: &Path, meta: File, superblock: Superblock, mode: DirectIoMode) -> Result<SlabFile> {
@@ -820,139 +649,6 @@ fn slab_file(p: &Path, meta: File, superblock: Superblock, mode: DirectIoMode) -
         fs_type,
         superblock,
     })
-}
-
-/// Opens the data descriptor of `p`: O_DIRECT, probed with a real aligned read and write of
-/// the superblock page; on failure an error (`required`) or a buffered descriptor with one warning
-/// (`auto`).
-fn open_data(p: &Path, mode: DirectIoMode) -> Result<(File, bool, String)> {
-    let fs_type = fs_type_of(p);
-    let opened = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_DIRECT)
-        .open(p);
-    // The probe is one aligned O_DIRECT read of the superblock page and one O_DIRECT write
-    // of the same bytes back (identical content, so even a torn write changes nothing).
-    let probe = opened.and_then(|f| {
-        let mut buf = AlignedBuf::new(SUPERBLOCK_SIZE).map_err(std::io::Error::other)?;
-        f.read_exact_at(buf.as_mut_slice(), 0)?;
-        f.write_all_at(buf.as_slice(), 0)?;
-        Ok(f)
-    });
-    // statx(STATX_DIOALIGN), where the kernel reports it, must allow kvtier's row alignment.
-    let probe = probe.and_then(|f| match dio_alignment(p) {
-        Some((mem, off)) if mem as usize > ROW_ALIGNMENT || off as usize > ROW_ALIGNMENT => {
-            Err(std::io::Error::other(format!(
-                "the filesystem requires O_DIRECT alignment of {mem} bytes (memory) and {off} \
-                 bytes (offset), kvtier uses {ROW_ALIGNMENT}"
-            )))
-        }
-        _ => Ok(f),
-    });
-    match probe {
-        Ok(f) => Ok((f, true, fs_type)),
-        Err(e) => match mode {
-            DirectIoMode::Required => Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "{} does not support O_DIRECT (filesystem {fs_type}): {e}; set direct_io = \
-                     \"auto\" to allow buffered I/O",
-                    p.display()
-                ),
-            )
-            .with("path", p.display().to_string())
-            .with("filesystem", fs_type)
-            .with_source(e)),
-            DirectIoMode::Auto => {
-                log::warn!(
-                    "{} does not support O_DIRECT (filesystem {fs_type}: {e}); using buffered \
-                     I/O for this slab (direct_io = auto)",
-                    p.display()
-                );
-                let f = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .custom_flags(libc::O_CLOEXEC)
-                    .open(p)
-                    .map_err(|e| Error::io("open", p, e))?;
-                Ok((f, false, fs_type))
-            }
-        },
-    }
-}
-
-/// `posix_fallocate` of `len` bytes, after checking free space; ENOSPC names the path, the
-/// bytes needed and the bytes available.
-fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
-    let available = available_bytes(p.parent().unwrap_or(Path::new(".")));
-    let no_space = |available: Option<u64>| {
-        let avail = available.map_or_else(|| "unknown".to_string(), |a| a.to_string());
-        Error::new(
-            ErrorKind::NoSpace,
-            format!(
-                "not enough space to preallocate {}: needs {len} bytes, {avail} available",
-                p.display()
-            ),
-        )
-        .with("path", p.display().to_string())
-        .with("needed", len.to_string())
-        .with("available", avail)
-    };
-    if let Some(a) = available
-        && a < len
-    {
-        return Err(no_space(available));
-    }
-    let len_off = libc::off_t::try_from(len).map_err(|_| no_space(available))?;
-    // Raw libc: glibc's posix_fallocate writes zeros where the filesystem has no fallocate(2)
-    // (rustix's `fallocate` and std have only the system call, which then fails).
-    // SAFETY: posix_fallocate on a descriptor we own; no memory is involved.
-    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len_off) };
-    match rc {
-        0 => Ok(()),
-        libc::ENOSPC | libc::EDQUOT => Err(no_space(available_bytes(
-            p.parent().unwrap_or(Path::new(".")),
-        ))),
-        e => Err(Error::io(
-            "posix_fallocate",
-            p,
-            std::io::Error::from_raw_os_error(e),
-        )),
-    }
-}
-
-/// Bytes available to an unprivileged writer in the filesystem of `dir` (`statvfs`); `None`
-/// when unknown.
-pub fn available_bytes(dir: &Path) -> Option<u64> {
-    let st = rustix::fs::statvfs(dir).ok()?;
-    if st.f_blocks == 0 {
-        // ramfs and some virtual filesystems report no size at all: unknown, not full.
-        return None;
-    }
-    Some(st.f_bavail.saturating_mul(st.f_frsize))
-}
-
-/// The filesystem type of `p` as `name (0xmagic)`.
-pub fn fs_type_of(p: &Path) -> String {
-    let Ok(magic) = crate::io::probe::statfs_magic(p) else {
-        return "unknown".into();
-    };
-    let name = crate::io::probe::fs_type_name(magic);
-    format!("{name} (0x{magic:x})")
-}
-
-/// `(memory, offset)` O_DIRECT alignment of the filesystem holding `dir`'s slabs, from the
-/// I/O layer's probe (`statx(STATX_DIOALIGN)`), when the kernel reports it.
-fn dio_alignment(slab: &Path) -> Option<(u32, u32)> {
-    let dir = slab.parent()?;
-    match crate::io::probe_direct_io(dir) {
-        Ok(p) => Some((p.dio_mem_align?, p.dio_offset_align?)),
-        Err(e) => {
-            log::debug!("direct-I/O probe of {} failed: {e}", dir.display());
-            None
-        }
-    }
 }
 
 /// Reads and decodes the superblock of an open slab.
@@ -989,60 +685,6 @@ pub fn remove_locked(held: Vec<(File, PathBuf)>) -> Result<()> {
     for (_f, p) in &held {
         std::fs::remove_file(p).map_err(|e| Error::io("remove", p, e))?;
         sync_dir(p.parent().unwrap_or(Path::new(".")))?;
-    }
-    Ok(())
-}
-
-/// Checks, before anything is removed, that the slabs a format creates in `dirs` (each
-/// `slots_in_file` slots of `row_stride` bytes) fit: per filesystem, what is available plus
-/// what the old slabs `held` free must cover what the new ones need.
-pub fn check_format_space(
-    dirs: &[PathBuf],
-    held: &[(File, PathBuf)],
-    slots_in_file: u64,
-    row_stride: u64,
-) -> Result<()> {
-    use std::collections::BTreeMap;
-    let each = slab_file_len(slots_in_file, row_stride);
-    // dev -> (needed, freed, available, first directory)
-    let mut by_dev: BTreeMap<u64, (u64, u64, Option<u64>, &PathBuf)> = BTreeMap::new();
-    for d in dirs {
-        let dev = std::fs::metadata(d)
-            .map_err(|e| Error::io("stat", d, e))?
-            .dev();
-        let e = by_dev
-            .entry(dev)
-            .or_insert_with(|| (0, 0, available_bytes(d), d));
-        e.0 = e.0.saturating_add(each);
-    }
-    for (f, p) in held {
-        let md = f.metadata().map_err(|e| Error::io("stat", p, e))?;
-        if let Some(e) = by_dev.get_mut(&md.dev()) {
-            e.1 = e.1.saturating_add(md.blocks().saturating_mul(512));
-        }
-    }
-    for (needed, freed, available, dir) in by_dev.into_values() {
-        let Some(available) = available else {
-            continue;
-        };
-        let usable = available.saturating_add(freed);
-        if usable < needed {
-            return Err(Error::new(
-                ErrorKind::NoSpace,
-                format!(
-                    "not enough space to format {}: the new slabs on its filesystem need {}, \
-                     {} is available (counting the {} the old slabs would free); nothing was \
-                     removed",
-                    dir.display(),
-                    format_size_human(needed),
-                    format_size_human(usable),
-                    format_size_human(freed)
-                ),
-            )
-            .with("path", dir.display().to_string())
-            .with("needed", needed.to_string())
-            .with("available", usable.to_string()));
-        }
     }
     Ok(())
 }

@@ -10,7 +10,7 @@
 //! ([`MetaFault`], through [`IoEngine::meta_fault`]), and which reads, writes or syncs of
 //! which data file fail with which `errno` ([`DataFault`]: EINTR, EAGAIN, ECANCELED, ENOSPC,
 //! EIO, ...). An injected EINTR or EAGAIN stands for a file that kept answering it past the
-//! engines' bounded resubmission ([`crate::io::MAX_TRANSIENT_RETRIES`]).
+//! engines' bounded resubmission (`MAX_TRANSIENT_RETRIES` in `io/files.rs`).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::files::{FileTable, advance, os_error, resubmit_transient};
-use crate::io::queue::RequestQueue;
+use crate::io::queue::{RequestQueue, engine_methods_from_fields};
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest};
 use crate::region::PrimaryRegion;
 
@@ -140,29 +140,11 @@ impl IoEngine for PsyncEngine {
         "psync".to_string()
     }
 
+    engine_methods_from_fields!();
+
     fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
         self.queue.submit(reqs, &self.files, &self.region)?;
         Ok(())
-    }
-
-    fn completions(&self) -> &Receiver<IoCompletion> {
-        self.queue.completions()
-    }
-
-    fn region(&self) -> &Arc<PrimaryRegion> {
-        &self.region
-    }
-
-    fn sync_data(&self, file: usize) -> Result<()> {
-        self.files.sync_data(file)
-    }
-
-    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize> {
-        self.files.attach(file, label, o_direct)
-    }
-
-    fn detach_file(&self, file: usize) -> Result<std::fs::File> {
-        self.files.detach(file)
     }
 
     fn shutdown(&self) {

@@ -91,3 +91,37 @@ impl RequestQueue {
         drop(self.requests.write().take());
     }
 }
+
+/// The [`IoEngine`](crate::io::IoEngine) methods that a thread-backed engine answers from its
+/// fields alone: `queue` (a [`RequestQueue`]) for its completions, `region` for its region, and
+/// `files` (its [`FileTable`]) for `sync_data`, `attach_file` and `detach_file`. Expanded inside
+/// the engine's `impl IoEngine`.
+macro_rules! engine_methods_from_fields {
+    () => {
+        fn completions(&self) -> &crossbeam_channel::Receiver<crate::io::IoCompletion> {
+            self.queue.completions()
+        }
+
+        fn region(&self) -> &std::sync::Arc<crate::region::PrimaryRegion> {
+            &self.region
+        }
+
+        fn sync_data(&self, file: usize) -> crate::error::Result<()> {
+            self.files.sync_data(file)
+        }
+
+        fn attach_file(
+            &self,
+            file: std::fs::File,
+            label: String,
+            o_direct: bool,
+        ) -> crate::error::Result<usize> {
+            self.files.attach(file, label, o_direct)
+        }
+
+        fn detach_file(&self, file: usize) -> crate::error::Result<std::fs::File> {
+            self.files.detach(file)
+        }
+    };
+}
+pub(crate) use engine_methods_from_fields;

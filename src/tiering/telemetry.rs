@@ -140,11 +140,72 @@ pub struct TieringMetrics {
     tier_metric_series: HashMap<TierMetricKey, Option<SeriesId>>,
 }
 
-impl TieringMetrics {
-    /// Declares every family for the primary plus `secondaries` = (label, has detector).
-    pub fn new(prefix: &str, secondaries: &[(String, bool)]) -> Result<Self> {
+/// The families the manager declares, in declaration order (the exposition's order).
+struct Families {
+    /// Lookups and transfers, declared first.
+    transfers: TransferFamilies,
+    /// Jobs, back-pressure and the primary's usage, declared next.
+    jobs: JobFamilies,
+}
+
+/// The families of lookups and transfers.
+struct TransferFamilies {
+    /// `lookup_sync_delay_seconds`.
+    sync: FamilyId,
+    /// `lookup_async_delay_seconds`.
+    asyn: FamilyId,
+    /// `read_bytes`.
+    read_bytes: FamilyId,
+    /// `read_time`.
+    read_time: FamilyId,
+    /// `write_bytes`.
+    write_bytes: FamilyId,
+    /// `write_time`.
+    write_time: FamilyId,
+    /// `promotion_job_failures`.
+    pfail: FamilyId,
+    /// `cascade_job_failures`.
+    cfail: FamilyId,
+    /// `chunk_queries`.
+    queries: FamilyId,
+    /// `chunk_hits`.
+    hits: FamilyId,
+}
+
+/// The families of jobs, back-pressure, the primary's usage and contract breaches.
+struct JobFamilies {
+    /// `promotion_allocation_failures`.
+    alloc: FamilyId,
+    /// `primary_write_usage_perc`.
+    wuse: FamilyId,
+    /// `primary_read_usage_perc`.
+    ruse: FamilyId,
+    /// `active_promotion_jobs`.
+    aprom: FamilyId,
+    /// `active_cascade_jobs`.
+    acasc: FamilyId,
+    /// `promotion_latency_seconds`.
+    lat: FamilyId,
+    /// `backpressure_store_latency_ema`.
+    ema: FamilyId,
+    /// `backpressure_stores_dropped`.
+    sdrop: FamilyId,
+    /// `backpressure_blocks_dropped`.
+    bdrop: FamilyId,
+    /// `cpu_cache_usage_perc`.
+    cpu: FamilyId,
+    /// `cpu_cache_write_usage_perc`.
+    cpu_w: FamilyId,
+    /// `cpu_cache_read_usage_perc`.
+    cpu_r: FamilyId,
+    /// `tiering_contract_violations`.
+    contract: FamilyId,
+}
+
+impl TransferFamilies {
+    /// Declares the lookup delay histograms and the transfer, failure and query counters.
+    fn declare(r: &mut Registry) -> Result<Self> {
         use names::*;
-        let mut r = Registry::new(prefix)?;
         let tier = &["tier"][..];
         let h = |b: &[f64]| MetricKind::Histogram(b.to_vec());
         let sync = r.family(LOOKUP_SYNC_DELAY, "Histogram of blocking time spent in a per-chunk tier lookup that resolved as a hit or miss, labeled by tier, in seconds.", h(&LOOKUP_SYNC_BUCKETS), tier)?;
@@ -193,6 +254,27 @@ impl TieringMetrics {
             MetricKind::Counter,
             tier,
         )?;
+        Ok(TransferFamilies {
+            sync,
+            asyn,
+            read_bytes,
+            read_time,
+            write_bytes,
+            write_time,
+            pfail,
+            cfail,
+            queries,
+            hits,
+        })
+    }
+}
+
+impl JobFamilies {
+    /// Declares the job, back-pressure, usage and contract families.
+    fn declare(r: &mut Registry) -> Result<Self> {
+        use names::*;
+        let tier = &["tier"][..];
+        let h = |b: &[f64]| MetricKind::Histogram(b.to_vec());
         let alloc = r.family(PROMOTION_ALLOCATION_FAILURES, "Number of promotion attempts that failed because the primary tier could not allocate space.", MetricKind::Counter, &[])?;
         let wuse = r.family(PRIMARY_WRITE_USAGE_PERC, "Current fraction of primary-tier space used by writes from secondary tiers, labeled by tier.", MetricKind::Gauge, tier)?;
         let ruse = r.family(PRIMARY_READ_USAGE_PERC, "Current fraction of primary-tier space used by reads to secondary tiers, labeled by tier.", MetricKind::Gauge, tier)?;
@@ -251,57 +333,99 @@ impl TieringMetrics {
             &[],
         )?;
         let contract = r.family(CONTRACT_VIOLATIONS, "Job reports that broke the exactly-once contract (duplicate, unknown or foreign job id), a bug in a tier.", MetricKind::Counter, &[])?;
+        Ok(JobFamilies {
+            alloc,
+            wuse,
+            ruse,
+            aprom,
+            acasc,
+            lat,
+            ema,
+            sdrop,
+            bdrop,
+            cpu,
+            cpu_w,
+            cpu_r,
+            contract,
+        })
+    }
+}
 
+impl Families {
+    /// Declares every family in `r` (vLLM's names, help texts, kinds, buckets and labels).
+    fn declare(r: &mut Registry) -> Result<Self> {
+        let transfers = TransferFamilies::declare(r)?;
+        let jobs = JobFamilies::declare(r)?;
+        Ok(Families { transfers, jobs })
+    }
+
+    /// The lookup series of the tier labelled `l`.
+    fn lookup(&self, r: &mut Registry, l: &str) -> Result<LookupSeries> {
+        Ok(LookupSeries {
+            queries: r.series(self.transfers.queries, &[l])?,
+            hits: r.series(self.transfers.hits, &[l])?,
+            sync_delay: r.series(self.transfers.sync, &[l])?,
+            async_delay: r.series(self.transfers.asyn, &[l])?,
+        })
+    }
+
+    /// The series of the secondary tier labelled `l` (back-pressure ones when it has a
+    /// detector).
+    fn secondary(&self, r: &mut Registry, l: &str, has_detector: bool) -> Result<SecondarySeries> {
+        let backpressure = if has_detector {
+            Some((
+                r.series(self.jobs.ema, &[l])?,
+                r.series(self.jobs.sdrop, &[l])?,
+                r.series(self.jobs.bdrop, &[l])?,
+            ))
+        } else {
+            None
+        };
+        Ok(SecondarySeries {
+            read_bytes: r.series(self.transfers.read_bytes, &[l])?,
+            write_bytes: r.series(self.transfers.write_bytes, &[l])?,
+            read_time: None,
+            write_time: None,
+            promotion_failures: r.series(self.transfers.pfail, &[l])?,
+            cascade_failures: r.series(self.transfers.cfail, &[l])?,
+            write_usage: r.series(self.jobs.wuse, &[l])?,
+            read_usage: r.series(self.jobs.ruse, &[l])?,
+            active_promotions: r.series(self.jobs.aprom, &[l])?,
+            active_cascades: r.series(self.jobs.acasc, &[l])?,
+            latency_success: r.series(self.jobs.lat, &[l, "success"])?,
+            latency_failure: r.series(self.jobs.lat, &[l, "failure"])?,
+            backpressure,
+        })
+    }
+}
+
+impl TieringMetrics {
+    /// Declares every family for the primary plus `secondaries` = (label, has detector).
+    pub fn new(prefix: &str, secondaries: &[(String, bool)]) -> Result<Self> {
+        let mut r = Registry::new(prefix)?;
+        let f = Families::declare(&mut r)?;
         let mut labels = vec!["0:primary".to_string()];
         labels.extend(secondaries.iter().map(|(l, _)| l.clone()));
         let mut lookup = Vec::new();
         for l in &labels {
-            lookup.push(LookupSeries {
-                queries: r.series(queries, &[l])?,
-                hits: r.series(hits, &[l])?,
-                sync_delay: r.series(sync, &[l])?,
-                async_delay: r.series(asyn, &[l])?,
-            });
+            lookup.push(f.lookup(&mut r, l)?);
         }
         let mut tiers = Vec::new();
         for (l, has_detector) in secondaries {
-            let backpressure = if *has_detector {
-                Some((
-                    r.series(ema, &[l])?,
-                    r.series(sdrop, &[l])?,
-                    r.series(bdrop, &[l])?,
-                ))
-            } else {
-                None
-            };
-            tiers.push(SecondarySeries {
-                read_bytes: r.series(read_bytes, &[l])?,
-                write_bytes: r.series(write_bytes, &[l])?,
-                read_time: None,
-                write_time: None,
-                promotion_failures: r.series(pfail, &[l])?,
-                cascade_failures: r.series(cfail, &[l])?,
-                write_usage: r.series(wuse, &[l])?,
-                read_usage: r.series(ruse, &[l])?,
-                active_promotions: r.series(aprom, &[l])?,
-                active_cascades: r.series(acasc, &[l])?,
-                latency_success: r.series(lat, &[l, "success"])?,
-                latency_failure: r.series(lat, &[l, "failure"])?,
-                backpressure,
-            });
+            tiers.push(f.secondary(&mut r, l, *has_detector)?);
         }
         Ok(TieringMetrics {
-            promotion_allocation_failures: r.series(alloc, &[])?,
+            promotion_allocation_failures: r.series(f.jobs.alloc, &[])?,
             cpu_usage: (
-                r.series(cpu, &[])?,
-                r.series(cpu_w, &[])?,
-                r.series(cpu_r, &[])?,
+                r.series(f.jobs.cpu, &[])?,
+                r.series(f.jobs.cpu_w, &[])?,
+                r.series(f.jobs.cpu_r, &[])?,
             ),
-            contract_violations: r.series(contract, &[])?,
+            contract_violations: r.series(f.jobs.contract, &[])?,
             registry: r,
             labels,
-            read_time,
-            write_time,
+            read_time: f.transfers.read_time,
+            write_time: f.transfers.write_time,
             lookup,
             tiers,
             tier_metric_series: HashMap::new(),

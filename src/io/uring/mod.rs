@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::thread::JoinHandle;
 
-use crossbeam_channel::Receiver;
 use io_uring::{IoUring, Probe, opcode};
 use rustix::event::{EventfdFlags, eventfd};
 
@@ -37,8 +36,8 @@ use ring::RingThread;
 use crate::error::{Error, ErrorKind, Result};
 use crate::geometry::ChunkGeometry;
 use crate::io::files::FileTable;
-use crate::io::queue::RequestQueue;
-use crate::io::{IoCompletion, IoEngine, IoRequest};
+use crate::io::queue::{RequestQueue, engine_methods_from_fields};
+use crate::io::{IoEngine, IoRequest};
 use crate::region::PrimaryRegion;
 
 /// Default submission queue size.
@@ -77,6 +76,18 @@ pub(crate) struct Wake {
 }
 
 impl Wake {
+    /// A non-blocking eventfd, nobody waiting yet.
+    fn new() -> Result<Self> {
+        let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).map_err(|e| {
+            let e = std::io::Error::from(e);
+            Error::new(ErrorKind::Io, format!("eventfd failed: {e}")).with_source(e)
+        })?;
+        Ok(Wake {
+            fd,
+            waiting: AtomicBool::new(false),
+        })
+    }
+
     // An eventfd's counter is a host-endian u64 by definition (eventfd(2)).
     #[allow(clippy::host_endian_bytes)]
     pub(crate) fn ring(&self) {
@@ -239,6 +250,71 @@ fn register_region(
     }
 }
 
+/// A ring of `depth` entries (twice as many completion entries) on a kernel that supports
+/// every opcode kvtier needs, counting those `allowed` rejects as missing.
+fn new_ring(depth: u32, allowed: impl Fn(u8) -> bool) -> Result<(IoUring, OpcodeSupport)> {
+    let ring = IoUring::builder()
+        .setup_cqsize(depth * 2)
+        .build(depth)
+        .map_err(|e| {
+            Error::new(
+                ErrorKind::Unsupported,
+                format!("cannot set up an io_uring with {depth} entries: {e}"),
+            )
+            .with_source(e)
+        })?;
+    let opcodes =
+        OpcodeSupport::of(&ring, allowed).map_err(|why| Error::new(ErrorKind::Unsupported, why))?;
+    if let Some(why) = opcodes.missing_required() {
+        return Err(Error::new(ErrorKind::Unsupported, why));
+    }
+    Ok((ring, opcodes))
+}
+
+/// Registers `files` as the ring's fixed files; false (with a warning) when the kernel refuses.
+fn register_files(ring: &IoUring, files: &FileTable) -> bool {
+    files.len() > 0
+        && match ring.submitter().register_files(&files.raw_fds()) {
+            Ok(()) => true,
+            Err(e) => {
+                log::warn!(
+                    "io_uring: registering {} files failed ({e}); using plain fds",
+                    files.len()
+                );
+                false
+            }
+        }
+}
+
+/// Registers the region (and the staging memory, whose buffer index `staging` then takes) as
+/// fixed buffers when the kernel has the fixed-buffer opcodes. Returns the registered piece
+/// size, and why transfers do not use the registered region when they do not.
+fn register_buffers(
+    ring: &IoUring,
+    region: &PrimaryRegion,
+    opcodes: &OpcodeSupport,
+    staging: Option<&mut staging::Staging>,
+    max_piece: usize,
+) -> (Option<usize>, Option<String>) {
+    if let Some(reason) = opcodes.missing_fixed() {
+        return (None, Some(reason));
+    }
+    let memory = staging.as_deref().map(staging::Staging::memory);
+    // A region still collapsing in the background is not registered (that would pin its
+    // pages and stop the collapse); its rows go through staging or, once in 2 MiB pages,
+    // through unregistered READ / WRITE.
+    let region_too = memory.is_none() || !region.collapsing_in_background();
+    match register_region(ring, region, max_piece, memory, region_too) {
+        Ok((piece, index)) => {
+            if let Some(s) = staging {
+                s.buffer_index = index;
+            }
+            (piece, None)
+        }
+        Err(reason) => (None, Some(reason)),
+    }
+}
+
 impl UringEngine {
     /// Sets up a ring of `queue_depth` entries, registers `region` and `files`, and starts the
     /// ring thread. On failure the files are handed back with the error (so that `auto` can
@@ -306,72 +382,22 @@ impl UringEngine {
     ) -> std::result::Result<Self, (Error, Vec<std::fs::File>)> {
         let max_piece = max_piece.min(MAX_REGISTERED_BUFFER);
         let depth = queue_depth.max(1);
-        let ring = match IoUring::builder().setup_cqsize(depth * 2).build(depth) {
-            Ok(r) => r,
-            Err(e) => {
-                let err = Error::new(
-                    ErrorKind::Unsupported,
-                    format!("cannot set up an io_uring with {depth} entries: {e}"),
-                )
-                .with_source(e);
-                return Err((err, files));
-            }
-        };
-        let opcodes = match OpcodeSupport::of(&ring, allowed) {
-            Ok(o) => o,
-            Err(why) => {
-                return Err((Error::new(ErrorKind::Unsupported, why), files));
-            }
-        };
-        if let Some(why) = opcodes.missing_required() {
-            return Err((Error::new(ErrorKind::Unsupported, why), files));
-        }
-        let fd = match eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC) {
-            Ok(fd) => fd,
-            Err(e) => {
-                let e = std::io::Error::from(e);
-                let err = Error::new(ErrorKind::Io, format!("eventfd failed: {e}")).with_source(e);
-                return Err((err, files));
-            }
-        };
-        let wake = Arc::new(Wake {
-            fd,
-            waiting: AtomicBool::new(false),
+        let set_up = new_ring(depth, allowed).and_then(|(ring, opcodes)| {
+            let wake = Wake::new()?;
+            Ok((ring, opcodes, wake))
         });
+        let (ring, opcodes, wake) = match set_up {
+            Ok(s) => s,
+            Err(e) => return Err((e, files)),
+        };
+        let wake = Arc::new(wake);
         let files = Arc::new(FileTable::new(files, o_direct));
-        let fixed_files = files.len() > 0
-            && match ring.submitter().register_files(&files.raw_fds()) {
-                Ok(()) => true,
-                Err(e) => {
-                    log::warn!(
-                        "io_uring: registering {} files failed ({e}); using plain fds",
-                        files.len()
-                    );
-                    false
-                }
-            };
+        let fixed_files = register_files(&ring, &files);
         // Fallback reasons are logged by the caller, which knows whether it falls back further
         // (to psync).
         let mut staging = staging::Staging::plan(&region, &files);
-        let (piece, fallback_reason) = match opcodes.missing_fixed() {
-            Some(reason) => (None, Some(reason)),
-            None => {
-                let memory = staging.as_ref().map(staging::Staging::memory);
-                // A region still collapsing in the background is not registered (that would
-                // pin its pages and stop the collapse); its rows go through staging or, once
-                // in 2 MiB pages, through unregistered READ / WRITE.
-                let region_too = memory.is_none() || !region.collapsing_in_background();
-                match register_region(&ring, &region, max_piece, memory, region_too) {
-                    Ok((piece, index)) => {
-                        if let Some(s) = staging.as_mut() {
-                            s.buffer_index = index;
-                        }
-                        (piece, None)
-                    }
-                    Err(reason) => (None, Some(reason)),
-                }
-            }
-        };
+        let (piece, fallback_reason) =
+            register_buffers(&ring, &region, &opcodes, staging.as_mut(), max_piece);
         let staged_bytes = staging.as_ref().map(|s| s.staged_bytes.clone());
         let stage_lens = staging.as_ref().map(staging::Staging::lens);
         let (queue, req_rx) = RequestQueue::new("uring", "the ring thread exited unexpectedly");
@@ -442,6 +468,8 @@ impl IoEngine for UringEngine {
         "uring".to_string()
     }
 
+    engine_methods_from_fields!();
+
     fn submit(&self, reqs: &[IoRequest]) -> Result<()> {
         let sent = self.queue.submit(reqs, &self.files, &self.region)?;
         // Pairs with the fence in `RingThread::wait`: either the ring thread sees the new
@@ -453,14 +481,6 @@ impl IoEngine for UringEngine {
         Ok(())
     }
 
-    fn completions(&self) -> &Receiver<IoCompletion> {
-        self.queue.completions()
-    }
-
-    fn region(&self) -> &Arc<PrimaryRegion> {
-        &self.region
-    }
-
     fn staged_bytes(&self) -> Option<Arc<std::sync::atomic::AtomicU64>> {
         self.staged_bytes.clone()
     }
@@ -468,18 +488,6 @@ impl IoEngine for UringEngine {
     fn stages(&self, len: usize) -> bool {
         self.stage_lens
             .is_some_and(|(min, max)| len >= min && len <= max)
-    }
-
-    fn sync_data(&self, file: usize) -> Result<()> {
-        self.files.sync_data(file)
-    }
-
-    fn attach_file(&self, file: std::fs::File, label: String, o_direct: bool) -> Result<usize> {
-        self.files.attach(file, label, o_direct)
-    }
-
-    fn detach_file(&self, file: usize) -> Result<std::fs::File> {
-        self.files.detach(file)
     }
 
     fn shutdown(&self) {

@@ -326,18 +326,7 @@ impl Replay {
                 self.manager.on_request_finished(&req);
                 Value::Null
             }
-            "schedule_end" => {
-                let new = array(c, "new")?
-                    .iter()
-                    .map(|v| v.as_str().map(Arc::from).ok_or("new: request ids"))
-                    .collect::<Result<Vec<Arc<str>>, _>>()?;
-                let ctx = ScheduleEndContext {
-                    new_req_ids: new,
-                    preempted_req_ids: Vec::new(),
-                };
-                m.on_schedule_end(&ctx).map_err(|e| e.to_string())?;
-                Value::Null
-            }
+            "schedule_end" => self.schedule_end(c)?,
             "take_events" => {
                 let events: Vec<Value> = m
                     .take_events()
@@ -347,58 +336,80 @@ impl Replay {
                 json!(events)
             }
             "pending" => json!(m.has_pending_work()),
-            "load_source" => {
-                let req = self.req(c)?;
-                let k = key(field(c, "key")?)?;
-                let source = self.manager.get_load_source(&k, &req);
-                json!(match source.and_then(|s| s.medium) {
-                    None if source.is_some() => "EXTERNAL_UNSPECIFIED",
-                    None | Some(Medium::Cpu) => "HOST",
-                    Some(Medium::Storage) => "DISK",
-                })
-            }
-            "job" => {
-                let t = usize::try_from(uint(c, "tier")?).map_err(|e| e.to_string())?;
-                let j = usize::try_from(uint(c, "job")?).map_err(|e| e.to_string())?;
-                let outcome = string(c, "outcome")?;
-                let script = self.scripts.get(t).ok_or("job: no such tier")?;
-                let mut s = script.lock();
-                if j >= s.jobs.len() || !s.reported.insert(j) {
-                    return Err(format!("job: tier {t} has no unreported job {j}"));
-                }
-                let job = s.jobs[j].clone();
-                let err = || kvtier::Error::new(kvtier::ErrorKind::Io, "scripted failure");
-                let result = match outcome {
-                    "ok" => {
-                        if !job.is_promotion {
-                            s.contents.extend(job.keys.iter().cloned());
-                        }
-                        JobResult::ok(job.job_id, Duration::ZERO, 0)
-                    }
-                    "partial" => {
-                        let mask: Vec<bool> = array(c, "mask")?
-                            .iter()
-                            .map(|v| v.as_bool().unwrap_or(false))
-                            .collect();
-                        let ok: Vec<ChunkKey> = job
-                            .keys
-                            .iter()
-                            .zip(mask)
-                            .filter(|(_, m)| *m)
-                            .map(|(k, _)| k.clone())
-                            .collect();
-                        JobResult {
-                            successful_keys: Some(ok),
-                            ..JobResult::failed(job.job_id, err())
-                        }
-                    }
-                    _ => JobResult::failed(job.job_id, err()),
-                };
-                s.ready.push_back(result);
-                Value::Null
-            }
+            "load_source" => self.load_source(c)?,
+            "job" => self.report_job(c)?,
             other => return Err(format!("unknown op {other:?}")),
         })
+    }
+
+    /// `job`: scripted tier `tier` reports its job `job` (`ok`, `partial` with a `mask` of the keys that succeeded, or failed).
+    fn report_job(&mut self, c: &Value) -> Result<Value, String> {
+        let t = usize::try_from(uint(c, "tier")?).map_err(|e| e.to_string())?;
+        let j = usize::try_from(uint(c, "job")?).map_err(|e| e.to_string())?;
+        let outcome = string(c, "outcome")?;
+        let script = self.scripts.get(t).ok_or("job: no such tier")?;
+        let mut s = script.lock();
+        if j >= s.jobs.len() || !s.reported.insert(j) {
+            return Err(format!("job: tier {t} has no unreported job {j}"));
+        }
+        let job = s.jobs[j].clone();
+        let err = || kvtier::Error::new(kvtier::ErrorKind::Io, "scripted failure");
+        let result = match outcome {
+            "ok" => {
+                if !job.is_promotion {
+                    s.contents.extend(job.keys.iter().cloned());
+                }
+                JobResult::ok(job.job_id, Duration::ZERO, 0)
+            }
+            "partial" => {
+                let mask: Vec<bool> = array(c, "mask")?
+                    .iter()
+                    .map(|v| v.as_bool().unwrap_or(false))
+                    .collect();
+                let ok: Vec<ChunkKey> = job
+                    .keys
+                    .iter()
+                    .zip(mask)
+                    .filter(|(_, m)| *m)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                JobResult {
+                    successful_keys: Some(ok),
+                    ..JobResult::failed(job.job_id, err())
+                }
+            }
+            _ => JobResult::failed(job.job_id, err()),
+        };
+        s.ready.push_back(result);
+        Ok(Value::Null)
+    }
+
+    /// `schedule_end`: the scheduler step ends with the requests `new`.
+    fn schedule_end(&mut self, c: &Value) -> Result<Value, String> {
+        let new = array(c, "new")?
+            .iter()
+            .map(|v| v.as_str().map(Arc::from).ok_or("new: request ids"))
+            .collect::<Result<Vec<Arc<str>>, _>>()?;
+        let ctx = ScheduleEndContext {
+            new_req_ids: new,
+            preempted_req_ids: Vec::new(),
+        };
+        self.manager
+            .on_schedule_end(&ctx)
+            .map_err(|e| e.to_string())?;
+        Ok(Value::Null)
+    }
+
+    /// `load_source`: where the manager would load `key` from, as vLLM names the medium.
+    fn load_source(&self, c: &Value) -> Result<Value, String> {
+        let req = self.req(c)?;
+        let k = key(field(c, "key")?)?;
+        let source = self.manager.get_load_source(&k, &req);
+        Ok(json!(match source.and_then(|s| s.medium) {
+            None if source.is_some() => "EXTERNAL_UNSPECIFIED",
+            None | Some(Medium::Cpu) => "HOST",
+            Some(Medium::Storage) => "DISK",
+        }))
     }
 
     fn observe(&mut self, ret: Value) -> Value {
