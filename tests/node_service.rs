@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier::config::{KvtierConfig, ServiceConfig};
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, LookupResult, PrimaryRegion};
 use serde_json::json;
@@ -411,7 +411,7 @@ fn another_digest_is_refused_at_connect_with_both_digests() {
         e.to_string().contains(&format!("slots of {STRIDE} bytes")),
         "{e}"
     );
-    assert!(f.service.as_ref().unwrap().engines().is_empty());
+    assert!(f.service.as_ref().unwrap().engines_connected() == 0);
 }
 
 /// Engines of one namespace whose rows differ (vLLM's rows for replicated GQA heads at other
@@ -625,7 +625,7 @@ fn assert_all_slots_usable(c: &NodeClient, region: &PrimaryRegion) {
 fn wait_no_engines(f: &Fixture) {
     let svc = f.service.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !svc.engines().is_empty() {
+    while svc.engines_connected() != 0 {
         assert!(
             Instant::now() < deadline,
             "sessions did not end: {}",
@@ -1084,7 +1084,7 @@ fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_return
     assert!(why.contains(&hex::encode(DIGEST)), "{why}");
     assert!(!t.ready());
     assert!(
-        wrong.engines().is_empty(),
+        wrong.engines_connected() == 0,
         "the wrong service took the engine"
     );
     assert_eq!(

@@ -17,7 +17,6 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{G3Tier, G3TierConfig};
 use crate::geometry::ChunkGeometry;
 use crate::io::EngineOptions;
-use crate::node::engines::EngineStatus;
 use crate::node::events::EventBus;
 use crate::node::prefetch::Staging;
 use crate::node::protocol::Reply;
@@ -110,7 +109,7 @@ impl NodeService {
     /// in metrics, `1:nvme`) on the socket of `cfg`, for engines whose rows are `row_stride`
     /// bytes (the tier's slots hold each row's first slot-size bytes). `max_bytes_in_flight`
     /// bounds each engine's I/O queue.
-    pub fn start(
+    pub(crate) fn start(
         cfg: &ServiceConfig,
         tier: G3Tier,
         tier_label: String,
@@ -216,9 +215,9 @@ impl NodeService {
         &self.tier_label
     }
 
-    /// The engines connected now.
-    pub fn engines(&self) -> Vec<EngineStatus> {
-        self.sh.engines.status()
+    /// Engine processes connected now (a session past its handshake; observers not counted).
+    pub fn engines_connected(&self) -> usize {
+        self.sh.engines.status().len()
     }
 
     /// The status document `kvtier service status` prints (JSON).
@@ -396,7 +395,14 @@ impl NodeService {
         self.sh.tier.lock().health()
     }
 
-    /// Runs `f` on the tier (metrics, health).
+    /// True once the tier has recovered its index (from its journal and slabs): lookups and
+    /// loads see what was committed before the service started.
+    pub fn is_ready(&self) -> bool {
+        self.sh.tier.lock().is_recovered()
+    }
+
+    /// Runs `f` on the service's G3 tier (tests that look at its slots; `internals` only).
+    #[cfg(feature = "internals")]
     pub fn with_tier<R>(&self, f: impl FnOnce(&G3Tier) -> R) -> R {
         f(&self.sh.tier.lock())
     }

@@ -66,14 +66,6 @@ pub const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// How long shutdown waits for the reconnection thread to stop (see `stop_reconnect`).
 pub const RECONNECT_JOIN_WAIT: Duration = Duration::from_secs(5);
 
-/// The label names of [`NodeTier::config_info`].
-pub const CONFIG_INFO_KEYS: [&str; 4] = [
-    "kvtier_service_socket",
-    "kvtier_service_region",
-    "kvtier_slot_bytes",
-    "kvtier_namespace",
-];
-
 /// Where an engine's primary region comes from.
 #[derive(Debug, Clone, Copy)]
 pub enum RegionSource<'a> {
@@ -197,22 +189,6 @@ impl LinkStats {
     }
 }
 
-/// Every metric a [`NodeTier`] reports (for a host that declares its metrics before a tier
-/// opens, as vLLM does).
-pub fn metric_descriptors() -> Vec<MetricDescriptor> {
-    LinkStats::default()
-        .sample(false)
-        .into_iter()
-        .chain(HintCounters::default().sample())
-        .map(|m| MetricDescriptor {
-            name: m.name,
-            help: m.help,
-            kind: m.kind,
-            label_names: Vec::new(),
-        })
-        .collect()
-}
-
 /// A reconnection running in the background.
 struct Reconnect {
     /// Stops it, also in the middle of a connect attempt.
@@ -316,6 +292,30 @@ impl std::fmt::Debug for NodeTier {
 }
 
 impl NodeTier {
+    /// The label names of [`SecondaryTier::config_info`], in its order.
+    pub const CONFIG_INFO_KEYS: [&str; 4] = [
+        "kvtier_service_socket",
+        "kvtier_service_region",
+        "kvtier_slot_bytes",
+        "kvtier_namespace",
+    ];
+
+    /// Every metric a node tier reports (for a host that declares its metrics before a tier
+    /// opens, as vLLM does).
+    pub fn metric_descriptors() -> Vec<MetricDescriptor> {
+        LinkStats::default()
+            .sample(false)
+            .into_iter()
+            .chain(HintCounters::default().sample())
+            .map(|m| MetricDescriptor {
+                name: m.name,
+                help: m.help,
+                kind: m.kind,
+                label_names: Vec::new(),
+            })
+            .collect()
+    }
+
     /// Connects to the service at `socket` and registers `num_rows` rows of `region` (a
     /// descriptor is duplicated and kept for reconnecting).
     pub fn connect(
@@ -812,7 +812,7 @@ impl SecondaryTier for NodeTier {
                 .to_string(),
             hex::encode(self.connector.hello.digest),
         ];
-        CONFIG_INFO_KEYS.into_iter().zip(values).collect()
+        Self::CONFIG_INFO_KEYS.into_iter().zip(values).collect()
     }
 
     fn health(&self) -> TierHealth {

@@ -8,7 +8,7 @@
 //! `{"ready": true}` on a line of its own and serves until SIGTERM or SIGINT; then it stops the
 //! service and the document it prints is `{"status": {the service's last status}}`.
 
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 use serde_json::{Value, json};
 use signal_hook::consts::{SIGINT, SIGTERM};
 

@@ -15,7 +15,7 @@ use crate::config::KvtierConfig;
 use crate::embed::Plan;
 use crate::error::{Error, ErrorKind, Result};
 use crate::node::NodeService;
-use crate::node::server::start_from_config;
+use crate::node::start_from_config;
 
 /// Starts the node service for `cfg` (planned as `plan` for `layout`) and serves until a
 /// signal.
