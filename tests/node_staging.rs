@@ -72,7 +72,7 @@ fn fixture_with_slots_of(staging_slots: u64, slot_bytes: Option<u64>) -> Fixture
     let cfg = config(dir.path(), json!(staging_slots * slot)).unwrap();
     let service = start_from_config(&cfg, STRIDE, slot_bytes, DIGEST).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !service.with_tier(|t| t.is_recovered()) {
+    while !service.is_ready() {
         assert!(Instant::now() < deadline, "the tier never recovered");
         std::thread::sleep(Duration::from_millis(5));
     }

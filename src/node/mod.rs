@@ -40,6 +40,8 @@
 //! * `server`: [`NodeService`], the listener and the peer check.
 //! * `client`: [`NodeClient`], the engine's side.
 //! * `tier`: [`NodeTier`], the service as an engine's secondary tier (client mode).
+//! * `test_hold`: test support (`internals` only), a service that holds jobs in flight
+//!   (`start_holding_jobs`).
 
 mod client;
 mod engines;
@@ -58,5 +60,7 @@ mod tier;
 pub use client::{AsyncAnswer, ClientHello, LookupAnswer, NodeClient, ServiceInfo};
 pub use hints::{PREFETCH_ACTION, PREFETCH_VERSION};
 pub use protocol::{EventMedium, InventoryEvent};
+#[cfg(feature = "internals")]
+pub use server::start_holding_jobs;
 pub use server::{NodeService, start_from_config};
 pub use tier::{NodeTier, RegionSource};

@@ -23,6 +23,7 @@ use crate::node::protocol::Reply;
 use crate::node::session::{self, ServiceShared};
 use crate::node::socket::{bind_listener, peer_credentials, write_frame};
 use crate::node::staging::StagingPool;
+use crate::node::test_hold::TestHooks;
 use crate::region::PrimaryRegion;
 use crate::tiering::manager::tier_label;
 use crate::tiering::telemetry::tier_metric_series;
@@ -57,6 +58,36 @@ pub fn start_from_config(
     row_stride: u64,
     slot_bytes: Option<u64>,
     digest: [u8; 32],
+) -> Result<NodeService> {
+    start_with_hooks(config, row_stride, slot_bytes, digest, TestHooks::default())
+}
+
+/// Test support (`internals` only): [`start_from_config`] for a service that holds every job
+/// after its G3 I/O while `hold_file` exists, until its engine disconnects (at most two
+/// minutes); `STATUS` shows the jobs held (`test_hold`). A test kills an engine while the
+/// service has one of its jobs in flight with it.
+#[cfg(feature = "internals")]
+pub fn start_holding_jobs(
+    config: &KvtierConfig,
+    row_stride: u64,
+    slot_bytes: Option<u64>,
+    digest: [u8; 32],
+    hold_file: &std::path::Path,
+) -> Result<NodeService> {
+    let hooks = TestHooks {
+        hold: Some(crate::node::test_hold::JobHold::new(
+            hold_file.to_path_buf(),
+        )),
+    };
+    start_with_hooks(config, row_stride, slot_bytes, digest, hooks)
+}
+
+fn start_with_hooks(
+    config: &KvtierConfig,
+    row_stride: u64,
+    slot_bytes: Option<u64>,
+    digest: [u8; 32],
+    hooks: TestHooks,
 ) -> Result<NodeService> {
     let service = config.service.as_ref().ok_or_else(|| {
         Error::config(
@@ -101,14 +132,14 @@ pub fn start_from_config(
     let label = tier_label(tc.index, &tc.tier_type);
     let tier = G3Tier::open(g3, own, digest, label.clone(), tc.locality)?;
     tier.set_events_enabled(false);
-    NodeService::start(service, tier, label, digest, row_stride, in_flight)
+    NodeService::start(service, tier, label, digest, row_stride, in_flight, hooks)
 }
 
 impl NodeService {
     /// Starts serving `tier` (opened with `digest` as its namespace; `tier_label` names it
     /// in metrics, `1:nvme`) on the socket of `cfg`, for engines whose rows are `row_stride`
     /// bytes (the tier's slots hold each row's first slot-size bytes). `max_bytes_in_flight`
-    /// bounds each engine's I/O queue.
+    /// bounds each engine's I/O queue; `hooks` are a test's.
     pub(crate) fn start(
         cfg: &ServiceConfig,
         tier: G3Tier,
@@ -116,6 +147,7 @@ impl NodeService {
         digest: [u8; 32],
         row_stride: u64,
         max_bytes_in_flight: u64,
+        hooks: TestHooks,
     ) -> Result<NodeService> {
         cfg.validate("service")?;
         let info = tier.info().clone();
@@ -179,6 +211,7 @@ impl NodeService {
             stopping: Default::default(),
             staging,
             events,
+            hooks,
         });
         let listener = bind_listener(&cfg.socket_path, cfg.socket_mode)?;
         let sessions: Sessions = Default::default();

@@ -38,6 +38,7 @@ use crate::node::protocol::{EventMedium, Frame, JobDone, JobRequest, Reply, Requ
 use crate::node::region_file::{CRC_CHUNK, RegionFile};
 use crate::node::socket::{FrameReader, is_read_write, write_frame};
 use crate::node::staging::{FILL_WAIT, Reserve};
+use crate::node::test_hold::TestHooks;
 use crate::region::PrimaryRegion;
 
 /// Jobs one engine may have queued at the service; beyond that a job fails at once.
@@ -77,6 +78,8 @@ pub struct ServiceShared {
     pub staging: Option<Staging>,
     /// Inventory events for the engines that ask for them.
     pub events: Arc<EventBus>,
+    /// A test's hooks (none in a build without `internals`).
+    pub hooks: TestHooks,
 }
 
 impl ServiceShared {
@@ -668,7 +671,7 @@ pub fn status_json(sh: &ServiceShared) -> String {
         "refused_connections": sh.engines.refused.load(Ordering::Relaxed),
         "cancelled_jobs": sh.engines.cancelled_jobs.load(Ordering::Relaxed),
         "disconnects": sh.engines.disconnects.load(Ordering::Relaxed),
-        "test_hold": crate::node::test_hold::status(),
+        "test_hold": sh.hooks.status(),
         "regions_lost": sh.engines.regions_lost.load(Ordering::Relaxed),
         "last_region_lost": sh.engines.last_region_lost.lock().clone(),
     });
@@ -949,7 +952,10 @@ impl JobWorker {
                 };
             }
         }
-        crate::node::test_hold::hold(&self.cancelled);
+        #[cfg(feature = "internals")]
+        if let Some(hold) = &self.sh.hooks.hold {
+            hold.hold(&self.cancelled);
+        }
         if !load && self.cancelled.load(Ordering::Acquire) {
             return self.cancel(grant, n);
         }
