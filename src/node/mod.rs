@@ -38,6 +38,7 @@
 //!   for a resize before and after every job.
 //! * `session`: one engine's connection, its region and jobs, and the cleanup when it ends.
 //! * `server`: [`NodeService`], the listener and the peer check.
+//! * `service_metrics`: the service's metrics in Prometheus text.
 //! * `client`: [`NodeClient`], the engine's side.
 //! * `tier`: [`NodeTier`], the service as an engine's secondary tier (client mode).
 //! * `test_hold`: test support (`internals` only), a service that holds jobs in flight
@@ -51,6 +52,7 @@ mod prefetch;
 mod protocol;
 mod region_file;
 mod server;
+mod service_metrics;
 mod session;
 mod socket;
 mod staging;
