@@ -64,15 +64,21 @@
 //!     host over a Unix socket) and its client, [`node::NodeClient`].
 //!
 //! # What is public
-//! The embedding face ([`Builder`] and the types re-exported here, [`embed`], [`config`] and
-//! the byte [`size`]s it reads, [`contract`], [`region`], [`key`], [`error`]), the node
-//! service and its client ([`node`]), and what outside
-//! tools need to compare kvtier with other implementations: the primary tier (`primary`), the tiering manager with its
-//! injectable clock and back-pressure detector ([`tiering`]), the canonical mapping
-//! ([`canonical`]), with the row [`geometry`] and the [`metrics`] registry their signatures
-//! use. The engine's inner modules (`g3`, `fs`, `io`, `hash`) are public only with the cargo
-//! feature `internals`, which kvtier's own integration tests and the `kvtier-replay` driver
-//! use; they are not a stable API. The command line's items are private to the crate.
+//! The embedding face is re-exported here: [`Builder`], [`TieringManager`] and
+//! [`ScheduleEndContext`], [`SecondaryTier`] with the job vocabulary ([`TransferJob`],
+//! [`JobResult`], [`LookupResult`], [`RequestContext`]), [`PrimaryRegion`], [`KvtierConfig`],
+//! [`ChunkKey`], [`Error`]. The modules the `kvtier` command line and the Python package build
+//! with are public, each with the face its `mod.rs` exports: [`config`] (and the byte
+//! [`size`]s it reads), [`canonical`] (layout descriptors, digests), [`contract`], [`embed`],
+//! [`node`] (the service, its client and its tier), [`g3`] (the NVMe tier, its config, offline
+//! [`g3::admin`], GDS status), [`fs`], [`io`] (I/O engines and path probes), [`tiering`],
+//! [`region`], [`geometry`], [`metrics`]. Their inner files are private.
+//!
+//! The cargo feature `test-support` is for kvtier's own tests, benches and the
+//! `kvtier-replay` driver only: it makes the inner modules public (not a stable API) and
+//! compiles in the fixtures and fault injection only tests use (`io::FaultyEngine`, a manual
+//! clock, the memory tier's inline engine, the node service's job hold). A shipped build has
+//! none of them. The command line is its own crate (`cli/`).
 
 /// Declares modules that are private to the crate in a shipped build and public with the
 /// `test-support` feature, which kvtier's own tests, benches and the `kvtier-replay` driver

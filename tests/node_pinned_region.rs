@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kvtier::config::ServiceConfig;
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 use kvtier::node::{ClientHello, NodeClient};
 use kvtier::region::{AdoptHugePages, PrimaryRegion};
 use kvtier::{ChunkKey, ErrorKind};

@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvtier::config::{KvtierConfig, ServiceConfig};
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, LookupResult, PrimaryRegion};
 use serde_json::json;
@@ -96,7 +96,7 @@ fn fixture() -> Fixture {
 fn wait_ready(f: &Fixture) {
     let svc = f.service.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !svc.with_tier(|t| t.is_recovered()) {
+    while !svc.is_ready() {
         assert!(Instant::now() < deadline, "the tier never recovered");
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -411,7 +411,7 @@ fn another_digest_is_refused_at_connect_with_both_digests() {
         e.to_string().contains(&format!("slots of {STRIDE} bytes")),
         "{e}"
     );
-    assert!(f.service.as_ref().unwrap().engines().is_empty());
+    assert!(f.service.as_ref().unwrap().engines_connected() == 0);
 }
 
 /// Engines of one namespace whose rows differ (vLLM's rows for replicated GQA heads at other
@@ -625,7 +625,7 @@ fn assert_all_slots_usable(c: &NodeClient, region: &PrimaryRegion) {
 fn wait_no_engines(f: &Fixture) {
     let svc = f.service.as_ref().unwrap();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !svc.engines().is_empty() {
+    while svc.engines_connected() != 0 {
         assert!(
             Instant::now() < deadline,
             "sessions did not end: {}",
@@ -1084,7 +1084,7 @@ fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_return
     assert!(why.contains(&hex::encode(DIGEST)), "{why}");
     assert!(!t.ready());
     assert!(
-        wrong.engines().is_empty(),
+        wrong.engines_connected() == 0,
         "the wrong service took the engine"
     );
     assert_eq!(
@@ -1217,4 +1217,104 @@ fn a_job_the_node_tier_cannot_run_is_reported_failed() {
     let r = wait_job(&mut t, 5);
     assert!(!r.success && r.error.is_some(), "{r:?}");
     assert!(t.get_finished_jobs().is_empty() && !t.has_pending_work());
+}
+
+// ---- the test hook: a service that holds jobs in flight ---------------------------------------
+
+/// The status document of `svc`, parsed.
+fn status_of(svc: &NodeService) -> serde_json::Value {
+    serde_json::from_str(&svc.status_json()).unwrap()
+}
+
+/// Waits until the service holds `n` jobs after their I/O (`test_hold.held_jobs`).
+fn wait_held(svc: &NodeService, n: u64) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = status_of(svc);
+        if status["test_hold"]["held_jobs"] == n {
+            return status;
+        }
+        assert!(Instant::now() < deadline, "never {n} jobs held: {status}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `kvtier::node::start_holding_jobs` (built with `internals`, what the Python tests kill an
+/// engine mid-job with): while the hold file exists a store whose G3 writes are done stays in
+/// flight (the service says so, the engine is not told), and it finishes once the file is gone;
+/// a held store whose engine disconnects is cancelled and commits nothing. A service started
+/// without the hook shows none (`test_hold` null).
+#[test]
+fn a_service_holding_jobs_keeps_them_in_flight_while_the_hold_file_exists() {
+    let plain = fixture();
+    assert!(status_of(plain.service.as_ref().unwrap())["test_hold"].is_null());
+    drop(plain);
+
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("slabs")).unwrap();
+    let cfg = config(dir.path(), 0o600, Vec::new());
+    let hold = dir.path().join("hold-jobs");
+    let service = kvtier::node::start_holding_jobs(&cfg, STRIDE, None, DIGEST, &hold).unwrap();
+    let f = Fixture {
+        socket: dir.path().join("kvtier.sock"),
+        dir,
+        service: Some(service),
+        shm_files: Vec::new(),
+    };
+    wait_ready(&f);
+    let svc = f.service.as_ref().unwrap();
+    let (region, c) = client_in_this_process(&f, "held");
+    let kept: Vec<ChunkKey> = (0..4).map(|i| key("held", i)).collect();
+    std::fs::write(&hold, b"").unwrap();
+    c.submit_store(1, kept.clone(), (0..4).collect());
+    let status = wait_held(svc, 1);
+    assert_eq!(status["engines"][0]["jobs_in_flight"], 1, "{status}");
+    assert_eq!(status["tier"]["active_transfers"], 1.0, "{status}");
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(c.finished_jobs().is_empty(), "a held job was reported");
+    std::fs::remove_file(&hold).unwrap();
+    let r = c.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    let status = status_of(svc);
+    assert_eq!(status["test_hold"]["held_jobs"], 0, "{status}");
+    assert_eq!(status["test_hold"]["held_total"], 1, "{status}");
+    assert!(
+        c.lookup(&kept)
+            .unwrap()
+            .iter()
+            .all(|r| *r == LookupResult::Hit)
+    );
+
+    // Held again, and the engine goes away: the store is abandoned.
+    let dropped: Vec<ChunkKey> = (0..4).map(|i| key("dropped", i)).collect();
+    std::fs::write(&hold, b"").unwrap();
+    c.submit_store(2, dropped.clone(), (0..4).collect());
+    let cancelled_before = wait_held(svc, 1)["cancelled_jobs"].as_u64().unwrap();
+    drop(c);
+    drop(region);
+    wait_no_engines(&f);
+    let status = status_of(svc);
+    assert_eq!(status["test_hold"]["held_jobs"], 0, "{status}");
+    assert_eq!(
+        status["cancelled_jobs"].as_u64().unwrap(),
+        cancelled_before + 1,
+        "{status}"
+    );
+    assert_eq!(status["tier"]["active_transfers"], 0.0, "{status}");
+    std::fs::remove_file(&hold).unwrap();
+    let (_region, checker) = client_in_this_process(&f, "checker");
+    assert!(
+        checker
+            .lookup(&kept)
+            .unwrap()
+            .iter()
+            .all(|r| *r == LookupResult::Hit)
+    );
+    assert!(
+        checker
+            .lookup(&dropped)
+            .unwrap()
+            .iter()
+            .all(|r| *r == LookupResult::Miss)
+    );
 }

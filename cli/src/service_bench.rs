@@ -222,9 +222,9 @@ fn start_service(dir: &Path, row: u64, per_set: u64, capacity: u64) -> Result<No
     let mut service = ServiceConfig::new(dir.join("kvtier.sock"));
     service.dram_bytes = 2 * per_set;
     cfg.service = Some(service);
-    let svc = kvtier::node::server::start_from_config(&cfg, row, None, DIGEST)?;
+    let svc = kvtier::node::start_from_config(&cfg, row, None, DIGEST)?;
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !svc.with_tier(|t| t.is_recovered()) {
+    while !svc.is_ready() {
         if Instant::now() > deadline {
             return Err(Error::new(
                 ErrorKind::Io,
@@ -434,8 +434,8 @@ impl Bench {
             let hex: Vec<String> = keys.iter().map(|k| hex::encode(k.as_bytes())).collect();
             let envelope = serde_json::json!({
                 "protocol_version": "1", "message_id": req.req_id.as_ref(),
-                "actions": [{"action_id": "bench", "action_type": kvtier::node::hints::PREFETCH_ACTION,
-                             "action_version": kvtier::node::hints::PREFETCH_VERSION,
+                "actions": [{"action_id": "bench", "action_type": kvtier::node::PREFETCH_ACTION,
+                             "action_version": kvtier::node::PREFETCH_VERSION,
                              "payload": {"keys": hex}}],
             });
             req = req.with_kv_hints(KvHintsEnvelope::from_json(&envelope.to_string())?);

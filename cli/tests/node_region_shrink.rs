@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvtier::config::KvtierConfig;
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 use kvtier::node::{ClientHello, NodeClient, NodeService};
 use kvtier::{ChunkKey, ErrorKind, JobResult, PrimaryRegion};
 use serde_json::json;

@@ -18,9 +18,9 @@ use kvtier::contract::hints::KvHintsEnvelope;
 use kvtier::contract::job::{Locality, Medium, OffloadingEvent};
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::g3::direct::GrantedSlot;
-use kvtier::node::client::AsyncAnswer;
-use kvtier::node::protocol::EventMedium;
-use kvtier::node::server::start_from_config;
+use kvtier::node::AsyncAnswer;
+use kvtier::node::EventMedium;
+use kvtier::node::start_from_config;
 use kvtier::node::{ClientHello, NodeClient, NodeService, NodeTier, RegionSource};
 use kvtier::{ChunkKey, LookupResult, PrimaryRegion, RequestContext, TransferJob};
 use serde_json::json;
@@ -73,7 +73,7 @@ fn fixture_with_slots_of(staging_slots: u64, slot_bytes: Option<u64>) -> Fixture
     let cfg = config(dir.path(), json!(staging_slots * slot)).unwrap();
     let service = start_from_config(&cfg, STRIDE, slot_bytes, DIGEST).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !service.with_tier(|t| t.is_recovered()) {
+    while !service.is_ready() {
         assert!(Instant::now() < deadline, "the tier never recovered");
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -697,7 +697,7 @@ fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'
     kvtier::embed::tier_metric_descriptors(VLLM_TIER_CLASS)
         .unwrap_or_default()
         .into_iter()
-        .chain(kvtier::node::tier::metric_descriptors())
+        .chain(kvtier::node::NodeTier::metric_descriptors())
         .map(|d| (d.name, d.help, kind_name(d.kind), d.label_names))
         .collect()
 }
@@ -708,7 +708,7 @@ fn metric_descriptors() -> Vec<(&'static str, &'static str, &'static str, Vec<&'
 #[pyo3(signature = (client=false))]
 fn config_info_keys(client: bool) -> Vec<&'static str> {
     if client {
-        return kvtier::node::tier::CONFIG_INFO_KEYS.to_vec();
+        return kvtier::node::NodeTier::CONFIG_INFO_KEYS.to_vec();
     }
     kvtier::embed::tier_config_info_keys(VLLM_TIER_CLASS)
         .unwrap_or_default()

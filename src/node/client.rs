@@ -121,7 +121,7 @@ fn lost() -> Error {
 /// fails before it connects. (A `connect` the kernel itself holds, on a listener whose
 /// backlog is full, is not interrupted.)
 #[derive(Debug, Default)]
-pub struct ConnectAbort {
+pub(crate) struct ConnectAbort {
     aborted: AtomicBool,
     /// The socket of the attempt in progress (a duplicate), until [`ConnectAbort::release`].
     socket: Mutex<Option<UnixStream>>,
@@ -178,7 +178,7 @@ impl NodeClient {
     /// [`NodeClient::connect`], which another thread can end through `abort` while it waits
     /// for the service (the socket stays watched by `abort` until
     /// [`ConnectAbort::release`]: a registration on the new connection is aborted as well).
-    pub fn connect_abortable(
+    pub(crate) fn connect_abortable(
         socket_path: &Path,
         hello: &ClientHello,
         abort: Option<&ConnectAbort>,

@@ -17,16 +17,16 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::g3::{G3Tier, G3TierConfig};
 use crate::geometry::ChunkGeometry;
 use crate::io::EngineOptions;
-use crate::node::engines::EngineStatus;
 use crate::node::events::EventBus;
 use crate::node::prefetch::Staging;
 use crate::node::protocol::Reply;
+use crate::node::service_metrics;
 use crate::node::session::{self, ServiceShared};
 use crate::node::socket::{bind_listener, peer_credentials, write_frame};
 use crate::node::staging::StagingPool;
+use crate::node::test_hold::TestHooks;
 use crate::region::PrimaryRegion;
 use crate::tiering::manager::tier_label;
-use crate::tiering::telemetry::tier_metric_series;
 
 /// Live sessions: a handle on each connection (to end it) and its thread.
 type Sessions = Arc<Mutex<HashMap<u64, (UnixStream, JoinHandle<()>)>>>;
@@ -58,6 +58,36 @@ pub fn start_from_config(
     row_stride: u64,
     slot_bytes: Option<u64>,
     digest: [u8; 32],
+) -> Result<NodeService> {
+    start_with_hooks(config, row_stride, slot_bytes, digest, TestHooks::default())
+}
+
+/// Test support (`test-support` only): [`start_from_config`] for a service that holds every job
+/// after its G3 I/O while `hold_file` exists, until its engine disconnects (at most two
+/// minutes); `STATUS` shows the jobs held (`test_hold`). A test kills an engine while the
+/// service has one of its jobs in flight with it.
+#[cfg(feature = "test-support")]
+pub fn start_holding_jobs(
+    config: &KvtierConfig,
+    row_stride: u64,
+    slot_bytes: Option<u64>,
+    digest: [u8; 32],
+    hold_file: &std::path::Path,
+) -> Result<NodeService> {
+    let hooks = TestHooks {
+        hold: Some(crate::node::test_hold::JobHold::new(
+            hold_file.to_path_buf(),
+        )),
+    };
+    start_with_hooks(config, row_stride, slot_bytes, digest, hooks)
+}
+
+fn start_with_hooks(
+    config: &KvtierConfig,
+    row_stride: u64,
+    slot_bytes: Option<u64>,
+    digest: [u8; 32],
+    hooks: TestHooks,
 ) -> Result<NodeService> {
     let service = config.service.as_ref().ok_or_else(|| {
         Error::config(
@@ -102,21 +132,22 @@ pub fn start_from_config(
     let label = tier_label(tc.index, &tc.tier_type);
     let tier = G3Tier::open(g3, own, digest, label.clone(), tc.locality)?;
     tier.set_events_enabled(false);
-    NodeService::start(service, tier, label, digest, row_stride, in_flight)
+    NodeService::start(service, tier, label, digest, row_stride, in_flight, hooks)
 }
 
 impl NodeService {
     /// Starts serving `tier` (opened with `digest` as its namespace; `tier_label` names it
     /// in metrics, `1:nvme`) on the socket of `cfg`, for engines whose rows are `row_stride`
     /// bytes (the tier's slots hold each row's first slot-size bytes). `max_bytes_in_flight`
-    /// bounds each engine's I/O queue.
-    pub fn start(
+    /// bounds each engine's I/O queue; `hooks` are a test's.
+    pub(crate) fn start(
         cfg: &ServiceConfig,
         tier: G3Tier,
         tier_label: String,
         digest: [u8; 32],
         row_stride: u64,
         max_bytes_in_flight: u64,
+        hooks: TestHooks,
     ) -> Result<NodeService> {
         cfg.validate("service")?;
         let info = tier.info().clone();
@@ -180,6 +211,7 @@ impl NodeService {
             stopping: Default::default(),
             staging,
             events,
+            hooks,
         });
         let listener = bind_listener(&cfg.socket_path, cfg.socket_mode)?;
         let sessions: Sessions = Default::default();
@@ -216,9 +248,9 @@ impl NodeService {
         &self.tier_label
     }
 
-    /// The engines connected now.
-    pub fn engines(&self) -> Vec<EngineStatus> {
-        self.sh.engines.status()
+    /// Engine processes connected now (a session past its handshake; observers not counted).
+    pub fn engines_connected(&self) -> usize {
+        self.sh.engines.status().len()
     }
 
     /// The status document `kvtier service status` prints (JSON).
@@ -231,164 +263,7 @@ impl NodeService {
     /// jobs, bytes, failed jobs, errors, lookups, jobs in flight and the share of its region
     /// in 2 MiB pages, plus connections and refusals.
     pub fn metrics_text(&self, prefix: &str) -> Result<String> {
-        use crate::metrics::{MetricKind, Registry};
-        let mut reg = Registry::new(prefix)?;
-        let tier_metrics = self.sh.tier.lock().metrics();
-        let shares = self.sh.engines.region_huge_page_shares();
-        for m in &tier_metrics {
-            let mut value = m.value;
-            if m.name == "g3_region_huge_pages" {
-                // The tier's own one-row region moves nothing; the engines' regions are what
-                // the service moves rows through: the lowest share of those connected.
-                match shares.iter().map(|(_, s)| *s).reduce(f64::min) {
-                    Some(lowest) => value = lowest,
-                    None => continue,
-                }
-            }
-            let id = tier_metric_series(&mut reg, &self.tier_label, m)?;
-            reg.set(id, value);
-        }
-        let engines = self.sh.engines.status();
-        let gauge = |reg: &mut Registry, name: &str, help: &str, v: f64| -> Result<()> {
-            let f = reg.family(name, help, MetricKind::Gauge, &[])?;
-            let id = reg.series(f, &[])?;
-            reg.set(id, v);
-            Ok(())
-        };
-        gauge(
-            &mut reg,
-            "node_engines_connected",
-            "Engine processes connected to the node service",
-            engines.len() as f64,
-        )?;
-        let counter = |reg: &mut Registry, name: &str, help: &str, v: u64| -> Result<()> {
-            let f = reg.family(name, help, MetricKind::Counter, &[])?;
-            let id = reg.series(f, &[])?;
-            reg.inc(id, v as f64);
-            Ok(())
-        };
-        let e = &self.sh.engines;
-        counter(
-            &mut reg,
-            "node_connections_refused_total",
-            "Connections refused (uid not allowed, digest or row stride mismatch, protocol)",
-            e.refused.load(Ordering::Relaxed),
-        )?;
-        counter(
-            &mut reg,
-            "node_jobs_cancelled_total",
-            "Jobs cancelled because their engine disconnected",
-            e.cancelled_jobs.load(Ordering::Relaxed),
-        )?;
-        counter(
-            &mut reg,
-            "node_disconnects_total",
-            "Engine sessions ended",
-            e.disconnects.load(Ordering::Relaxed),
-        )?;
-        counter(
-            &mut reg,
-            "node_regions_lost_total",
-            "Engine regions lost: the engine shrank its region file while registered \
-             (its jobs failed, its session ended; see `kvtier service status`)",
-            e.regions_lost.load(Ordering::Relaxed),
-        )?;
-        let jobs = reg.family(
-            "node_engine_jobs_total",
-            "Jobs finished per engine and operation",
-            MetricKind::Counter,
-            &["engine", "op"],
-        )?;
-        let bytes = reg.family(
-            "node_engine_bytes_total",
-            "Bytes moved between G3 and an engine's rows, per operation",
-            MetricKind::Counter,
-            &["engine", "op"],
-        )?;
-        let failed = reg.family(
-            "node_engine_failed_jobs_total",
-            "Jobs of an engine that failed (any key)",
-            MetricKind::Counter,
-            &["engine"],
-        )?;
-        let lookups = reg.family(
-            "node_engine_lookups_total",
-            "Keys an engine looked up",
-            MetricKind::Counter,
-            &["engine"],
-        )?;
-        let errors = reg.family(
-            "node_engine_errors_total",
-            "Requests of an engine answered with an error (malformed, out of order, a region or \
-             job refused)",
-            MetricKind::Counter,
-            &["engine"],
-        )?;
-        let connections = reg.family(
-            "node_engine_connections",
-            "Connections open per engine name",
-            MetricKind::Gauge,
-            &["engine"],
-        )?;
-        let in_flight = reg.family(
-            "node_engine_jobs_in_flight",
-            "Jobs of an engine queued or running at the service",
-            MetricKind::Gauge,
-            &["engine"],
-        )?;
-        let huge = reg.family(
-            "node_engine_region_huge_pages",
-            "Share (0 to 1) of an engine's registered region the service maps in 2 MiB pages",
-            MetricKind::Gauge,
-            &["engine"],
-        )?;
-        for (name, share) in &shares {
-            let id = reg.series(huge, &[name.as_str()])?;
-            reg.set(id, *share);
-        }
-        let staged = reg.family(
-            "node_engine_staged_bytes",
-            "Bytes of an engine's rows the service staged through its own 2 MiB pages because \
-             the region is in 4 KiB pages (only engines whose rows are staged)",
-            MetricKind::Counter,
-            &["engine"],
-        )?;
-        for (name, bytes) in self.sh.engines.region_staged_bytes() {
-            let id = reg.series(staged, &[name.as_str()])?;
-            reg.set(id, bytes as f64);
-        }
-        if let Some(st) = &self.sh.staging {
-            st.render_metrics(&mut reg)?;
-        }
-        counter(
-            &mut reg,
-            "node_events_dropped_total",
-            "Inventory events dropped from the queue of an engine that did not ask for them",
-            self.sh.events.dropped.load(Ordering::Relaxed),
-        )?;
-        for en in &engines {
-            let n = en.name.as_str();
-            for (op, j, b) in [
-                ("store", en.stores, en.bytes_stored),
-                ("load", en.loads, en.bytes_loaded),
-            ] {
-                let id = reg.series(jobs, &[n, op])?;
-                reg.inc(id, j as f64);
-                let id = reg.series(bytes, &[n, op])?;
-                reg.inc(id, b as f64);
-            }
-            let id = reg.series(failed, &[n])?;
-            reg.inc(id, en.failed_jobs as f64);
-            let id = reg.series(lookups, &[n])?;
-            reg.inc(id, en.lookups as f64);
-            let id = reg.series(in_flight, &[n])?;
-            reg.inc(id, en.jobs_in_flight as f64);
-            let id = reg.series(errors, &[n])?;
-            reg.inc(id, en.errors as f64);
-            let id = reg.series(connections, &[n])?;
-            reg.inc(id, 1.0);
-        }
-        Ok(reg.render())
+        service_metrics::render(&self.sh, &self.tier_label, prefix)
     }
 
     /// The tier's health.
@@ -396,7 +271,14 @@ impl NodeService {
         self.sh.tier.lock().health()
     }
 
-    /// Runs `f` on the tier (metrics, health).
+    /// True once the tier has recovered its index (from its journal and slabs): lookups and
+    /// loads see what was committed before the service started.
+    pub fn is_ready(&self) -> bool {
+        self.sh.tier.lock().is_recovered()
+    }
+
+    /// Runs `f` on the service's G3 tier (tests that look at its slots; `test-support` only).
+    #[cfg(feature = "test-support")]
     pub fn with_tier<R>(&self, f: impl FnOnce(&G3Tier) -> R) -> R {
         f(&self.sh.tier.lock())
     }

@@ -243,7 +243,7 @@ def start_hanging_child(extra, keys, hang: str, hold_file=None):
     be killed: ``hang="store"`` stores ``keys`` (its rows hold :func:`payload`), ``"promote"``
     promotes them. Returns the process once its jobs are submitted.
 
-    With ``hold_file`` (the node service's ``KVTIER_TEST_NODE_HOLD_FILE``) the child creates
+    With ``hold_file`` (the file the node service's test hook waits on) the child creates
     that file before the job the service is to hold in flight: a store first stores half the
     keys and waits until vLLM's manager has them reported done (``child.completed``: those
     keys), then creates the file and stores the rest; a promotion creates it first."""

@@ -113,11 +113,11 @@ def test_a_vllm_engine_that_shrinks_its_region_fails_its_store_and_the_service_s
 
 def test_a_region_shrunk_while_the_service_holds_its_store_commits_nothing(tmp_path):
     """The shrink lands after the store's G3 writes, before the commit (the service's test
-    hook ``KVTIER_TEST_NODE_HOLD_FILE`` holds the job there): with io_uring's registered
-    buffers those writes succeed from pages the file no longer holds; the store must fail
-    and commit nothing."""
+    hook, ``hold_file``, holds the job there): with io_uring's registered buffers those
+    writes succeed from pages the file no longer holds; the store must fail and commit
+    nothing."""
     hold = tmp_path / "hold-jobs"
-    service = start_service(tmp_path, env={"KVTIER_TEST_NODE_HOLD_FILE": str(hold)})
+    service = start_service(tmp_path, hold_file=hold)
     try:
         extra = service["extra"]
         a = Engine(extra)

@@ -51,13 +51,11 @@ def engines_digest(extra) -> str:
     return _native.namespace_of(json.dumps(spec_fields(spec, ROW)))[1]
 
 
-def launch(doc, env=None) -> subprocess.Popen:
-    """``kvtier-replay node-serve`` on ``doc`` (``env`` joins its environment), once its
-    socket listens."""
+def launch(doc) -> subprocess.Popen:
+    """``kvtier-replay node-serve`` on ``doc``, once its socket listens."""
     proc = subprocess.Popen(
         [os.environ["KVTIER_REPLAY"], "node-serve"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        env=None if env is None else {**os.environ, **env},
     )
     proc.stdin.write(json.dumps(doc))
     proc.stdin.close()
@@ -66,10 +64,11 @@ def launch(doc, env=None) -> subprocess.Popen:
     return proc
 
 
-def start_service(tmp_path, env=None, **service_keys) -> dict:
+def start_service(tmp_path, hold_file=None, **service_keys) -> dict:
     """Starts a node service on ``tmp_path/kvtier.sock`` for the engines of ``extra``
-    (``service_keys`` join its ``service`` section, ``env`` its environment); its state, with
-    the process."""
+    (``service_keys`` join its ``service`` section; with ``hold_file`` it holds every job after
+    its G3 I/O while that file exists, the test hook ``kvtier::node::start_holding_jobs``); its
+    state, with the process."""
     replay = os.environ.get("KVTIER_REPLAY")
     if not replay:
         pytest.skip("KVTIER_REPLAY is not set (run through tests/python_suite.rs)")
@@ -88,8 +87,9 @@ def start_service(tmp_path, env=None, **service_keys) -> dict:
         },
         "row_stride": ROW,
         "digest": engines_digest(extra),
+        "hold_file": None if hold_file is None else str(hold_file),
     }
-    return {"socket": socket, "extra": extra, "proc": launch(doc, env), "doc": doc}
+    return {"socket": socket, "extra": extra, "proc": launch(doc), "doc": doc}
 
 
 def end_service(state) -> None:
@@ -272,12 +272,11 @@ def mapped_by(pid: int, paths) -> set:
 @pytest.mark.parametrize("hang", ["store", "promote"])
 def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(tmp_path, hang):
     """The kill lands while the service holds the job in flight: its G3 I/O done, not yet
-    committed or reported (the service's test hook ``KVTIER_TEST_NODE_HOLD_FILE``, shown in
-    its status); whatever the row size, the job cannot have finished before the kill."""
+    committed or reported (the service's test hook, ``hold_file``, shown in its status); whatever the row size, the job cannot have finished before the kill."""
     if not os.environ.get("KVTIER_BIN"):
         pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
     hold = tmp_path / "hold-jobs"
-    service = start_service(tmp_path, env={"KVTIER_TEST_NODE_HOLD_FILE": str(hold)})
+    service = start_service(tmp_path, hold_file=hold)
     try:
         _killed_mid_job(service, hang, hold)
     finally:

@@ -14,7 +14,7 @@ use kvtier::config::KvtierConfig;
 use kvtier::embed::{Plan, PoolOpener};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::node::NodeService;
-use kvtier::node::server::start_from_config;
+use kvtier::node::start_from_config;
 
 /// Starts the node service for `cfg` (planned as `plan` for `layout`) and serves until a
 /// signal.

@@ -4,11 +4,13 @@
 //!
 //! Input: `{"config": {kvtier configuration with a service section and one nvme tier},
 //! "row_stride": 4096, "digest": "64 hex digits", "slot_bytes": optional, the rows' stored
-//! prefix}`. Once the socket listens the driver prints
-//! `{"ready": true}` on a line of its own and serves until SIGTERM or SIGINT; then it stops the
-//! service and the document it prints is `{"status": {the service's last status}}`.
+//! prefix, "hold_file": optional, a path: the service holds every job after its G3 I/O while
+//! that file exists (`kvtier::node::start_holding_jobs`, a test hook)}`. Once the socket
+//! listens the driver prints `{"ready": true}` on a line of its own and serves until SIGTERM or
+//! SIGINT; then it stops the service and the document it prints is `{"status": {the service's
+//! last status}}`.
 
-use kvtier::node::server::start_from_config;
+use kvtier::node::{start_from_config, start_holding_jobs};
 use serde_json::{Value, json};
 use signal_hook::consts::{SIGINT, SIGTERM};
 
@@ -30,8 +32,14 @@ pub fn run(input: &Value) -> Result<Value, String> {
         .ok_or_else(|| format!("digest {digest_hex:?} is not 64 hex digits"))?;
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
         .map_err(|e| format!("signal handlers: {e}"))?;
-    let service =
-        start_from_config(&config, row_stride, slot_bytes, digest).map_err(|e| e.to_string())?;
+    let service = match input.get("hold_file") {
+        None | Some(Value::Null) => start_from_config(&config, row_stride, slot_bytes, digest),
+        Some(_) => {
+            let hold_file = std::path::Path::new(string(input, "hold_file")?);
+            start_holding_jobs(&config, row_stride, slot_bytes, digest, hold_file)
+        }
+    }
+    .map_err(|e| e.to_string())?;
     println!("{}", json!({"ready": true}));
     let _ = signals.forever().next();
     let status: Value = serde_json::from_str(&service.status_json()).map_err(|e| e.to_string())?;

@@ -10,9 +10,9 @@
 //!
 //! **When the service goes away** (it crashed, was killed or restarted), every job still
 //! outstanding is reported failed, never done, and lookups answer MISS. The outage is logged
-//! once; a background thread reconnects with exponential backoff
-//! ([`RECONNECT_FIRST_DELAY`] doubling up to [`RECONNECT_MAX_DELAY`]): it presents the same
-//! compatibility digest and row stride again (a service that now has another digest is
+//! once; a background thread reconnects with exponential backoff (`RECONNECT_FIRST_DELAY`
+//! doubling up to `RECONNECT_MAX_DELAY`, in `link`): it presents the same compatibility
+//! digest and row stride again (a service that now has another digest is
 //! refused, and the refusal logged once per outage), re-registers the same region, and the
 //! tier uses the new connection from its next call on (verdicts of the old one are dropped).
 //! Nothing of the engine's G3 data is lost: the service recovers its index from its journal
@@ -24,55 +24,45 @@
 //! finishes or cancels a dying process's I/O (its io_uring requests included) before its
 //! descriptors close, and the socket closing is how the client learns of the death.
 //!
-//! A request whose `kv_hints` carry kvtier's prefetch action ([`crate::node::hints`]) has its
+//! A request whose `kv_hints` carry kvtier's prefetch action (`crate::node::hints`) has its
 //! keys sent to the service at `on_new_request` (`HINT`): the service stages them from G3 in
 //! its DRAM pool and answers a verdict per key, which the tier keeps until the request
 //! finishes, so the request's lookups of those keys answer HIT at once (no RETRY round trip)
 //! and its loads are served from DRAM. `on_request_finished` tells the service, which
 //! discards what the request did not load. Actions of other types are ignored and counted
 //! (`node_hint_actions_ignored`).
+//!
+//! * `link`: the connection's set-up (digest, row stride, region) and the reconnection.
+//! * `counters`: the connection's and the hints' counts, as metrics.
+
+mod counters;
+mod link;
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::{Path, PathBuf};
+use std::os::fd::BorrowedFd;
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-
-use crossbeam_channel::Receiver;
-use parking_lot::Mutex;
 
 use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadPolicy, OffloadingEvent, RequestContext,
     TransferJob,
 };
 use crate::contract::secondary::{
-    HealthState, MetricDescriptor, SecondaryTier, TierHealth, TierMetric, TierMetricKind,
+    HealthState, MetricDescriptor, SecondaryTier, TierHealth, TierMetric,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::key::ChunkKey;
 use crate::node::client::{AsyncAnswer, ClientHello, ConnectAbort, NodeClient};
 use crate::node::protocol::EventMedium;
+use counters::{HintCounters, LinkStats};
+use link::{Connector, OwnedRegion, Reconnect, reconnect_loop, stop_reconnect};
 
 /// How long a verdict from the service stays usable.
 pub const VERDICT_TTL: Duration = Duration::from_secs(1);
 /// Verdicts kept at most (older ones are dropped first when it is reached).
 const MAX_VERDICTS: usize = 65536;
-/// The wait before the second reconnection attempt (the first is immediate).
-pub const RECONNECT_FIRST_DELAY: Duration = Duration::from_millis(20);
-/// The longest wait between two reconnection attempts.
-pub const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
-/// How long shutdown waits for the reconnection thread to stop (see `stop_reconnect`).
-pub const RECONNECT_JOIN_WAIT: Duration = Duration::from_secs(5);
-
-/// The label names of [`NodeTier::config_info`].
-pub const CONFIG_INFO_KEYS: [&str; 4] = [
-    "kvtier_service_socket",
-    "kvtier_service_region",
-    "kvtier_slot_bytes",
-    "kvtier_namespace",
-];
 
 /// Where an engine's primary region comes from.
 #[derive(Debug, Clone, Copy)]
@@ -81,144 +71,6 @@ pub enum RegionSource<'a> {
     Path(&'a Path),
     /// A descriptor of the file, passed to the service.
     Fd(BorrowedFd<'a>),
-}
-
-/// The region as the tier keeps it for reconnecting (the descriptor duplicated).
-#[derive(Debug)]
-enum OwnedRegion {
-    Path(PathBuf),
-    Fd(OwnedFd),
-}
-
-/// What it takes to open a session: the socket, the greeting and the region.
-#[derive(Debug)]
-struct Connector {
-    socket: PathBuf,
-    hello: ClientHello,
-    region: OwnedRegion,
-    num_rows: u64,
-}
-
-impl Connector {
-    /// Connects, checks the service's digest and that its slots fit this engine's rows,
-    /// registers the region; `abort` ends an attempt waiting for the service.
-    fn connect(&self, abort: Option<&ConnectAbort>) -> Result<NodeClient> {
-        let r = self.connect_and_register(abort);
-        if let Some(a) = abort {
-            a.release();
-        }
-        r
-    }
-
-    fn connect_and_register(&self, abort: Option<&ConnectAbort>) -> Result<NodeClient> {
-        let client = NodeClient::connect_abortable(&self.socket, &self.hello, abort)?;
-        let service = client.service();
-        // The service refuses another digest itself; this also catches a service that
-        // answered WELCOME with something else.
-        if service.digest != self.hello.digest || service.row_stride > self.hello.row_stride {
-            return Err(Error::new(
-                ErrorKind::IncompatibleLayout,
-                format!(
-                    "the kvtier node service at {} has digest {} and slots of {} bytes; this \
-                     engine has {} and rows of {} bytes",
-                    self.socket.display(),
-                    hex::encode(service.digest),
-                    service.row_stride,
-                    hex::encode(self.hello.digest),
-                    self.hello.row_stride
-                ),
-            ));
-        }
-        match &self.region {
-            OwnedRegion::Path(p) => client.register_path(p, self.num_rows)?,
-            OwnedRegion::Fd(fd) => client.register_fd(fd.as_fd(), self.num_rows)?,
-        }
-        Ok(client)
-    }
-
-    fn region_text(&self) -> String {
-        match &self.region {
-            OwnedRegion::Path(p) => p.display().to_string(),
-            OwnedRegion::Fd(_) => "fd".into(),
-        }
-    }
-}
-
-/// Counts of the connection's life (for [`NodeTier::metrics`]).
-#[derive(Debug, Default)]
-struct LinkStats {
-    losses: AtomicU64,
-    reconnects: AtomicU64,
-    attempts: AtomicU64,
-    failed_jobs: AtomicU64,
-    /// Why the last reconnection attempt failed (for health).
-    last_error: Mutex<Option<String>>,
-}
-
-impl LinkStats {
-    fn sample(&self, connected: bool) -> Vec<TierMetric> {
-        use TierMetricKind::{Counter, Gauge};
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-        [
-            (
-                "node_client_connected",
-                "1 while the engine is connected to the kvtier node service",
-                Gauge,
-                f64::from(u8::from(connected)),
-            ),
-            (
-                "node_client_connection_losses",
-                "Connections to the node service lost (service crashed, killed or restarted)",
-                Counter,
-                load(&self.losses),
-            ),
-            (
-                "node_client_reconnects",
-                "Connections to the node service opened again after a loss",
-                Counter,
-                load(&self.reconnects),
-            ),
-            (
-                "node_client_reconnect_attempts",
-                "Attempts to reconnect to the node service",
-                Counter,
-                load(&self.attempts),
-            ),
-            (
-                "node_client_failed_jobs",
-                "Jobs of this engine reported failed (by the service or for a lost connection)",
-                Counter,
-                load(&self.failed_jobs),
-            ),
-        ]
-        .into_iter()
-        .map(|(name, help, kind, value)| TierMetric::new(name, help, kind, value))
-        .collect()
-    }
-}
-
-/// Every metric a [`NodeTier`] reports (for a host that declares its metrics before a tier
-/// opens, as vLLM does).
-pub fn metric_descriptors() -> Vec<MetricDescriptor> {
-    LinkStats::default()
-        .sample(false)
-        .into_iter()
-        .chain(HintCounters::default().sample())
-        .map(|m| MetricDescriptor {
-            name: m.name,
-            help: m.help,
-            kind: m.kind,
-            label_names: Vec::new(),
-        })
-        .collect()
-}
-
-/// A reconnection running in the background.
-struct Reconnect {
-    /// Stops it, also in the middle of a connect attempt.
-    abort: Arc<ConnectAbort>,
-    result: Receiver<NodeClient>,
-    thread: JoinHandle<()>,
 }
 
 /// The node service as a secondary tier (see the module docs).
@@ -250,61 +102,6 @@ pub struct NodeTier {
     hint_counters: HintCounters,
 }
 
-/// What the tier counted of the hints it was given.
-#[derive(Debug, Default, Clone, Copy)]
-struct HintCounters {
-    /// kvtier prefetch actions applied.
-    applied: u64,
-    /// Actions of other types (or versions), ignored.
-    ignored: u64,
-    /// kvtier prefetch actions whose payload was refused.
-    invalid: u64,
-    /// Keys sent to the service in hints.
-    keys: u64,
-    /// Lookups answered from a hint's verdict.
-    lookups_answered: u64,
-}
-
-impl HintCounters {
-    fn sample(&self) -> Vec<TierMetric> {
-        let values = [
-            self.applied,
-            self.ignored,
-            self.invalid,
-            self.keys,
-            self.lookups_answered,
-        ];
-        HINT_METRICS
-            .iter()
-            .zip(values)
-            .map(|((name, help), v)| TierMetric::new(name, help, TierMetricKind::Counter, v as f64))
-            .collect()
-    }
-}
-
-const HINT_METRICS: [(&str, &str); 5] = [
-    (
-        "node_hint_actions_applied",
-        "kvtier.prefetch hint actions sent to the node service",
-    ),
-    (
-        "node_hint_actions_ignored",
-        "Hint actions of another type or version, ignored",
-    ),
-    (
-        "node_hint_actions_invalid",
-        "kvtier.prefetch hint actions whose payload was refused",
-    ),
-    (
-        "node_hint_keys",
-        "Keys the tier asked the service to prefetch",
-    ),
-    (
-        "node_hint_lookups",
-        "Lookups answered at once from a hint's verdict",
-    ),
-];
-
 impl std::fmt::Debug for NodeTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NodeTier")
@@ -316,6 +113,30 @@ impl std::fmt::Debug for NodeTier {
 }
 
 impl NodeTier {
+    /// The label names of [`SecondaryTier::config_info`], in its order.
+    pub const CONFIG_INFO_KEYS: [&str; 4] = [
+        "kvtier_service_socket",
+        "kvtier_service_region",
+        "kvtier_slot_bytes",
+        "kvtier_namespace",
+    ];
+
+    /// Every metric a node tier reports (for a host that declares its metrics before a tier
+    /// opens, as vLLM does).
+    pub fn metric_descriptors() -> Vec<MetricDescriptor> {
+        LinkStats::default()
+            .sample(false)
+            .into_iter()
+            .chain(HintCounters::default().sample())
+            .map(|m| MetricDescriptor {
+                name: m.name,
+                help: m.help,
+                kind: m.kind,
+                label_names: Vec::new(),
+            })
+            .collect()
+    }
+
     /// Connects to the service at `socket` and registers `num_rows` rows of `region` (a
     /// descriptor is duplicated and kept for reconnecting).
     pub fn connect(
@@ -543,78 +364,6 @@ impl NodeTier {
     }
 }
 
-/// Stops a reconnection and joins its thread: an attempt waiting for the service's answer
-/// (handshake or registration) is ended by shutting its socket down, and a connection already
-/// made is dropped, which ends that session at the service. Waits at most
-/// [`RECONNECT_JOIN_WAIT`]: only a `connect` the kernel holds (a listener whose backlog is
-/// full) outlasts it, and that thread is then left to end by itself (logged).
-fn stop_reconnect(r: Reconnect, engine: &str) {
-    r.abort.abort();
-    drop(r.result);
-    let deadline = Instant::now() + RECONNECT_JOIN_WAIT;
-    while !r.thread.is_finished() {
-        if Instant::now() >= deadline {
-            log::warn!(
-                "kvtier node tier {engine:?}: the reconnection thread did not stop within {} s \
-                 (a connect to the service's socket is still held by the kernel); left to end \
-                 by itself",
-                RECONNECT_JOIN_WAIT.as_secs()
-            );
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let _ = r.thread.join();
-}
-
-/// Connects until it works or `abort` is aborted; waits between attempts with exponential
-/// backoff.
-fn reconnect_loop(c: &Connector, stats: &LinkStats, abort: &ConnectAbort) -> Option<NodeClient> {
-    let mut delay = RECONNECT_FIRST_DELAY;
-    let mut refusal_logged = false;
-    loop {
-        if abort.is_aborted() {
-            return None;
-        }
-        stats.attempts.fetch_add(1, Ordering::Relaxed);
-        match c.connect(Some(abort)) {
-            Ok(client) => return Some(client),
-            Err(e) => {
-                // Nothing listening yet is the normal course of a restart; a refusal (another
-                // digest, uid, row stride, a region file now too short) will not pass by
-                // itself: said once per outage.
-                let refused = matches!(
-                    e.kind(),
-                    ErrorKind::IncompatibleLayout
-                        | ErrorKind::PermissionDenied
-                        | ErrorKind::Contract
-                        | ErrorKind::Config
-                );
-                if refused && !refusal_logged {
-                    refusal_logged = true;
-                    log::warn!(
-                        "kvtier node tier {:?}: the node service at {} refuses this engine \
-                         ({e}); still retrying",
-                        c.hello.engine,
-                        c.socket.display()
-                    );
-                } else {
-                    log::debug!("kvtier node tier: reconnection attempt failed: {e}");
-                }
-                *stats.last_error.lock() = Some(e.to_string());
-            }
-        }
-        let until = Instant::now() + delay;
-        while Instant::now() < until {
-            if abort.is_aborted() {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5).min(delay));
-        }
-        delay = (delay * 2).min(RECONNECT_MAX_DELAY);
-    }
-}
-
 impl SecondaryTier for NodeTier {
     fn tier_type(&self) -> &str {
         "node"
@@ -812,7 +561,7 @@ impl SecondaryTier for NodeTier {
                 .to_string(),
             hex::encode(self.connector.hello.digest),
         ];
-        CONFIG_INFO_KEYS.into_iter().zip(values).collect()
+        Self::CONFIG_INFO_KEYS.into_iter().zip(values).collect()
     }
 
     fn health(&self) -> TierHealth {
