@@ -47,7 +47,7 @@ impl Worker {
                     );
                     continue;
                 }
-                if a.direct.is_none()
+                if a.tier.direct.is_none()
                     && let Err(e) = self.check_row(a.rows[i])
                 {
                     a.fail(i, e);
@@ -55,7 +55,7 @@ impl Worker {
                 }
                 match ix.reserve(key) {
                     Some(r) => {
-                        a.slots[i] = Some((r.slot, 0));
+                        a.tier.slots[i] = Some((r.slot, 0));
                         if let Some(ev) = r.evicted {
                             evicted.push(ev);
                         }
@@ -93,11 +93,11 @@ impl Worker {
                 self.publish_journal_state();
                 let mut guard = self.sh.index.lock();
                 for i in 0..a.keys.len() {
-                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
                         if let Some(ix) = guard.as_mut() {
                             ix.abort(slot);
                         }
-                        a.slots[i] = None;
+                        a.tier.slots[i] = None;
                         a.fail(i, e.duplicate());
                     }
                 }
@@ -124,7 +124,7 @@ impl Worker {
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };
-            let (Some(&row), Some(Some((slot_id, _)))) = (a.rows.get(i), a.slots.get(i).copied())
+            let (Some(&row), Some(Some((slot_id, _)))) = (a.rows.get(i), a.tier.slots.get(i).copied())
             else {
                 continue;
             };
@@ -133,7 +133,7 @@ impl Worker {
             match unsafe { region.row(row as usize) } {
                 Ok(bytes) => {
                     let stored = &bytes[..slot_bytes.min(bytes.len())];
-                    a.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))
+                    a.tier.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))
                 }
                 // Unreachable after the range check; the key fails rather than journaling
                 // a CRC that was never computed.
@@ -188,7 +188,7 @@ impl Worker {
                 ));
             }
         }
-        let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);
+        let path_of = |a: &Active, i: usize| a.tier.slots[i].map(|(s, _)| s as usize % n_paths);
         if sync {
             let touched: BTreeSet<usize> = jobs
                 .iter()
@@ -229,7 +229,7 @@ impl Worker {
             (true, None, Some(j)) => {
                 for (a, g) in jobs.iter().zip(gens.iter_mut()) {
                     for (i, gen_i) in g.iter_mut().enumerate() {
-                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.slots[i]) {
+                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.tier.slots[i]) {
                             *gen_i = self.dur.next_gen;
                             j.insert(&a.keys[i], slot, crc, self.dur.next_gen);
                             self.dur.next_gen = self.dur.next_gen.saturating_add(1);
@@ -259,7 +259,7 @@ impl Worker {
                 let mut keys = Vec::new();
                 if let Some(ix) = guard.as_mut() {
                     for (i, &gen_i) in g.iter().enumerate() {
-                        match (a.status[i], a.slots[i]) {
+                        match (a.status[i], a.tier.slots[i]) {
                             (KeyStatus::Done, Some((slot, crc))) => {
                                 ix.commit(slot, crc, gen_i);
                                 keys.push(a.keys[i].clone());
@@ -279,7 +279,7 @@ impl Worker {
             let m = &self.sh.metrics;
             m.keys_stored
                 .fetch_add(keys.len() as u64, Ordering::Relaxed);
-            let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+            let failed = a.count(KeyStatus::Failed);
             m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
             if !keys.is_empty() {
                 self.event(keys, false);
