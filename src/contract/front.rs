@@ -52,7 +52,10 @@ pub(crate) fn spawn_worker(
     crate::io::spawn_io_thread(thread, body).map_err(|e| {
         Error::new(
             ErrorKind::Io,
-            format!("cannot start the {} {} thread: {e}", names.tier, names.worker),
+            format!(
+                "cannot start the {} {} thread: {e}",
+                names.tier, names.worker
+            ),
         )
         .with_source(e)
     })

@@ -396,4 +396,3 @@ pub(crate) fn run_worker(w: &mut impl WorkerLoop) {
         w.wait();
     }
 }
-

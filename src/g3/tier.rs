@@ -328,7 +328,9 @@ impl G3Tier {
                     }
                 };
                 match (load, store_tx) {
-                    (true, _) => cmd_tx.try_send(Cmd::Load(job)).map_err(|e| refused(e.is_full())),
+                    (true, _) => cmd_tx
+                        .try_send(Cmd::Load(job))
+                        .map_err(|e| refused(e.is_full())),
                     (false, Some(tx)) => tx.try_send(job).map_err(|e| refused(e.is_full())),
                     (false, None) => Err(SendRefused::Closed),
                 }

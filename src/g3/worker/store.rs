@@ -124,7 +124,8 @@ impl Worker {
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };
-            let (Some(&row), Some(Some((slot_id, _)))) = (a.rows.get(i), a.tier.slots.get(i).copied())
+            let (Some(&row), Some(Some((slot_id, _)))) =
+                (a.rows.get(i), a.tier.slots.get(i).copied())
             else {
                 continue;
             };
@@ -229,7 +230,8 @@ impl Worker {
             (true, None, Some(j)) => {
                 for (a, g) in jobs.iter().zip(gens.iter_mut()) {
                     for (i, gen_i) in g.iter_mut().enumerate() {
-                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.tier.slots[i]) {
+                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.tier.slots[i])
+                        {
                             *gen_i = self.dur.next_gen;
                             j.insert(&a.keys[i], slot, crc, self.dur.next_gen);
                             self.dur.next_gen = self.dur.next_gen.saturating_add(1);
