@@ -167,3 +167,146 @@ impl<C> TierFront<C> {
         stop_worker(tx, shutdown, self.worker.take(), self.names.tier)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    #[derive(Default)]
+    struct Counters {
+        queued: AtomicU64,
+        active: AtomicU64,
+        cancelled: AtomicU64,
+        rejected: AtomicU64,
+        in_flight: AtomicU64,
+    }
+
+    impl JobCounters for Counters {
+        fn queued_jobs(&self) -> &AtomicU64 {
+            &self.queued
+        }
+        fn active_jobs(&self) -> &AtomicU64 {
+            &self.active
+        }
+        fn jobs_cancelled(&self) -> &AtomicU64 {
+            &self.cancelled
+        }
+        fn jobs_rejected(&self) -> &AtomicU64 {
+            &self.rejected
+        }
+        fn bytes_in_flight(&self) -> &AtomicU64 {
+            &self.in_flight
+        }
+    }
+
+    enum Cmd {
+        Job(TransferJob),
+        Drain(Sender<()>),
+        Shutdown(Sender<Result<()>>),
+    }
+
+    fn job(id: u64, keys: usize) -> TransferJob {
+        TransferJob {
+            job_id: id,
+            keys: (0..keys as u8).map(|i| crate::ChunkKey::new([i])).collect(),
+            chunk_ids: (0..keys as u32).collect(),
+            is_promotion: false,
+            req_id: "r".into(),
+            submit_time: std::time::Instant::now(),
+        }
+    }
+
+    fn message(r: &JobResult) -> (ErrorKind, String) {
+        let e = r.error.as_ref().expect("an error");
+        (e.kind(), e.message().to_string())
+    }
+
+    #[test]
+    fn refused_jobs_are_reported_at_once_with_the_tier_named() {
+        let names = TierNames {
+            tier: "T",
+            worker: "helper",
+        };
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded::<Cmd>();
+        let (results_tx, results_rx) = crossbeam_channel::unbounded();
+        let (_events_tx, events_rx) = crossbeam_channel::unbounded();
+        // The worker: reports each job, answers drains and the shutdown.
+        let worker = spawn_worker(names, "kvtier-test-front".into(), move || {
+            while let Ok(cmd) = cmd_rx.recv() {
+                match cmd {
+                    Cmd::Job(j) => {
+                        let _ = results_tx.send(JobResult::ok(j.job_id, Default::default(), 1));
+                    }
+                    Cmd::Drain(ack) => {
+                        let _ = ack.send(());
+                    }
+                    Cmd::Shutdown(ack) => {
+                        let _ = ack.send(Ok(()));
+                        return;
+                    }
+                }
+            }
+        })
+        .unwrap();
+        let m = Counters::default();
+        let mut f = TierFront::new(names, cmd_tx, results_rx, events_rx, worker, 1);
+        let send = |tx: &Sender<Cmd>, j| tx.send(Cmd::Job(j)).map_err(|_| SendRefused::Closed);
+        f.enqueue(job(1, 0), &m, send);
+        f.enqueue(job(2, 1), &m, |_, _| Err(SendRefused::Full));
+        f.enqueue(job(3, 1), &m, |_, _| Err(SendRefused::Closed));
+        assert_eq!(
+            m.queued.load(Ordering::Relaxed),
+            0,
+            "refused sends are not queued"
+        );
+        m.queued.store(1, Ordering::Relaxed);
+        f.enqueue(job(4, 1), &m, send);
+        m.queued.store(0, Ordering::Relaxed);
+        f.enqueue(job(5, 1), &m, send);
+        assert_eq!(
+            m.queued.load(Ordering::Relaxed),
+            1,
+            "job 5 went to the worker"
+        );
+        assert_eq!(m.rejected.load(Ordering::Relaxed), 2);
+        f.drain(Cmd::Drain);
+        assert_eq!(f.outstanding(), 5);
+        let out = f.finished();
+        assert_eq!(f.outstanding(), 0);
+        let ids: Vec<_> = out.iter().map(|r| (r.job_id, r.success)).collect();
+        assert_eq!(
+            ids,
+            [(1, true), (2, false), (3, false), (4, false), (5, true)]
+        );
+        assert_eq!(
+            message(&out[1]),
+            (
+                ErrorKind::NoSpace,
+                "T job channel is full; job 2 refused".into()
+            )
+        );
+        assert_eq!(
+            message(&out[2]),
+            (ErrorKind::Closed, "the T helper thread has stopped".into())
+        );
+        assert_eq!(
+            message(&out[3]),
+            (
+                ErrorKind::NoSpace,
+                "T job queue is full (1 jobs); job 4 refused".into()
+            )
+        );
+        f.stop(Cmd::Shutdown).unwrap();
+        assert!(f.commands().is_none());
+        f.stop(Cmd::Shutdown).expect("stopping twice is fine");
+        // (The worker would have counted job 5 off when it started it.)
+        m.queued.store(0, Ordering::Relaxed);
+        f.enqueue(job(6, 1), &m, send);
+        let out = f.finished();
+        assert_eq!(
+            message(&out[0]),
+            (ErrorKind::Closed, "the T tier is shut down".into())
+        );
+    }
+}

@@ -396,3 +396,302 @@ pub(crate) fn run_worker(w: &mut impl WorkerLoop) {
         w.wait();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crossbeam_channel::Receiver;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
+
+    #[derive(Default)]
+    struct Counters {
+        queued: AtomicU64,
+        active: AtomicU64,
+        cancelled: AtomicU64,
+        rejected: AtomicU64,
+        in_flight: AtomicU64,
+    }
+
+    impl JobCounters for Counters {
+        fn queued_jobs(&self) -> &AtomicU64 {
+            &self.queued
+        }
+        fn active_jobs(&self) -> &AtomicU64 {
+            &self.active
+        }
+        fn jobs_cancelled(&self) -> &AtomicU64 {
+            &self.cancelled
+        }
+        fn jobs_rejected(&self) -> &AtomicU64 {
+            &self.rejected
+        }
+        fn bytes_in_flight(&self) -> &AtomicU64 {
+            &self.in_flight
+        }
+    }
+
+    fn job(id: u64, keys: usize) -> TransferJob {
+        TransferJob {
+            job_id: id,
+            keys: (0..keys as u8).map(|i| ChunkKey::new([i])).collect(),
+            chunk_ids: (0..keys as u32).collect(),
+            is_promotion: false,
+            req_id: "r".into(),
+            submit_time: Instant::now(),
+        }
+    }
+
+    fn unit(n: Option<Next<u32>>) -> Option<u32> {
+        match n {
+            Some(Next::Unit(u)) => Some(u),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn the_byte_cap_holds_units_and_jobs_back_until_bytes_come_back() {
+        let m = Counters::default();
+        // Room for two units of 10 bytes.
+        let mut q = JobQueue::<u32>::new(20, 10);
+        q.push_job(job(1, 3), false);
+        q.push_job(job(2, 1), true);
+        m.queued.store(2, Ordering::Relaxed);
+        let Some(Next::Job(j, false)) = q.next(&m) else {
+            panic!("the first job starts");
+        };
+        assert_eq!(j.job_id, 1);
+        assert_eq!(m.queued.load(Ordering::Relaxed), 1);
+        (0..3).for_each(|u| q.push_unit(u));
+        assert_eq!(unit(q.next(&m)), Some(0));
+        assert_eq!(unit(q.next(&m)), Some(1));
+        assert!(q.next(&m).is_none(), "a third unit would pass the cap");
+        q.publish(&m);
+        assert_eq!(m.in_flight.load(Ordering::Relaxed), 20);
+        q.release();
+        assert_eq!(unit(q.next(&m)), Some(2));
+        assert!(q.no_units());
+        assert!(
+            q.next(&m).is_none(),
+            "no job starts while the budget is spent"
+        );
+        assert_eq!(m.queued.load(Ordering::Relaxed), 1);
+        q.release();
+        let Some(Next::Job(j, true)) = q.next(&m) else {
+            panic!("the second job starts once bytes came back");
+        };
+        assert_eq!(j.job_id, 2);
+        assert_eq!(m.queued.load(Ordering::Relaxed), 0);
+        assert!(q.no_jobs());
+        assert_eq!(q.in_flight(), 10);
+    }
+
+    #[test]
+    fn a_unit_larger_than_the_cap_goes_alone() {
+        let m = Counters::default();
+        let mut q = JobQueue::<u32>::new(5, 10);
+        q.push_unit(7);
+        q.push_unit_front(6);
+        assert_eq!(
+            unit(q.next(&m)),
+            Some(6),
+            "the unit put in front goes first"
+        );
+        assert!(q.next(&m).is_none());
+        q.release();
+        assert_eq!(unit(q.next(&m)), Some(7));
+        q.forget_units();
+        assert_eq!(q.in_flight(), 0);
+    }
+
+    #[test]
+    fn cancelled_jobs_fail_with_the_tier_named() {
+        let m = Counters::default();
+        let mut q = JobQueue::<u32>::new(20, 10);
+        q.push_job(job(4, 1), false);
+        q.push_job(job(5, 1), true);
+        m.queued.store(2, Ordering::Relaxed);
+        let (tx, rx) = crossbeam_channel::unbounded();
+        q.cancel_jobs("fs", &m, &tx);
+        let out: Vec<JobResult> = rx.try_iter().collect();
+        assert_eq!(out.iter().map(|r| r.job_id).collect::<Vec<_>>(), [4, 5]);
+        let e = out[0].error.as_ref().unwrap();
+        assert_eq!(e.kind(), ErrorKind::Cancelled);
+        assert_eq!(
+            e.message(),
+            "fs job 4 was cancelled by a drain before it started"
+        );
+        assert!(!out[1].success);
+        assert_eq!(m.queued.load(Ordering::Relaxed), 0);
+        assert_eq!(m.cancelled.load(Ordering::Relaxed), 2);
+        assert!(q.no_jobs());
+    }
+
+    #[test]
+    fn a_job_succeeds_only_when_every_key_moved_or_was_skipped() {
+        let m = Counters::default();
+        let keys: Vec<ChunkKey> = (0..3u8).map(|i| ChunkKey::new([i])).collect();
+        let mut a = JobRun::start(9, true, keys.clone(), vec![0, 1, 2], (), &m);
+        assert_eq!(m.active.load(Ordering::Relaxed), 1);
+        a.status = vec![KeyStatus::Done, KeyStatus::Skipped, KeyStatus::Done];
+        let r = a.into_result(None, &m);
+        assert!(r.success);
+        assert_eq!(m.active.load(Ordering::Relaxed), 0);
+
+        let mut a = JobRun::start(10, true, keys.clone(), vec![0, 1, 2], (), &m);
+        a.status[0] = KeyStatus::Done;
+        a.fail_key(1, Error::new(ErrorKind::Io, "boom"));
+        a.fail(2, Error::new(ErrorKind::Io, "second"));
+        assert_eq!(a.count(KeyStatus::Failed), 2);
+        assert_eq!(a.done_keys(), vec![keys[0].clone()]);
+        let loaded = Some(a.done_keys());
+        let r = a.into_result(loaded, &m);
+        assert!(!r.success);
+        assert_eq!(r.successful_keys, Some(vec![keys[0].clone()]));
+        let e = r.error.unwrap();
+        assert_eq!(e.message(), "boom", "the first failure is the job's error");
+        assert!(e.to_string().contains(&keys[1].to_hex()), "{e}");
+
+        let mut a = JobRun::start(11, false, keys, vec![0, 1, 2], (), &m);
+        a.fail(0, Error::new(ErrorKind::Io, "x"));
+        let r = a.into_result(Some(Vec::new()), &m);
+        assert_eq!(r.successful_keys, None, "no keys: none named");
+        assert_eq!(m.active.load(Ordering::Relaxed), 0);
+    }
+
+    /// A worker whose jobs are counters: `Work(n)` starts n, `Done` finishes one.
+    enum Msg {
+        Work(usize),
+        Done,
+        Drain(Sender<()>),
+        Shutdown(Sender<Result<()>>),
+    }
+
+    struct TestWorker {
+        life: Lifecycle,
+        rx: Receiver<Msg>,
+        work: usize,
+        advances: Arc<AtomicUsize>,
+        closes: Arc<AtomicUsize>,
+    }
+
+    impl WorkerLoop for TestWorker {
+        fn life(&mut self) -> &mut Lifecycle {
+            &mut self.life
+        }
+        fn advance(&mut self) {
+            self.advances.fetch_add(1, Ordering::SeqCst);
+        }
+        fn idle(&self) -> bool {
+            self.work == 0
+        }
+        fn close(&mut self) -> Result<()> {
+            self.closes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        fn wait(&mut self) {
+            match self.rx.recv() {
+                Ok(Msg::Work(n)) => self.work += n,
+                Ok(Msg::Done) => self.work -= 1,
+                Ok(Msg::Drain(ack)) => self.life.drain(ack),
+                Ok(Msg::Shutdown(ack)) => self.life.shutdown(ack),
+                Err(_) => self.life.commands_closed(),
+            }
+        }
+    }
+
+    struct Running {
+        tx: Sender<Msg>,
+        advances: Arc<AtomicUsize>,
+        closes: Arc<AtomicUsize>,
+        thread: std::thread::JoinHandle<()>,
+    }
+
+    fn start() -> Running {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let advances = Arc::new(AtomicUsize::new(0));
+        let closes = Arc::new(AtomicUsize::new(0));
+        let mut w = TestWorker {
+            life: Lifecycle::default(),
+            rx,
+            work: 0,
+            advances: advances.clone(),
+            closes: closes.clone(),
+        };
+        let thread = std::thread::spawn(move || run_worker(&mut w));
+        Running {
+            tx,
+            advances,
+            closes,
+            thread,
+        }
+    }
+
+    fn eventually(what: &str, f: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn an_idle_worker_blocks_until_something_arrives() {
+        let r = start();
+        eventually("the first turn", || r.advances.load(Ordering::SeqCst) == 1);
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            r.advances.load(Ordering::SeqCst),
+            1,
+            "an idle worker with nothing to do takes no further turn"
+        );
+        r.tx.send(Msg::Work(1)).unwrap();
+        eventually("a turn per message", || {
+            r.advances.load(Ordering::SeqCst) == 2
+        });
+        r.tx.send(Msg::Done).unwrap();
+        eventually("a turn per message", || {
+            r.advances.load(Ordering::SeqCst) == 3
+        });
+        assert_eq!(r.closes.load(Ordering::SeqCst), 0, "still running");
+        drop(r.tx);
+        r.thread.join().unwrap();
+        assert_eq!(r.closes.load(Ordering::SeqCst), 1, "a gone tier stops it");
+    }
+
+    #[test]
+    fn drains_and_the_shutdown_are_answered_only_when_the_work_is_done() {
+        let r = start();
+        r.tx.send(Msg::Work(2)).unwrap();
+        let (drain_tx, drain_rx) = crossbeam_channel::bounded(1);
+        r.tx.send(Msg::Drain(drain_tx)).unwrap();
+        assert!(
+            drain_rx.recv_timeout(Duration::from_millis(50)).is_err(),
+            "a drain waits for started work"
+        );
+        r.tx.send(Msg::Done).unwrap();
+        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
+        r.tx.send(Msg::Shutdown(ack_tx)).unwrap();
+        assert!(drain_rx.recv_timeout(Duration::from_millis(50)).is_err());
+        assert!(
+            ack_rx.recv_timeout(Duration::from_millis(50)).is_err(),
+            "the shutdown waits for started work"
+        );
+        assert_eq!(r.closes.load(Ordering::SeqCst), 0);
+        r.tx.send(Msg::Done).unwrap();
+        drain_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the drain is answered once idle");
+        ack_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the shutdown is answered once idle")
+            .unwrap();
+        r.thread.join().unwrap();
+        assert_eq!(
+            r.closes.load(Ordering::SeqCst),
+            1,
+            "closed once, before the answer"
+        );
+    }
+}

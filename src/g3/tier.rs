@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crossbeam_channel::Sender;
-use parking_lot::Mutex;
 
 use crate::contract::front::{SendRefused, TierFront, TierNames, spawn_worker};
 use crate::contract::job::{
@@ -19,7 +18,7 @@ use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMet
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::admission::AdmissionGate;
 use crate::g3::config::G3TierConfig;
-use crate::g3::metrics::{G3Metrics, PathStatus};
+use crate::g3::metrics::G3Metrics;
 use crate::g3::slab::{self, SlabSpec};
 use crate::g3::worker::{Cmd, Shared, Worker, WorkerInit};
 use crate::geometry::ChunkGeometry;
@@ -76,6 +75,14 @@ pub struct G3Info {
 pub type EngineFactory = Box<
     dyn FnOnce(IoEngineKind, Arc<PrimaryRegion>, Vec<File>, &EngineOptions) -> Result<EngineHandle>,
 >;
+
+/// Duplicates of the slabs' data descriptors, in stripe order.
+fn data_descriptors(set: &slab::SlabSet) -> Result<Vec<File>> {
+    set.files
+        .iter()
+        .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
+        .collect()
+}
 
 /// The G3 NVMe tier.
 pub struct G3Tier {
@@ -144,17 +151,8 @@ impl G3Tier {
             direct_io: cfg.direct_io,
         };
         let set = slab::open_set(&cfg.paths, &spec)?;
-        let files = set
-            .files
-            .iter()
-            .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
-            .collect::<Result<Vec<_>>>()?;
-        let direct_files = Arc::new(
-            set.files
-                .iter()
-                .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
-                .collect::<Result<Vec<_>>>()?,
-        );
+        let files = data_descriptors(&set)?;
+        let direct_files = Arc::new(data_descriptors(&set)?);
         let all_direct = set.files.iter().all(|f| f.direct);
         let per_flight =
             ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight_for(row_stride), row_stride)
@@ -188,27 +186,7 @@ impl G3Tier {
         metrics
             .paths_unrecorded
             .store(set.unrecorded_paths as u64, Ordering::Relaxed);
-        let shared = Arc::new(Shared {
-            index: Mutex::new(None),
-            metrics,
-            paths: set
-                .files
-                .iter()
-                .map(|f| PathStatus {
-                    direct: f.direct,
-                    fs_type: f.fs_type.clone(),
-                    poisoned: Default::default(),
-                    problem: Default::default(),
-                    lost: Default::default(),
-                    wrong_filesystem: Default::default(),
-                })
-                .collect(),
-            failed: Mutex::new(None),
-            checkpoint_error: Mutex::new(None),
-            journal_problem: Mutex::new(None),
-            final_checkpoint_error: Mutex::new(None),
-            events: std::sync::atomic::AtomicBool::new(true),
-        });
+        let shared = Arc::new(Shared::new(metrics, &set));
         // Bounded channels keep their slots in one preallocated ring: an unbounded channel
         // allocates a block every 31 messages on the sending (scheduler) thread and frees it on
         // the worker, and on the development VM that allocation made one submission in 31

@@ -4,7 +4,7 @@ use super::*;
 use crate::io::{EngineOptions, IoEngineKind, open_engine};
 use serde_json::json;
 use std::collections::HashSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const STRIDE: usize = 4096;
 

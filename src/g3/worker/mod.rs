@@ -96,6 +96,33 @@ pub(crate) struct Shared {
     pub events: std::sync::atomic::AtomicBool,
 }
 
+impl Shared {
+    /// The state of a tier over the slab files of `set`, not recovered yet.
+    pub fn new(metrics: G3Metrics, set: &SlabSet) -> Self {
+        Shared {
+            index: Mutex::new(None),
+            metrics,
+            paths: set
+                .files
+                .iter()
+                .map(|f| PathStatus {
+                    direct: f.direct,
+                    fs_type: f.fs_type.clone(),
+                    poisoned: Default::default(),
+                    problem: Default::default(),
+                    lost: Default::default(),
+                    wrong_filesystem: Default::default(),
+                })
+                .collect(),
+            failed: Mutex::new(None),
+            checkpoint_error: Mutex::new(None),
+            journal_problem: Mutex::new(None),
+            final_checkpoint_error: Mutex::new(None),
+            events: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
+}
+
 /// What a G3 job keeps besides the shared per-key progress.
 struct G3Job {
     /// Per key, its slot and the CRC bound to the key (stores: once written).

@@ -162,57 +162,11 @@ impl Worker {
         let mut jobs = std::mem::take(&mut self.commits);
         let n_paths = self.set.files.len();
         let sync = self.cfg.fsync == FsyncPolicy::Always;
-        // Paths whose keys of this group must fail: a slab that a restart would not find, or
-        // (below) whose sync failed.
-        let mut lost: Vec<(usize, Error)> = if sync {
-            self.check_files()
-        } else {
-            self.check_files_now_and_then()
-        };
-        // A path fenced since these writes were issued (another write there failed) holds no
-        // entry any more: its keys fail too.
-        for (f, p) in self.sh.paths.iter().enumerate() {
-            let why = p.lost.lock().clone().or_else(|| {
-                p.poisoned
-                    .load(Ordering::Relaxed)
-                    .then(|| p.problem.lock().clone().unwrap_or_default())
-            });
-            if let Some(why) = why
-                && !lost.iter().any(|(l, _)| *l == f)
-            {
-                lost.push((
-                    f,
-                    Error::new(
-                        ErrorKind::Poisoned,
-                        format!("G3 path {f} was taken out of service: {why}"),
-                    ),
-                ));
-            }
-        }
-        let path_of = |a: &Active, i: usize| a.tier.slots[i].map(|(s, _)| s as usize % n_paths);
-        if sync {
-            let touched: BTreeSet<usize> = jobs
-                .iter()
-                .flat_map(|a| {
-                    (0..a.keys.len())
-                        .filter(|&i| a.status[i] == KeyStatus::Done)
-                        .filter_map(|i| path_of(a, i))
-                })
-                .collect();
-            for f in touched {
-                if lost.iter().any(|(l, _)| *l == f) {
-                    continue;
-                }
-                if let Err(e) = self.engine.sync_data(f) {
-                    self.poison_path(f, &e);
-                    lost.push((f, e));
-                }
-            }
-        }
+        let lost = self.lost_paths(&jobs, sync);
         for (f, e) in &lost {
             for a in jobs.iter_mut() {
                 for i in 0..a.keys.len() {
-                    if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(*f) {
+                    if a.status[i] == KeyStatus::Done && path_of(a, i, n_paths) == Some(*f) {
                         a.fail(i, e.duplicate());
                     }
                 }
@@ -290,4 +244,63 @@ impl Worker {
         }
         self.maybe_checkpoint();
     }
+
+    /// The paths whose keys of the group `jobs` must fail, each with why: a slab that a
+    /// restart would not find, a path fenced since these writes were issued, or (under
+    /// `fsync = always`, `sync`) a slab whose fdatasync failed (it is fenced).
+    fn lost_paths(&mut self, jobs: &[Active], sync: bool) -> Vec<(usize, Error)> {
+        let n_paths = self.set.files.len();
+        // Paths whose keys of this group must fail: a slab that a restart would not find, or
+        // (below) whose sync failed.
+        let mut lost: Vec<(usize, Error)> = if sync {
+            self.check_files()
+        } else {
+            self.check_files_now_and_then()
+        };
+        // A path fenced since these writes were issued (another write there failed) holds no
+        // entry any more: its keys fail too.
+        for (f, p) in self.sh.paths.iter().enumerate() {
+            let why = p.lost.lock().clone().or_else(|| {
+                p.poisoned
+                    .load(Ordering::Relaxed)
+                    .then(|| p.problem.lock().clone().unwrap_or_default())
+            });
+            if let Some(why) = why
+                && !lost.iter().any(|(l, _)| *l == f)
+            {
+                lost.push((
+                    f,
+                    Error::new(
+                        ErrorKind::Poisoned,
+                        format!("G3 path {f} was taken out of service: {why}"),
+                    ),
+                ));
+            }
+        }
+        if sync {
+            let touched: BTreeSet<usize> = jobs
+                .iter()
+                .flat_map(|a| {
+                    (0..a.keys.len())
+                        .filter(|&i| a.status[i] == KeyStatus::Done)
+                        .filter_map(|i| path_of(a, i, n_paths))
+                })
+                .collect();
+            for f in touched {
+                if lost.iter().any(|(l, _)| *l == f) {
+                    continue;
+                }
+                if let Err(e) = self.engine.sync_data(f) {
+                    self.poison_path(f, &e);
+                    lost.push((f, e));
+                }
+            }
+        }
+        lost
+    }
+}
+
+/// The path holding key `i`'s slot, of `n_paths`.
+fn path_of(a: &Active, i: usize, n_paths: usize) -> Option<usize> {
+    a.tier.slots[i].map(|(s, _)| s as usize % n_paths)
 }

@@ -21,6 +21,7 @@ use super::ghost::{Ghost, GhostLists};
 use crate::primary::mem_hints::huge_slice;
 
 use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::marks::{Marked, mark_evictable, mark_non_evictable, select_victims};
 use super::{ArcStats, Commit, EvictionPolicy, PolicyStats};
 
 const IN_T1: u8 = 1;
@@ -153,6 +154,20 @@ impl ArcPolicy {
     }
 }
 
+impl Marked for ArcPolicy {
+    const RESIDENT: u8 = IN_T1 | IN_T2;
+    const EVICTABLE: u8 = EVICTABLE;
+    const PROTECTED: u8 = PROTECTED;
+
+    fn marks(&mut self) -> (&mut [u8], &mut usize) {
+        (&mut self.state, &mut self.evictable)
+    }
+
+    fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
+        ArcPolicy::select(self, n, victims)
+    }
+}
+
 impl EvictionPolicy for ArcPolicy {
     fn name(&self) -> &'static str {
         "arc"
@@ -186,20 +201,11 @@ impl EvictionPolicy for ArcPolicy {
     }
 
     fn mark_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 || st & (IN_T1 | IN_T2) == 0 {
-            return;
-        }
-        self.state[slot as usize] = st | EVICTABLE;
-        self.evictable += 1;
+        mark_evictable(self, slot);
     }
 
     fn mark_non_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 {
-            self.state[slot as usize] = st & !EVICTABLE;
-            self.evictable -= 1;
-        }
+        mark_non_evictable(self, slot);
     }
 
     fn touch(&mut self, slot: u32, ready: bool) {
@@ -240,20 +246,9 @@ impl EvictionPolicy for ArcPolicy {
         if n == 0 {
             return true;
         }
-        if n > self.evictable {
-            return false;
-        }
-        for &s in protected {
-            self.state[s as usize] |= PROTECTED;
-        }
         // Select all `n` first (vLLM: candidates collected atomically, scans monotonic).
         let start = victims.len();
-        let ok = self.select(n, victims) == n;
-        for &s in protected {
-            self.state[s as usize] &= !PROTECTED;
-        }
-        if !ok {
-            victims.truncate(start);
+        if !select_victims(self, n, protected, victims) {
             return false;
         }
         for &slot in &victims[start..] {

@@ -5,6 +5,7 @@
 use crate::primary::mem_hints::huge_slice;
 
 use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::marks::{Marked, mark_evictable, mark_non_evictable, select_victims};
 use super::{Commit, EvictionPolicy, PolicyStats};
 
 const IN_LIST: u8 = 1;
@@ -39,6 +40,30 @@ impl LruPolicy {
     }
 }
 
+impl Marked for LruPolicy {
+    const RESIDENT: u8 = IN_LIST;
+    const EVICTABLE: u8 = EVICTABLE;
+    const PROTECTED: u8 = PROTECTED;
+
+    fn marks(&mut self) -> (&mut [u8], &mut usize) {
+        (&mut self.state, &mut self.evictable)
+    }
+
+    fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
+        let mut found = 0;
+        let mut cur = self.list.back();
+        while found < n {
+            let Some(slot) = cur else { break };
+            cur = more_recent(&self.links, slot);
+            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
+                victims.push(slot);
+                found += 1;
+            }
+        }
+        found
+    }
+}
+
 impl EvictionPolicy for LruPolicy {
     fn name(&self) -> &'static str {
         "lru"
@@ -67,20 +92,11 @@ impl EvictionPolicy for LruPolicy {
     }
 
     fn mark_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 || st & IN_LIST == 0 {
-            return;
-        }
-        self.state[slot as usize] = st | EVICTABLE;
-        self.evictable += 1;
+        mark_evictable(self, slot);
     }
 
     fn mark_non_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 {
-            self.state[slot as usize] = st & !EVICTABLE;
-            self.evictable -= 1;
-        }
+        mark_non_evictable(self, slot);
     }
 
     fn touch(&mut self, slot: u32, _ready: bool) {
@@ -109,27 +125,9 @@ impl EvictionPolicy for LruPolicy {
         if n == 0 {
             return true;
         }
-        if n > self.evictable {
-            return false;
-        }
-        for &s in protected {
-            self.state[s as usize] |= PROTECTED;
-        }
         // Select first, from the least recent end, without changing anything.
         let start = victims.len();
-        let mut cur = self.list.back();
-        while victims.len() - start < n {
-            let Some(slot) = cur else { break };
-            cur = more_recent(&self.links, slot);
-            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
-                victims.push(slot);
-            }
-        }
-        for &s in protected {
-            self.state[s as usize] &= !PROTECTED;
-        }
-        if victims.len() - start < n {
-            victims.truncate(start);
+        if !select_victims(self, n, protected, victims) {
             return false;
         }
         for &slot in &victims[start..] {
