@@ -171,50 +171,12 @@ impl<C> TierFront<C> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
-
-    #[derive(Default)]
-    struct Counters {
-        queued: AtomicU64,
-        active: AtomicU64,
-        cancelled: AtomicU64,
-        rejected: AtomicU64,
-        in_flight: AtomicU64,
-    }
-
-    impl JobCounters for Counters {
-        fn queued_jobs(&self) -> &AtomicU64 {
-            &self.queued
-        }
-        fn active_jobs(&self) -> &AtomicU64 {
-            &self.active
-        }
-        fn jobs_cancelled(&self) -> &AtomicU64 {
-            &self.cancelled
-        }
-        fn jobs_rejected(&self) -> &AtomicU64 {
-            &self.rejected
-        }
-        fn bytes_in_flight(&self) -> &AtomicU64 {
-            &self.in_flight
-        }
-    }
+    use crate::contract::worker::tests::{Counters, job};
 
     enum Cmd {
         Job(TransferJob),
         Drain(Sender<()>),
         Shutdown(Sender<Result<()>>),
-    }
-
-    fn job(id: u64, keys: usize) -> TransferJob {
-        TransferJob {
-            job_id: id,
-            keys: (0..keys as u8).map(|i| crate::ChunkKey::new([i])).collect(),
-            chunk_ids: (0..keys as u32).collect(),
-            is_promotion: false,
-            req_id: "r".into(),
-            submit_time: std::time::Instant::now(),
-        }
     }
 
     fn message(r: &JobResult) -> (ErrorKind, String) {
@@ -256,20 +218,20 @@ mod tests {
         f.enqueue(job(2, 1), &m, |_, _| Err(SendRefused::Full));
         f.enqueue(job(3, 1), &m, |_, _| Err(SendRefused::Closed));
         assert_eq!(
-            m.queued.load(Ordering::Relaxed),
+            m.queued_jobs.load(Ordering::Relaxed),
             0,
             "refused sends are not queued"
         );
-        m.queued.store(1, Ordering::Relaxed);
+        m.queued_jobs.store(1, Ordering::Relaxed);
         f.enqueue(job(4, 1), &m, send);
-        m.queued.store(0, Ordering::Relaxed);
+        m.queued_jobs.store(0, Ordering::Relaxed);
         f.enqueue(job(5, 1), &m, send);
         assert_eq!(
-            m.queued.load(Ordering::Relaxed),
+            m.queued_jobs.load(Ordering::Relaxed),
             1,
             "job 5 went to the worker"
         );
-        assert_eq!(m.rejected.load(Ordering::Relaxed), 2);
+        assert_eq!(m.jobs_rejected.load(Ordering::Relaxed), 2);
         f.drain(Cmd::Drain);
         assert_eq!(f.outstanding(), 5);
         let out = f.finished();
@@ -301,7 +263,7 @@ mod tests {
         assert!(f.commands().is_none());
         f.stop(Cmd::Shutdown).expect("stopping twice is fine");
         // (The worker would have counted job 5 off when it started it.)
-        m.queued.store(0, Ordering::Relaxed);
+        m.queued_jobs.store(0, Ordering::Relaxed);
         f.enqueue(job(6, 1), &m, send);
         let out = f.finished();
         assert_eq!(

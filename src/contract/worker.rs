@@ -30,6 +30,30 @@ pub(crate) trait JobCounters {
     fn bytes_in_flight(&self) -> &AtomicU64;
 }
 
+/// Implements [`JobCounters`] for a metrics type whose fields carry the trait's method names.
+macro_rules! job_counters {
+    ($metrics:ty) => {
+        impl $crate::contract::worker::JobCounters for $metrics {
+            fn queued_jobs(&self) -> &::std::sync::atomic::AtomicU64 {
+                &self.queued_jobs
+            }
+            fn active_jobs(&self) -> &::std::sync::atomic::AtomicU64 {
+                &self.active_jobs
+            }
+            fn jobs_cancelled(&self) -> &::std::sync::atomic::AtomicU64 {
+                &self.jobs_cancelled
+            }
+            fn jobs_rejected(&self) -> &::std::sync::atomic::AtomicU64 {
+                &self.jobs_rejected
+            }
+            fn bytes_in_flight(&self) -> &::std::sync::atomic::AtomicU64 {
+                &self.bytes_in_flight
+            }
+        }
+    };
+}
+pub(crate) use job_counters;
+
 /// What the queue hands out next (see [`JobQueue::next`]).
 #[derive(Debug)]
 pub(crate) enum Next<U> {
@@ -398,41 +422,27 @@ pub(crate) fn run_worker(w: &mut impl WorkerLoop) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crossbeam_channel::Receiver;
     use std::sync::Arc;
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
+    /// The job counters of a test.
     #[derive(Default)]
-    struct Counters {
-        queued: AtomicU64,
-        active: AtomicU64,
-        cancelled: AtomicU64,
-        rejected: AtomicU64,
-        in_flight: AtomicU64,
+    pub(crate) struct Counters {
+        pub queued_jobs: AtomicU64,
+        pub active_jobs: AtomicU64,
+        pub jobs_cancelled: AtomicU64,
+        pub jobs_rejected: AtomicU64,
+        pub bytes_in_flight: AtomicU64,
     }
 
-    impl JobCounters for Counters {
-        fn queued_jobs(&self) -> &AtomicU64 {
-            &self.queued
-        }
-        fn active_jobs(&self) -> &AtomicU64 {
-            &self.active
-        }
-        fn jobs_cancelled(&self) -> &AtomicU64 {
-            &self.cancelled
-        }
-        fn jobs_rejected(&self) -> &AtomicU64 {
-            &self.rejected
-        }
-        fn bytes_in_flight(&self) -> &AtomicU64 {
-            &self.in_flight
-        }
-    }
+    job_counters!(Counters);
 
-    fn job(id: u64, keys: usize) -> TransferJob {
+    /// Job `id` of `keys` keys (rows 0, 1, ...).
+    pub(crate) fn job(id: u64, keys: usize) -> TransferJob {
         TransferJob {
             job_id: id,
             keys: (0..keys as u8).map(|i| ChunkKey::new([i])).collect(),
@@ -457,18 +467,18 @@ mod tests {
         let mut q = JobQueue::<u32>::new(20, 10);
         q.push_job(job(1, 3), false);
         q.push_job(job(2, 1), true);
-        m.queued.store(2, Ordering::Relaxed);
+        m.queued_jobs.store(2, Ordering::Relaxed);
         let Some(Next::Job(j, false)) = q.next(&m) else {
             panic!("the first job starts");
         };
         assert_eq!(j.job_id, 1);
-        assert_eq!(m.queued.load(Ordering::Relaxed), 1);
+        assert_eq!(m.queued_jobs.load(Ordering::Relaxed), 1);
         (0..3).for_each(|u| q.push_unit(u));
         assert_eq!(unit(q.next(&m)), Some(0));
         assert_eq!(unit(q.next(&m)), Some(1));
         assert!(q.next(&m).is_none(), "a third unit would pass the cap");
         q.publish(&m);
-        assert_eq!(m.in_flight.load(Ordering::Relaxed), 20);
+        assert_eq!(m.bytes_in_flight.load(Ordering::Relaxed), 20);
         q.release();
         assert_eq!(unit(q.next(&m)), Some(2));
         assert!(q.no_units());
@@ -476,13 +486,13 @@ mod tests {
             q.next(&m).is_none(),
             "no job starts while the budget is spent"
         );
-        assert_eq!(m.queued.load(Ordering::Relaxed), 1);
+        assert_eq!(m.queued_jobs.load(Ordering::Relaxed), 1);
         q.release();
         let Some(Next::Job(j, true)) = q.next(&m) else {
             panic!("the second job starts once bytes came back");
         };
         assert_eq!(j.job_id, 2);
-        assert_eq!(m.queued.load(Ordering::Relaxed), 0);
+        assert_eq!(m.queued_jobs.load(Ordering::Relaxed), 0);
         assert!(q.no_jobs());
         assert_eq!(q.in_flight(), 10);
     }
@@ -511,7 +521,7 @@ mod tests {
         let mut q = JobQueue::<u32>::new(20, 10);
         q.push_job(job(4, 1), false);
         q.push_job(job(5, 1), true);
-        m.queued.store(2, Ordering::Relaxed);
+        m.queued_jobs.store(2, Ordering::Relaxed);
         let (tx, rx) = crossbeam_channel::unbounded();
         q.cancel_jobs("fs", &m, &tx);
         let out: Vec<JobResult> = rx.try_iter().collect();
@@ -523,8 +533,8 @@ mod tests {
             "fs job 4 was cancelled by a drain before it started"
         );
         assert!(!out[1].success);
-        assert_eq!(m.queued.load(Ordering::Relaxed), 0);
-        assert_eq!(m.cancelled.load(Ordering::Relaxed), 2);
+        assert_eq!(m.queued_jobs.load(Ordering::Relaxed), 0);
+        assert_eq!(m.jobs_cancelled.load(Ordering::Relaxed), 2);
         assert!(q.no_jobs());
     }
 
@@ -533,11 +543,11 @@ mod tests {
         let m = Counters::default();
         let keys: Vec<ChunkKey> = (0..3u8).map(|i| ChunkKey::new([i])).collect();
         let mut a = JobRun::start(9, true, keys.clone(), vec![0, 1, 2], (), &m);
-        assert_eq!(m.active.load(Ordering::Relaxed), 1);
+        assert_eq!(m.active_jobs.load(Ordering::Relaxed), 1);
         a.status = vec![KeyStatus::Done, KeyStatus::Skipped, KeyStatus::Done];
         let r = a.into_result(None, &m);
         assert!(r.success);
-        assert_eq!(m.active.load(Ordering::Relaxed), 0);
+        assert_eq!(m.active_jobs.load(Ordering::Relaxed), 0);
 
         let mut a = JobRun::start(10, true, keys.clone(), vec![0, 1, 2], (), &m);
         a.status[0] = KeyStatus::Done;
@@ -557,7 +567,7 @@ mod tests {
         a.fail(0, Error::new(ErrorKind::Io, "x"));
         let r = a.into_result(Some(Vec::new()), &m);
         assert_eq!(r.successful_keys, None, "no keys: none named");
-        assert_eq!(m.active.load(Ordering::Relaxed), 0);
+        assert_eq!(m.active_jobs.load(Ordering::Relaxed), 0);
     }
 
     /// A worker whose jobs are counters: `Work(n)` starts n, `Done` finishes one.

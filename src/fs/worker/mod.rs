@@ -17,14 +17,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crossbeam_channel::{Receiver, Sender, never};
 use parking_lot::Mutex;
 
 use crate::contract::job::{JobResult, Locality, OffloadingEvent, TransferJob};
 use crate::contract::worker::{
-    EventSink, JobCounters, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, run_worker,
+    EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
@@ -100,23 +100,7 @@ impl Shared {
 /// which names those of them the tier still holds when the job is reported).
 type Active = JobRun<Vec<ChunkKey>>;
 
-impl JobCounters for FsMetrics {
-    fn queued_jobs(&self) -> &AtomicU64 {
-        &self.queued_jobs
-    }
-    fn active_jobs(&self) -> &AtomicU64 {
-        &self.active_jobs
-    }
-    fn jobs_cancelled(&self) -> &AtomicU64 {
-        &self.jobs_cancelled
-    }
-    fn jobs_rejected(&self) -> &AtomicU64 {
-        &self.jobs_rejected
-    }
-    fn bytes_in_flight(&self) -> &AtomicU64 {
-        &self.bytes_in_flight
-    }
-}
+job_counters!(FsMetrics);
 
 /// Channels and settings the coordinator starts with.
 pub(crate) struct WorkerInit {

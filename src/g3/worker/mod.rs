@@ -21,7 +21,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, after, never};
@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 
 use crate::contract::job::{JobResult, Locality, OffloadingEvent, TransferJob};
 use crate::contract::worker::{
-    EventSink, JobCounters, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, run_worker,
+    EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
 };
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
@@ -148,23 +148,7 @@ impl G3Job {
 /// A started G3 job.
 type Active = JobRun<G3Job>;
 
-impl JobCounters for G3Metrics {
-    fn queued_jobs(&self) -> &AtomicU64 {
-        &self.queued_jobs
-    }
-    fn active_jobs(&self) -> &AtomicU64 {
-        &self.active_jobs
-    }
-    fn jobs_cancelled(&self) -> &AtomicU64 {
-        &self.jobs_cancelled
-    }
-    fn jobs_rejected(&self) -> &AtomicU64 {
-        &self.jobs_rejected
-    }
-    fn bytes_in_flight(&self) -> &AtomicU64 {
-        &self.bytes_in_flight
-    }
-}
+job_counters!(G3Metrics);
 
 /// What the tier hands its worker at start.
 pub(crate) struct WorkerInit {
