@@ -224,6 +224,12 @@ pub(crate) struct JobRun<T> {
 }
 
 impl<T> JobRun<T> {
+    /// `job` started (`load`: files to primary), its keys all pending; counted in
+    /// `active_jobs` until [`JobRun::into_result`].
+    pub fn of(job: TransferJob, load: bool, tier: T, m: &dyn JobCounters) -> Self {
+        Self::start(job.job_id, load, job.keys, job.chunk_ids, tier, m)
+    }
+
     /// A job whose keys are all pending; counted in `active_jobs` until
     /// [`JobRun::into_result`].
     pub fn start(
@@ -319,6 +325,11 @@ impl EventSink {
             tier_id,
             locality,
         }
+    }
+
+    /// The tier's id.
+    pub fn tier_id(&self) -> &str {
+        &self.tier_id
     }
 
     /// Sends that `keys` were stored (or `removed`), when `enabled` says events are recorded.

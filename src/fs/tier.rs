@@ -20,6 +20,7 @@ use crate::contract::job::{
     JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
 use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
+use crate::contract::worker::EventSink;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
 use crate::fs::chunk_file::{DirCache, PublishMode, probe_publish};
@@ -196,11 +197,9 @@ impl FsTier {
             sh: sh.clone(),
             max_bytes_in_flight: cfg.max_bytes_in_flight_for(stride),
             io_threads: cfg.io_threads,
-            tier_id: tier_id.clone(),
-            locality,
+            events: EventSink::new(events_tx, tier_id.clone(), locality),
             cmd_rx,
             results_tx,
-            events_tx,
             invalidated_tx,
         })
         .and_then(|w| spawn_worker(NAMES, format!("kvtier-fs-{tier_id}"), move || w.run()));

@@ -15,6 +15,7 @@ use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
 use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
+use crate::contract::worker::EventSink;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::admission::AdmissionGate;
 use crate::g3::config::G3TierConfig;
@@ -206,12 +207,10 @@ impl G3Tier {
             engine: handle.engine.clone(),
             set,
             cfg: cfg.clone(),
-            tier_id: tier_id.clone(),
-            locality,
+            events: EventSink::new(events_tx, tier_id.clone(), locality),
             cmd_rx,
             store_rx,
             results_tx,
-            events_tx,
         });
         let engine = handle.engine;
         let thread = spawn_worker(NAMES, format!("kvtier-g3-{tier_id}"), move || worker.run())

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crossbeam_channel::{Receiver, Sender, never};
 use parking_lot::Mutex;
 
-use crate::contract::job::{JobResult, Locality, OffloadingEvent, TransferJob};
+use crate::contract::job::{JobResult, TransferJob};
 use crate::contract::worker::{
     EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
 };
@@ -107,11 +107,10 @@ pub(crate) struct WorkerInit {
     pub sh: Arc<Shared>,
     pub max_bytes_in_flight: u64,
     pub io_threads: usize,
-    pub tier_id: String,
-    pub locality: Option<Locality>,
+    /// Where events go (with the tier's id and locality).
+    pub events: EventSink,
     pub cmd_rx: Receiver<Cmd>,
     pub results_tx: Sender<JobResult>,
-    pub events_tx: Sender<OffloadingEvent>,
     /// Keys this process evicted or found bad, for the lookup verdict cache.
     pub invalidated_tx: Sender<Vec<ChunkKey>>,
 }
@@ -167,8 +166,8 @@ impl Worker {
             jobs: JobQueue::new(w.max_bytes_in_flight, w.sh.stride()),
             completions: w.sh.engine.completions().clone(),
             sh: w.sh,
-            events: EventSink::new(w.events_tx, w.tier_id.clone(), w.locality),
-            tier_id: w.tier_id,
+            tier_id: w.events.tier_id().to_string(),
+            events: w.events,
             cmd_rx: w.cmd_rx,
             results_tx: w.results_tx,
             invalidated_tx: w.invalidated_tx,
@@ -313,14 +312,7 @@ impl Worker {
     fn start_job(&mut self, job: TransferJob, load: bool) {
         let serial = self.jobs.next_serial();
         let n = job.keys.len();
-        let mut a = Active::start(
-            job.job_id,
-            load,
-            job.keys,
-            job.chunk_ids,
-            Vec::new(),
-            &self.sh.metrics,
-        );
+        let mut a = Active::of(job, load, Vec::new(), &self.sh.metrics);
         {
             let mut catalog = self.sh.catalog.lock();
             for i in 0..n {

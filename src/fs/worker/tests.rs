@@ -1,6 +1,7 @@
 //! The coordinator driven by hand.
 
 use super::*;
+use crate::contract::job::OffloadingEvent;
 use crate::io::{EngineOptions, IoEngineKind, open_engine};
 use serde_json::json;
 use std::collections::HashSet;
@@ -55,11 +56,9 @@ fn worker(dir: &std::path::Path) -> (Worker, Receiver<OffloadingEvent>) {
         sh,
         max_bytes_in_flight: 4 * STRIDE as u64,
         io_threads: 1,
-        tier_id: "fs".into(),
-        locality: None,
+        events: EventSink::new(events_tx, "fs".into(), None),
         cmd_rx,
         results_tx,
-        events_tx,
         invalidated_tx,
     })
     .unwrap();

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, after, never};
 use parking_lot::Mutex;
 
-use crate::contract::job::{JobResult, Locality, OffloadingEvent, TransferJob};
+use crate::contract::job::{JobResult, TransferJob};
 use crate::contract::worker::{
     EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
 };
@@ -160,18 +160,14 @@ pub(crate) struct WorkerInit {
     pub set: SlabSet,
     /// Configuration.
     pub cfg: G3TierConfig,
-    /// Tier id (event ownership).
-    pub tier_id: String,
-    /// Event locality.
-    pub locality: Option<Locality>,
+    /// Where events go (with the tier's id and locality).
+    pub events: EventSink,
     /// Commands from the tier.
     pub cmd_rx: Receiver<Cmd>,
     /// Store jobs from the tier (see the module docs).
     pub store_rx: Receiver<TransferJob>,
     /// Results to the tier.
     pub results_tx: Sender<JobResult>,
-    /// Events to the tier.
-    pub events_tx: Sender<OffloadingEvent>,
 }
 
 /// Everything the worker owns.
@@ -220,8 +216,8 @@ impl Worker {
             engine: w.engine,
             set: w.set,
             cfg: w.cfg,
-            events: EventSink::new(w.events_tx, w.tier_id.clone(), w.locality),
-            tier_id: w.tier_id,
+            tier_id: w.events.tier_id().to_string(),
+            events: w.events,
             cmd_rx: w.cmd_rx,
             store_rx: w.store_rx,
             results_tx: w.results_tx,
@@ -436,14 +432,7 @@ impl Worker {
     fn start(&mut self, job: TransferJob, load: bool) {
         let serial = self.jobs.next_serial();
         let n = job.keys.len();
-        let mut a = Active::start(
-            job.job_id,
-            load,
-            job.keys,
-            job.chunk_ids,
-            G3Job::new(n, None),
-            &self.sh.metrics,
-        );
+        let mut a = Active::of(job, load, G3Job::new(n, None), &self.sh.metrics);
         if a.rows.len() != n {
             let e = Error::new(
                 ErrorKind::Contract,
