@@ -264,6 +264,12 @@ impl<T> JobRun<T> {
         }
     }
 
+    /// Key `i` has nothing to move (a store of a key already held), counted in `skipped`.
+    pub fn skip(&mut self, i: usize, skipped: &AtomicU64) {
+        self.status[i] = KeyStatus::Skipped;
+        skipped.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// [`JobRun::fail`], the key named in the error's context.
     pub fn fail_key(&mut self, i: usize, e: Error) {
         let e = e.with("key", self.keys[i].to_hex());
@@ -555,7 +561,11 @@ pub(crate) mod tests {
         let keys: Vec<ChunkKey> = (0..3u8).map(|i| ChunkKey::new([i])).collect();
         let mut a = JobRun::start(9, true, keys.clone(), vec![0, 1, 2], (), &m);
         assert_eq!(m.active_jobs.load(Ordering::Relaxed), 1);
-        a.status = vec![KeyStatus::Done, KeyStatus::Skipped, KeyStatus::Done];
+        let skipped = AtomicU64::new(0);
+        a.status[0] = KeyStatus::Done;
+        a.skip(1, &skipped);
+        a.status[2] = KeyStatus::Done;
+        assert_eq!(skipped.load(Ordering::Relaxed), 1);
         let r = a.into_result(None, &m);
         assert!(r.success);
         assert_eq!(m.active_jobs.load(Ordering::Relaxed), 0);

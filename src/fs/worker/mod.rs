@@ -322,11 +322,7 @@ impl Worker {
                 }
                 // A store of a file this process knows writes nothing (content addresses).
                 if !load && catalog.touch(&a.keys[i]) {
-                    a.status[i] = KeyStatus::Skipped;
-                    self.sh
-                        .metrics
-                        .stores_skipped
-                        .fetch_add(1, Ordering::Relaxed);
+                    a.skip(i, &self.sh.metrics.stores_skipped);
                     continue;
                 }
                 a.remaining += 1;

@@ -22,11 +22,7 @@ impl Worker {
             for i in 0..a.keys.len() {
                 let key = &a.keys[i];
                 if ix.is_held(key) || !seen.insert(key.clone()) {
-                    a.status[i] = KeyStatus::Skipped;
-                    self.sh
-                        .metrics
-                        .stores_skipped
-                        .fetch_add(1, Ordering::Relaxed);
+                    a.skip(i, &self.sh.metrics.stores_skipped);
                     continue;
                 }
                 if let Some(e) = &refusal {
