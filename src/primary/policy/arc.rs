@@ -20,8 +20,8 @@
 use super::ghost::{Ghost, GhostLists};
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, more_recent, new_links, prefetch_node};
-use super::marks::{Marked, mark_evictable, mark_non_evictable, select_victims};
+use super::list::{Link, List, more_recent, new_links};
+use super::marks::{Marked, marked_methods};
 use super::{ArcStats, Commit, EvictionPolicy, PolicyStats};
 
 const IN_T1: u8 = 1;
@@ -166,9 +166,27 @@ impl Marked for ArcPolicy {
     fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
         ArcPolicy::select(self, n, victims)
     }
+
+    fn unlink(&mut self, slot: u32) {
+        if let Some((list, links)) = self.list_of(slot) {
+            list.unlink(links, slot);
+        }
+    }
+
+    fn on_evicted(&mut self, slot: u32, fingerprint: &mut dyn FnMut(u32) -> u64) {
+        let fp = fingerprint(slot);
+        let ghost = if self.state[slot as usize] & IN_T1 != 0 {
+            Ghost::B1
+        } else {
+            Ghost::B2
+        };
+        self.ghosts.push(ghost, fp);
+    }
 }
 
 impl EvictionPolicy for ArcPolicy {
+    marked_methods!();
+
     fn name(&self) -> &'static str {
         "arc"
     }
@@ -186,26 +204,6 @@ impl EvictionPolicy for ArcPolicy {
         self.t1.push_front(&mut self.links, slot);
         self.state[slot as usize] = IN_T1;
         self.ghosts.take(fingerprint);
-    }
-
-    fn remove(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        let Some((list, links)) = self.list_of(slot) else {
-            return;
-        };
-        list.unlink(links, slot);
-        if st & EVICTABLE != 0 {
-            self.evictable -= 1;
-        }
-        self.state[slot as usize] = 0;
-    }
-
-    fn mark_evictable(&mut self, slot: u32) {
-        mark_evictable(self, slot);
-    }
-
-    fn mark_non_evictable(&mut self, slot: u32) {
-        mark_non_evictable(self, slot);
     }
 
     fn touch(&mut self, slot: u32, ready: bool) {
@@ -226,44 +224,6 @@ impl EvictionPolicy for ArcPolicy {
             Commit::Reused | Commit::InsertedOnly => self.make_most_recent(slot),
             Commit::Seen => {}
         }
-    }
-
-    fn num_evictable(&self) -> usize {
-        self.evictable
-    }
-
-    fn prefetch(&self, slot: u32) {
-        prefetch_node(&self.links, &self.state, slot);
-    }
-
-    fn evict(
-        &mut self,
-        n: usize,
-        protected: &[u32],
-        fingerprint: &mut dyn FnMut(u32) -> u64,
-        victims: &mut Vec<u32>,
-    ) -> bool {
-        if n == 0 {
-            return true;
-        }
-        // Select all `n` first (vLLM: candidates collected atomically, scans monotonic).
-        let start = victims.len();
-        if !select_victims(self, n, protected, victims) {
-            return false;
-        }
-        for &slot in &victims[start..] {
-            let fp = fingerprint(slot);
-            if self.state[slot as usize] & IN_T1 != 0 {
-                self.t1.unlink(&mut self.links, slot);
-                self.ghosts.push(Ghost::B1, fp);
-            } else {
-                self.t2.unlink(&mut self.links, slot);
-                self.ghosts.push(Ghost::B2, fp);
-            }
-            self.state[slot as usize] = 0;
-        }
-        self.evictable -= n;
-        true
     }
 
     fn reset_history(&mut self) {

@@ -4,8 +4,8 @@
 
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, more_recent, new_links, prefetch_node};
-use super::marks::{Marked, mark_evictable, mark_non_evictable, select_victims};
+use super::list::{Link, List, more_recent, new_links};
+use super::marks::{Marked, marked_methods};
 use super::{Commit, EvictionPolicy, PolicyStats};
 
 const IN_LIST: u8 = 1;
@@ -62,9 +62,15 @@ impl Marked for LruPolicy {
         }
         found
     }
+
+    fn unlink(&mut self, slot: u32) {
+        self.list.unlink(&mut self.links, slot);
+    }
 }
 
 impl EvictionPolicy for LruPolicy {
+    marked_methods!();
+
     fn name(&self) -> &'static str {
         "lru"
     }
@@ -79,63 +85,12 @@ impl EvictionPolicy for LruPolicy {
         self.state[slot as usize] = IN_LIST;
     }
 
-    fn remove(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & IN_LIST == 0 {
-            return;
-        }
-        self.list.unlink(&mut self.links, slot);
-        if st & EVICTABLE != 0 {
-            self.evictable -= 1;
-        }
-        self.state[slot as usize] = 0;
-    }
-
-    fn mark_evictable(&mut self, slot: u32) {
-        mark_evictable(self, slot);
-    }
-
-    fn mark_non_evictable(&mut self, slot: u32) {
-        mark_non_evictable(self, slot);
-    }
-
     fn touch(&mut self, slot: u32, _ready: bool) {
         self.make_most_recent(slot);
     }
 
     fn commit(&mut self, slot: u32, _how: Commit) {
         self.make_most_recent(slot);
-    }
-
-    fn num_evictable(&self) -> usize {
-        self.evictable
-    }
-
-    fn prefetch(&self, slot: u32) {
-        prefetch_node(&self.links, &self.state, slot);
-    }
-
-    fn evict(
-        &mut self,
-        n: usize,
-        protected: &[u32],
-        _fingerprint: &mut dyn FnMut(u32) -> u64,
-        victims: &mut Vec<u32>,
-    ) -> bool {
-        if n == 0 {
-            return true;
-        }
-        // Select first, from the least recent end, without changing anything.
-        let start = victims.len();
-        if !select_victims(self, n, protected, victims) {
-            return false;
-        }
-        for &slot in &victims[start..] {
-            self.list.unlink(&mut self.links, slot);
-            self.state[slot as usize] = 0;
-        }
-        self.evictable -= n;
-        true
     }
 
     fn stats(&self) -> PolicyStats {
