@@ -12,11 +12,16 @@
 //! * [`admission`]: which offered chunks a secondary tier writes (`admission` key; TinyLFU).
 //! * `ledger`: the bookkeeping of tiers with a worker thread (jobs reported without the
 //!   worker, jobs not yet reported, the shutdown handshake).
+//! * `front` and `worker` (crate-internal): the two ends of a tier's worker thread that G3
+//!   and the fs tier share (enqueue, results, drain and stop; the byte-capped job queue, a
+//!   job's progress, the thread loop, the events).
 
 pub mod admission;
+pub(crate) mod front;
 pub mod hints;
 pub mod job;
 test_visible! {
     mod ledger;
 }
 pub mod secondary;
+pub(crate) mod worker;

@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use serde_json::Value;
 
+use crate::contract::front::{SendRefused, TierFront, TierNames, spawn_worker};
 use crate::contract::job::{
     JobId, JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
-use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
 use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
+use crate::contract::worker::EventSink;
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
 use crate::fs::chunk_file::{DirCache, PublishMode, probe_publish};
@@ -33,9 +34,15 @@ use crate::fs::scan;
 use crate::fs::worker::{Cmd, Shared, Worker, WorkerInit};
 use crate::g3::{DirectIoMode, EngineFactory};
 use crate::geometry::ChunkGeometry;
-use crate::io::{EngineOptions, open_engine, probe_direct_io};
+use crate::io::{DirectIoProbe, EngineOptions, open_engine, probe_direct_io};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
+
+/// How the fs tier names itself and its worker in errors.
+const NAMES: TierNames = TierNames {
+    tier: "fs",
+    worker: "coordinator",
+};
 
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands and the lookup
 /// and scan threads' reports.
@@ -74,18 +81,14 @@ pub struct FsInfo {
 pub struct FsTier {
     sh: Arc<Shared>,
     lookup: AsyncLookup,
-    cmd_tx: Option<Sender<Cmd>>,
-    results_rx: Receiver<JobResult>,
-    events_rx: Receiver<OffloadingEvent>,
+    /// The coordinator: commands, results, events.
+    front: TierFront<Cmd>,
     invalidated_rx: Receiver<Vec<ChunkKey>>,
-    ledger: JobLedger,
     /// Keys of loads in progress, to mark the failed ones MISS when they are reported.
     load_keys: HashMap<JobId, Vec<ChunkKey>>,
-    worker: Option<JoinHandle<()>>,
     scan: Option<JoinHandle<()>>,
     scan_stop: Arc<AtomicBool>,
     locality: Option<Locality>,
-    max_queued_jobs: usize,
     capacity: u64,
     info: FsInfo,
 }
@@ -143,62 +146,7 @@ impl FsTier {
         cfg.validate("", Some(stride))?;
         let probe = probe_direct_io(&cfg.root_dir).map_err(|e| root_error(&cfg, e))?;
         let mapper = FileMapper::new(&cfg.root_dir, fields)?;
-        std::fs::create_dir_all(mapper.data_dir()).map_err(|e| {
-            Error::new(
-                ErrorKind::InvalidPath,
-                format!(
-                    "cannot create the fs tier folder {}: {e}",
-                    mapper.data_dir().display()
-                ),
-            )
-            .with("path", mapper.data_dir().display().to_string())
-            .with_source(e)
-        })?;
-        let publish = probe_publish(mapper.data_dir())?;
-        folder::prepare(&mapper, &namespace, publish)?;
-        let direct = probe.o_direct;
-        if !direct {
-            match cfg.direct_io {
-                DirectIoMode::Required => {
-                    probe.require_direct_io()?;
-                }
-                DirectIoMode::Auto => log::warn!(
-                    "fs tier {tier_id}: O_DIRECT does not work in {} ({}: {}); using buffered \
-                     I/O (fs_direct_io = 0)",
-                    cfg.root_dir.display(),
-                    probe.fs_type,
-                    probe.o_direct_error.as_deref().unwrap_or("unknown reason")
-                ),
-            }
-        }
-        match cfg.integrity {
-            Integrity::Xattr => probe_xattr(mapper.data_dir()).map_err(|why| {
-                Error::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "{} ({}) does not keep user extended attributes ({why}); the fs tier \
-                         keeps each chunk file's CRC32 there. Enable them (e.g. the user_xattr \
-                         mount option) or set integrity = \"none\" to store without CRCs",
-                        cfg.root_dir.display(),
-                        probe.fs_type
-                    ),
-                )
-                .with("path", cfg.root_dir.display().to_string())
-                .with("filesystem", probe.fs_type)
-            })?,
-            Integrity::None => log::warn!(
-                "fs tier {tier_id}: integrity = none: chunk files are stored without a CRC32 \
-                 record; loads of them are counted in fs_files_loaded_unverified"
-            ),
-        }
-        if publish != PublishMode::NoReplace {
-            log::warn!(
-                "fs tier {tier_id}: {} lacks renameat2(RENAME_NOREPLACE); publishing files \
-                 with {}",
-                cfg.root_dir.display(),
-                publish.as_str()
-            );
-        }
+        let (publish, direct) = prepare_root(&cfg, &mapper, &namespace, &probe, &tier_id)?;
         let rows_in_flight =
             ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight_for(stride), stride).min(4096)
                 as u32;
@@ -249,31 +197,13 @@ impl FsTier {
             sh: sh.clone(),
             max_bytes_in_flight: cfg.max_bytes_in_flight_for(stride),
             io_threads: cfg.io_threads,
-            tier_id: tier_id.clone(),
-            locality,
+            events: EventSink::new(events_tx, tier_id.clone(), locality),
             cmd_rx,
             results_tx,
-            events_tx,
             invalidated_tx,
         })
-        .and_then(|w| {
-            crate::io::spawn_io_thread(format!("kvtier-fs-{tier_id}"), move || w.run()).map_err(
-                |e| {
-                    Error::new(
-                        ErrorKind::Io,
-                        format!("cannot start the fs coordinator thread: {e}"),
-                    )
-                    .with_source(e)
-                },
-            )
-        });
-        let worker = match started {
-            Ok(h) => h,
-            Err(e) => {
-                engine.shutdown();
-                return Err(e);
-            }
-        };
+        .and_then(|w| spawn_worker(NAMES, format!("kvtier-fs-{tier_id}"), move || w.run()));
+        let worker = started.inspect_err(|_| engine.shutdown())?;
         let mut tier = FsTier {
             lookup: AsyncLookup::start(
                 sh.clone(),
@@ -283,17 +213,19 @@ impl FsTier {
                 cmd_tx.clone(),
             )?,
             sh: sh.clone(),
-            cmd_tx: Some(cmd_tx.clone()),
-            results_rx,
-            events_rx,
+            front: TierFront::new(
+                NAMES,
+                cmd_tx.clone(),
+                results_rx,
+                events_rx,
+                worker,
+                cfg.max_queued_jobs,
+            ),
             invalidated_rx,
-            ledger: JobLedger::default(),
             load_keys: HashMap::new(),
-            worker: Some(worker),
             scan: None,
             scan_stop: Arc::new(AtomicBool::new(false)),
             locality,
-            max_queued_jobs: cfg.max_queued_jobs,
             capacity: cfg.capacity_bytes,
             info,
         };
@@ -340,45 +272,24 @@ impl FsTier {
     }
 
     fn enqueue(&mut self, job: TransferJob, load: bool) {
-        let job_id = job.job_id;
-        if !self.ledger.admit(&job) {
-            return;
-        }
-        let m = &self.sh.metrics;
-        if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
-            m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-            self.ledger
-                .refuse(job_id, queue_full("fs", job_id, self.max_queued_jobs));
-            return;
-        }
-        let Some(tx) = &self.cmd_tx else {
-            let e = Error::new(ErrorKind::Closed, "the fs tier is shut down");
-            self.ledger.refuse(job_id, e);
-            return;
-        };
-        if load {
-            self.load_keys.insert(job_id, job.keys.clone());
-        }
-        m.queued_jobs.fetch_add(1, Ordering::Relaxed);
-        let cmd = if load {
-            Cmd::Load(job)
-        } else {
-            Cmd::Store(job)
-        };
-        if let Err(e) = tx.try_send(cmd) {
-            m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            self.load_keys.remove(&job_id);
-            let e = if e.is_full() {
-                m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-                Error::new(
-                    ErrorKind::NoSpace,
-                    format!("fs job channel is full; job {job_id} refused"),
-                )
+        let load_keys = &mut self.load_keys;
+        self.front.enqueue(job, &self.sh.metrics, |tx, job| {
+            let job_id = job.job_id;
+            let cmd = if load {
+                load_keys.insert(job_id, job.keys.clone());
+                Cmd::Load(job)
             } else {
-                Error::new(ErrorKind::Closed, "the fs coordinator thread has stopped")
+                Cmd::Store(job)
             };
-            self.ledger.refuse(job_id, e);
-        }
+            tx.try_send(cmd).map_err(|e| {
+                load_keys.remove(&job_id);
+                if e.is_full() {
+                    SendRefused::Full
+                } else {
+                    SendRefused::Closed
+                }
+            })
+        });
     }
 
     fn stop(&mut self) -> Result<()> {
@@ -389,11 +300,78 @@ impl FsTier {
         {
             log::error!("the fs scan thread panicked");
         }
-        let Some(tx) = self.cmd_tx.take() else {
-            return Ok(());
-        };
-        stop_worker(tx, Cmd::Shutdown, self.worker.take(), "fs")
+        self.front.stop(Cmd::Shutdown)
     }
+}
+
+/// Prepares the tier's folder under `root_dir` (its `config.json` and `kvtier.json`) and
+/// checks what the file system offers: how files are published, whether O_DIRECT works
+/// (required or not, by `direct_io`), whether CRC records can be kept. Returns the publish
+/// mode and whether chunk files use O_DIRECT.
+fn prepare_root(
+    cfg: &FsTierConfig,
+    mapper: &FileMapper,
+    namespace: &[u8; 32],
+    probe: &DirectIoProbe,
+    tier_id: &str,
+) -> Result<(PublishMode, bool)> {
+    std::fs::create_dir_all(mapper.data_dir()).map_err(|e| {
+        Error::new(
+            ErrorKind::InvalidPath,
+            format!(
+                "cannot create the fs tier folder {}: {e}",
+                mapper.data_dir().display()
+            ),
+        )
+        .with("path", mapper.data_dir().display().to_string())
+        .with_source(e)
+    })?;
+    let publish = probe_publish(mapper.data_dir())?;
+    folder::prepare(mapper, namespace, publish)?;
+    let direct = probe.o_direct;
+    if !direct {
+        match cfg.direct_io {
+            DirectIoMode::Required => {
+                probe.require_direct_io()?;
+            }
+            DirectIoMode::Auto => log::warn!(
+                "fs tier {tier_id}: O_DIRECT does not work in {} ({}: {}); using buffered \
+                 I/O (fs_direct_io = 0)",
+                cfg.root_dir.display(),
+                probe.fs_type,
+                probe.o_direct_error.as_deref().unwrap_or("unknown reason")
+            ),
+        }
+    }
+    match cfg.integrity {
+        Integrity::Xattr => probe_xattr(mapper.data_dir()).map_err(|why| {
+            Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} ({}) does not keep user extended attributes ({why}); the fs tier \
+                     keeps each chunk file's CRC32 there. Enable them (e.g. the user_xattr \
+                     mount option) or set integrity = \"none\" to store without CRCs",
+                    cfg.root_dir.display(),
+                    probe.fs_type
+                ),
+            )
+            .with("path", cfg.root_dir.display().to_string())
+            .with("filesystem", probe.fs_type.to_string())
+        })?,
+        Integrity::None => log::warn!(
+            "fs tier {tier_id}: integrity = none: chunk files are stored without a CRC32 \
+             record; loads of them are counted in fs_files_loaded_unverified"
+        ),
+    }
+    if publish != PublishMode::NoReplace {
+        log::warn!(
+            "fs tier {tier_id}: {} lacks renameat2(RENAME_NOREPLACE); publishing files \
+             with {}",
+            cfg.root_dir.display(),
+            publish.as_str()
+        );
+    }
+    Ok((publish, direct))
 }
 
 /// A `root_dir` that cannot be used is the user's mistake: say which key and directory.
@@ -460,7 +438,7 @@ impl SecondaryTier for FsTier {
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        let out = self.ledger.collect(&self.results_rx);
+        let out = self.front.finished();
         for r in &out {
             let Some(keys) = self.load_keys.remove(&r.job_id) else {
                 continue;
@@ -485,21 +463,17 @@ impl SecondaryTier for FsTier {
     }
 
     fn has_pending_work(&self) -> bool {
-        self.ledger.outstanding() > 0
+        self.front.outstanding() > 0
             || self.lookup.has_pending_work()
             || self.sh.metrics.evictions_in_flight.load(Ordering::Relaxed) > 0
     }
 
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
-        self.events_rx.try_iter().collect()
+        self.front.take_events()
     }
 
     fn drain_jobs(&mut self) {
-        let Some(tx) = &self.cmd_tx else { return };
-        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
-        if tx.send(Cmd::Drain(ack_tx)).is_ok() {
-            let _ = ack_rx.recv();
-        }
+        self.front.drain(Cmd::Drain);
     }
 
     fn shutdown(&mut self) -> Result<()> {

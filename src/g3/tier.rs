@@ -7,20 +7,19 @@ use std::fs::File;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::thread::JoinHandle;
 
-use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
+use crossbeam_channel::Sender;
 
+use crate::contract::front::{SendRefused, TierFront, TierNames, spawn_worker};
 use crate::contract::job::{
     JobResult, Locality, LookupResult, Medium, OffloadingEvent, RequestContext, TransferJob,
 };
-use crate::contract::ledger::{JobLedger, queue_full, stop_worker};
 use crate::contract::secondary::{HealthState, SecondaryTier, TierHealth, TierMetric};
+use crate::contract::worker::EventSink;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::admission::AdmissionGate;
 use crate::g3::config::G3TierConfig;
-use crate::g3::metrics::{G3Metrics, PathStatus};
+use crate::g3::metrics::G3Metrics;
 use crate::g3::slab::{self, SlabSpec};
 use crate::g3::worker::{Cmd, Shared, Worker, WorkerInit};
 use crate::geometry::ChunkGeometry;
@@ -37,6 +36,12 @@ pub const CONFIG_INFO_KEYS: [&str; 6] = [
     "kvtier_slot_bytes",
     "kvtier_namespace",
 ];
+
+/// How a G3 tier names itself and its worker in errors.
+const NAMES: TierNames = TierNames {
+    tier: "G3",
+    worker: "worker",
+};
 
 /// Channel slots beyond `max_queued_jobs`, for drain and shutdown commands.
 const CONTROL_SLACK: usize = 16;
@@ -72,17 +77,22 @@ pub type EngineFactory = Box<
     dyn FnOnce(IoEngineKind, Arc<PrimaryRegion>, Vec<File>, &EngineOptions) -> Result<EngineHandle>,
 >;
 
+/// Duplicates of the slabs' data descriptors, in stripe order.
+fn data_descriptors(set: &slab::SlabSet) -> Result<Vec<File>> {
+    set.files
+        .iter()
+        .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
+        .collect()
+}
+
 /// The G3 NVMe tier.
 pub struct G3Tier {
     shared: Arc<Shared>,
-    cmd_tx: Option<Sender<Cmd>>,
+    /// The worker: commands (loads among them), results, events.
+    front: TierFront<Cmd>,
+    /// Store jobs, on a channel of their own (see the worker's module docs).
     store_tx: Option<Sender<TransferJob>>,
-    results_rx: Receiver<JobResult>,
-    events_rx: Receiver<OffloadingEvent>,
-    ledger: JobLedger,
-    worker: Option<JoinHandle<()>>,
     locality: Option<Locality>,
-    max_queued_jobs: usize,
     checkpoint_interval: Option<std::time::Duration>,
     info: G3Info,
     /// Duplicates of the slabs' data descriptors, for [`G3Tier::direct_slots`].
@@ -142,17 +152,8 @@ impl G3Tier {
             direct_io: cfg.direct_io,
         };
         let set = slab::open_set(&cfg.paths, &spec)?;
-        let files = set
-            .files
-            .iter()
-            .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
-            .collect::<Result<Vec<_>>>()?;
-        let direct_files = Arc::new(
-            set.files
-                .iter()
-                .map(|f| f.data.try_clone().map_err(|e| Error::io("dup", &f.path, e)))
-                .collect::<Result<Vec<_>>>()?,
-        );
+        let files = data_descriptors(&set)?;
+        let direct_files = Arc::new(data_descriptors(&set)?);
         let all_direct = set.files.iter().all(|f| f.direct);
         let per_flight =
             ChunkGeometry::rows_in_flight(cfg.max_bytes_in_flight_for(row_stride), row_stride)
@@ -186,26 +187,7 @@ impl G3Tier {
         metrics
             .paths_unrecorded
             .store(set.unrecorded_paths as u64, Ordering::Relaxed);
-        let shared = Arc::new(Shared {
-            index: Mutex::new(None),
-            metrics,
-            paths: set
-                .files
-                .iter()
-                .map(|f| PathStatus {
-                    direct: f.direct,
-                    poisoned: Default::default(),
-                    problem: Default::default(),
-                    lost: Default::default(),
-                    wrong_filesystem: Default::default(),
-                })
-                .collect(),
-            failed: Mutex::new(None),
-            checkpoint_error: Mutex::new(None),
-            journal_problem: Mutex::new(None),
-            final_checkpoint_error: Mutex::new(None),
-            events: std::sync::atomic::AtomicBool::new(true),
-        });
+        let shared = Arc::new(Shared::new(metrics, &set));
         // Bounded channels keep their slots in one preallocated ring: an unbounded channel
         // allocates a block every 31 messages on the sending (scheduler) thread and frees it on
         // the worker, and on the development VM that allocation made one submission in 31
@@ -225,34 +207,26 @@ impl G3Tier {
             engine: handle.engine.clone(),
             set,
             cfg: cfg.clone(),
-            tier_id: tier_id.clone(),
-            locality,
+            events: EventSink::new(events_tx, tier_id.clone(), locality),
             cmd_rx,
             store_rx,
             results_tx,
-            events_tx,
         });
         let engine = handle.engine;
-        let thread =
-            crate::io::spawn_io_thread(format!("kvtier-g3-{tier_id}"), move || worker.run())
-                .map_err(|e| {
-                    engine.shutdown();
-                    Error::new(
-                        ErrorKind::Io,
-                        format!("cannot start the G3 worker thread: {e}"),
-                    )
-                    .with_source(e)
-                })?;
+        let thread = spawn_worker(NAMES, format!("kvtier-g3-{tier_id}"), move || worker.run())
+            .inspect_err(|_| engine.shutdown())?;
         Ok(G3Tier {
             shared,
-            cmd_tx: Some(cmd_tx),
+            front: TierFront::new(
+                NAMES,
+                cmd_tx,
+                results_rx,
+                events_rx,
+                thread,
+                cfg.max_queued_jobs,
+            ),
             store_tx: Some(store_tx),
-            results_rx,
-            events_rx,
-            ledger: JobLedger::default(),
-            worker: Some(thread),
             locality,
-            max_queued_jobs: cfg.max_queued_jobs,
             checkpoint_interval: cfg.checkpoint_interval,
             info,
             direct_files,
@@ -276,8 +250,9 @@ impl G3Tier {
     /// tier's slots under its index, journal and CRC rules (see `crate::g3::direct`).
     pub fn direct_slots(&self) -> Result<crate::g3::direct::DirectSlots> {
         let cmd_tx = self
-            .cmd_tx
-            .clone()
+            .front
+            .commands()
+            .cloned()
             .ok_or_else(|| Error::new(ErrorKind::Closed, "the G3 tier is shut down"))?;
         Ok(crate::g3::direct::DirectSlots {
             cmd_tx,
@@ -319,41 +294,24 @@ impl G3Tier {
     }
 
     fn enqueue(&mut self, job: TransferJob, load: bool) {
-        let job_id = job.job_id;
-        if !self.ledger.admit(&job) {
-            return;
-        }
-        let m = &self.shared.metrics;
-        if m.queued_jobs.load(Ordering::Relaxed) >= self.max_queued_jobs as u64 {
-            m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-            self.ledger
-                .refuse(job_id, queue_full("G3", job_id, self.max_queued_jobs));
-            return;
-        }
-        let (Some(cmd_tx), Some(store_tx)) = (&self.cmd_tx, &self.store_tx) else {
-            let e = Error::new(ErrorKind::Closed, "the G3 tier is shut down");
-            self.ledger.refuse(job_id, e);
-            return;
-        };
-        m.queued_jobs.fetch_add(1, Ordering::Relaxed);
-        let sent = if load {
-            cmd_tx.try_send(Cmd::Load(job)).map_err(|e| e.is_full())
-        } else {
-            store_tx.try_send(job).map_err(|e| e.is_full())
-        };
-        if let Err(full) = sent {
-            m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            let e = if full {
-                m.jobs_rejected.fetch_add(1, Ordering::Relaxed);
-                Error::new(
-                    ErrorKind::NoSpace,
-                    format!("G3 job channel is full; job {job_id} refused"),
-                )
-            } else {
-                Error::new(ErrorKind::Closed, "the G3 worker thread has stopped")
-            };
-            self.ledger.refuse(job_id, e);
-        }
+        let store_tx = &self.store_tx;
+        self.front
+            .enqueue(job, &self.shared.metrics, |cmd_tx, job| {
+                let refused = |full: bool| {
+                    if full {
+                        SendRefused::Full
+                    } else {
+                        SendRefused::Closed
+                    }
+                };
+                match (load, store_tx) {
+                    (true, _) => cmd_tx
+                        .try_send(Cmd::Load(job))
+                        .map_err(|e| refused(e.is_full())),
+                    (false, Some(tx)) => tx.try_send(job).map_err(|e| refused(e.is_full())),
+                    (false, None) => Err(SendRefused::Closed),
+                }
+            });
     }
 
     /// Stops like a crash would leave things: finishes started jobs, cancels queued ones, but
@@ -363,15 +321,7 @@ impl G3Tier {
     }
 
     fn stop(&mut self, checkpoint: bool) -> Result<()> {
-        let Some(tx) = self.cmd_tx.take() else {
-            return Ok(());
-        };
-        let result = stop_worker(
-            tx,
-            |ack| Cmd::Shutdown(ack, checkpoint),
-            self.worker.take(),
-            "G3",
-        );
+        let result = self.front.stop(|ack| Cmd::Shutdown(ack, checkpoint));
         drop(self.store_tx.take());
         result
     }
@@ -453,7 +403,7 @@ impl SecondaryTier for G3Tier {
     }
 
     fn get_finished_jobs(&mut self) -> Vec<JobResult> {
-        let out = self.ledger.collect(&self.results_rx);
+        let out = self.front.finished();
         if let Some(gate) = &mut self.admission {
             for r in &out {
                 gate.on_finished(r.job_id, r.success);
@@ -463,19 +413,15 @@ impl SecondaryTier for G3Tier {
     }
 
     fn has_pending_work(&self) -> bool {
-        self.ledger.outstanding() > 0
+        self.front.outstanding() > 0
     }
 
     fn take_events(&mut self) -> Vec<OffloadingEvent> {
-        self.events_rx.try_iter().collect()
+        self.front.take_events()
     }
 
     fn drain_jobs(&mut self) {
-        let Some(tx) = &self.cmd_tx else { return };
-        let (ack_tx, ack_rx) = crossbeam_channel::bounded(1);
-        if tx.send(Cmd::Drain(ack_tx)).is_ok() {
-            let _ = ack_rx.recv();
-        }
+        self.front.drain(Cmd::Drain);
     }
 
     fn shutdown(&mut self) -> Result<()> {

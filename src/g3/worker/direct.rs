@@ -7,11 +7,10 @@
 //! direct transfer is never visible to lookups before its commit, exactly like a store job.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use crossbeam_channel::Sender;
 
-use super::{Active, KeyStatus, Worker};
+use super::{Active, G3Job, KeyStatus, Worker};
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::format::slot_location;
@@ -86,28 +85,21 @@ pub(crate) struct DirectState {
 
 impl Worker {
     pub(super) fn start_direct(&mut self, s: DirectStart) {
-        let serial = self.next_serial;
-        self.next_serial = self.next_serial.wrapping_add(1);
+        let serial = self.jobs.next_serial();
         let n = s.keys.len();
-        let mut a = Active {
-            job_id: s.job_id,
-            load: s.load,
-            keys: s.keys,
-            rows: vec![0; n],
-            slots: vec![None; n],
-            status: vec![KeyStatus::Pending; n],
-            remaining: 0,
-            bytes: 0,
-            started: Instant::now(),
-            first_error: None,
-            row_crcs: vec![None; n],
-            direct: Some(DirectState {
-                reply: None,
-                crcs: vec![0; n],
-                keep: vec![false; n],
-            }),
+        let direct = DirectState {
+            reply: None,
+            crcs: vec![0; n],
+            keep: vec![false; n],
         };
-        self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
+        let mut a = Active::start(
+            s.job_id,
+            s.load,
+            s.keys,
+            vec![0; n],
+            G3Job::new(n, Some(direct)),
+            &self.sh.metrics,
+        );
         if let Some(e) = self.sh.failed.lock().as_ref() {
             (0..n).for_each(|i| a.fail(i, e.duplicate()));
         } else if s.load {
@@ -124,7 +116,7 @@ impl Worker {
             )
         };
         let slots = (0..n)
-            .map(|i| match (a.status[i], a.slots[i]) {
+            .map(|i| match (a.status[i], a.tier.slots[i]) {
                 (KeyStatus::Skipped, _) => GrantedSlot::Skipped,
                 (KeyStatus::Pending, Some((slot, crc))) => {
                     let (file, offset) = slot_location(u64::from(slot), n_files, stride);
@@ -181,21 +173,21 @@ impl Worker {
                     a.status[i] = KeyStatus::Done;
                     a.bytes += stride;
                     let ctr = if a.load {
-                        if let Some(d) = a.direct.as_mut() {
+                        if let Some(d) = a.tier.direct.as_mut() {
                             d.crcs[i] = crc;
                         }
                         &self.sh.metrics.bytes_read
                     } else {
-                        if let Some((slot, _)) = a.slots[i] {
+                        if let Some((slot, _)) = a.tier.slots[i] {
                             let crc = chunk_crc_from_row_crc(a.keys[i].as_bytes(), crc, stride);
-                            a.slots[i] = Some((slot, crc));
+                            a.tier.slots[i] = Some((slot, crc));
                         }
                         &self.sh.metrics.bytes_written
                     };
                     ctr.fetch_add(stride, Ordering::Relaxed);
                 }
                 Err(e) => {
-                    if let (ErrorKind::RegionLost, Some(d)) = (e.kind(), a.direct.as_mut()) {
+                    if let (ErrorKind::RegionLost, Some(d)) = (e.kind(), a.tier.direct.as_mut()) {
                         // Nothing was wrong with the slot: a load keeps its chunk, a store
                         // fences no path.
                         d.keep[i] = true;
@@ -213,7 +205,7 @@ impl Worker {
                         self.sh.metrics.io_errors.fetch_add(1, Ordering::Relaxed);
                         // A failed write fences its path, as on the CPU path.
                         if let (false, Some((slot, _)), false) =
-                            (a.load, a.slots[i], crate::io::is_transient(&e))
+                            (a.load, a.tier.slots[i], crate::io::is_transient(&e))
                         {
                             self.poison_path(slot as usize % n_paths, &e);
                         }
@@ -222,7 +214,7 @@ impl Worker {
                 }
             }
         }
-        if let Some(d) = a.direct.as_mut() {
+        if let Some(d) = a.tier.direct.as_mut() {
             d.reply = Some(o.reply);
         }
         self.finish(a);
@@ -237,7 +229,7 @@ impl Worker {
             self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
             let Some(ix) = guard.as_mut() else { continue };
             for i in 0..a.keys.len() {
-                if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
                     if a.load {
                         ix.unpin(slot);
                     } else {

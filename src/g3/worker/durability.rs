@@ -516,7 +516,7 @@ impl Worker {
     /// not such an error (the journal that recovery reads holds every acknowledged entry): it
     /// is logged, counted in `g3_checkpoint_failures` and reported by the tier's health, so
     /// that `kvtier serve` exits non-zero.
-    pub(super) fn close(&mut self) -> Result<()> {
+    pub(super) fn checkpoint_and_stop(&mut self) -> Result<()> {
         if self.checkpoint_on_close {
             self.dur.retry_at = None;
             if let Err(e) = self.checkpoint() {

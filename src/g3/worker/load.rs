@@ -12,14 +12,14 @@ impl Worker {
         let mut guard = self.sh.index.lock();
         let Some(ix) = guard.as_mut() else { return };
         for i in 0..a.keys.len() {
-            if a.direct.is_none()
+            if a.tier.direct.is_none()
                 && let Err(e) = self.check_row(a.rows[i])
             {
                 a.fail(i, e);
                 continue;
             }
             match ix.pin(&a.keys[i]) {
-                Some(sc) => a.slots[i] = Some(sc),
+                Some(sc) => a.tier.slots[i] = Some(sc),
                 None => a.fail(
                     i,
                     Error::new(
@@ -39,13 +39,13 @@ impl Worker {
         let mut loaded = Vec::new();
         // CRCs first, without the index lock (lookups must not wait on hashing).
         for i in 0..a.keys.len() {
-            let Some((slot, crc)) = a.slots[i] else {
+            let Some((slot, crc)) = a.tier.slots[i] else {
                 continue;
             };
             if a.status[i] != KeyStatus::Done {
                 continue;
             }
-            let found = match &a.direct {
+            let found = match &a.tier.direct {
                 // The other data path checksummed the row it read (see `direct.rs`).
                 Some(d) => Ok(chunk_crc_from_row_crc(
                     a.keys[i].as_bytes(),
@@ -53,10 +53,10 @@ impl Worker {
                     stride,
                 )),
                 // The engine's staging copy checksummed the bytes it put in the row.
-                None if a.row_crcs.get(i).copied().flatten().is_some() => {
+                None if a.tier.row_crcs.get(i).copied().flatten().is_some() => {
                     Ok(chunk_crc_from_row_crc(
                         a.keys[i].as_bytes(),
-                        a.row_crcs[i].unwrap_or_default(),
+                        a.tier.row_crcs[i].unwrap_or_default(),
                         stride,
                     ))
                 }
@@ -93,11 +93,11 @@ impl Worker {
             let mut guard = self.sh.index.lock();
             if let Some(ix) = guard.as_mut() {
                 for i in 0..a.keys.len() {
-                    let Some((slot, _)) = a.slots[i] else {
+                    let Some((slot, _)) = a.tier.slots[i] else {
                         continue;
                     };
                     // A key whose destination was lost (not its slot) stays.
-                    let kept = a.direct.as_ref().is_some_and(|d| d.keep[i]);
+                    let kept = a.tier.direct.as_ref().is_some_and(|d| d.keep[i]);
                     if a.status[i] == KeyStatus::Failed
                         && !kept
                         && let Some(k) = ix.drop_slot(slot)
@@ -115,7 +115,7 @@ impl Worker {
         let m = &self.sh.metrics;
         m.keys_loaded
             .fetch_add(loaded.len() as u64, Ordering::Relaxed);
-        let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+        let failed = a.count(KeyStatus::Failed);
         m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
         self.report(a, Some(loaded));
     }

@@ -19,7 +19,7 @@
 //!   it without a wake-up. It does not nap while transfers are in flight (a completion comes
 //!   anyway; napping then, even every 200 us, added 40-100 % to the CPU per GB of bulk loads).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -27,7 +27,10 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, after, never};
 use parking_lot::Mutex;
 
-use crate::contract::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
+use crate::contract::job::{JobResult, TransferJob};
+use crate::contract::worker::{
+    EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::config::G3TierConfig;
 use crate::g3::format::slot_location;
@@ -93,25 +96,36 @@ pub(crate) struct Shared {
     pub events: std::sync::atomic::AtomicBool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum KeyStatus {
-    Skipped,
-    Pending,
-    Done,
-    Failed,
+impl Shared {
+    /// The state of a tier over the slab files of `set`, not recovered yet.
+    pub fn new(metrics: G3Metrics, set: &SlabSet) -> Self {
+        Shared {
+            index: Mutex::new(None),
+            metrics,
+            paths: set
+                .files
+                .iter()
+                .map(|f| PathStatus {
+                    direct: f.direct,
+                    poisoned: Default::default(),
+                    problem: Default::default(),
+                    lost: Default::default(),
+                    wrong_filesystem: Default::default(),
+                })
+                .collect(),
+            failed: Mutex::new(None),
+            checkpoint_error: Mutex::new(None),
+            journal_problem: Mutex::new(None),
+            final_checkpoint_error: Mutex::new(None),
+            events: std::sync::atomic::AtomicBool::new(true),
+        }
+    }
 }
 
-struct Active {
-    job_id: u64,
-    load: bool,
-    keys: Vec<ChunkKey>,
-    rows: Vec<u32>,
+/// What a G3 job keeps besides the shared per-key progress.
+struct G3Job {
+    /// Per key, its slot and the CRC bound to the key (stores: once written).
     slots: Vec<Option<(Slot, u32)>>,
-    status: Vec<KeyStatus>,
-    remaining: usize,
-    bytes: u64,
-    started: Instant,
-    first_error: Option<Error>,
     /// A transfer made by another data path (see `direct.rs`): no primary rows, the CRCs come
     /// from it, the result goes to `reply`.
     direct: Option<direct::DirectState>,
@@ -120,14 +134,20 @@ struct Active {
     row_crcs: Vec<Option<u32>>,
 }
 
-impl Active {
-    fn fail(&mut self, i: usize, e: Error) {
-        self.status[i] = KeyStatus::Failed;
-        if self.first_error.is_none() {
-            self.first_error = Some(e);
+impl G3Job {
+    fn new(n: usize, direct: Option<direct::DirectState>) -> Self {
+        G3Job {
+            slots: vec![None; n],
+            direct,
+            row_crcs: vec![None; n],
         }
     }
 }
+
+/// A started G3 job.
+type Active = JobRun<G3Job>;
+
+job_counters!(G3Metrics);
 
 /// What the tier hands its worker at start.
 pub(crate) struct WorkerInit {
@@ -139,18 +159,14 @@ pub(crate) struct WorkerInit {
     pub set: SlabSet,
     /// Configuration.
     pub cfg: G3TierConfig,
-    /// Tier id (event ownership).
-    pub tier_id: String,
-    /// Event locality.
-    pub locality: Option<Locality>,
+    /// Where events go (with the tier's id and locality).
+    pub events: EventSink,
     /// Commands from the tier.
     pub cmd_rx: Receiver<Cmd>,
     /// Store jobs from the tier (see the module docs).
     pub store_rx: Receiver<TransferJob>,
     /// Results to the tier.
     pub results_tx: Sender<JobResult>,
-    /// Events to the tier.
-    pub events_tx: Sender<OffloadingEvent>,
 }
 
 /// Everything the worker owns.
@@ -160,22 +176,22 @@ pub(crate) struct Worker {
     set: SlabSet,
     cfg: G3TierConfig,
     tier_id: String,
-    locality: Option<Locality>,
     cmd_rx: Receiver<Cmd>,
     store_rx: Receiver<TransferJob>,
     results_tx: Sender<JobResult>,
-    events_tx: Sender<OffloadingEvent>,
+    events: EventSink,
     journal: Option<JournalWriter>,
     dur: Durability,
-    queue: VecDeque<(TransferJob, bool)>,
+    /// Jobs waiting to start and slot transfers waiting for the byte budget.
+    jobs: JobQueue<IoRequest>,
     active: HashMap<u32, Active>,
-    next_serial: u32,
-    ops: VecDeque<IoRequest>,
     /// The requests `pump` submits in one call (kept to reuse its allocation).
     batch: Vec<IoRequest>,
-    in_flight: u64,
-    drain_waiters: Vec<Sender<()>>,
-    shutdown_ack: Option<Sender<Result<()>>>,
+    life: Lifecycle,
+    /// The engine's completions (`never` once the engine is gone).
+    completions: Receiver<IoCompletion>,
+    /// False once the tier dropped its store channel.
+    stores_open: bool,
     checkpoint_on_close: bool,
     /// When the worker last had something to do (start of its idle linger).
     last_work: Instant,
@@ -191,27 +207,25 @@ pub(crate) struct Worker {
 impl Worker {
     /// A worker that has not recovered yet.
     pub fn new(w: WorkerInit) -> Self {
+        let stride = w.set.row_stride();
         Worker {
+            jobs: JobQueue::new(w.cfg.max_bytes_in_flight_for(stride), stride),
+            completions: w.engine.completions().clone(),
             sh: w.sh,
             engine: w.engine,
             set: w.set,
             cfg: w.cfg,
-            tier_id: w.tier_id,
-            locality: w.locality,
+            tier_id: w.events.tier_id().to_string(),
+            events: w.events,
             cmd_rx: w.cmd_rx,
             store_rx: w.store_rx,
             results_tx: w.results_tx,
-            events_tx: w.events_tx,
             journal: None,
             dur: Durability::default(),
-            queue: VecDeque::new(),
             active: HashMap::new(),
-            next_serial: 0,
-            ops: VecDeque::new(),
             batch: Vec::new(),
-            in_flight: 0,
-            drain_waiters: Vec::new(),
-            shutdown_ack: None,
+            life: Lifecycle::default(),
+            stores_open: true,
             checkpoint_on_close: true,
             last_work: Instant::now(),
             commits: Vec::new(),
@@ -234,110 +248,77 @@ impl Worker {
             *self.sh.failed.lock() = Some(e);
         }
         self.sh.metrics.recovered.store(true, Ordering::Release);
-        let mut completions = self.engine.completions().clone();
-        let mut cmd_open = true;
-        let mut stores_open = true;
-        loop {
-            if cmd_open && !self.take_commands() {
-                cmd_open = false;
-                self.cancel_queued();
-            }
-            self.take_stores();
-            // Submit first, so that the device has work during the CRC checks that follow.
-            self.pump();
-            for a in std::mem::take(&mut self.completed) {
-                self.finish(a);
-            }
-            // Group commit once the completions that are already there are handled (or
-            // when the group is large).
-            if !self.commits.is_empty()
-                && (completions.is_empty() || self.commits.len() >= MAX_COMMIT_GROUP)
-            {
-                self.flush_commits();
-            }
-            if self.idle() {
-                for w in self.drain_waiters.drain(..) {
-                    let _ = w.send(());
-                }
-                if self.shutdown_ack.is_some() || !cmd_open {
-                    let result = self.close();
-                    if let Some(ack) = self.shutdown_ack.take() {
-                        let _ = ack.send(result);
-                    }
-                    return;
-                }
-            }
-            let tick_at = self.next_checkpoint_at();
-            if self.in_flight == 0 && cmd_open && stores_open {
-                // Nothing is coming from the engine: linger (see the module docs).
-                let (cmds, stores) = (&self.cmd_rx, &self.store_rx);
-                let naps = self.cfg.idle.linger(self.last_work, tick_at, || {
-                    !cmds.is_empty() || !stores.is_empty()
-                });
-                self.sh.metrics.idle_naps.fetch_add(naps, Ordering::Relaxed);
-            }
-            let tick = match tick_at {
-                Some(at) => after(
-                    at.saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1)),
-                ),
-                None => never(),
-            };
-            // With several transfers in flight the next completion is never far: commands
-            // (loads among them) are taken then, without waking the worker.
-            let completion_soon = self.in_flight >= QUIET_IN_FLIGHT_ROWS * self.set.row_stride();
-            let cmds = if cmd_open && !completion_soon {
-                self.cmd_rx.clone()
-            } else {
-                never()
-            };
-            // With transfers in flight a completion is coming; stores wait for it.
-            let stores = if stores_open && self.in_flight == 0 {
-                self.store_rx.clone()
-            } else {
-                never()
-            };
-            crossbeam_channel::select! {
-                recv(stores) -> job => match job {
-                    Ok(job) => {
-                        self.last_work = Instant::now();
-                        self.queue.push_back((job, false));
-                    }
-                    // The tier is closing; its command channel says what to do next.
-                    Err(_) => stores_open = false,
-                },
-                recv(cmds) -> msg => match msg {
-                    Ok(cmd) => {
-                        self.note_work(&cmd);
-                        self.command(cmd);
-                    }
-                    Err(_) => {
-                        cmd_open = false;
-                        self.cancel_queued();
-                    }
-                },
-                recv(completions) -> c => match c {
-                    Ok(c) => {
-                        self.last_work = Instant::now();
-                        self.complete(c);
-                    }
-                    Err(_) => {
-                        // Never select on a disconnected channel again (it would spin).
-                        completions = never();
-                        self.engine_gone();
-                    }
-                },
-                recv(tick) -> _ => self.checkpoint_logged(),
-            }
-        }
+        run_worker(&mut self);
     }
 
-    fn idle(&self) -> bool {
-        self.active.is_empty()
-            && self.completed.is_empty()
-            && self.ops.is_empty()
-            && self.queue.is_empty()
-            && self.commits.is_empty()
+    /// What the worker listens to while it blocks (see the module docs), and handling what
+    /// came.
+    fn wait_for_work(&mut self) {
+        let cmd_open = self.life.commands_open();
+        let in_flight = self.jobs.in_flight();
+        let tick_at = self.next_checkpoint_at();
+        if in_flight == 0 && cmd_open && self.stores_open {
+            // Nothing is coming from the engine: linger (see the module docs).
+            let (cmds, stores) = (&self.cmd_rx, &self.store_rx);
+            let naps = self.cfg.idle.linger(self.last_work, tick_at, || {
+                !cmds.is_empty() || !stores.is_empty()
+            });
+            self.sh.metrics.idle_naps.fetch_add(naps, Ordering::Relaxed);
+        }
+        let tick = match tick_at {
+            Some(at) => after(
+                at.saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1)),
+            ),
+            None => never(),
+        };
+        // With several transfers in flight the next completion is never far: commands
+        // (loads among them) are taken then, without waking the worker.
+        let completion_soon = in_flight >= QUIET_IN_FLIGHT_ROWS * self.set.row_stride();
+        let cmds = if cmd_open && !completion_soon {
+            self.cmd_rx.clone()
+        } else {
+            never()
+        };
+        // With transfers in flight a completion is coming; stores wait for it.
+        let stores = if self.stores_open && in_flight == 0 {
+            self.store_rx.clone()
+        } else {
+            never()
+        };
+        let completions = self.completions.clone();
+        crossbeam_channel::select! {
+            recv(stores) -> job => match job {
+                Ok(job) => {
+                    self.last_work = Instant::now();
+                    self.jobs.push_job(job, false);
+                }
+                // The tier is closing; its command channel says what to do next.
+                Err(_) => self.stores_open = false,
+            },
+            recv(cmds) -> msg => match msg {
+                Ok(cmd) => {
+                    self.note_work(&cmd);
+                    self.command(cmd);
+                }
+                Err(_) => {
+                    self.life.commands_closed();
+                    self.cancel_queued();
+                }
+            },
+            recv(completions) -> c => match c {
+                Ok(c) => {
+                    self.last_work = Instant::now();
+                    self.complete(c);
+                }
+                Err(_) => {
+                    // Never select on a disconnected channel again (it would spin).
+                    self.completions = never();
+                    self.engine_gone();
+                }
+            },
+            recv(tick) -> _ => self.checkpoint_logged(),
+        }
     }
 
     fn refresh_slot_gauges(&self, ix: &Index) {
@@ -358,10 +339,10 @@ impl Worker {
 
     fn command(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Load(job) => self.queue.push_back((job, true)),
+            Cmd::Load(job) => self.jobs.push_job(job, true),
             Cmd::Drain(ack) => {
                 self.start_then_cancel_the_rest();
-                self.drain_waiters.push(ack);
+                self.life.drain(ack);
             }
             Cmd::DirectStart(start) => self.start_direct(start),
             Cmd::DirectFinish(outcome) => self.finish_direct(outcome),
@@ -375,7 +356,7 @@ impl Worker {
             Cmd::Shutdown(ack, checkpoint) => {
                 self.abandon_direct();
                 self.start_then_cancel_the_rest();
-                self.shutdown_ack = Some(ack);
+                self.life.shutdown(ack);
                 self.checkpoint_on_close = checkpoint;
             }
         }
@@ -407,59 +388,28 @@ impl Worker {
     /// Moves the store jobs waiting in their channel to the queue (in arrival order).
     fn take_stores(&mut self) {
         while let Ok(job) = self.store_rx.try_recv() {
-            self.queue.push_back((job, false));
+            self.jobs.push_job(job, false);
         }
     }
 
     fn cancel_queued(&mut self) {
         // Stores sent before the drain or shutdown command are already in their channel.
         self.take_stores();
-        while let Some((job, _)) = self.queue.pop_front() {
-            self.sh.metrics.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            self.sh
-                .metrics
-                .jobs_cancelled
-                .fetch_add(1, Ordering::Relaxed);
-            let e = Error::new(
-                ErrorKind::Cancelled,
-                format!(
-                    "G3 job {} was cancelled by a drain before it started",
-                    job.job_id
-                ),
-            );
-            let _ = self.results_tx.send(JobResult::failed(job.job_id, e));
-        }
+        self.jobs
+            .cancel_jobs("G3", &self.sh.metrics, &self.results_tx);
     }
 
     /// Submits queued operations while the byte budget allows, starting queued jobs as their
     /// turn comes.
     fn pump(&mut self) {
-        let cap = self.cfg.max_bytes_in_flight_for(self.set.row_stride());
         let mut batch = std::mem::take(&mut self.batch);
-        loop {
-            if let Some(op) = self.ops.front() {
-                let len = op.len as u64;
-                if self.in_flight > 0 && self.in_flight + len > cap {
-                    break;
-                }
-                self.in_flight += len;
-                batch.push(*op);
-                self.ops.pop_front();
-                continue;
+        while let Some(next) = self.jobs.next(&self.sh.metrics) {
+            match next {
+                Next::Unit(op) => batch.push(op),
+                Next::Job(job, load) => self.start(job, load),
             }
-            if self.in_flight >= cap {
-                break;
-            }
-            let Some((job, load)) = self.queue.pop_front() else {
-                break;
-            };
-            self.sh.metrics.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            self.start(job, load);
         }
-        self.sh
-            .metrics
-            .bytes_in_flight
-            .store(self.in_flight, Ordering::Relaxed);
+        self.jobs.publish(&self.sh.metrics);
         if !batch.is_empty() {
             match self.engine.submit(&batch) {
                 Ok(()) => self.checksum_submitted_writes(&batch),
@@ -479,24 +429,9 @@ impl Worker {
     }
 
     fn start(&mut self, job: TransferJob, load: bool) {
-        let serial = self.next_serial;
-        self.next_serial = self.next_serial.wrapping_add(1);
+        let serial = self.jobs.next_serial();
         let n = job.keys.len();
-        let mut a = Active {
-            job_id: job.job_id,
-            load,
-            keys: job.keys,
-            rows: job.chunk_ids,
-            slots: vec![None; n],
-            status: vec![KeyStatus::Pending; n],
-            remaining: 0,
-            bytes: 0,
-            started: Instant::now(),
-            first_error: None,
-            direct: None,
-            row_crcs: vec![None; n],
-        };
-        self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
+        let mut a = Active::of(job, load, G3Job::new(n, None), &self.sh.metrics);
         if a.rows.len() != n {
             let e = Error::new(
                 ErrorKind::Contract,
@@ -521,7 +456,7 @@ impl Worker {
             if a.status[i] != KeyStatus::Pending {
                 continue;
             }
-            let Some((slot, _)) = a.slots[i] else {
+            let Some((slot, _)) = a.tier.slots[i] else {
                 // Never report a key as moved that no transfer was issued for.
                 let e = Error::new(ErrorKind::Internal, "no G3 slot was assigned to this key");
                 a.fail(i, e.with("key", a.keys[i].to_hex()));
@@ -529,7 +464,7 @@ impl Worker {
             };
             let (file, file_offset) = slot_location(u64::from(slot), self.set.files.len(), stride);
             a.remaining += 1;
-            self.ops.push_back(IoRequest {
+            self.jobs.push_unit(IoRequest {
                 dir: if load { IoDir::Read } else { IoDir::Write },
                 file,
                 file_offset,
@@ -557,11 +492,8 @@ impl Worker {
         );
         let (serial, i) = split_job_tag(c.tag);
         let stride = self.set.row_stride();
-        self.in_flight = self.in_flight.saturating_sub(stride);
-        self.sh
-            .metrics
-            .bytes_in_flight
-            .store(self.in_flight, Ordering::Relaxed);
+        self.jobs.release();
+        self.jobs.publish(&self.sh.metrics);
         let n_paths = self.set.files.len();
         let Some(a) = self.active.get_mut(&serial) else {
             log::error!("G3 worker: completion for unknown tag {:#x}", c.tag);
@@ -571,7 +503,7 @@ impl Worker {
         // A failed write of this worker's own takes its path out of service, unless the error
         // says nothing about the medium (interrupted, would block, cancelled): then only the
         // key fails.
-        let failed_path = match (&c.result, a.load, a.slots.get(i).copied().flatten()) {
+        let failed_path = match (&c.result, a.load, a.tier.slots.get(i).copied().flatten()) {
             (Ok(n), false, Some((slot, _))) if *n as u64 != stride => Some(slot as usize % n_paths),
             (Err(e), false, Some((slot, _))) if !is_transient(e) => Some(slot as usize % n_paths),
             _ => None,
@@ -584,14 +516,14 @@ impl Worker {
                 }
                 // The engine's staging copy checksummed the bytes it moved: a store's
                 // bytes as written, a load's as they reached the row.
-                match (a.load, c.row_crc, a.slots.get(i).copied().flatten()) {
+                match (a.load, c.row_crc, a.tier.slots.get(i).copied().flatten()) {
                     (true, crc, _) => {
-                        if let Some(r) = a.row_crcs.get_mut(i) {
+                        if let Some(r) = a.tier.row_crcs.get_mut(i) {
                             *r = crc;
                         }
                     }
                     (false, Some(crc), Some((slot, _))) => {
-                        a.slots[i] = Some((
+                        a.tier.slots[i] = Some((
                             slot,
                             chunk_crc_from_row_crc(a.keys[i].as_bytes(), crc, stride),
                         ));
@@ -604,7 +536,8 @@ impl Worker {
                         match unsafe { region.row(a.rows[i] as usize) } {
                             Ok(bytes) => {
                                 let stored = &bytes[..(stride as usize).min(bytes.len())];
-                                a.slots[i] = Some((slot, chunk_crc(a.keys[i].as_bytes(), stored)));
+                                let crc = chunk_crc(a.keys[i].as_bytes(), stored);
+                                a.tier.slots[i] = Some((slot, crc));
                             }
                             Err(e) => a.fail(i, e),
                         }
@@ -668,8 +601,7 @@ impl Worker {
                 self.finish(a);
             }
         }
-        self.ops.clear();
-        self.in_flight = 0;
+        self.jobs.forget_units();
     }
 
     /// Marks `path` as taking no further writes, leaving its entries loadable.
@@ -754,27 +686,10 @@ impl Worker {
         }
     }
 
-    fn report(&mut self, a: Active, loaded: Option<Vec<ChunkKey>>) {
-        // Success means every key moved (or was skipped as already held); nothing else.
-        let ok = a
-            .status
-            .iter()
-            .all(|s| matches!(s, KeyStatus::Done | KeyStatus::Skipped));
-        let elapsed = a.started.elapsed();
-        let result = if ok {
-            JobResult::ok(a.job_id, elapsed, a.bytes)
-        } else {
-            JobResult {
-                job_id: a.job_id,
-                success: false,
-                successful_keys: loaded.filter(|l| !l.is_empty()),
-                transfer_time: Some(elapsed),
-                transfer_bytes: Some(a.bytes),
-                error: a.first_error,
-            }
-        };
-        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
-        match a.direct.and_then(|d| d.reply) {
+    fn report(&mut self, mut a: Active, loaded: Option<Vec<ChunkKey>>) {
+        let reply = a.tier.direct.take().and_then(|d| d.reply);
+        let result = a.into_result(loaded, &self.sh.metrics);
+        match reply {
             Some(reply) => {
                 let _ = reply.send(result);
             }
@@ -785,17 +700,48 @@ impl Worker {
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
-        if !self.sh.events.load(Ordering::Relaxed) {
-            return;
+        self.events.send(&self.sh.events, keys, removed);
+    }
+}
+
+impl WorkerLoop for Worker {
+    fn life(&mut self) -> &mut Lifecycle {
+        &mut self.life
+    }
+
+    fn advance(&mut self) {
+        if self.life.commands_open() && !self.take_commands() {
+            self.life.commands_closed();
+            self.cancel_queued();
         }
-        let _ = self.events_tx.send(OffloadingEvent {
-            keys,
-            medium: Medium::Storage,
-            removed,
-            locality: self.locality,
-            ownership: Some(self.tier_id.clone()),
-            removal_expected: true,
-            metadata_only: false,
-        });
+        self.take_stores();
+        // Submit first, so that the device has work during the CRC checks that follow.
+        self.pump();
+        for a in std::mem::take(&mut self.completed) {
+            self.finish(a);
+        }
+        // Group commit once the completions that are already there are handled (or when the
+        // group is large).
+        if !self.commits.is_empty()
+            && (self.completions.is_empty() || self.commits.len() >= MAX_COMMIT_GROUP)
+        {
+            self.flush_commits();
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.active.is_empty()
+            && self.completed.is_empty()
+            && self.jobs.no_units()
+            && self.jobs.no_jobs()
+            && self.commits.is_empty()
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.checkpoint_and_stop()
+    }
+
+    fn wait(&mut self) {
+        self.wait_for_work();
     }
 }

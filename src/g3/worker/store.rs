@@ -22,11 +22,7 @@ impl Worker {
             for i in 0..a.keys.len() {
                 let key = &a.keys[i];
                 if ix.is_held(key) || !seen.insert(key.clone()) {
-                    a.status[i] = KeyStatus::Skipped;
-                    self.sh
-                        .metrics
-                        .stores_skipped
-                        .fetch_add(1, Ordering::Relaxed);
+                    a.skip(i, &self.sh.metrics.stores_skipped);
                     continue;
                 }
                 if let Some(e) = &refusal {
@@ -47,7 +43,7 @@ impl Worker {
                     );
                     continue;
                 }
-                if a.direct.is_none()
+                if a.tier.direct.is_none()
                     && let Err(e) = self.check_row(a.rows[i])
                 {
                     a.fail(i, e);
@@ -55,7 +51,7 @@ impl Worker {
                 }
                 match ix.reserve(key) {
                     Some(r) => {
-                        a.slots[i] = Some((r.slot, 0));
+                        a.tier.slots[i] = Some((r.slot, 0));
                         if let Some(ev) = r.evicted {
                             evicted.push(ev);
                         }
@@ -93,11 +89,11 @@ impl Worker {
                 self.publish_journal_state();
                 let mut guard = self.sh.index.lock();
                 for i in 0..a.keys.len() {
-                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.slots[i]) {
+                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
                         if let Some(ix) = guard.as_mut() {
                             ix.abort(slot);
                         }
-                        a.slots[i] = None;
+                        a.tier.slots[i] = None;
                         a.fail(i, e.duplicate());
                     }
                 }
@@ -124,7 +120,8 @@ impl Worker {
             let Some(a) = self.active.get_mut(&serial) else {
                 continue;
             };
-            let (Some(&row), Some(Some((slot_id, _)))) = (a.rows.get(i), a.slots.get(i).copied())
+            let (Some(&row), Some(Some((slot_id, _)))) =
+                (a.rows.get(i), a.tier.slots.get(i).copied())
             else {
                 continue;
             };
@@ -133,7 +130,7 @@ impl Worker {
             match unsafe { region.row(row as usize) } {
                 Ok(bytes) => {
                     let stored = &bytes[..slot_bytes.min(bytes.len())];
-                    a.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))
+                    a.tier.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))
                 }
                 // Unreachable after the range check; the key fails rather than journaling
                 // a CRC that was never computed.
@@ -161,57 +158,11 @@ impl Worker {
         let mut jobs = std::mem::take(&mut self.commits);
         let n_paths = self.set.files.len();
         let sync = self.cfg.fsync == FsyncPolicy::Always;
-        // Paths whose keys of this group must fail: a slab that a restart would not find, or
-        // (below) whose sync failed.
-        let mut lost: Vec<(usize, Error)> = if sync {
-            self.check_files()
-        } else {
-            self.check_files_now_and_then()
-        };
-        // A path fenced since these writes were issued (another write there failed) holds no
-        // entry any more: its keys fail too.
-        for (f, p) in self.sh.paths.iter().enumerate() {
-            let why = p.lost.lock().clone().or_else(|| {
-                p.poisoned
-                    .load(Ordering::Relaxed)
-                    .then(|| p.problem.lock().clone().unwrap_or_default())
-            });
-            if let Some(why) = why
-                && !lost.iter().any(|(l, _)| *l == f)
-            {
-                lost.push((
-                    f,
-                    Error::new(
-                        ErrorKind::Poisoned,
-                        format!("G3 path {f} was taken out of service: {why}"),
-                    ),
-                ));
-            }
-        }
-        let path_of = |a: &Active, i: usize| a.slots[i].map(|(s, _)| s as usize % n_paths);
-        if sync {
-            let touched: BTreeSet<usize> = jobs
-                .iter()
-                .flat_map(|a| {
-                    (0..a.keys.len())
-                        .filter(|&i| a.status[i] == KeyStatus::Done)
-                        .filter_map(|i| path_of(a, i))
-                })
-                .collect();
-            for f in touched {
-                if lost.iter().any(|(l, _)| *l == f) {
-                    continue;
-                }
-                if let Err(e) = self.engine.sync_data(f) {
-                    self.poison_path(f, &e);
-                    lost.push((f, e));
-                }
-            }
-        }
+        let lost = self.lost_paths(&jobs, sync);
         for (f, e) in &lost {
             for a in jobs.iter_mut() {
                 for i in 0..a.keys.len() {
-                    if a.status[i] == KeyStatus::Done && path_of(a, i) == Some(*f) {
+                    if a.status[i] == KeyStatus::Done && path_of(a, i, n_paths) == Some(*f) {
                         a.fail(i, e.duplicate());
                     }
                 }
@@ -229,7 +180,8 @@ impl Worker {
             (true, None, Some(j)) => {
                 for (a, g) in jobs.iter().zip(gens.iter_mut()) {
                     for (i, gen_i) in g.iter_mut().enumerate() {
-                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.slots[i]) {
+                        if let (KeyStatus::Done, Some((slot, crc))) = (a.status[i], a.tier.slots[i])
+                        {
                             *gen_i = self.dur.next_gen;
                             j.insert(&a.keys[i], slot, crc, self.dur.next_gen);
                             self.dur.next_gen = self.dur.next_gen.saturating_add(1);
@@ -259,7 +211,7 @@ impl Worker {
                 let mut keys = Vec::new();
                 if let Some(ix) = guard.as_mut() {
                     for (i, &gen_i) in g.iter().enumerate() {
-                        match (a.status[i], a.slots[i]) {
+                        match (a.status[i], a.tier.slots[i]) {
                             (KeyStatus::Done, Some((slot, crc))) => {
                                 ix.commit(slot, crc, gen_i);
                                 keys.push(a.keys[i].clone());
@@ -279,7 +231,7 @@ impl Worker {
             let m = &self.sh.metrics;
             m.keys_stored
                 .fetch_add(keys.len() as u64, Ordering::Relaxed);
-            let failed = a.status.iter().filter(|s| **s == KeyStatus::Failed).count();
+            let failed = a.count(KeyStatus::Failed);
             m.key_failures.fetch_add(failed as u64, Ordering::Relaxed);
             if !keys.is_empty() {
                 self.event(keys, false);
@@ -288,4 +240,63 @@ impl Worker {
         }
         self.maybe_checkpoint();
     }
+
+    /// The paths whose keys of the group `jobs` must fail, each with why: a slab that a
+    /// restart would not find, a path fenced since these writes were issued, or (under
+    /// `fsync = always`, `sync`) a slab whose fdatasync failed (it is fenced).
+    fn lost_paths(&mut self, jobs: &[Active], sync: bool) -> Vec<(usize, Error)> {
+        let n_paths = self.set.files.len();
+        // Paths whose keys of this group must fail: a slab that a restart would not find, or
+        // (below) whose sync failed.
+        let mut lost: Vec<(usize, Error)> = if sync {
+            self.check_files()
+        } else {
+            self.check_files_now_and_then()
+        };
+        // A path fenced since these writes were issued (another write there failed) holds no
+        // entry any more: its keys fail too.
+        for (f, p) in self.sh.paths.iter().enumerate() {
+            let why = p.lost.lock().clone().or_else(|| {
+                p.poisoned
+                    .load(Ordering::Relaxed)
+                    .then(|| p.problem.lock().clone().unwrap_or_default())
+            });
+            if let Some(why) = why
+                && !lost.iter().any(|(l, _)| *l == f)
+            {
+                lost.push((
+                    f,
+                    Error::new(
+                        ErrorKind::Poisoned,
+                        format!("G3 path {f} was taken out of service: {why}"),
+                    ),
+                ));
+            }
+        }
+        if sync {
+            let touched: BTreeSet<usize> = jobs
+                .iter()
+                .flat_map(|a| {
+                    (0..a.keys.len())
+                        .filter(|&i| a.status[i] == KeyStatus::Done)
+                        .filter_map(|i| path_of(a, i, n_paths))
+                })
+                .collect();
+            for f in touched {
+                if lost.iter().any(|(l, _)| *l == f) {
+                    continue;
+                }
+                if let Err(e) = self.engine.sync_data(f) {
+                    self.poison_path(f, &e);
+                    lost.push((f, e));
+                }
+            }
+        }
+        lost
+    }
+}
+
+/// The path holding key `i`'s slot, of `n_paths`.
+fn path_of(a: &Active, i: usize, n_paths: usize) -> Option<usize> {
+    a.tier.slots[i].map(|(s, _)| s as usize % n_paths)
 }

@@ -20,7 +20,8 @@
 use super::ghost::{Ghost, GhostLists};
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::list::{Link, List, more_recent, new_links};
+use super::marks::{Marked, marked_methods};
 use super::{ArcStats, Commit, EvictionPolicy, PolicyStats};
 
 const IN_T1: u8 = 1;
@@ -153,7 +154,39 @@ impl ArcPolicy {
     }
 }
 
+impl Marked for ArcPolicy {
+    const RESIDENT: u8 = IN_T1 | IN_T2;
+    const EVICTABLE: u8 = EVICTABLE;
+    const PROTECTED: u8 = PROTECTED;
+
+    fn marks(&mut self) -> (&mut [u8], &mut usize) {
+        (&mut self.state, &mut self.evictable)
+    }
+
+    fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
+        ArcPolicy::select(self, n, victims)
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        if let Some((list, links)) = self.list_of(slot) {
+            list.unlink(links, slot);
+        }
+    }
+
+    fn on_evicted(&mut self, slot: u32, fingerprint: &mut dyn FnMut(u32) -> u64) {
+        let fp = fingerprint(slot);
+        let ghost = if self.state[slot as usize] & IN_T1 != 0 {
+            Ghost::B1
+        } else {
+            Ghost::B2
+        };
+        self.ghosts.push(ghost, fp);
+    }
+}
+
 impl EvictionPolicy for ArcPolicy {
+    marked_methods!();
+
     fn name(&self) -> &'static str {
         "arc"
     }
@@ -171,35 +204,6 @@ impl EvictionPolicy for ArcPolicy {
         self.t1.push_front(&mut self.links, slot);
         self.state[slot as usize] = IN_T1;
         self.ghosts.take(fingerprint);
-    }
-
-    fn remove(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        let Some((list, links)) = self.list_of(slot) else {
-            return;
-        };
-        list.unlink(links, slot);
-        if st & EVICTABLE != 0 {
-            self.evictable -= 1;
-        }
-        self.state[slot as usize] = 0;
-    }
-
-    fn mark_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 || st & (IN_T1 | IN_T2) == 0 {
-            return;
-        }
-        self.state[slot as usize] = st | EVICTABLE;
-        self.evictable += 1;
-    }
-
-    fn mark_non_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 {
-            self.state[slot as usize] = st & !EVICTABLE;
-            self.evictable -= 1;
-        }
     }
 
     fn touch(&mut self, slot: u32, ready: bool) {
@@ -220,55 +224,6 @@ impl EvictionPolicy for ArcPolicy {
             Commit::Reused | Commit::InsertedOnly => self.make_most_recent(slot),
             Commit::Seen => {}
         }
-    }
-
-    fn num_evictable(&self) -> usize {
-        self.evictable
-    }
-
-    fn prefetch(&self, slot: u32) {
-        prefetch_node(&self.links, &self.state, slot);
-    }
-
-    fn evict(
-        &mut self,
-        n: usize,
-        protected: &[u32],
-        fingerprint: &mut dyn FnMut(u32) -> u64,
-        victims: &mut Vec<u32>,
-    ) -> bool {
-        if n == 0 {
-            return true;
-        }
-        if n > self.evictable {
-            return false;
-        }
-        for &s in protected {
-            self.state[s as usize] |= PROTECTED;
-        }
-        // Select all `n` first (vLLM: candidates collected atomically, scans monotonic).
-        let start = victims.len();
-        let ok = self.select(n, victims) == n;
-        for &s in protected {
-            self.state[s as usize] &= !PROTECTED;
-        }
-        if !ok {
-            victims.truncate(start);
-            return false;
-        }
-        for &slot in &victims[start..] {
-            let fp = fingerprint(slot);
-            if self.state[slot as usize] & IN_T1 != 0 {
-                self.t1.unlink(&mut self.links, slot);
-                self.ghosts.push(Ghost::B1, fp);
-            } else {
-                self.t2.unlink(&mut self.links, slot);
-                self.ghosts.push(Ghost::B2, fp);
-            }
-            self.state[slot as usize] = 0;
-        }
-        self.evictable -= n;
-        true
     }
 
     fn reset_history(&mut self) {

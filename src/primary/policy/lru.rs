@@ -4,7 +4,8 @@
 
 use crate::primary::mem_hints::huge_slice;
 
-use super::list::{Link, List, more_recent, new_links, prefetch_node};
+use super::list::{Link, List, more_recent, new_links};
+use super::marks::{Marked, marked_methods};
 use super::{Commit, EvictionPolicy, PolicyStats};
 
 const IN_LIST: u8 = 1;
@@ -39,7 +40,37 @@ impl LruPolicy {
     }
 }
 
+impl Marked for LruPolicy {
+    const RESIDENT: u8 = IN_LIST;
+    const EVICTABLE: u8 = EVICTABLE;
+    const PROTECTED: u8 = PROTECTED;
+
+    fn marks(&mut self) -> (&mut [u8], &mut usize) {
+        (&mut self.state, &mut self.evictable)
+    }
+
+    fn select(&self, n: usize, victims: &mut Vec<u32>) -> usize {
+        let mut found = 0;
+        let mut cur = self.list.back();
+        while found < n {
+            let Some(slot) = cur else { break };
+            cur = more_recent(&self.links, slot);
+            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
+                victims.push(slot);
+                found += 1;
+            }
+        }
+        found
+    }
+
+    fn unlink(&mut self, slot: u32) {
+        self.list.unlink(&mut self.links, slot);
+    }
+}
+
 impl EvictionPolicy for LruPolicy {
+    marked_methods!();
+
     fn name(&self) -> &'static str {
         "lru"
     }
@@ -54,90 +85,12 @@ impl EvictionPolicy for LruPolicy {
         self.state[slot as usize] = IN_LIST;
     }
 
-    fn remove(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & IN_LIST == 0 {
-            return;
-        }
-        self.list.unlink(&mut self.links, slot);
-        if st & EVICTABLE != 0 {
-            self.evictable -= 1;
-        }
-        self.state[slot as usize] = 0;
-    }
-
-    fn mark_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 || st & IN_LIST == 0 {
-            return;
-        }
-        self.state[slot as usize] = st | EVICTABLE;
-        self.evictable += 1;
-    }
-
-    fn mark_non_evictable(&mut self, slot: u32) {
-        let st = self.state[slot as usize];
-        if st & EVICTABLE != 0 {
-            self.state[slot as usize] = st & !EVICTABLE;
-            self.evictable -= 1;
-        }
-    }
-
     fn touch(&mut self, slot: u32, _ready: bool) {
         self.make_most_recent(slot);
     }
 
     fn commit(&mut self, slot: u32, _how: Commit) {
         self.make_most_recent(slot);
-    }
-
-    fn num_evictable(&self) -> usize {
-        self.evictable
-    }
-
-    fn prefetch(&self, slot: u32) {
-        prefetch_node(&self.links, &self.state, slot);
-    }
-
-    fn evict(
-        &mut self,
-        n: usize,
-        protected: &[u32],
-        _fingerprint: &mut dyn FnMut(u32) -> u64,
-        victims: &mut Vec<u32>,
-    ) -> bool {
-        if n == 0 {
-            return true;
-        }
-        if n > self.evictable {
-            return false;
-        }
-        for &s in protected {
-            self.state[s as usize] |= PROTECTED;
-        }
-        // Select first, from the least recent end, without changing anything.
-        let start = victims.len();
-        let mut cur = self.list.back();
-        while victims.len() - start < n {
-            let Some(slot) = cur else { break };
-            cur = more_recent(&self.links, slot);
-            if self.state[slot as usize] & (EVICTABLE | PROTECTED) == EVICTABLE {
-                victims.push(slot);
-            }
-        }
-        for &s in protected {
-            self.state[s as usize] &= !PROTECTED;
-        }
-        if victims.len() - start < n {
-            victims.truncate(start);
-            return false;
-        }
-        for &slot in &victims[start..] {
-            self.list.unlink(&mut self.links, slot);
-            self.state[slot as usize] = 0;
-        }
-        self.evictable -= n;
-        true
     }
 
     fn stats(&self) -> PolicyStats {

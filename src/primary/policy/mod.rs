@@ -19,6 +19,7 @@ mod arc;
 mod ghost;
 pub(crate) mod list;
 mod lru;
+mod marks;
 
 pub use arc::ArcPolicy;
 pub use lru::LruPolicy;

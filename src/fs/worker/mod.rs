@@ -15,26 +15,29 @@
 //! The coordinator blocks on its three channels (commands, finished steps, engine
 //! completions); the I/O threads block on their task channel.
 
-use std::collections::{HashMap, VecDeque};
-use std::path::PathBuf;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, never};
 use parking_lot::Mutex;
 
-use crate::contract::job::{JobResult, Locality, Medium, OffloadingEvent, TransferJob};
+use crate::contract::job::{JobResult, TransferJob};
+use crate::contract::worker::{
+    EventSink, JobQueue, JobRun, KeyStatus, Lifecycle, Next, WorkerLoop, job_counters, run_worker,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::fs::catalog::Catalog;
-use crate::fs::chunk_file::{self, DirCache, LoadFile, PublishMode, Published, discard_temp};
+use crate::fs::chunk_file::{DirCache, PublishMode, Published};
 use crate::fs::config::{FsSync, Integrity};
-use crate::fs::integrity::CrcRecord;
 use crate::fs::mapper::FileMapper;
 use crate::fs::metrics::FsMetrics;
 use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, job_tag, split_job_tag};
 use crate::key::ChunkKey;
 use crate::region::PrimaryRegion;
+use task::{KeyOutcome, Opened, Step, Task, run_task};
+
+mod task;
 
 /// A message from the tier (or its lookup and scan threads) to the coordinator.
 pub(crate) enum Cmd {
@@ -93,124 +96,21 @@ impl Shared {
     }
 }
 
-/// Blocking file work for an I/O thread.
-enum Task {
-    OpenStore {
-        tag: u64,
-        dest: PathBuf,
-        row: u32,
-    },
-    OpenLoad {
-        tag: u64,
-        path: PathBuf,
-        row: u32,
-    },
-    FinishStore {
-        tag: u64,
-        file: usize,
-        tmp: PathBuf,
-        dest: PathBuf,
-        io: Result<usize>,
-    },
-    FinishLoad {
-        tag: u64,
-        file: usize,
-        path: PathBuf,
-        record: Option<CrcRecord>,
-        identity: (u64, u64),
-        row: u32,
-        io: Result<usize>,
-    },
-    Evict {
-        key: ChunkKey,
-        path: PathBuf,
-    },
-}
+/// A started fs job; `tier`: the keys now in the tier because of it (for the stored event,
+/// which names those of them the tier still holds when the job is reported).
+type Active = JobRun<Vec<ChunkKey>>;
 
-/// What an open step leaves for the finish step.
-enum Opened {
-    Store {
-        tmp: PathBuf,
-        dest: PathBuf,
-    },
-    Load {
-        path: PathBuf,
-        record: Option<CrcRecord>,
-        identity: (u64, u64),
-        row: u32,
-    },
-}
-
-/// How a key ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum KeyOutcome {
-    /// The store published this file, or found another writer's file there meanwhile.
-    Stored(Published),
-    /// A complete file was there before the store started: nothing was written.
-    Present,
-    /// The load's bytes are in the row; `verified` when a CRC record matched.
-    Loaded { verified: bool },
-}
-
-/// What an I/O thread reports.
-enum Step {
-    /// The file is open and attached as engine file `file`: the row moves next.
-    Opened { tag: u64, file: usize, then: Opened },
-    /// The key is finished.
-    Finished {
-        tag: u64,
-        outcome: Result<KeyOutcome>,
-    },
-    /// An eviction's unlink returned.
-    Evicted {
-        key: ChunkKey,
-        result: std::io::Result<()>,
-    },
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum KeyStatus {
-    Waiting,
-    Running,
-    Skipped,
-    Done,
-    Failed,
-}
-
-struct Active {
-    job_id: u64,
-    load: bool,
-    keys: Vec<ChunkKey>,
-    rows: Vec<u32>,
-    status: Vec<KeyStatus>,
-    remaining: usize,
-    bytes: u64,
-    started: Instant,
-    first_error: Option<Error>,
-    /// Keys now in the tier because of this job (for the stored event, which names those of
-    /// them the tier still holds when the job is reported).
-    stored: Vec<ChunkKey>,
-}
-
-impl Active {
-    fn fail(&mut self, i: usize, e: Error) {
-        self.status[i] = KeyStatus::Failed;
-        if self.first_error.is_none() {
-            self.first_error = Some(e.with("key", self.keys[i].to_hex()));
-        }
-    }
-}
+job_counters!(FsMetrics);
 
 /// Channels and settings the coordinator starts with.
 pub(crate) struct WorkerInit {
     pub sh: Arc<Shared>,
     pub max_bytes_in_flight: u64,
     pub io_threads: usize,
-    pub tier_id: String,
-    pub locality: Option<Locality>,
+    /// Where events go (with the tier's id and locality).
+    pub events: EventSink,
     pub cmd_rx: Receiver<Cmd>,
     pub results_tx: Sender<JobResult>,
-    pub events_tx: Sender<OffloadingEvent>,
     /// Keys this process evicted or found bad, for the lookup verdict cache.
     pub invalidated_tx: Sender<Vec<ChunkKey>>,
 }
@@ -218,28 +118,25 @@ pub(crate) struct WorkerInit {
 /// The coordinator's state.
 pub(crate) struct Worker {
     sh: Arc<Shared>,
-    cap: u64,
     tier_id: String,
-    locality: Option<Locality>,
     cmd_rx: Receiver<Cmd>,
     results_tx: Sender<JobResult>,
-    events_tx: Sender<OffloadingEvent>,
+    events: EventSink,
     invalidated_tx: Sender<Vec<ChunkKey>>,
     tasks_tx: Option<Sender<Task>>,
     steps_rx: Receiver<Step>,
     pool: Vec<std::thread::JoinHandle<()>>,
-    queue: VecDeque<(TransferJob, bool)>,
+    /// Jobs waiting to start and keys (tags) waiting for the byte budget.
+    jobs: JobQueue<u64>,
     active: HashMap<u32, Active>,
-    next_serial: u32,
-    waiting: VecDeque<u64>,
     /// Keys whose row the engine is moving: what the finish step needs.
     moving: HashMap<u64, (usize, Opened)>,
-    in_flight: u64,
     /// Files being removed, each with the store keys (tags) that wait for the removal: a
     /// store must not find the file about to go and take it for its own.
     evicting: HashMap<ChunkKey, Vec<u64>>,
-    drain_waiters: Vec<Sender<()>>,
-    shutdown_ack: Option<Sender<Result<()>>>,
+    life: Lifecycle,
+    /// The engine's completions (`never` once the engine is gone).
+    completions: Receiver<IoCompletion>,
 }
 
 impl Worker {
@@ -266,95 +163,76 @@ impl Worker {
             pool.push(h);
         }
         Ok(Worker {
+            jobs: JobQueue::new(w.max_bytes_in_flight, w.sh.stride()),
+            completions: w.sh.engine.completions().clone(),
             sh: w.sh,
-            cap: w.max_bytes_in_flight,
-            tier_id: w.tier_id,
-            locality: w.locality,
+            tier_id: w.events.tier_id().to_string(),
+            events: w.events,
             cmd_rx: w.cmd_rx,
             results_tx: w.results_tx,
-            events_tx: w.events_tx,
             invalidated_tx: w.invalidated_tx,
             tasks_tx: Some(tasks_tx),
             steps_rx,
             pool,
-            queue: VecDeque::new(),
             active: HashMap::new(),
-            next_serial: 0,
-            waiting: VecDeque::new(),
             moving: HashMap::new(),
-            in_flight: 0,
             evicting: HashMap::new(),
-            drain_waiters: Vec::new(),
-            shutdown_ack: None,
+            life: Lifecycle::default(),
         })
     }
 
     /// The coordinator's thread body.
     pub fn run(mut self) {
-        let mut completions = self.sh.engine.completions().clone();
-        let mut cmd_open = true;
-        loop {
-            self.pump();
-            if self.idle() {
-                for w in self.drain_waiters.drain(..) {
-                    let _ = w.send(());
-                }
-                if self.shutdown_ack.is_some() || !cmd_open {
-                    let result = self.close();
-                    if let Some(ack) = self.shutdown_ack.take() {
-                        let _ = ack.send(result);
-                    }
-                    return;
-                }
-            }
-            let cmds = if cmd_open && self.shutdown_ack.is_none() {
-                self.cmd_rx.clone()
-            } else {
-                never()
-            };
-            crossbeam_channel::select! {
-                recv(cmds) -> msg => match msg {
-                    Ok(cmd) => self.command(cmd),
-                    Err(_) => {
-                        cmd_open = false;
-                        self.cancel_queued();
-                    }
-                },
-                recv(self.steps_rx) -> step => {
-                    if let Ok(step) = step {
-                        self.step(step);
-                    }
-                }
-                recv(completions) -> c => match c {
-                    Ok(c) => self.completion(c),
-                    Err(_) => {
-                        completions = never();
-                        self.engine_gone();
-                    }
-                },
-            }
-        }
+        run_worker(&mut self);
     }
 
-    fn idle(&self) -> bool {
-        self.active.is_empty() && self.queue.is_empty() && self.evicting.is_empty()
+    /// Blocks on the commands, the finished steps and the engine's completions, and handles
+    /// what came.
+    fn wait_for_work(&mut self) {
+        let cmds = if self.life.commands_open() && !self.life.stopping() {
+            self.cmd_rx.clone()
+        } else {
+            never()
+        };
+        let completions = self.completions.clone();
+        crossbeam_channel::select! {
+            recv(cmds) -> msg => match msg {
+                Ok(cmd) => self.command(cmd),
+                Err(_) => {
+                    self.life.commands_closed();
+                    self.cancel_queued();
+                }
+            },
+            recv(self.steps_rx) -> step => {
+                if let Ok(step) = step {
+                    self.step(step);
+                }
+            }
+            recv(completions) -> c => match c {
+                Ok(c) => self.completion(c),
+                Err(_) => {
+                    self.completions = never();
+                    self.engine_gone();
+                }
+            },
+        }
     }
 
     fn command(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Store(job) => self.queue.push_back((job, false)),
-            Cmd::Load(job) => self.queue.push_back((job, true)),
+            Cmd::Store(job) => self.jobs.push_job(job, false),
+            Cmd::Load(job) => self.jobs.push_job(job, true),
             Cmd::Seen(files) => self.learn(files, false),
             Cmd::Scanned(files) => self.learn(files, true),
             Cmd::Drain(ack) => {
                 self.pump();
                 self.cancel_queued();
-                self.drain_waiters.push(ack);
+                self.life.drain(ack);
             }
             Cmd::Shutdown(ack) => {
                 self.pump();
                 self.cancel_queued();
-                self.shutdown_ack = Some(ack);
+                self.life.shutdown(ack);
             }
         }
     }
@@ -378,19 +256,8 @@ impl Worker {
     }
 
     fn cancel_queued(&mut self) {
-        while let Some((job, _)) = self.queue.pop_front() {
-            let m = &self.sh.metrics;
-            m.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            m.jobs_cancelled.fetch_add(1, Ordering::Relaxed);
-            let e = Error::new(
-                ErrorKind::Cancelled,
-                format!(
-                    "fs job {} was cancelled by a drain before it started",
-                    job.job_id
-                ),
-            );
-            let _ = self.results_tx.send(JobResult::failed(job.job_id, e));
-        }
+        self.jobs
+            .cancel_jobs("fs", &self.sh.metrics, &self.results_tx);
     }
 
     fn send_task(&self, task: Task) {
@@ -403,29 +270,13 @@ impl Worker {
     /// Hands waiting keys to the pool while the byte budget allows, starting queued jobs as
     /// their turn comes.
     fn pump(&mut self) {
-        let stride = self.sh.stride();
-        loop {
-            if let Some(&tag) = self.waiting.front() {
-                if self.in_flight > 0 && self.in_flight + stride > self.cap {
-                    break;
-                }
-                self.waiting.pop_front();
-                self.dispatch_open(tag);
-                continue;
+        while let Some(next) = self.jobs.next(&self.sh.metrics) {
+            match next {
+                Next::Unit(tag) => self.dispatch_open(tag),
+                Next::Job(job, load) => self.start_job(job, load),
             }
-            if self.in_flight >= self.cap {
-                break;
-            }
-            let Some((job, load)) = self.queue.pop_front() else {
-                break;
-            };
-            self.sh.metrics.queued_jobs.fetch_sub(1, Ordering::Relaxed);
-            self.start_job(job, load);
         }
-        self.sh
-            .metrics
-            .bytes_in_flight
-            .store(self.in_flight, Ordering::Relaxed);
+        self.jobs.publish(&self.sh.metrics);
     }
 
     fn dispatch_open(&mut self, tag: u64) {
@@ -438,13 +289,14 @@ impl Worker {
         let path = match self.sh.mapper.file_path(&key) {
             Ok(p) => p,
             Err(e) => {
-                a.fail(i, e);
+                a.fail_key(i, e);
+                // Nothing went in flight for it.
+                self.jobs.release();
                 self.key_done(serial);
                 return;
             }
         };
         a.status[i] = KeyStatus::Running;
-        self.in_flight += self.sh.stride();
         if a.load {
             self.sh.catalog.lock().pin(&key);
             self.send_task(Task::OpenLoad { tag, path, row });
@@ -458,36 +310,19 @@ impl Worker {
     }
 
     fn start_job(&mut self, job: TransferJob, load: bool) {
-        let serial = self.next_serial;
-        self.next_serial = self.next_serial.wrapping_add(1);
+        let serial = self.jobs.next_serial();
         let n = job.keys.len();
-        let mut a = Active {
-            job_id: job.job_id,
-            load,
-            keys: job.keys,
-            rows: job.chunk_ids,
-            status: vec![KeyStatus::Waiting; n],
-            remaining: 0,
-            bytes: 0,
-            started: Instant::now(),
-            first_error: None,
-            stored: Vec::new(),
-        };
-        self.sh.metrics.active_jobs.fetch_add(1, Ordering::Relaxed);
+        let mut a = Active::of(job, load, Vec::new(), &self.sh.metrics);
         {
             let mut catalog = self.sh.catalog.lock();
             for i in 0..n {
                 if let Err(e) = self.sh.region.row_offset(a.rows[i] as usize) {
-                    a.fail(i, e);
+                    a.fail_key(i, e);
                     continue;
                 }
                 // A store of a file this process knows writes nothing (content addresses).
                 if !load && catalog.touch(&a.keys[i]) {
-                    a.status[i] = KeyStatus::Skipped;
-                    self.sh
-                        .metrics
-                        .stores_skipped
-                        .fetch_add(1, Ordering::Relaxed);
+                    a.skip(i, &self.sh.metrics.stores_skipped);
                     continue;
                 }
                 a.remaining += 1;
@@ -495,7 +330,7 @@ impl Worker {
                 match self.evicting.get_mut(&a.keys[i]) {
                     // A store of a file being removed starts once it is gone.
                     Some(parked) if !load => parked.push(tag),
-                    _ => self.waiting.push_back(tag),
+                    _ => self.jobs.push_unit(tag),
                 }
             }
         }
@@ -533,7 +368,7 @@ impl Worker {
             Step::Finished { tag, outcome } => self.finished(tag, outcome),
             Step::Evicted { key, result } => {
                 for tag in self.evicting.remove(&key).unwrap_or_default() {
-                    self.waiting.push_front(tag);
+                    self.jobs.push_unit_front(tag);
                 }
                 let m = &self.sh.metrics;
                 m.evictions_in_flight
@@ -604,7 +439,7 @@ impl Worker {
 
     fn finished(&mut self, tag: u64, outcome: Result<KeyOutcome>) {
         let stride = self.sh.stride();
-        self.in_flight = self.in_flight.saturating_sub(stride);
+        self.jobs.release();
         let (serial, i) = split_job_tag(tag);
         let Some(a) = self.active.get_mut(&serial) else {
             log::error!("fs worker: finished step for unknown tag {tag:#x}");
@@ -624,7 +459,7 @@ impl Worker {
                 Ok(KeyOutcome::Stored(p)) => {
                     a.status[i] = KeyStatus::Done;
                     a.bytes += stride;
-                    a.stored.push(key.clone());
+                    a.tier.push(key.clone());
                     if !removing {
                         catalog.insert(key, stride);
                     }
@@ -636,7 +471,7 @@ impl Worker {
                 }
                 Ok(KeyOutcome::Present) => {
                     a.status[i] = KeyStatus::Skipped;
-                    a.stored.push(key.clone());
+                    a.tier.push(key.clone());
                     if !removing {
                         catalog.insert(key, stride);
                     }
@@ -670,7 +505,7 @@ impl Worker {
                         catalog.remove(&key);
                         invalidate = true;
                     }
-                    a.fail(i, e);
+                    a.fail_key(i, e);
                 }
             }
             self.sh.catalog_gauges(&catalog);
@@ -696,11 +531,6 @@ impl Worker {
     }
 
     fn report(&mut self, a: Active) {
-        let ok = a
-            .status
-            .iter()
-            .all(|s| matches!(s, KeyStatus::Done | KeyStatus::Skipped));
-        let elapsed = a.started.elapsed();
         if !a.load {
             // Only the keys the tier still holds: a key of this job may have finished long
             // before its last one (the engine completes requests in any order, and the uring
@@ -709,35 +539,14 @@ impl Worker {
             // events believing the tier holds a file it removed.
             let held: Vec<ChunkKey> = {
                 let c = self.sh.catalog.lock();
-                a.stored.iter().filter(|k| c.contains(k)).cloned().collect()
+                a.tier.iter().filter(|k| c.contains(k)).cloned().collect()
             };
             if !held.is_empty() {
                 self.event(held, false);
             }
         }
-        let result = if ok {
-            JobResult::ok(a.job_id, elapsed, a.bytes)
-        } else {
-            let loaded: Vec<ChunkKey> = if a.load {
-                a.keys
-                    .iter()
-                    .zip(&a.status)
-                    .filter(|(_, s)| **s == KeyStatus::Done)
-                    .map(|(k, _)| k.clone())
-                    .collect()
-            } else {
-                Vec::new()
-            };
-            JobResult {
-                job_id: a.job_id,
-                success: false,
-                successful_keys: (!loaded.is_empty()).then_some(loaded),
-                transfer_time: Some(elapsed),
-                transfer_bytes: Some(a.bytes),
-                error: a.first_error,
-            }
-        };
-        self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);
+        let loaded = a.load.then(|| a.done_keys());
+        let result = a.into_result(loaded, &self.sh.metrics);
         let _ = self.results_tx.send(result);
     }
 
@@ -766,18 +575,7 @@ impl Worker {
     }
 
     fn event(&self, keys: Vec<ChunkKey>, removed: bool) {
-        if !self.sh.events.load(Ordering::Relaxed) {
-            return;
-        }
-        let _ = self.events_tx.send(OffloadingEvent {
-            keys,
-            medium: Medium::Storage,
-            removed,
-            locality: self.locality,
-            ownership: Some(self.tier_id.clone()),
-            removal_expected: true,
-            metadata_only: false,
-        });
+        self.events.send(&self.sh.events, keys, removed);
     }
 
     fn engine_gone(&mut self) {
@@ -796,7 +594,7 @@ impl Worker {
         }
     }
 
-    fn close(&mut self) -> Result<()> {
+    fn stop_pool(&mut self) -> Result<()> {
         // Every job is finished: the pool has nothing left but to exit.
         drop(self.tasks_tx.take());
         let mut panicked = false;
@@ -814,286 +612,27 @@ impl Worker {
     }
 }
 
-/// Runs one task on an I/O thread.
-fn run_task(sh: &Shared, task: Task) -> Step {
-    match task {
-        Task::OpenStore { tag, dest, row } => match open_store(sh, &dest, row) {
-            Ok(None) => Step::Finished {
-                tag,
-                outcome: Ok(KeyOutcome::Present),
-            },
-            Ok(Some((file, tmp))) => Step::Opened {
-                tag,
-                file,
-                then: Opened::Store { tmp, dest },
-            },
-            Err(e) => Step::Finished {
-                tag,
-                outcome: Err(e),
-            },
-        },
-        Task::OpenLoad { tag, path, row } => match open_load(sh, &path) {
-            Ok((file, record, identity)) => Step::Opened {
-                tag,
-                file,
-                then: Opened::Load {
-                    path,
-                    record,
-                    identity,
-                    row,
-                },
-            },
-            Err(e) => Step::Finished {
-                tag,
-                outcome: Err(e),
-            },
-        },
-        Task::FinishStore {
-            tag,
-            file,
-            tmp,
-            dest,
-            io,
-        } => Step::Finished {
-            tag,
-            outcome: finish_store(sh, file, &tmp, &dest, io).map(KeyOutcome::Stored),
-        },
-        Task::FinishLoad {
-            tag,
-            file,
-            path,
-            record,
-            identity,
-            row,
-            io,
-        } => Step::Finished {
-            tag,
-            outcome: finish_load(sh, file, &path, record, identity, row, io),
-        },
-        Task::Evict { key, path } => Step::Evicted {
-            key,
-            result: std::fs::remove_file(&path),
-        },
+impl WorkerLoop for Worker {
+    fn life(&mut self) -> &mut Lifecycle {
+        &mut self.life
     }
-}
 
-/// `None` when a complete file is there already; else the attached temporary file.
-fn open_store(sh: &Shared, dest: &std::path::Path, row: u32) -> Result<Option<(usize, PathBuf)>> {
-    if chunk_file::check_existing(dest, sh.stride()) {
-        return Ok(None);
+    fn advance(&mut self) {
+        self.pump();
     }
-    let record = match sh.integrity {
-        Integrity::Xattr => {
-            // SAFETY: the manager pinned this row for the job until it is reported, which
-            // happens only after this step: nothing writes it meanwhile.
-            let bytes = unsafe { sh.region.row(row as usize) }?;
-            Some(CrcRecord::of(bytes))
-        }
-        Integrity::None => None,
-    };
-    let (file, tmp) = chunk_file::create_temp(dest, sh.direct, &sh.dirs, record)?;
-    match sh
-        .engine
-        .attach_file(file, tmp.display().to_string(), sh.direct)
-    {
-        Ok(id) => Ok(Some((id, tmp))),
-        Err(e) => {
-            discard_temp(&tmp);
-            Err(e)
-        }
-    }
-}
 
-/// The attached file, its CRC record and its identity.
-fn open_load(
-    sh: &Shared,
-    path: &std::path::Path,
-) -> Result<(usize, Option<CrcRecord>, (u64, u64))> {
-    let LoadFile {
-        file,
-        record,
-        identity,
-    } = chunk_file::open_for_load(path, sh.stride(), sh.direct)?;
-    let id = sh
-        .engine
-        .attach_file(file, path.display().to_string(), sh.direct)?;
-    Ok((id, record, identity))
-}
+    fn idle(&self) -> bool {
+        self.active.is_empty() && self.jobs.no_jobs() && self.evicting.is_empty()
+    }
 
-fn finish_store(
-    sh: &Shared,
-    file: usize,
-    tmp: &std::path::Path,
-    dest: &std::path::Path,
-    io: Result<usize>,
-) -> Result<Published> {
-    let synced = match (&io, sh.fsync) {
-        (Ok(_), FsSync::Always) => sh.engine.sync_data(file),
-        _ => Ok(()),
-    };
-    let detached = sh.engine.detach_file(file);
-    let outcome = io.and(synced).and(detached.map(drop));
-    if let Err(e) = outcome {
-        discard_temp(tmp);
-        return Err(e);
+    fn close(&mut self) -> Result<()> {
+        self.stop_pool()
     }
-    let published = chunk_file::publish(tmp, dest, sh.publish)?;
-    if sh.fsync == FsSync::Always
-        && let Some(dir) = dest.parent()
-    {
-        crate::g3::dirs::sync_dir(dir)?;
-    }
-    Ok(published)
-}
 
-fn finish_load(
-    sh: &Shared,
-    file: usize,
-    path: &std::path::Path,
-    record: Option<CrcRecord>,
-    identity: (u64, u64),
-    row: u32,
-    io: Result<usize>,
-) -> Result<KeyOutcome> {
-    let detached = sh.engine.detach_file(file);
-    io?;
-    detached?;
-    let Some(rec) = record else {
-        return Ok(KeyOutcome::Loaded { verified: false });
-    };
-    // SAFETY: the row is reserved for this job until it is reported (after this step), and
-    // the engine's write into it has completed: nothing else writes it now.
-    let bytes = unsafe { sh.region.row(row as usize) }?;
-    let found = crc32fast::hash(bytes);
-    if found == rec.crc {
-        return Ok(KeyOutcome::Loaded { verified: true });
+    fn wait(&mut self) {
+        self.wait_for_work();
     }
-    // A corrupt file: remove it (unless another host replaced it meanwhile) so that no host
-    // keeps trying it.
-    let removed = chunk_file::remove_if_same(path, identity);
-    Err(Error::new(
-        ErrorKind::Checksum,
-        format!("chunk file {} failed its CRC32 check", path.display()),
-    )
-    .with("path", path.display().to_string())
-    .with("expected", format!("{:08x}", rec.crc))
-    .with("found", format!("{found:08x}"))
-    .with("removed", removed.to_string()))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::io::{EngineOptions, IoEngineKind, open_engine};
-    use serde_json::json;
-    use std::collections::HashSet;
-    use std::time::Duration;
-
-    const STRIDE: usize = 4096;
-
-    fn key(n: u8) -> ChunkKey {
-        ChunkKey::new(vec![n, 0, 0, 0, 0, 0, 0, 0])
-    }
-
-    fn store_job(job_id: u64, keys: &[u8], rows: &[u32]) -> TransferJob {
-        TransferJob {
-            job_id,
-            keys: keys.iter().map(|&n| key(n)).collect(),
-            chunk_ids: rows.to_vec(),
-            is_promotion: false,
-            req_id: Arc::from("r"),
-            submit_time: Instant::now(),
-        }
-    }
-
-    /// A coordinator with one I/O thread and room for one file, driven by hand (its `run`
-    /// loop is not started), so that steps arrive in exactly the order a test chooses.
-    fn worker(dir: &std::path::Path) -> (Worker, Receiver<OffloadingEvent>) {
-        let region = Arc::new(PrimaryRegion::create(4, STRIDE).unwrap());
-        let opts = EngineOptions {
-            queue_depth: 4,
-            psync_threads: 1,
-            o_direct: false,
-        };
-        let handle = open_engine(IoEngineKind::Psync, region.clone(), Vec::new(), &opts).unwrap();
-        let mapper =
-            FileMapper::new(dir, json!({"model_name": "m", "tokens_per_hash": 16})).unwrap();
-        let sh = Arc::new(Shared {
-            catalog: Mutex::new(Catalog::new(STRIDE as u64)),
-            metrics: FsMetrics::default(),
-            mapper,
-            region,
-            engine: handle.engine,
-            direct: false,
-            publish: PublishMode::Link,
-            integrity: Integrity::None,
-            fsync: FsSync::Never,
-            dirs: DirCache::default(),
-            events: AtomicBool::new(true),
-        });
-        let (_cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
-        let (results_tx, _results_rx) = crossbeam_channel::unbounded();
-        let (events_tx, events_rx) = crossbeam_channel::unbounded();
-        let (invalidated_tx, _invalidated_rx) = crossbeam_channel::unbounded();
-        let w = Worker::spawn_pool(WorkerInit {
-            sh,
-            max_bytes_in_flight: 4 * STRIDE as u64,
-            io_threads: 1,
-            tier_id: "fs".into(),
-            locality: None,
-            cmd_rx,
-            results_tx,
-            events_tx,
-            invalidated_tx,
-        })
-        .unwrap();
-        (w, events_rx)
-    }
-
-    /// Runs the eviction the coordinator handed its I/O thread and takes its step.
-    fn take_eviction(w: &mut Worker) {
-        let step = w
-            .steps_rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("the eviction's step");
-        assert!(matches!(step, Step::Evicted { .. }));
-        w.step(step);
-    }
-
-    #[test]
-    fn a_key_evicted_before_its_store_job_is_reported_is_not_announced_after_its_removal() {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut w, events) = worker(dir.path());
-        // Job 1 stores keys 1 and 2; job 2 stores key 3. The tier holds one file.
-        w.start_job(store_job(1, &[1, 2], &[0, 1]), false);
-        w.start_job(store_job(2, &[3], &[2]), false);
-        let stored = || Ok(KeyOutcome::Stored(Published::New));
-        // Key 1 finishes first; job 1 still waits for key 2 (completions come in any order,
-        // and a staged engine may hold a request back for a while).
-        w.finished(job_tag(0, 0), stored());
-        // Job 2's key 3 finishes: the tier is over its capacity, key 1 (least recently used)
-        // goes, and its removal is announced.
-        w.finished(job_tag(1, 0), stored());
-        take_eviction(&mut w);
-        // Key 2 finishes: job 1 is reported (then key 3 goes to make room for key 2).
-        w.finished(job_tag(0, 1), stored());
-        take_eviction(&mut w);
-        let mut held = HashSet::new();
-        while let Ok(e) = events.try_recv() {
-            for k in e.keys {
-                if e.removed {
-                    held.remove(&k);
-                } else {
-                    held.insert(k);
-                }
-            }
-        }
-        let known: HashSet<ChunkKey> = w.sh.catalog.lock().keys_lru_first().into_iter().collect();
-        assert_eq!(known, HashSet::from([key(2)]), "the files the tier knows");
-        assert_eq!(
-            held, known,
-            "the events' account of the tier vs its catalog"
-        );
-        w.close().unwrap();
-    }
-}
+mod tests;
