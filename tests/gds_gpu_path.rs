@@ -167,7 +167,7 @@ fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
     let gpu = Gpu::new(&p1, Some(1));
     let path = GpuPath::new(
         &gpu.dev,
-        tier.direct_slots().unwrap(),
+        tier.slot_grants().unwrap(),
         p1.clone(),
         gpu.table(),
         2 * stride() as u64,
@@ -249,7 +249,7 @@ fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
             let gpu = Gpu::new(&p, None);
             let path = GpuPath::new(
                 &gpu.dev,
-                tier.direct_slots().unwrap(),
+                tier.slot_grants().unwrap(),
                 p.clone(),
                 gpu.table(),
                 stride() as u64,
@@ -270,7 +270,7 @@ fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
     let gpu = Gpu::new(&p, Some(3));
     let path = GpuPath::new(
         &gpu.dev,
-        tier.direct_slots().unwrap(),
+        tier.slot_grants().unwrap(),
         p,
         gpu.table(),
         stride() as u64,
@@ -297,7 +297,7 @@ fn a_corrupt_slot_fails_its_key_before_its_blocks_are_touched() {
     let src = Gpu::new(&p1, Some(2));
     let path = GpuPath::new(
         &src.dev,
-        tier.direct_slots().unwrap(),
+        tier.slot_grants().unwrap(),
         p1.clone(),
         src.table(),
         stride() as u64,
@@ -320,7 +320,7 @@ fn a_corrupt_slot_fails_its_key_before_its_blocks_are_touched() {
     let dst = Gpu::new(&p1, None);
     let path = GpuPath::new(
         &dst.dev,
-        tier.direct_slots().unwrap(),
+        tier.slot_grants().unwrap(),
         p1.clone(),
         dst.table(),
         stride() as u64,

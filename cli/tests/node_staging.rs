@@ -17,7 +17,7 @@ use kvtier::config::{KvtierConfig, ServiceConfig};
 use kvtier::contract::hints::KvHintsEnvelope;
 use kvtier::contract::job::{Locality, Medium, OffloadingEvent};
 use kvtier::contract::secondary::SecondaryTier;
-use kvtier::g3::direct::GrantedSlot;
+use kvtier::g3::slot_grants::GrantedSlot;
 use kvtier::node::AsyncAnswer;
 use kvtier::node::EventMedium;
 use kvtier::node::start_from_config;
@@ -162,7 +162,7 @@ fn metric(f: &Fixture, name: &str) -> f64 {
 /// Overwrites the G3 slot of `k` on disk with other bytes (the index keeps its CRC).
 fn garble_g3_slot(f: &Fixture, k: &ChunkKey, expected: &[u8]) {
     let svc = f.service.as_ref().unwrap();
-    let slots = svc.with_tier(|t| t.direct_slots()).unwrap();
+    let slots = svc.with_tier(|t| t.slot_grants()).unwrap();
     let paths = svc.with_tier(|t| t.info().slab_paths.clone());
     let grant = slots.begin_load(u64::MAX - 1, vec![k.clone()]).unwrap();
     let GrantedSlot::Ready { file, offset, .. } = grant.slots[0] else {
@@ -350,7 +350,7 @@ fn g3_holds(f: &Fixture, k: &ChunkKey) -> bool {
         .service
         .as_ref()
         .unwrap()
-        .with_tier(|t| t.direct_slots())
+        .with_tier(|t| t.slot_grants())
         .unwrap();
     let grant = slots.begin_load(u64::MAX - 2, vec![k.clone()]).unwrap();
     let held = match grant.slots[0] {

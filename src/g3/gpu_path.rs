@@ -1,6 +1,6 @@
 //! The GPU data path of a G3 tier (cargo feature `gds`): whole chunks moved between GPU blocks
 //! and the tier's slots by a [`kvtier_gds::device::Device`] (cuFile on a GPU, host memory in
-//! tests), under the tier's index, journal and CRC rules ([`crate::g3::direct`]).
+//! tests), under the tier's index, journal and CRC rules ([`crate::g3::slot_grants`]).
 //!
 //! A chunk's row is the canonical row the CPU path builds: the copy runs of this rank's
 //! [`RowPlan`] (the same runs `gather` / `scatter` use) are mapped through the GPU block table
@@ -21,7 +21,7 @@ use kvtier_gds::{GdsError, GdsErrorKind};
 use crate::canonical::{Direction, RowPlan};
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::direct::{DirectSlots, GrantedSlot};
+use crate::g3::slot_grants::{GrantedSlot, SlotGrants};
 use crate::key::ChunkKey;
 
 /// One chunk in GPU memory: its key, its chunk id (the writer election of replicated pages
@@ -67,7 +67,7 @@ pub fn chunk_runs(plan: &RowPlan, chunk_id: u64, dir: Direction) -> Vec<Run> {
 
 /// Moves chunks between GPU blocks on `D` and a live G3 tier's slots.
 pub struct GpuPath<'d, D: Device> {
-    slots: DirectSlots,
+    slots: SlotGrants,
     files: Vec<FileId>,
     exec: Executor<'d, D>,
     plan: RowPlan,
@@ -90,7 +90,7 @@ impl<'d, D: Device> GpuPath<'d, D> {
     /// Registers the slab files with the device.
     pub fn new(
         dev: &'d D,
-        slots: DirectSlots,
+        slots: SlotGrants,
         plan: RowPlan,
         layout: GpuLayout,
         max_bytes_in_flight: u64,

@@ -12,7 +12,7 @@
 //!   `checkpoint` writes checkpoint generations, `recovery` rebuilds the index.
 //! * `tier`: [`G3Tier`], the [`crate::contract::secondary::SecondaryTier`] implementation,
 //!   driven by the worker thread in `worker`.
-//! * `direct`: `direct::DirectSlots`, slots moved by another data path (GPUDirect Storage).
+//! * `slot_grants`: `slot_grants::SlotGrants`, slots moved by another data path (GPUDirect Storage).
 //! * `gpu_path` (feature `gds`): chunks moved between GPU blocks and slots by GDS.
 //! * [`gds`]: whether GPUDirect Storage can run for the tier (`gds` key), and why not.
 //! * `admission`: the admission gate of store jobs (`admission` key) and its counters.
@@ -26,7 +26,7 @@ test_visible! {
     mod aligned;
     mod checkpoint;
     mod config;
-    mod direct;
+    mod slot_grants;
     mod dirs;
     mod format;
     mod fs_record;

@@ -95,7 +95,7 @@ pub struct G3Tier {
     locality: Option<Locality>,
     checkpoint_interval: Option<std::time::Duration>,
     info: G3Info,
-    /// Duplicates of the slabs' data descriptors, for [`G3Tier::direct_slots`].
+    /// Duplicates of the slabs' data descriptors, for [`G3Tier::slot_grants`].
     direct_files: Arc<Vec<File>>,
     /// The namespace digest the slabs carry.
     namespace: [u8; 32],
@@ -248,13 +248,13 @@ impl G3Tier {
 
     /// A handle for another data path (GPUDirect Storage) to move rows into and out of this
     /// tier's slots under its index, journal and CRC rules (see `crate::g3::direct`).
-    pub fn direct_slots(&self) -> Result<crate::g3::direct::DirectSlots> {
+    pub fn slot_grants(&self) -> Result<crate::g3::slot_grants::SlotGrants> {
         let cmd_tx = self
             .front
             .commands()
             .cloned()
             .ok_or_else(|| Error::new(ErrorKind::Closed, "the G3 tier is shut down"))?;
-        Ok(crate::g3::direct::DirectSlots {
+        Ok(crate::g3::slot_grants::SlotGrants {
             cmd_tx,
             files: self.direct_files.clone(),
             row_stride: self.info.row_stride,

@@ -9,7 +9,7 @@
 //! 0.33's tiering region, which is not unlinked) or the file's descriptor, passed with
 //! `SCM_RIGHTS`. The service maps the region and moves rows between it and the G3 slots with
 //! an I/O engine of that region's own (io_uring with the region registered as fixed buffers
-//! where possible), through the tier's direct-slot grants: no byte of KV crosses the socket.
+//! where possible), through the tier's slot grants: no byte of KV crosses the socket.
 //! A chunk stored by one engine is loadable by every other. The service's own threads touch
 //! an engine's rows only through kernel copies on the region file (`region_file`), so an
 //! engine that shrinks its file fails its own jobs and never brings the service down.

@@ -20,7 +20,7 @@ use crate::contract::job::{LookupResult, RequestContext};
 use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::G3Tier;
-use crate::g3::direct::{DirectSlots, GrantedSlot};
+use crate::g3::slot_grants::{GrantedSlot, SlotGrants};
 use crate::io::{EngineHandle, EngineOptions, IoDir, IoEngineKind, IoRequest, open_engine};
 use crate::key::ChunkKey;
 use crate::metrics::{MetricKind, Registry};
@@ -63,7 +63,7 @@ pub struct Staging {
     tx: Mutex<Option<Sender<Batch>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// G3's slots (touches of keys the pool served).
-    g3: DirectSlots,
+    g3: SlotGrants,
     /// The prefetch engine's name (`uring`, `psync`).
     pub io_engine: String,
 }
@@ -81,7 +81,7 @@ impl Staging {
     /// `kind`.
     pub fn start(
         pool: Arc<StagingPool>,
-        slots: DirectSlots,
+        slots: SlotGrants,
         kind: IoEngineKind,
         opts: &EngineOptions,
     ) -> Result<Staging> {
@@ -336,7 +336,7 @@ impl Drop for Staging {
 
 struct Worker {
     pool: Arc<StagingPool>,
-    slots: DirectSlots,
+    slots: SlotGrants,
     engine: EngineHandle,
     counters: Arc<PrefetchCounters>,
 }

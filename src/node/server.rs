@@ -161,7 +161,7 @@ impl NodeService {
                 ),
             ));
         }
-        let slots = tier.direct_slots()?;
+        let slots = tier.slot_grants()?;
         let allowed_uids = if cfg.allowed_uids.is_empty() {
             vec![rustix::process::getuid().as_raw()]
         } else {

@@ -330,7 +330,7 @@ mod gpu {
         ) -> Result<GpuPath<'d, CudaDevice>> {
             GpuPath::new(
                 dev,
-                self.tier.direct_slots()?,
+                self.tier.slot_grants()?,
                 self.rplan.clone(),
                 layout.clone(),
                 self.plan.max_bytes_in_flight,

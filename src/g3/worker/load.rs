@@ -12,7 +12,7 @@ impl Worker {
         let mut guard = self.sh.index.lock();
         let Some(ix) = guard.as_mut() else { return };
         for i in 0..a.keys.len() {
-            if a.tier.direct.is_none()
+            if a.tier.grant.is_none()
                 && let Err(e) = self.check_row(a.rows[i])
             {
                 a.fail(i, e);
@@ -45,8 +45,8 @@ impl Worker {
             if a.status[i] != KeyStatus::Done {
                 continue;
             }
-            let found = match &a.tier.direct {
-                // The other data path checksummed the row it read (see `direct.rs`).
+            let found = match &a.tier.grant {
+                // The other data path checksummed the row it read (see `grants.rs`).
                 Some(d) => Ok(chunk_crc_from_row_crc(
                     a.keys[i].as_bytes(),
                     d.crcs[i],
@@ -97,7 +97,7 @@ impl Worker {
                         continue;
                     };
                     // A key whose destination was lost (not its slot) stays.
-                    let kept = a.tier.direct.as_ref().is_some_and(|d| d.keep[i]);
+                    let kept = a.tier.grant.as_ref().is_some_and(|d| d.keep[i]);
                     if a.status[i] == KeyStatus::Failed
                         && !kept
                         && let Some(k) = ix.drop_slot(slot)

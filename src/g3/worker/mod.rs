@@ -43,13 +43,13 @@ use crate::io::{IoCompletion, IoDir, IoEngine, IoRequest, is_transient, job_tag,
 use crate::key::ChunkKey;
 use durability::Durability;
 
-mod direct;
 mod durability;
+mod grants;
 mod load;
 mod store;
 
-pub use direct::{DirectGrant, GrantedSlot};
-pub(crate) use direct::{DirectOutcome, DirectStart};
+pub(crate) use grants::{GrantOutcome, GrantStart};
+pub use grants::{GrantedSlot, SlotGrant};
 
 /// Transfers in flight from which the worker stops listening for commands and takes them at
 /// the next completion instead (see the module docs).
@@ -67,9 +67,9 @@ pub(crate) enum Cmd {
     /// Drain, checkpoint (when the flag is true), stop the engine, then signal and exit.
     Shutdown(Sender<Result<()>>, bool),
     /// Reserve (store) or pin (load) slots for a transfer another data path makes.
-    DirectStart(DirectStart),
+    GrantStart(GrantStart),
     /// The other data path's per-key outcome: commit, release, report to the sender.
-    DirectFinish(DirectOutcome),
+    GrantFinish(GrantOutcome),
     /// Keys another copy of the chunks served (the node service's staging pool): each one
     /// the index holds moves to the most recently used end, as a load of it would.
     Touch(Vec<ChunkKey>),
@@ -126,19 +126,19 @@ impl Shared {
 struct G3Job {
     /// Per key, its slot and the CRC bound to the key (stores: once written).
     slots: Vec<Option<(Slot, u32)>>,
-    /// A transfer made by another data path (see `direct.rs`): no primary rows, the CRCs come
+    /// A transfer made by another data path (see `grants.rs`): no primary rows, the CRCs come
     /// from it, the result goes to `reply`.
-    direct: Option<direct::DirectState>,
+    grant: Option<grants::GrantState>,
     /// Per key, the CRC-32 of the row's bytes as the engine's staging copy computed it (a
     /// load; see `IoCompletion::row_crc`).
     row_crcs: Vec<Option<u32>>,
 }
 
 impl G3Job {
-    fn new(n: usize, direct: Option<direct::DirectState>) -> Self {
+    fn new(n: usize, grant: Option<grants::GrantState>) -> Self {
         G3Job {
             slots: vec![None; n],
-            direct,
+            grant,
             row_crcs: vec![None; n],
         }
     }
@@ -200,8 +200,8 @@ pub(crate) struct Worker {
     /// Jobs whose transfers all completed, finished (load CRC checks, commit queueing) once
     /// the budget they freed has been refilled with new submissions.
     completed: Vec<Active>,
-    /// Direct transfers started and not finished, by serial.
-    direct: HashMap<u32, Active>,
+    /// Granted transfers started and not finished, by serial.
+    grants: HashMap<u32, Active>,
 }
 
 impl Worker {
@@ -230,7 +230,7 @@ impl Worker {
             last_work: Instant::now(),
             commits: Vec::new(),
             completed: Vec::new(),
-            direct: HashMap::new(),
+            grants: HashMap::new(),
         }
     }
 
@@ -344,8 +344,8 @@ impl Worker {
                 self.start_then_cancel_the_rest();
                 self.life.drain(ack);
             }
-            Cmd::DirectStart(start) => self.start_direct(start),
-            Cmd::DirectFinish(outcome) => self.finish_direct(outcome),
+            Cmd::GrantStart(start) => self.start_grant(start),
+            Cmd::GrantFinish(outcome) => self.finish_grant(outcome),
             Cmd::Touch(keys) => {
                 if let Some(ix) = self.sh.index.lock().as_mut() {
                     for k in &keys {
@@ -354,7 +354,7 @@ impl Worker {
                 }
             }
             Cmd::Shutdown(ack, checkpoint) => {
-                self.abandon_direct();
+                self.abandon_grants();
                 self.start_then_cancel_the_rest();
                 self.life.shutdown(ack);
                 self.checkpoint_on_close = checkpoint;
@@ -687,7 +687,7 @@ impl Worker {
     }
 
     fn report(&mut self, mut a: Active, loaded: Option<Vec<ChunkKey>>) {
-        let reply = a.tier.direct.take().and_then(|d| d.reply);
+        let reply = a.tier.grant.take().and_then(|d| d.reply);
         let result = a.into_result(loaded, &self.sh.metrics);
         match reply {
             Some(reply) => {

@@ -43,7 +43,7 @@ impl Worker {
                     );
                     continue;
                 }
-                if a.tier.direct.is_none()
+                if a.tier.grant.is_none()
                     && let Err(e) = self.check_row(a.rows[i])
                 {
                     a.fail(i, e);

@@ -14,7 +14,7 @@ use parking_lot::Mutex;
 use super::shared::{MappedRegion, QueuedJob, ServiceShared, send};
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::direct::{DirectGrant, GrantedSlot};
+use crate::g3::slot_grants::{GrantedSlot, SlotGrant};
 use crate::io::{IoDir, IoRequest};
 use crate::key::ChunkKey;
 use crate::node::engines::EngineEntry;
@@ -322,7 +322,7 @@ impl JobWorker {
 
     /// Finishes a store's grant with every key failed (nothing committed, reserved slots
     /// released).
-    fn cancel(&self, grant: DirectGrant, n: usize) -> JobResult {
+    fn cancel(&self, grant: SlotGrant, n: usize) -> JobResult {
         self.sh
             .engines
             .cancelled_jobs

@@ -2,7 +2,7 @@
 //! row stride whose rows hold the service's slot: each engine has its own), its region
 //! (mapped here, with an I/O engine of its own over the G3 slab files), lookups, and its store
 //! and load jobs, which move rows directly between G3 slots and the engine's rows through the
-//! tier's direct-slot grants (`crate::g3::direct`).
+//! tier's slot grants (`crate::g3::slot_grants`).
 //!
 //! The service's threads never load or store an engine's rows through the mapping: CRCs and
 //! copies go through the region file's descriptor (`crate::node::region_file`), so an engine

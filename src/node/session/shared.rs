@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use crate::contract::secondary::SecondaryTier;
 use crate::error::Error;
 use crate::g3::G3Tier;
-use crate::g3::direct::DirectSlots;
+use crate::g3::slot_grants::SlotGrants;
 use crate::io::{EngineHandle, IoEngineKind};
 use crate::node::engines::EngineRegistry;
 use crate::node::events::EventBus;
@@ -31,8 +31,8 @@ pub const SOCKET_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct ServiceShared {
     /// The G3 tier (lookups).
     pub tier: Mutex<G3Tier>,
-    /// Its direct-slot grants (stores and loads).
-    pub slots: DirectSlots,
+    /// Its slot grants (stores and loads).
+    pub slots: SlotGrants,
     /// The engine kind for each region (`io_engine` of the tier).
     pub io_engine: IoEngineKind,
     /// Whether the slab files are O_DIRECT.

@@ -4,7 +4,7 @@
 //! out their file offsets; when told each key's outcome it commits the stores through the same
 //! group commit (fdatasync of the slabs, journal record, index) or checks the loads' CRCs
 //! against the index and turns failures into misses, then reports the job to the caller. A
-//! direct transfer is never visible to lookups before its commit, exactly like a store job.
+//! granted transfer is never visible to lookups before its commit, exactly like a store job.
 
 use std::sync::atomic::Ordering;
 
@@ -25,7 +25,7 @@ pub enum GrantedSlot {
     /// The key cannot move (no slot, not held, poisoned tier...).
     Failed(Error),
     /// Move `row_stride` bytes at `offset` of slab file `file` (an index into
-    /// `DirectSlots::files`); `crc` is the indexed CRC (loads; 0 for stores).
+    /// `SlotGrants::files`); `crc` is the indexed CRC (loads; 0 for stores).
     Ready {
         /// Slab file index (stripe order).
         file: usize,
@@ -37,9 +37,9 @@ pub enum GrantedSlot {
     },
 }
 
-/// The slots granted for one transfer; hand it back to `DirectSlots::finish`.
+/// The slots granted for one transfer; hand it back to `SlotGrants::finish`.
 #[derive(Debug)]
-pub struct DirectGrant {
+pub struct SlotGrant {
     pub(crate) serial: u32,
     /// The caller's job id.
     pub job_id: u64,
@@ -49,8 +49,8 @@ pub struct DirectGrant {
     pub slots: Vec<GrantedSlot>,
 }
 
-/// A request for slots (see [`crate::g3::direct::DirectSlots`]).
-pub(crate) struct DirectStart {
+/// A request for slots (see [`crate::g3::slot_grants::SlotGrants`]).
+pub(crate) struct GrantStart {
     /// The caller's job id (in the result).
     pub job_id: u64,
     /// Load (pin committed slots) or store (reserve free or evicted slots).
@@ -58,11 +58,11 @@ pub(crate) struct DirectStart {
     /// The keys.
     pub keys: Vec<ChunkKey>,
     /// Where the grant goes.
-    pub reply: Sender<Result<DirectGrant>>,
+    pub reply: Sender<Result<SlotGrant>>,
 }
 
-/// The outcome of a direct transfer, per key of its grant.
-pub(crate) struct DirectOutcome {
+/// The outcome of a granted transfer, per key of its grant.
+pub(crate) struct GrantOutcome {
     /// The grant's serial.
     pub serial: u32,
     /// Per key: the CRC-32 of the row written (store) or read (load), or why it failed.
@@ -72,8 +72,8 @@ pub(crate) struct DirectOutcome {
     pub reply: Sender<JobResult>,
 }
 
-/// What an [`Active`] of a direct transfer carries.
-pub(crate) struct DirectState {
+/// What an [`Active`] of a granted transfer carries.
+pub(crate) struct GrantState {
     /// Where the job result goes (set when the outcome arrives).
     pub reply: Option<Sender<JobResult>>,
     /// Per key, the CRC the other data path found (loads).
@@ -84,10 +84,10 @@ pub(crate) struct DirectState {
 }
 
 impl Worker {
-    pub(super) fn start_direct(&mut self, s: DirectStart) {
+    pub(super) fn start_grant(&mut self, s: GrantStart) {
         let serial = self.jobs.next_serial();
         let n = s.keys.len();
-        let direct = DirectState {
+        let grant = GrantState {
             reply: None,
             crcs: vec![0; n],
             keep: vec![false; n],
@@ -97,7 +97,7 @@ impl Worker {
             s.load,
             s.keys,
             vec![0; n],
-            G3Job::new(n, Some(direct)),
+            G3Job::new(n, Some(grant)),
             &self.sh.metrics,
         );
         if let Some(e) = self.sh.failed.lock().as_ref() {
@@ -132,8 +132,8 @@ impl Worker {
                 _ => GrantedSlot::Failed(failed(&a)),
             })
             .collect();
-        self.direct.insert(serial, a);
-        let _ = s.reply.send(Ok(DirectGrant {
+        self.grants.insert(serial, a);
+        let _ = s.reply.send(Ok(SlotGrant {
             serial,
             job_id: s.job_id,
             row_stride: stride,
@@ -141,11 +141,11 @@ impl Worker {
         }));
     }
 
-    pub(super) fn finish_direct(&mut self, o: DirectOutcome) {
-        let Some(mut a) = self.direct.remove(&o.serial) else {
+    pub(super) fn finish_grant(&mut self, o: GrantOutcome) {
+        let Some(mut a) = self.grants.remove(&o.serial) else {
             let e = Error::new(
                 ErrorKind::Contract,
-                format!("direct transfer {} is unknown (finished twice?)", o.serial),
+                format!("granted transfer {} is unknown (finished twice?)", o.serial),
             );
             let _ = o.reply.send(JobResult::failed(0, e));
             return;
@@ -173,7 +173,7 @@ impl Worker {
                     a.status[i] = KeyStatus::Done;
                     a.bytes += stride;
                     let ctr = if a.load {
-                        if let Some(d) = a.tier.direct.as_mut() {
+                        if let Some(d) = a.tier.grant.as_mut() {
                             d.crcs[i] = crc;
                         }
                         &self.sh.metrics.bytes_read
@@ -187,7 +187,7 @@ impl Worker {
                     ctr.fetch_add(stride, Ordering::Relaxed);
                 }
                 Err(e) => {
-                    if let (ErrorKind::RegionLost, Some(d)) = (e.kind(), a.tier.direct.as_mut()) {
+                    if let (ErrorKind::RegionLost, Some(d)) = (e.kind(), a.tier.grant.as_mut()) {
                         // Nothing was wrong with the slot: a load keeps its chunk, a store
                         // fences no path.
                         d.keep[i] = true;
@@ -214,16 +214,16 @@ impl Worker {
                 }
             }
         }
-        if let Some(d) = a.tier.direct.as_mut() {
+        if let Some(d) = a.tier.grant.as_mut() {
             d.reply = Some(o.reply);
         }
         self.finish(a);
     }
 
-    /// At shutdown: releases the slots of direct transfers whose outcome never came (stores
+    /// At shutdown: releases the slots of granted transfers whose outcome never came (stores
     /// were never journaled; they are simply not there after a restart).
-    pub(super) fn abandon_direct(&mut self) {
-        let parked: Vec<Active> = self.direct.drain().map(|(_, a)| a).collect();
+    pub(super) fn abandon_grants(&mut self) {
+        let parked: Vec<Active> = self.grants.drain().map(|(_, a)| a).collect();
         let mut guard = self.sh.index.lock();
         for a in parked {
             self.sh.metrics.active_jobs.fetch_sub(1, Ordering::Relaxed);

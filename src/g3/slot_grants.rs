@@ -1,14 +1,14 @@
-//! [`DirectSlots`]: moving chunk bytes into and out of a live G3 tier's slots by another data
+//! [`SlotGrants`]: moving chunk bytes into and out of a live G3 tier's slots by another data
 //! path (GPUDirect Storage), with the tier keeping its index, journal and CRC rules.
 //!
-//! 1. [`DirectSlots::begin_store`] / [`DirectSlots::begin_load`]: the tier's worker reserves
+//! 1. [`SlotGrants::begin_store`] / [`SlotGrants::begin_load`]: the tier's worker reserves
 //!    slots for the keys (evicting and journaling like a store job; keys already held are
 //!    skipped) or pins their committed slots, and returns each one's slab file, byte offset
 //!    and (loads) indexed CRC.
 //! 2. The caller moves whole rows (`row_stride` bytes) at those offsets through the slab
-//!    files' O_DIRECT descriptors ([`DirectSlots::files`]), checksumming each row with
+//!    files' O_DIRECT descriptors ([`SlotGrants::files`]), checksumming each row with
 //!    CRC-32 (IEEE), what `crc32fast` computes over the row.
-//! 3. [`DirectSlots::finish`] with each key's CRC or error: stores are committed exactly like
+//! 3. [`SlotGrants::finish`] with each key's CRC or error: stores are committed exactly like
 //!    the tier's own (fdatasync of the slabs under `fsync = always`, one journal record per
 //!    key, then the index); loads are checked against the indexed CRC, and a failed key
 //!    becomes a miss, except one failed with [`ErrorKind::RegionLost`] (the caller's memory
@@ -26,14 +26,14 @@ use crossbeam_channel::Sender;
 
 use crate::contract::job::JobResult;
 use crate::error::{Error, ErrorKind, Result};
-use crate::g3::worker::{Cmd, DirectOutcome, DirectStart};
-pub use crate::g3::worker::{DirectGrant, GrantedSlot};
+use crate::g3::worker::{Cmd, GrantOutcome, GrantStart};
+pub use crate::g3::worker::{SlotGrant, GrantedSlot};
 use crate::key::ChunkKey;
 
 /// A handle for another data path to move rows into and out of a live tier's slots. Clones
 /// share the tier; after the tier shuts down every call fails with `Closed`.
 #[derive(Debug, Clone)]
-pub struct DirectSlots {
+pub struct SlotGrants {
     pub(crate) cmd_tx: Sender<Cmd>,
     pub(crate) files: std::sync::Arc<Vec<File>>,
     pub(crate) row_stride: u64,
@@ -43,7 +43,7 @@ fn closed() -> Error {
     Error::new(ErrorKind::Closed, "the G3 tier is shut down")
 }
 
-impl DirectSlots {
+impl SlotGrants {
     /// Bytes per slot.
     pub fn row_stride(&self) -> u64 {
         self.row_stride
@@ -63,10 +63,10 @@ impl DirectSlots {
             .collect()
     }
 
-    fn begin(&self, job_id: u64, keys: Vec<ChunkKey>, load: bool) -> Result<DirectGrant> {
+    fn begin(&self, job_id: u64, keys: Vec<ChunkKey>, load: bool) -> Result<SlotGrant> {
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.cmd_tx
-            .send(Cmd::DirectStart(DirectStart {
+            .send(Cmd::GrantStart(GrantStart {
                 job_id,
                 load,
                 keys,
@@ -77,12 +77,12 @@ impl DirectSlots {
     }
 
     /// Reserves a slot for each key to store (see the module docs).
-    pub fn begin_store(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<DirectGrant> {
+    pub fn begin_store(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<SlotGrant> {
         self.begin(job_id, keys, false)
     }
 
     /// Pins the committed slot of each key to load.
-    pub fn begin_load(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<DirectGrant> {
+    pub fn begin_load(&self, job_id: u64, keys: Vec<ChunkKey>) -> Result<SlotGrant> {
         self.begin(job_id, keys, true)
     }
 
@@ -98,10 +98,10 @@ impl DirectSlots {
     /// Reports each key's outcome (the CRC-32 of the row written or read, or the error;
     /// entries for keys not [`GrantedSlot::Ready`] are ignored) and waits for the commit or
     /// check. The result is the job's, by the tier's rules.
-    pub fn finish(&self, grant: DirectGrant, results: Vec<Result<u32>>) -> JobResult {
+    pub fn finish(&self, grant: SlotGrant, results: Vec<Result<u32>>) -> JobResult {
         let (tx, rx) = crossbeam_channel::bounded(1);
         let job_id = grant.job_id;
-        let sent = self.cmd_tx.send(Cmd::DirectFinish(DirectOutcome {
+        let sent = self.cmd_tx.send(Cmd::GrantFinish(GrantOutcome {
             serial: grant.serial,
             results,
             reply: tx,
