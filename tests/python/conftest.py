@@ -4,7 +4,7 @@ Order matters and is fixed here, before any test module imports vLLM:
 1. ``stubs/`` goes first on ``sys.path`` (the metadata-only ``torch``) and the placeholder
    packages are registered (``kvtier_placeholders.VLLM_STAND_INS``);
 2. ``harness`` installs the switchable ``time.monotonic``;
-3. the vLLM sources: ``$KVTIER_VLLM_SRC`` (set by tests/python_suite.rs after its fetch
+3. the vLLM sources: ``$KVTIER_VLLM_SRC`` (set by cli/tests/python_suite.rs after its fetch
    step), else ``fetch_vllm.ensure()`` (downloads into the cache on first use).
 
 Every test is checked for vLLM region files it leaves in ``/dev/shm`` (see

@@ -248,7 +248,7 @@ def test_kvtier_serve_runs_the_namespace_vllm_engines_present(tmp_path):
 
     kvtier_bin = os.environ.get("KVTIER_BIN")
     if not kvtier_bin:
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     model = next(m for m in MODELS if m.path.stem == "llama-3.1-8b")
     socket = tmp_path / "kvtier.sock"
     (tmp_path / "slabs").mkdir()

@@ -169,7 +169,7 @@ def start_serve(tmp_path, namespace, slot_bytes):
 
     kvtier = os.environ.get("KVTIER_BIN")
     if not kvtier:
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     sock = tmp_path / "kvtier.sock"
     slabs = tmp_path / "slabs"
     slabs.mkdir()

@@ -30,7 +30,7 @@ def service_status(socket) -> dict:
     """``kvtier service status --json`` of the service at ``socket`` (the kvtier binary)."""
     kvtier_bin = os.environ.get("KVTIER_BIN")
     if not kvtier_bin:
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     out = subprocess.run(
         [kvtier_bin, "service", "status", "--socket", str(socket), "--json"],
         capture_output=True, text=True, timeout=60, check=True,

@@ -71,7 +71,7 @@ def start_service(tmp_path, hold_file=None, **service_keys) -> dict:
     state, with the process."""
     replay = os.environ.get("KVTIER_REPLAY")
     if not replay:
-        pytest.skip("KVTIER_REPLAY is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_REPLAY is not set (run through cli/tests/python_suite.rs)")
     socket = tmp_path / "kvtier.sock"
     extra = extra_config(client_entry(socket))
     slabs = tmp_path / "slabs"
@@ -274,7 +274,7 @@ def test_a_vllm_engine_killed_mid_job_leaves_the_service_consistent(tmp_path, ha
     """The kill lands while the service holds the job in flight: its G3 I/O done, not yet
     committed or reported (the service's test hook, ``hold_file``, shown in its status); whatever the row size, the job cannot have finished before the kill."""
     if not os.environ.get("KVTIER_BIN"):
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     hold = tmp_path / "hold-jobs"
     service = start_service(tmp_path, hold_file=hold)
     try:

@@ -53,7 +53,7 @@ def client_entry(socket, **keys) -> dict:
 def kvtier(args, check=False) -> subprocess.CompletedProcess:
     binary = os.environ.get("KVTIER_BIN")
     if not binary:
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     out = subprocess.run([binary, *args], capture_output=True, text=True, timeout=120,
                          stdin=subprocess.DEVNULL)
     if check:

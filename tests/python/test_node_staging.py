@@ -33,7 +33,7 @@ def service(tmp_path):
     """A node service with a DRAM staging pool of ``STAGING_SLOTS`` slots."""
     kvtier_bin = os.environ.get("KVTIER_BIN")
     if not kvtier_bin:
-        pytest.skip("KVTIER_BIN is not set (run through tests/python_suite.rs)")
+        pytest.skip("KVTIER_BIN is not set (run through cli/tests/python_suite.rs)")
     state = start_service(tmp_path, dram_bytes=STAGING_SLOTS * ROW)
     state["bin"] = kvtier_bin
     # The engines that ask for events (events=True) get them: the tier opts in too.
