@@ -47,8 +47,8 @@ fn key(i: u64) -> ChunkKey {
 }
 
 fn fill(region: &PrimaryRegion, row: u32, seed: u64) {
-    // SAFETY: the benchmark holds `row` reserved (prepare_store) while it writes it.
-    let dst = unsafe { region.row_mut(row as usize) }.expect("row in range");
+    // The benchmark holds `row` reserved (prepare_store) while it writes it.
+    let mut dst = region.write_row(row as usize).expect("row in range");
     for (i, b) in dst.iter_mut().enumerate().step_by(512) {
         *b = (seed as usize + i) as u8;
     }

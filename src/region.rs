@@ -8,10 +8,13 @@
 //! # Memory and aliasing model
 //! The region is memory that other agents write behind Rust's back: the kernel (io_uring, DMA),
 //! GPU copies, and, for an adopted region, another runtime. kvtier therefore never keeps a
-//! long-lived `&[u8]` or `&mut [u8]` over it. Access goes through raw pointers, and the only
-//! slice views are the `unsafe` [`PrimaryRegion::row`] / [`PrimaryRegion::row_mut`], whose
-//! callers must own the row through the slot manager (a row reserved for a write has one
-//! writer; a pinned row has readers only). The region itself only guarantees that every row
+//! long-lived `&[u8]` or `&mut [u8]` over it. The I/O engines reach rows through raw
+//! addresses ([`PrimaryRegion::row_ptr`], [`PrimaryRegion::base_ptr`]); CPU code reads and
+//! writes a row through a lease ([`PrimaryRegion::read_row`], [`PrimaryRegion::write_row`]),
+//! a guard that derefs to the row's bytes and refuses, with an error naming the row, a lease
+//! that would overlap a write (see [`RowRead`] for exactly what a lease guarantees). Who may
+//! touch a row at all (a row reserved for a write has one writer; a pinned row has readers
+//! only) stays the slot manager's business. The region itself guarantees that every row
 //! address stays valid and unmoved until the region is dropped, and it is only dropped once
 //! every holder of its `Arc` (I/O engines with registered buffers included) has let go.
 
@@ -27,10 +30,12 @@ use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 mod backing;
 mod huge_pages;
 mod pin;
+mod rows;
 mod shared_alias;
 mod vllm_shm;
 
 pub use backing::MeasuredBacking;
+pub use rows::{RowRead, RowWrite};
 
 /// What the warnings about an adopted region in 4 KiB pages tell the operator to do.
 pub const HOST_FIX_HINT: &str = "the host fix: mount /dev/shm with huge=within_size (`mount -o \
@@ -91,6 +96,9 @@ pub struct PrimaryRegion {
     /// A collapse the constructor had no time to finish, running in the background (stopped
     /// before the mapping goes, see `Drop`).
     collapser: Option<huge_pages::Collapser>,
+    /// One lease word per row, for [`PrimaryRegion::read_row`] and
+    /// [`PrimaryRegion::write_row`].
+    leases: rows::Leases,
 }
 
 /// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
@@ -113,7 +121,7 @@ pub enum PrefaultMethod {
 // exclusivity is arbitrated by the slot manager (see the module docs). The pointer itself is
 // never mutated after construction.
 unsafe impl Send for PrimaryRegion {}
-// SAFETY: as above; `&PrimaryRegion` only hands out addresses and `unsafe` views.
+// SAFETY: as above; `&PrimaryRegion` only hands out addresses and leased views (`rows`).
 unsafe impl Sync for PrimaryRegion {}
 
 fn check_geometry(row_stride: usize, num_rows: usize) -> Result<usize> {
@@ -169,6 +177,7 @@ impl PrimaryRegion {
             measured: None,
             copy_fd: None,
             collapser: None,
+            leases: rows::Leases::new(num_rows),
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
         region.prefault = region.prefault_pages();
@@ -223,6 +232,7 @@ impl PrimaryRegion {
             measured: None,
             copy_fd: None,
             collapser: None,
+            leases: rows::Leases::new(num_rows),
         })
     }
 
@@ -289,6 +299,7 @@ impl PrimaryRegion {
                         .then(|| fd.as_fd().try_clone_to_owned().ok())
                         .flatten(),
                     collapser: m.collapser,
+                    leases: rows::Leases::new(num_rows),
                 };
                 let how = if m.already_huge {
                     "already 2 MiB pages: the file's tmpfs gives them"
@@ -368,6 +379,7 @@ impl PrimaryRegion {
                 .then(|| fd.as_fd().try_clone_to_owned().ok())
                 .flatten(),
             collapser: None,
+            leases: rows::Leases::new(num_rows),
         })
     }
 
@@ -676,50 +688,6 @@ impl PrimaryRegion {
             | Backing::VllmShaped { .. } => None,
         }
     }
-
-    /// Byte offset of `row` from the base, or an error if `row` is out of range.
-    pub fn row_offset(&self, row: usize) -> Result<usize> {
-        if row >= self.num_rows {
-            return Err(Error::new(
-                ErrorKind::Contract,
-                format!(
-                    "row {row} is out of range (region has {} rows)",
-                    self.num_rows
-                ),
-            ));
-        }
-        Ok(row * self.row_stride)
-    }
-
-    /// Address of `row`. Valid for `row_stride` bytes while the region lives.
-    pub fn row_ptr(&self, row: usize) -> Result<*mut u8> {
-        let off = self.row_offset(row)?;
-        // SAFETY: `off + row_stride <= len`, inside the mapping.
-        Ok(unsafe { self.base.as_ptr().add(off) })
-    }
-
-    /// A shared view of `row`.
-    ///
-    /// # Safety
-    /// No one may write the row (CPU, kernel I/O or device) while the returned slice lives;
-    /// the caller holds it pinned or reserved through the slot manager.
-    pub unsafe fn row(&self, row: usize) -> Result<&[u8]> {
-        let p = self.row_ptr(row)?;
-        // SAFETY: in bounds and valid for the region's life; exclusivity is the caller's promise.
-        Ok(unsafe { std::slice::from_raw_parts(p, self.row_stride) })
-    }
-
-    /// An exclusive view of `row`.
-    ///
-    /// # Safety
-    /// No one else may read or write the row while the returned slice lives; the caller holds
-    /// it reserved for writing through the slot manager.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn row_mut(&self, row: usize) -> Result<&mut [u8]> {
-        let p = self.row_ptr(row)?;
-        // SAFETY: in bounds; exclusivity is the caller's promise.
-        Ok(unsafe { std::slice::from_raw_parts_mut(p, self.row_stride) })
-    }
 }
 
 impl Drop for PrimaryRegion {
@@ -754,12 +722,9 @@ mod tests {
             assert_eq!(p - r.base_ptr() as usize, c * 8192);
         }
         assert_eq!(r.row_ptr(8).unwrap_err().kind(), ErrorKind::Contract);
-        // SAFETY: this test is the only user of the region.
-        unsafe {
-            r.row_mut(3).unwrap().fill(0xAB);
-            assert!(r.row(3).unwrap().iter().all(|&b| b == 0xAB));
-            assert!(r.row(2).unwrap().iter().all(|&b| b == 0));
-        }
+        r.write_row(3).unwrap().fill(0xAB);
+        assert!(r.read_row(3).unwrap().iter().all(|&b| b == 0xAB));
+        assert!(r.read_row(2).unwrap().iter().all(|&b| b == 0));
     }
 
     #[test]
@@ -787,13 +752,10 @@ mod tests {
         let mapped = PrimaryRegion::map_shared_file(&fd, 4, 4096).unwrap();
         assert!(!mapped.is_owned());
         assert_ne!(mapped.base_ptr(), owner.base_ptr());
-        // SAFETY: this test is the only user of both views of the file.
-        unsafe {
-            owner.row_mut(2).unwrap().fill(0x5A);
-            assert!(mapped.row(2).unwrap().iter().all(|&b| b == 0x5A));
-            mapped.row_mut(1).unwrap().fill(0xC3);
-            assert!(owner.row(1).unwrap().iter().all(|&b| b == 0xC3));
-        }
+        owner.write_row(2).unwrap().fill(0x5A);
+        assert!(mapped.read_row(2).unwrap().iter().all(|&b| b == 0x5A));
+        mapped.write_row(1).unwrap().fill(0xC3);
+        assert!(owner.read_row(1).unwrap().iter().all(|&b| b == 0xC3));
         drop(mapped);
         let err = PrimaryRegion::map_shared_file(&fd, 5, 4096).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Config);
@@ -808,8 +770,7 @@ mod tests {
         assert!(!adopted.is_owned());
         assert_eq!(adopted.row_ptr(1).unwrap(), owner.row_ptr(1).unwrap());
         drop(adopted);
-        // SAFETY: `owner` is still mapped and unused elsewhere.
-        unsafe { owner.row_mut(1).unwrap()[0] = 1 };
+        owner.write_row(1).unwrap()[0] = 1;
         // SAFETY: pointer + 8 is inside `owner` but misaligned; adopt must refuse it.
         let err = unsafe { PrimaryRegion::adopt(owner.base_ptr().add(8), 4096, 1) }.unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Misaligned);

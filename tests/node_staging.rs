@@ -115,8 +115,8 @@ fn client_tier(f: &Fixture, name: &str, locality: Option<Locality>) -> (PrimaryR
 }
 
 fn fill(region: &PrimaryRegion, row: usize, seed: u64) -> Vec<u8> {
-    // SAFETY: the test owns the region and no job uses the row now.
-    let bytes = unsafe { region.row_mut(row) }.unwrap();
+    // The test owns the region and no job uses the row now.
+    let mut bytes = region.write_row(row).unwrap();
     let mut x = seed | 1;
     for b in bytes.chunks_mut(8) {
         x ^= x << 13;
@@ -128,8 +128,8 @@ fn fill(region: &PrimaryRegion, row: usize, seed: u64) -> Vec<u8> {
 }
 
 fn row(region: &PrimaryRegion, row: usize) -> Vec<u8> {
-    // SAFETY: no job uses the row now.
-    unsafe { region.row(row) }.unwrap().to_vec()
+    // No job uses the row now.
+    region.read_row(row).unwrap().to_vec()
 }
 
 fn run(c: &NodeClient, load: bool, job: u64, keys: &[ChunkKey], rows: &[u32]) -> bool {

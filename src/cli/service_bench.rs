@@ -309,15 +309,17 @@ impl Bench {
         let rows: Vec<u32> = (0..self.chunks).collect();
         let started = Instant::now();
         for set in g3.iter().chain(&hint) {
-            let len = self.a_region.len();
-            // SAFETY: the region is this command's own and no job uses it now.
-            let all = unsafe { std::slice::from_raw_parts_mut(self.a_region.base_ptr(), len) };
+            // The region is this command's own and no job uses it now. Its rows are
+            // consecutive and whole pages, so this marks every page of the region in order.
             let mut x = u64::from(round) * 7919 + set.len() as u64 + 1;
-            for b in all.chunks_mut(4096) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                b[..8].copy_from_slice(&x.to_le_bytes());
+            for row in 0..self.a_region.num_rows() {
+                let mut bytes = self.a_region.write_row(row)?;
+                for b in bytes.chunks_mut(4096) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    b[..8].copy_from_slice(&x.to_le_bytes());
+                }
             }
             let id = self.job_id();
             self.a.submit_store(id, set.clone(), rows.clone());

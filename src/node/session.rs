@@ -845,11 +845,15 @@ impl JobWorker {
                 continue;
             };
             if let Reserve::Reserved(slot) = st.pool.reserve(k, false) {
-                // SAFETY: the slot was reserved to this thread just now.
-                let dst = unsafe { st.pool.fill_bytes(slot) };
                 // The slot holds the row's first slot_bytes, what G3 stored; read through
                 // the region file (a lost row fails the copy, and the job, see `transfer`).
-                match file.read_into(u64::from(rows[i]) * stride, dst) {
+                // The slot was reserved to this thread just now; its lease ends before the
+                // commit reads it.
+                let read = match st.pool.fill_bytes(slot) {
+                    Ok(mut dst) => file.read_into(u64::from(rows[i]) * stride, &mut dst),
+                    Err(e) => Err(e),
+                };
+                match read {
                     Ok(()) => {
                         st.pool.commit(slot, crc);
                     }

@@ -38,19 +38,21 @@ pub fn pattern(i: u64, len: usize) -> Vec<u8> {
 }
 
 pub fn fill_row(r: &PrimaryRegion, row: u32, i: u64) {
-    // SAFETY: tests own every row of their region.
-    unsafe { r.row_mut(row as usize).unwrap() }.copy_from_slice(&pattern(i, r.row_stride()));
+    // Tests own every row of their region.
+    r.write_row(row as usize)
+        .unwrap()
+        .copy_from_slice(&pattern(i, r.row_stride()));
 }
 
 pub fn clear_row(r: &PrimaryRegion, row: u32) {
-    // SAFETY: tests own every row of their region.
-    unsafe { r.row_mut(row as usize).unwrap() }.fill(0);
+    // Tests own every row of their region.
+    r.write_row(row as usize).unwrap().fill(0);
 }
 
 pub fn row_is(r: &PrimaryRegion, row: u32, i: u64) -> bool {
-    // SAFETY: tests own every row of their region; no I/O targets it now.
-    let got = unsafe { r.row(row as usize).unwrap() };
-    got == pattern(i, r.row_stride()).as_slice()
+    // Tests own every row of their region; no I/O targets it now.
+    let got = r.read_row(row as usize).unwrap();
+    &got[..] == pattern(i, r.row_stride()).as_slice()
 }
 
 pub fn job(id: u64, keys: &[u64], rows: &[u32], load: bool) -> TransferJob {

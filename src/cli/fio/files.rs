@@ -21,14 +21,14 @@ const FILL_CHUNK: usize = 8 << 20;
 pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
     let chunk = FILL_CHUNK.min(len as usize).max(ROW_ALIGNMENT) / ROW_ALIGNMENT * ROW_ALIGNMENT;
     let buffer = PrimaryRegion::create(1, chunk)?;
-    // SAFETY: `buffer` is a private region owned by this function; nothing else reads or writes
+    // `buffer` is a private region owned by this function; nothing else reads or writes
     // it while this view lives.
-    let bytes = unsafe { buffer.row_mut(0)? };
+    let mut bytes = buffer.write_row(0)?;
     for (i, b) in bytes.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
     for path in files {
-        fill(path, len, bytes)?;
+        fill(path, len, &bytes)?;
     }
     debug_assert!(len.is_multiple_of(row_size));
     Ok(())

@@ -600,8 +600,8 @@ impl Worker {
                         // Not checksummed at submission (see `checksum_submitted_writes`);
                         // the row is still pinned, so this is the CRC of the bytes written.
                         let region = self.engine.region();
-                        // SAFETY: the row is pinned (no writer) until the job is reported.
-                        match unsafe { region.row(a.rows[i] as usize) } {
+                        // The row is pinned (no writer) until the job is reported.
+                        match region.read_row(a.rows[i] as usize) {
                             Ok(bytes) => {
                                 let stored = &bytes[..(stride as usize).min(bytes.len())];
                                 a.slots[i] = Some((slot, chunk_crc(a.keys[i].as_bytes(), stored)));
