@@ -125,27 +125,32 @@ unsafe impl Send for PrimaryRegion {}
 // SAFETY: as above; `&PrimaryRegion` only hands out addresses and leased views (`rows`).
 unsafe impl Sync for PrimaryRegion {}
 
-fn check_geometry(row_stride: usize, num_rows: usize) -> Result<usize> {
-    ChunkGeometry::check_row_stride(row_stride as u64)?;
+/// Checks a region's geometry: the stride (a [`ChunkGeometry::check_row_stride`] row stride)
+/// and the region's length, both as byte counts in memory.
+fn check_geometry(row_stride: u64, num_rows: usize) -> Result<(usize, usize)> {
+    ChunkGeometry::check_row_stride(row_stride)?;
     if num_rows == 0 {
         return Err(Error::new(
             ErrorKind::Config,
             "the primary region needs at least one row",
         ));
     }
-    num_rows.checked_mul(row_stride).ok_or_else(|| {
+    let overflow = || {
         Error::new(
             ErrorKind::Config,
             format!("{num_rows} rows of {row_stride} bytes overflow the address space"),
         )
-    })
+    };
+    let stride = usize::try_from(row_stride).map_err(|_| overflow())?;
+    let len = num_rows.checked_mul(stride).ok_or_else(overflow)?;
+    Ok((stride, len))
 }
 
 impl PrimaryRegion {
     /// Creates an anonymous shared region (memfd, `MAP_SHARED`) of `num_rows` rows and
     /// pre-faults it, so that it can be registered with io_uring and used for O_DIRECT.
-    pub fn create(num_rows: usize, row_stride: usize) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
+    pub fn create(num_rows: usize, row_stride: u64) -> Result<Self> {
+        let (row_stride, len) = check_geometry(row_stride, num_rows)?;
         let fd = rustix::fs::memfd_create(c"kvtier-primary", MemfdFlags::CLOEXEC).map_err(|e| {
             Error::new(ErrorKind::Io, "memfd_create failed").with_source(std::io::Error::from(e))
         })?;
@@ -208,8 +213,8 @@ impl PrimaryRegion {
     /// `base` must point to `num_rows * row_stride` bytes that are readable and writable and
     /// stay mapped, unmoved, for the whole life of the returned value and of every clone of the
     /// `Arc` it is put in (I/O engines keep one until their last completion).
-    pub unsafe fn adopt(base: *mut u8, row_stride: usize, num_rows: usize) -> Result<Self> {
-        check_geometry(row_stride, num_rows)?;
+    pub unsafe fn adopt(base: *mut u8, row_stride: u64, num_rows: usize) -> Result<Self> {
+        let (row_stride, _) = check_geometry(row_stride, num_rows)?;
         let base = NonNull::new(base)
             .ok_or_else(|| Error::new(ErrorKind::Config, "cannot adopt a null region pointer"))?;
         if !(base.as_ptr() as usize).is_multiple_of(ROW_ALIGNMENT) {
@@ -257,7 +262,7 @@ impl PrimaryRegion {
     /// clone of the `Arc` it is put in.
     pub unsafe fn adopt_shared(
         base: *mut u8,
-        row_stride: usize,
+        row_stride: u64,
         num_rows: usize,
         mode: AdoptHugePages,
     ) -> Result<Self> {
@@ -349,7 +354,7 @@ impl PrimaryRegion {
     /// tests that must measure what kvtier does inside vLLM.
     pub fn create_vllm_shaped(
         num_rows: usize,
-        row_stride: usize,
+        row_stride: u64,
         dir: &std::path::Path,
         mode: AdoptHugePages,
     ) -> Result<Self> {
@@ -364,12 +369,12 @@ impl PrimaryRegion {
     /// owner's mapping (the same `FOLL_LONGTERM` pin), held until the region is dropped.
     pub fn create_vllm_shaped_pinned(
         num_rows: usize,
-        row_stride: usize,
+        row_stride: u64,
         dir: &std::path::Path,
         mode: AdoptHugePages,
         pinned: bool,
     ) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
+        let (_, len) = check_geometry(row_stride, num_rows)?;
         let mut owner = vllm_shm::OwnerMapping::create(dir, len)?;
         if pinned {
             owner.pin()?;
@@ -497,9 +502,10 @@ impl PrimaryRegion {
         self.copy_fd.as_ref().map(AsFd::as_fd)
     }
 
-    /// Bytes per row (a multiple of 4096).
-    pub fn row_stride(&self) -> usize {
-        self.row_stride
+    /// Bytes per row (a multiple of 4096): a row stride, `u64` as everywhere in kvtier
+    /// ([`crate::geometry`]).
+    pub fn row_stride(&self) -> u64 {
+        self.row_stride as u64
     }
 
     /// Number of rows.

@@ -123,7 +123,7 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
     // vLLM's row for `tp`, and the G3 tier's slots: the canonical area (a prefix of the row).
     let open = |tp: u32| {
         let p = params(tp);
-        let region = Arc::new(PrimaryRegion::create(2, p.row_stride as usize).unwrap());
+        let region = Arc::new(PrimaryRegion::create(2, p.row_stride).unwrap());
         let g3 = open_g3_slots(
             dir.path(),
             &region,
@@ -251,7 +251,7 @@ fn direct_path_loads_only_under_the_same_topology() {
             (p.row_stride, p.slot_bytes) = (stride, stride);
             namespace_digest(&d, &p)
         };
-        let region = Arc::new(PrimaryRegion::create(2, stride as usize).unwrap());
+        let region = Arc::new(PrimaryRegion::create(2, stride).unwrap());
         for &tp in &tps {
             let dir = tempfile::tempdir_in("/tmp").unwrap();
             let replicated = NamespaceParams::new(&d, tp, bpc, false)

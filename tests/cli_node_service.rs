@@ -61,7 +61,7 @@ fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
         },
     )
     .unwrap();
-    let region = PrimaryRegion::create(4, stride).unwrap();
+    let region = PrimaryRegion::create(4, stride as u64).unwrap();
     client.register_fd(region.fd().unwrap(), 4).unwrap();
     for row in 0..2 {
         // No job is running; this test is the region's only user.

@@ -212,7 +212,7 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
     assert!(run(t.as_mut(), j).success);
     // The test owns every row of its region; no I/O targets row 1 now.
     let row = r.read_row(1).unwrap();
-    assert_eq!(row[..], pattern(5, r.row_stride())[..]);
+    assert_eq!(row[..], pattern(5, r.row_stride() as usize)[..]);
     assert_eq!(t.health().state, HealthState::Ok);
     t.shutdown().unwrap();
 }

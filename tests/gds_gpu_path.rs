@@ -130,7 +130,7 @@ fn open_tier(dir: &std::path::Path, region: &Arc<PrimaryRegion>) -> G3Tier {
     let t = G3Tier::open(
         cfg,
         region.clone(),
-        geometry_namespace(stride()),
+        geometry_namespace(stride() as u64),
         "gds-test".into(),
         None,
     )
@@ -161,7 +161,7 @@ const BLOCKS: [[u64; 2]; 3] = [[3, 5], [0, 1], [6, 2]];
 #[test]
 fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let p1 = plan(1, 0);
     let gpu = Gpu::new(&p1, Some(1));
@@ -214,7 +214,7 @@ fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
 #[test]
 fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let area = plan(1, 0).canonical_area_bytes as usize;
     // Canonical rows, then what each TP 2 rank holds of them (`scatter`); both ranks gather
@@ -291,7 +291,7 @@ fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
 #[test]
 fn a_corrupt_slot_fails_its_key_before_its_blocks_are_touched() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let p1 = plan(1, 0);
     let src = Gpu::new(&p1, Some(2));

@@ -255,7 +255,7 @@ fn enomem_body() {
     }
     let stride = 1 << 20;
     let rows = (lim.rlim_cur as usize).div_ceil(stride) + 4;
-    let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+    let region = Arc::new(PrimaryRegion::create(rows, stride as u64).unwrap());
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = open_direct(&dir.path().join("slab"));
     let h = open_engine(

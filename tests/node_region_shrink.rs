@@ -93,7 +93,7 @@ fn connect(f: &Fixture, name: &str) -> NodeClient {
 
 /// Engine B: a memfd region passed by descriptor, registered.
 fn engine_b(f: &Fixture) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let b = connect(f, "rank-b");
     b.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, b)

@@ -123,7 +123,7 @@ fn shm_path(f: &mut Fixture, name: &str) -> PathBuf {
 
 /// A client in this process, its region (a memfd of `ROWS` rows) registered by descriptor.
 fn client_in_this_process(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let c = NodeClient::connect(&f.socket, &hello(name)).unwrap();
     c.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, c)
@@ -254,7 +254,7 @@ fn child_process_entry() {
     let memfd;
     let base: *mut u8;
     if plan.region.is_empty() {
-        memfd = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+        memfd = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
         client
             .register_fd(memfd.fd().unwrap().as_fd(), ROWS)
             .unwrap();
@@ -269,7 +269,7 @@ fn child_process_entry() {
             .open(&plan.region)
             .unwrap();
         file.set_len(ROWS * STRIDE).unwrap();
-        let region = PrimaryRegion::map_shared_file(&file, ROWS as usize, STRIDE as usize).unwrap();
+        let region = PrimaryRegion::map_shared_file(&file, ROWS as usize, STRIDE).unwrap();
         client.register_path(Path::new(&plan.region), ROWS).unwrap();
         base = region.base_ptr();
         std::mem::forget(region); // stays mapped for the process's life
@@ -426,7 +426,7 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
         cfg.service.as_mut().unwrap().dram_bytes = dram_bytes;
         let f = fixture_of(dir, &cfg, None);
         let connect = |name: &str, stride: u64| {
-            let region = PrimaryRegion::create(4, stride as usize).unwrap();
+            let region = PrimaryRegion::create(4, stride).unwrap();
             let mut h = hello(name);
             h.row_stride = stride;
             let c = NodeClient::connect(&f.socket, &h).unwrap();
@@ -785,7 +785,7 @@ fn storer(
     committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
 ) -> LoadReport {
     use kvtier::contract::secondary::SecondaryTier;
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "storer", &region);
     let mut rep = LoadReport::default();
     let mut next = 0u32;
@@ -850,7 +850,7 @@ fn loader(
     committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
 ) -> LoadReport {
     use kvtier::contract::secondary::SecondaryTier;
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "loader", &region);
     let mut rep = LoadReport::default();
     let mut id = 0;
@@ -969,7 +969,7 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
     assert!(b.rows_checked > 0, "the loader loaded rows: {b:?}");
     // Every key reported stored, before the kill and after, loads with its bytes from the
     // restarted service.
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "checker", &region);
     let info: std::collections::HashMap<_, _> =
         kvtier::contract::secondary::SecondaryTier::config_info(&t)
@@ -1069,7 +1069,7 @@ fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_return
         start_from_config(&cfg, STRIDE, None, digest).unwrap()
     };
     let service = start("a", DIGEST);
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "digest-check", &region);
     service.shutdown().unwrap();
     let other = [0x17; 32];
@@ -1195,7 +1195,7 @@ fn shutdown_stops_and_joins_a_reconnection_waiting_for_a_service_that_never_answ
 fn a_job_the_node_tier_cannot_run_is_reported_failed() {
     use kvtier::contract::secondary::SecondaryTier;
     let f = fixture();
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&f.socket, "refused", &region);
     let k = key("refused", 0);
     let jobs = [

@@ -94,7 +94,7 @@ fn hello(name: &str) -> ClientHello {
 
 /// An engine connection with its own region (a memfd passed by descriptor).
 fn engine(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let c = NodeClient::connect(&f.socket, &hello(name)).unwrap();
     c.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, c)
@@ -102,7 +102,7 @@ fn engine(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
 
 /// The node service as an engine's secondary tier (client mode), its region by descriptor.
 fn client_tier(f: &Fixture, name: &str, locality: Option<Locality>) -> (PrimaryRegion, NodeTier) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let tier = NodeTier::connect(
         &f.socket,
         &hello(name),

@@ -88,7 +88,7 @@ fn refuses_by_reporting(t: &mut dyn SecondaryTier, r: &PrimaryRegion) {
 }
 
 fn zeroed_region() -> Arc<PrimaryRegion> {
-    Arc::new(PrimaryRegion::create(ROWS, g3_common::STRIDE).unwrap())
+    Arc::new(PrimaryRegion::create(ROWS, g3_common::STRIDE as u64).unwrap())
 }
 
 #[test]

@@ -230,13 +230,12 @@ impl Bench {
         }
         let socket = dir.path().join("kvtier.sock");
         let rows = args.chunks as usize;
-        let stride = usize::try_from(row).map_err(|_| bench_error("--row-size too large"))?;
         let hello = |name: &str| ClientHello {
             engine: name.into(),
             row_stride: row,
             digest: DIGEST,
         };
-        let a_region = PrimaryRegion::create(rows, stride)?;
+        let a_region = PrimaryRegion::create(rows, row)?;
         let a = NodeClient::connect(&socket, &hello("bench-a"))?;
         let fd = a_region
             .fd()
@@ -247,7 +246,7 @@ impl Bench {
         for lane in 0..lanes {
             let mut pair = Vec::new();
             for name in ["bench-b", "bench-c"] {
-                let r = PrimaryRegion::create(rows, stride)?;
+                let r = PrimaryRegion::create(rows, row)?;
                 let fd = r.fd().ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the region has no descriptor")
                 })?;

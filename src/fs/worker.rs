@@ -82,7 +82,7 @@ pub(crate) struct Shared {
 impl Shared {
     /// Bytes per chunk file (the row stride).
     pub fn stride(&self) -> u64 {
-        self.region.row_stride() as u64
+        self.region.row_stride()
     }
 
     /// Refreshes the catalog gauges.
@@ -1009,7 +1009,7 @@ mod tests {
     /// A coordinator with one I/O thread and room for one file, driven by hand (its `run`
     /// loop is not started), so that steps arrive in exactly the order a test chooses.
     fn worker(dir: &std::path::Path) -> (Worker, Receiver<OffloadingEvent>) {
-        let region = Arc::new(PrimaryRegion::create(4, STRIDE).unwrap());
+        let region = Arc::new(PrimaryRegion::create(4, STRIDE as u64).unwrap());
         let opts = EngineOptions {
             queue_depth: 4,
             psync_threads: 1,

@@ -337,7 +337,7 @@ fn direct_round_trip(path: &Path) -> std::result::Result<bool, String> {
             _ => format!("opening with O_DIRECT failed: {e}"),
         })?;
     // Two page-aligned rows: one to write from, one to read into.
-    let buf = PrimaryRegion::create(2, PROBE_BYTES)
+    let buf = PrimaryRegion::create(2, PROBE_BYTES as u64)
         .map_err(|e| format!("cannot allocate an aligned probe buffer: {e}"))?;
     let (src, dst) = (buf.write_row(0), buf.write_row(1));
     let (mut src, mut dst) = match (src, dst) {

@@ -361,7 +361,7 @@ impl Worker {
                 return self.fail(&batch);
             }
         };
-        let stride = self.pool.row_stride();
+        let stride = self.pool.row_stride() as usize;
         let n = batch.len();
         let mut results: Vec<Result<u32>> = (0..n)
             .map(|_| Err(Error::new(ErrorKind::Internal, "not read")))

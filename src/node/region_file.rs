@@ -263,7 +263,7 @@ mod tests {
         let fd = memfd(STRIDE * ROWS);
         let bytes: Vec<u8> = (0..STRIDE * ROWS).map(pattern).collect();
         rustix::io::pwrite(&fd, &bytes, 0).unwrap();
-        let mapped = PrimaryRegion::map_shared_file(&fd, ROWS, STRIDE).unwrap();
+        let mapped = PrimaryRegion::map_shared_file(&fd, ROWS, STRIDE as u64).unwrap();
         let engine_side = fd.try_clone().unwrap();
         let file = RegionFile::new(fd, "engine-a", "fd", (STRIDE * ROWS) as u64).unwrap();
         (mapped, file, engine_side)

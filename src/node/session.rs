@@ -455,9 +455,7 @@ impl Session {
         }
         let rows = usize::try_from(num_rows)
             .map_err(|_| Error::new(ErrorKind::Config, "num_rows does not fit this machine"))?;
-        let stride = usize::try_from(self.row_stride)
-            .map_err(|_| Error::new(ErrorKind::Config, "row_stride does not fit this machine"))?;
-        let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, stride)?);
+        let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, self.row_stride)?);
         // Before io_uring pins its pages: any shrink from here on is seen (`RegionFile`).
         let file = RegionFile::new(fd, &self.entry.name, &path, region.len() as u64)?;
         let opts = EngineOptions {
@@ -783,8 +781,8 @@ impl JobWorker {
     fn load_through_staging(&self, st: &Staging, job: &JobRequest) -> JobResult {
         let started = Instant::now();
         let (region, file) = (&self.mapped.region, &self.mapped.file);
-        let stride = region.row_stride() as u64;
-        let pool_stride = st.pool.row_stride() as u64;
+        let stride = region.row_stride();
+        let pool_stride = st.pool.row_stride();
         let mut from_pool = Vec::new();
         let (mut keys, mut rows) = (Vec::new(), Vec::new());
         for (k, &row) in job.keys.iter().zip(&job.rows) {
@@ -887,7 +885,7 @@ impl JobWorker {
             Err(e) => return JobResult::failed(job.job_id, e),
         };
         let region = &self.mapped.region;
-        let stride = region.row_stride();
+        let stride = region.row_stride() as usize;
         let slot = self.sh.slot_bytes as usize;
         let n = job.keys.len();
         let mut results: Vec<Result<u32>> = (0..n)
@@ -989,7 +987,7 @@ impl JobWorker {
     /// The CRC-32 of the row's first `slot_bytes` (what its slot holds), read through the
     /// region file: a row the file lost is an error ([`ErrorKind::RegionLost`]), not a signal.
     fn row_crc(&self, row: usize) -> Result<u32> {
-        let offset = row as u64 * self.mapped.region.row_stride() as u64;
+        let offset = row as u64 * self.mapped.region.row_stride();
         let mut chunk = self.chunk.borrow_mut();
         self.mapped
             .file

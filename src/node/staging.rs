@@ -143,7 +143,7 @@ impl std::fmt::Debug for StagingPool {
 
 impl StagingPool {
     /// A pool of `slots` slots of `row_stride` bytes; changes are published on `events`.
-    pub fn new(slots: usize, row_stride: usize, events: Arc<EventBus>) -> Result<StagingPool> {
+    pub fn new(slots: usize, row_stride: u64, events: Arc<EventBus>) -> Result<StagingPool> {
         let region = Arc::new(PrimaryRegion::create(slots, row_stride)?);
         Ok(StagingPool {
             region,
@@ -171,7 +171,7 @@ impl StagingPool {
     }
 
     /// Bytes per slot.
-    pub fn row_stride(&self) -> usize {
+    pub fn row_stride(&self) -> u64 {
         self.region.row_stride()
     }
 

@@ -441,7 +441,7 @@ mod tests {
     fn large_regions_are_huge_page_aligned_zeroed_and_collapsed_where_supported() {
         let rows = 3;
         let row = HUGE_PAGE + 4096 * 3; // rows straddle huge pages; the tail is partial
-        let r = PrimaryRegion::create(rows, row).unwrap();
+        let r = PrimaryRegion::create(rows, row as u64).unwrap();
         assert_eq!(r.base_ptr() as usize % HUGE_PAGE, 0);
         for c in 0..rows {
             let mut bytes = r.write_row(c).unwrap();

@@ -27,8 +27,8 @@ impl PrimaryRegion {
     ///
     /// The owner must not shrink the file while it is mapped here (a tmpfs file cannot be
     /// sealed); the node service only maps files of peers on its uid allow list.
-    pub fn map_shared_file(fd: &impl AsFd, num_rows: usize, row_stride: usize) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
+    pub fn map_shared_file(fd: &impl AsFd, num_rows: usize, row_stride: u64) -> Result<Self> {
+        let (row_stride, len) = check_geometry(row_stride, num_rows)?;
         let st = rustix::fs::fstat(fd).map_err(|e| {
             Error::new(ErrorKind::Io, "fstat of the region file failed")
                 .with_source(std::io::Error::from(e))

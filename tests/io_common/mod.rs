@@ -101,7 +101,7 @@ impl Fixture {
                 .unwrap()
         };
         file.set_len(file_len).unwrap();
-        let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+        let region = Arc::new(PrimaryRegion::create(rows, stride as u64).unwrap());
         let opts = EngineOptions {
             queue_depth,
             psync_threads: 3,

@@ -44,7 +44,7 @@ pub fn run(input: &Value) -> Result<Value, String> {
 fn scenario(s: &Value) -> Result<Value, String> {
     let root = string(s, "root_dir")?;
     let fields = field(s, "fields")?.clone();
-    let stride = usize::try_from(uint(s, "row_stride")?).map_err(|e| e.to_string())?;
+    let stride = uint(s, "row_stride")?;
     let steps = array(s, "steps")?;
     let rows = steps
         .iter()
@@ -108,7 +108,7 @@ fn step(t: &mut FsTier, region: &PrimaryRegion, n: u64, st: &Value) -> Result<Va
                 let bytes = hex_row
                     .as_str()
                     .and_then(|h| hex::decode(h).ok())
-                    .filter(|b| b.len() == region.row_stride())
+                    .filter(|b| b.len() as u64 == region.row_stride())
                     .ok_or("each row must be row_stride bytes of hex")?;
                 // This driver owns the region; no job uses the row now.
                 region

@@ -97,7 +97,7 @@ fn transfer(
             prepare_canonical_from_views(desc, &ParallelConfig::tp(tp, rank), bpc, true, views)
         })
         .collect::<kvtier::Result<Vec<_>>>()?;
-    let region = Arc::new(PrimaryRegion::create(1, params.row_stride as usize)?);
+    let region = Arc::new(PrimaryRegion::create(1, params.row_stride)?);
     let mut cfg = G3TierConfig::new(vec![dir.to_path_buf()], SLOTS * params.slot_bytes);
     cfg.slot_bytes = params.slot_prefix();
     cfg.fsync = FsyncPolicy::Never;

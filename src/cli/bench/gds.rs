@@ -197,7 +197,7 @@ mod gpu {
         };
         let rows =
             usize::try_from(chunks).map_err(|_| Error::config("--bytes", "too many rows"))?;
-        let region = Arc::new(PrimaryRegion::create(rows, stride as usize)?);
+        let region = Arc::new(PrimaryRegion::create(rows, stride)?);
         let mut cfg = G3TierConfig::new(vec![dir.path().to_path_buf()], 2 * chunks * stride);
         cfg.max_bytes_in_flight = Some(plan.max_bytes_in_flight);
         cfg.io_engine = args.io_engine;

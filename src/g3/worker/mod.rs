@@ -516,7 +516,7 @@ impl Worker {
         }
         let stride = self.set.row_stride();
         // Slots may hold only a prefix of each row (`G3TierConfig::slot_bytes`).
-        let region_stride = self.engine.region().row_stride();
+        let region_stride = self.engine.region().row_stride() as usize;
         for i in 0..n {
             if a.status[i] != KeyStatus::Pending {
                 continue;

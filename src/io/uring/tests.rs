@@ -47,7 +47,7 @@ fn requests_use_their_piece_and_never_straddle_two() {
         .custom_flags(libc::O_DIRECT)
         .open(dir.path().join("slab"))
         .unwrap();
-    let region = Arc::new(PrimaryRegion::create(8, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(8, PAGE as u64).unwrap());
     let engine = match UringEngine::with_piece_limit(region.clone(), vec![file], 8, true, 3 * PAGE)
     {
         Ok(e) => e,
@@ -154,7 +154,7 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
             .open(dir.path().join("slab"))
             .unwrap()
     };
-    let region = Arc::new(PrimaryRegion::create(2, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(2, PAGE as u64).unwrap());
     // An older kernel: no POLL_ADD. The engine refuses, naming the opcode.
     let poll = opcode::PollAdd::CODE;
     let refused = UringEngine::start(
@@ -237,7 +237,7 @@ fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
         .truncate(true)
         .open(dir.path().join("slab"))
         .unwrap();
-    let region = Arc::new(PrimaryRegion::create(4, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, PAGE as u64).unwrap());
     let seen: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
     let counts = seen.clone();
     // Tag 1: always EAGAIN. Tag 2: EINTR three times, then the real result. Tag 3: always
