@@ -36,7 +36,7 @@ mod shared_file;
 mod vllm_shm;
 
 pub use backing::MeasuredBacking;
-pub use rows::{RowRead, RowWrite};
+pub use rows::{RowCopyError, RowRead, RowWrite};
 
 /// What the warnings about an adopted region in 4 KiB pages tell the operator to do.
 pub const HOST_FIX_HINT: &str = "the host fix: mount /dev/shm with huge=within_size (`mount -o \

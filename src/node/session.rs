@@ -786,28 +786,25 @@ impl JobWorker {
         let mut from_pool = Vec::new();
         let (mut keys, mut rows) = (Vec::new(), Vec::new());
         for (k, &row) in job.keys.iter().zip(&job.rows) {
-            let Ok(dst) = region.row_ptr(row as usize) else {
+            if region.row_offset(row as usize).is_err() {
                 keys.push(k.clone());
                 rows.push(row);
                 continue;
-            };
+            }
             let copy = |slot: usize, bytes: &[u8]| {
                 let pool_fd = st.pool.region().fd().ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the staging pool has no descriptor")
                 })?;
-                // SAFETY: `dst` is the service's mapping of the engine's row `row`, a whole
-                // row (at least a slot) long, mapped while this job runs; the engine gave the
-                // row to this job to fill and reads it only after JOB_DONE; this thread is
-                // the only one of the service touching it now.
-                unsafe {
-                    file.copy_into_row(
-                        dst,
-                        u64::from(row) * stride,
-                        bytes.len(),
-                        pool_fd,
-                        slot as u64 * pool_stride,
-                    )
-                }
+                // The service's mapping of the engine's row `row`, a whole row (at least a
+                // slot) long, mapped while this job runs; the engine gave the row to this job
+                // to fill and reads it only after JOB_DONE.
+                file.copy_into_row(
+                    region,
+                    row as usize,
+                    bytes.len(),
+                    pool_fd,
+                    slot as u64 * pool_stride,
+                )
             };
             match st.pool.copy_out_with(k, FILL_WAIT, copy) {
                 Ok(Some(_)) => from_pool.push(k.clone()),

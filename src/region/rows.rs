@@ -13,6 +13,7 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -105,6 +106,61 @@ impl PrimaryRegion {
         })
     }
 
+    /// Copies `len` bytes of the file `src` from `src_offset` into the start of `row`, the
+    /// kernel writing them (`pread` with the row's address as the buffer, under a write lease
+    /// on the row): where the row's page is gone (the owner of a shared file shrank it), the
+    /// copy fails with `EFAULT` instead of raising `SIGBUS` as a CPU store would. The outer
+    /// error is a refused lease or a range outside the row; the inner one the copy's
+    /// failure: [`RowCopyError`].
+    pub fn copy_file_into_row(
+        &self,
+        row: usize,
+        len: usize,
+        src: BorrowedFd<'_>,
+        src_offset: u64,
+    ) -> Result<std::result::Result<(), RowCopyError>> {
+        let lease = self.write_row(row)?;
+        if len > lease.len {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "a copy of {len} bytes does not fit row {row} ({} bytes)",
+                    lease.len
+                ),
+            ));
+        }
+        let dst = lease.bytes.as_ptr();
+        let mut done = 0;
+        while done < len {
+            let Ok(at) = i64::try_from(src_offset + done as u64) else {
+                return Ok(Err(RowCopyError::SourceOffset));
+            };
+            // SAFETY: `dst + done .. dst + len` lies inside the row (checked above), leased
+            // for writing; no Rust reference to it is made here: the kernel writes it or fails
+            // with EFAULT. rustix's `pread` takes only slices, which would assert that the
+            // bytes are accessible: libc with the raw pointer.
+            let n = unsafe {
+                libc::pread(
+                    src.as_raw_fd(),
+                    dst.add(done).cast::<libc::c_void>(),
+                    len - done,
+                    at,
+                )
+            };
+            match n {
+                0 => return Ok(Err(RowCopyError::Short)),
+                n if n > 0 => done += n as usize,
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.raw_os_error() != Some(libc::EINTR) {
+                        return Ok(Err(RowCopyError::Os(e)));
+                    }
+                }
+            }
+        }
+        Ok(Ok(()))
+    }
+
     fn refused(&self, row: usize, wanted: &str, word: u32) -> Error {
         let held = match word {
             WRITER => "it is leased for writing".to_string(),
@@ -119,6 +175,17 @@ impl PrimaryRegion {
         )
         .with("row", row.to_string())
     }
+}
+
+/// Why [`PrimaryRegion::copy_file_into_row`] stopped.
+#[derive(Debug)]
+pub enum RowCopyError {
+    /// The source ended first (`pread` returned 0).
+    Short,
+    /// The source offset does not fit `off_t`.
+    SourceOffset,
+    /// `pread` failed (`EFAULT`: the row's page is gone).
+    Os(std::io::Error),
 }
 
 fn row_bytes(ptr: *mut u8) -> NonNull<u8> {
