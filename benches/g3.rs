@@ -181,7 +181,7 @@ struct Case {
 fn throughput(dir: &Path, c: &Case) -> Measured {
     let stride = c.stride;
     let rows = (c.working_set / stride as u64).max(KEYS_PER_JOB as u64) as usize;
-    let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
+    let region = Arc::new(PrimaryRegion::create(rows, stride as u64).expect("region"));
     let slab_dir = tempfile::tempdir_in(dir).expect("tempdir");
     let mut cfg = G3TierConfig::new(vec![slab_dir.path().to_path_buf()], (rows * stride) as u64);
     cfg.max_bytes_in_flight = Some(c.in_flight);
@@ -192,7 +192,7 @@ fn throughput(dir: &Path, c: &Case) -> Measured {
     let slab = slab_dir.path().join(kvtier::g3::slab::SLAB_FILE_NAME);
     let depth = (c.in_flight as usize / stride).max(1);
     let fio_memory = fio_memory(stride, depth);
-    let ns = geometry_namespace(stride);
+    let ns = geometry_namespace(stride as u64);
     {
         // Warm-up, not measured: the first write into a preallocated (unwritten) extent costs
         // the filesystem an extent conversion that fio, writing the same file afterwards,

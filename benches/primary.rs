@@ -140,7 +140,7 @@ fn region() -> Arc<PrimaryRegion> {
     assert_ne!(p, libc::MAP_FAILED, "cannot reserve {len} bytes");
     // SAFETY: the mapping is `len` bytes, page-aligned, and deliberately never unmapped, so
     // it outlives every holder of the region.
-    let r = unsafe { PrimaryRegion::adopt(p.cast(), ROW, RESIDENT) }.expect("adopt");
+    let r = unsafe { PrimaryRegion::adopt(p.cast(), ROW as u64, RESIDENT) }.expect("adopt");
     Arc::new(r)
 }
 

@@ -47,8 +47,8 @@ fn key(i: u64) -> ChunkKey {
 }
 
 fn fill(region: &PrimaryRegion, row: u32, seed: u64) {
-    // SAFETY: the benchmark holds `row` reserved (prepare_store) while it writes it.
-    let dst = unsafe { region.row_mut(row as usize) }.expect("row in range");
+    // The benchmark holds `row` reserved (prepare_store) while it writes it.
+    let mut dst = region.write_row(row as usize).expect("row in range");
     for (i, b) in dst.iter_mut().enumerate().step_by(512) {
         *b = (seed as usize + i) as u8;
     }
@@ -107,7 +107,7 @@ fn g3_tier(
         return None;
     }
     let stride = region.row_stride();
-    let mut cfg = G3TierConfig::new(vec![dir.to_path_buf()], (4 * rows * stride) as u64);
+    let mut cfg = G3TierConfig::new(vec![dir.to_path_buf()], 4 * rows as u64 * stride);
     cfg.fsync = FsyncPolicy::Never;
     cfg.idle = idle;
     let ns = geometry_namespace(stride);
@@ -382,7 +382,7 @@ fn throughput(label: &str, make: &MakeTier<'_>, rows: usize, stride: usize, pair
     let n = rows / 2;
     let batch = 64;
     let rounds = 4;
-    let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
+    let region = Arc::new(PrimaryRegion::create(rows, stride as u64).expect("region"));
     let bytes = (rounds * n * stride) as f64;
     let (mut raw, mut managed, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for pair in 0..pairs {
@@ -448,7 +448,7 @@ fn main() {
         ),
     ];
     for (what, pause, idle) in scenarios {
-        let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
+        let region = Arc::new(PrimaryRegion::create(rows, stride as u64).expect("region"));
         let n = if pause == Pause::None {
             steps
         } else {
@@ -479,7 +479,7 @@ fn main() {
     // pinned for the cascade and most promotions find no free row. Paced, the disk keeps up
     // and loads flow too.
     for (i, (what, pause, idle)) in scenarios.into_iter().enumerate() {
-        let region = Arc::new(PrimaryRegion::create(rows, stride).expect("region"));
+        let region = Arc::new(PrimaryRegion::create(rows, stride as u64).expect("region"));
         let dir = tmp.path().join(format!("lat-{i}"));
         if let Some(t) = g3_tier(&region, &dir, rows, idle) {
             let m = manager(region.clone(), Box::new(t));

@@ -56,9 +56,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     settle(&mut manager)?; // the step end submits the promotion; the tier loads the row
     assert_eq!(manager.lookup(&chunk, &req), LookupResult::Hit);
     let rows = manager.prepare_load(std::slice::from_ref(&chunk), &req)?;
-    // SAFETY: prepare_load pinned the row for this reader; nothing writes it until
+    // Prepare_load pinned the row for this reader; nothing writes it until
     // complete_load.
-    let loaded = unsafe { manager.region().row(rows[0] as usize)? }.to_vec();
+    let loaded = manager.region().read_row(rows[0] as usize)?.to_vec();
     assert!(loaded == contents(&chunk, loaded.len()), "bytes differ");
     manager.complete_load(std::slice::from_ref(&chunk))?;
     manager.on_request_finished(&req);
@@ -83,10 +83,11 @@ fn store(m: &mut TieringManager, req: &RequestContext, key: &ChunkKey) -> kvtier
         .expect("the primary has an evictable row");
     for (k, row) in out.keys_to_store.iter().zip(&out.chunk_ids) {
         let region = m.region().clone();
-        // SAFETY: prepare_store reserved the row for this writer (ref count -1): nobody else
+        // Prepare_store reserved the row for this writer (ref count -1): nobody else
         // reads or writes it until complete_store.
-        let dst = unsafe { region.row_mut(*row as usize)? };
-        dst.copy_from_slice(&contents(k, dst.len()));
+        let mut dst = region.write_row(*row as usize)?;
+        let bytes = contents(k, dst.len());
+        dst.copy_from_slice(&bytes);
     }
     m.complete_store(&out.keys_to_store, req, true);
     Ok(())

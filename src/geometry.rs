@@ -13,6 +13,10 @@
 //! `copies` is 1 for a replicated layout (one copy shared by all workers), else the local
 //! world size (each worker owns one page of every row).
 //!
+//! A row stride is a `u64` byte count everywhere in kvtier (this geometry, the primary
+//! region's constructors and [`crate::region::PrimaryRegion::row_stride`], G3 slots, configs,
+//! the node protocol); code that indexes memory converts it where it does.
+//!
 //! | Conversion | Function |
 //! | --- | --- |
 //! | bytes of one chunk | [`ChunkGeometry::raw_bytes_per_chunk`] |

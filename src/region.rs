@@ -8,10 +8,13 @@
 //! # Memory and aliasing model
 //! The region is memory that other agents write behind Rust's back: the kernel (io_uring, DMA),
 //! GPU copies, and, for an adopted region, another runtime. kvtier therefore never keeps a
-//! long-lived `&[u8]` or `&mut [u8]` over it. Access goes through raw pointers, and the only
-//! slice views are the `unsafe` [`PrimaryRegion::row`] / [`PrimaryRegion::row_mut`], whose
-//! callers must own the row through the slot manager (a row reserved for a write has one
-//! writer; a pinned row has readers only). The region itself only guarantees that every row
+//! long-lived `&[u8]` or `&mut [u8]` over it. The I/O engines reach rows through raw
+//! addresses ([`PrimaryRegion::row_ptr`], [`PrimaryRegion::base_ptr`]); CPU code reads and
+//! writes a row through a lease ([`PrimaryRegion::read_row`], [`PrimaryRegion::write_row`]),
+//! a guard that derefs to the row's bytes and refuses, with an error naming the row, a lease
+//! that would overlap a write (see [`RowRead`] for exactly what a lease guarantees). Who may
+//! touch a row at all (a row reserved for a write has one writer; a pinned row has readers
+//! only) stays the slot manager's business. The region itself guarantees that every row
 //! address stays valid and unmoved until the region is dropped, and it is only dropped once
 //! every holder of its `Arc` (I/O engines with registered buffers included) has let go.
 
@@ -27,10 +30,13 @@ use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 mod backing;
 mod huge_pages;
 mod pin;
+mod rows;
 mod shared_alias;
+mod shared_file;
 mod vllm_shm;
 
 pub use backing::MeasuredBacking;
+pub use rows::{RowCopyError, RowRead, RowWrite};
 
 /// What the warnings about an adopted region in 4 KiB pages tell the operator to do.
 pub const HOST_FIX_HINT: &str = "the host fix: mount /dev/shm with huge=within_size (`mount -o \
@@ -91,6 +97,9 @@ pub struct PrimaryRegion {
     /// A collapse the constructor had no time to finish, running in the background (stopped
     /// before the mapping goes, see `Drop`).
     collapser: Option<huge_pages::Collapser>,
+    /// One lease word per row, for [`PrimaryRegion::read_row`] and
+    /// [`PrimaryRegion::write_row`].
+    leases: rows::Leases,
 }
 
 /// The share (0 to 1) of the whole 2 MiB pages of `len` bytes that `m` found PMD-mapped.
@@ -113,30 +122,35 @@ pub enum PrefaultMethod {
 // exclusivity is arbitrated by the slot manager (see the module docs). The pointer itself is
 // never mutated after construction.
 unsafe impl Send for PrimaryRegion {}
-// SAFETY: as above; `&PrimaryRegion` only hands out addresses and `unsafe` views.
+// SAFETY: as above; `&PrimaryRegion` only hands out addresses and leased views (`rows`).
 unsafe impl Sync for PrimaryRegion {}
 
-fn check_geometry(row_stride: usize, num_rows: usize) -> Result<usize> {
-    ChunkGeometry::check_row_stride(row_stride as u64)?;
+/// Checks a region's geometry: the stride (a [`ChunkGeometry::check_row_stride`] row stride)
+/// and the region's length, both as byte counts in memory.
+fn check_geometry(row_stride: u64, num_rows: usize) -> Result<(usize, usize)> {
+    ChunkGeometry::check_row_stride(row_stride)?;
     if num_rows == 0 {
         return Err(Error::new(
             ErrorKind::Config,
             "the primary region needs at least one row",
         ));
     }
-    num_rows.checked_mul(row_stride).ok_or_else(|| {
+    let overflow = || {
         Error::new(
             ErrorKind::Config,
             format!("{num_rows} rows of {row_stride} bytes overflow the address space"),
         )
-    })
+    };
+    let stride = usize::try_from(row_stride).map_err(|_| overflow())?;
+    let len = num_rows.checked_mul(stride).ok_or_else(overflow)?;
+    Ok((stride, len))
 }
 
 impl PrimaryRegion {
     /// Creates an anonymous shared region (memfd, `MAP_SHARED`) of `num_rows` rows and
     /// pre-faults it, so that it can be registered with io_uring and used for O_DIRECT.
-    pub fn create(num_rows: usize, row_stride: usize) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
+    pub fn create(num_rows: usize, row_stride: u64) -> Result<Self> {
+        let (row_stride, len) = check_geometry(row_stride, num_rows)?;
         let fd = rustix::fs::memfd_create(c"kvtier-primary", MemfdFlags::CLOEXEC).map_err(|e| {
             Error::new(ErrorKind::Io, "memfd_create failed").with_source(std::io::Error::from(e))
         })?;
@@ -169,6 +183,7 @@ impl PrimaryRegion {
             measured: None,
             copy_fd: None,
             collapser: None,
+            leases: rows::Leases::new(num_rows),
         };
         region.huge_page_share = huge_pages::collapse(region.base.as_ptr(), len);
         region.prefault = region.prefault_pages();
@@ -198,8 +213,8 @@ impl PrimaryRegion {
     /// `base` must point to `num_rows * row_stride` bytes that are readable and writable and
     /// stay mapped, unmoved, for the whole life of the returned value and of every clone of the
     /// `Arc` it is put in (I/O engines keep one until their last completion).
-    pub unsafe fn adopt(base: *mut u8, row_stride: usize, num_rows: usize) -> Result<Self> {
-        check_geometry(row_stride, num_rows)?;
+    pub unsafe fn adopt(base: *mut u8, row_stride: u64, num_rows: usize) -> Result<Self> {
+        let (row_stride, _) = check_geometry(row_stride, num_rows)?;
         let base = NonNull::new(base)
             .ok_or_else(|| Error::new(ErrorKind::Config, "cannot adopt a null region pointer"))?;
         if !(base.as_ptr() as usize).is_multiple_of(ROW_ALIGNMENT) {
@@ -223,151 +238,7 @@ impl PrimaryRegion {
             measured: None,
             copy_fd: None,
             collapser: None,
-        })
-    }
-
-    /// Maps `num_rows * row_stride` bytes of another process's shared file (vLLM's
-    /// `/dev/shm/vllm_offload_<engine_id>.mmap`, or a memfd passed over a Unix socket)
-    /// `MAP_SHARED`, read and write, from file offset 0, so that rows written here are the
-    /// owner's rows. The file must already be that large (a shorter file is refused: touching
-    /// a page beyond its end would be `SIGBUS`). The mapping is removed when the region is
-    /// dropped (after every I/O engine holding it has stopped).
-    ///
-    /// Like [`PrimaryRegion::adopt_shared`], the mapping starts at a 2 MiB boundary and, when
-    /// the file is on tmpfs (vLLM's `/dev/shm` region, a memfd), is collapsed into 2 MiB pages
-    /// (`MADV_COLLAPSE`: the data stays, the owner's mapping sees the same bytes, now
-    /// physically contiguous), so that a large row is one DMA segment per 2 MiB. Where that
-    /// fails, the outcome is logged once and readable from [`PrimaryRegion::huge_page_share`]
-    /// and [`PrimaryRegion::small_pages_reason`].
-    ///
-    /// The owner must not shrink the file while it is mapped here (a tmpfs file cannot be
-    /// sealed); the node service only maps files of peers on its uid allow list.
-    pub fn map_shared_file(fd: &impl AsFd, num_rows: usize, row_stride: usize) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
-        let st = rustix::fs::fstat(fd).map_err(|e| {
-            Error::new(ErrorKind::Io, "fstat of the region file failed")
-                .with_source(std::io::Error::from(e))
-        })?;
-        let file_type = rustix::fs::FileType::from_raw_mode(st.st_mode);
-        if file_type != rustix::fs::FileType::RegularFile {
-            return Err(Error::new(
-                ErrorKind::InvalidPath,
-                format!("the region file is a {file_type:?}, not a regular file"),
-            ));
-        }
-        let size = u64::try_from(st.st_size).unwrap_or(0);
-        if size < len as u64 {
-            return Err(Error::new(
-                ErrorKind::Config,
-                format!(
-                    "the region file holds {size} bytes, fewer than the {num_rows} rows of \
-                     {row_stride} bytes ({len} bytes) registered"
-                ),
-            ));
-        }
-        // As `adopt_shared` does for the in-process tier: a mapping at a 2 MiB boundary,
-        // collapsed into huge pages where the file is on tmpfs (vLLM's `/dev/shm` region, a
-        // memfd), so that a large row is one DMA segment per 2 MiB.
-        match shared_alias::map_collapsed(fd.as_fd(), 0, len, "the region file") {
-            Ok(m) => {
-                let mut region = PrimaryRegion {
-                    base: NonNull::new(m.alias.base).ok_or_else(|| {
-                        Error::new(ErrorKind::Internal, "the region mapping is null")
-                    })?,
-                    row_stride,
-                    num_rows,
-                    backing: Backing::AdoptedAlias { _alias: m.alias },
-                    prefault: PrefaultMethod::None,
-                    huge_pages: m.shortfall.is_none(),
-                    small_pages_reason: None,
-                    huge_page_share: m.share,
-                    measured: m.measured,
-                    // Only a region that may be staged needs it (`shared_file`).
-                    copy_fd: m
-                        .shortfall
-                        .is_some()
-                        .then(|| fd.as_fd().try_clone_to_owned().ok())
-                        .flatten(),
-                    collapser: m.collapser,
-                };
-                let how = if m.already_huge {
-                    "already 2 MiB pages: the file's tmpfs gives them"
-                } else {
-                    "collapsed with MADV_COLLAPSE"
-                };
-                match &m.shortfall {
-                    None => log::info!(
-                        "mapped an engine's region ({len} bytes) in 2 MiB pages (measured in \
-                         /proc/self/smaps; {how}; the owner's mapping is unchanged)"
-                    ),
-                    Some(why) => log::warn!(
-                        "mapped an engine's region ({len} bytes) with {:.0} % of it in 2 MiB \
-                         pages (measured in /proc/self/smaps): {why}; large rows there are \
-                         staged through kvtier's own 2 MiB pages (a copy); {HOST_FIX_HINT}",
-                        m.share * 100.0
-                    ),
-                }
-                region.small_pages_reason = m.shortfall;
-                return Ok(region);
-            }
-            Err(why) if len >= huge_pages::HUGE_PAGE => {
-                log::warn!(
-                    "mapped an engine's region ({len} bytes) in 4 KiB pages: {why}; {HOST_FIX_HINT}"
-                )
-            }
-            Err(_) => {}
-        }
-        Self::map_shared_small(fd, num_rows, row_stride, len)
-    }
-
-    /// [`PrimaryRegion::map_shared_file`] where no 2 MiB mapping can be made: a mapping at
-    /// an address of the kernel's choosing.
-    fn map_shared_small(
-        fd: &impl AsFd,
-        num_rows: usize,
-        row_stride: usize,
-        len: usize,
-    ) -> Result<Self> {
-        // SAFETY: a fresh mapping at an address of the kernel's choosing of `len` bytes of a
-        // file at least that long; nothing else refers to the new range.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
-                rustix::mm::MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }
-        .map_err(|e| {
-            Error::new(
-                ErrorKind::NoSpace,
-                format!("cannot map the region file ({len} bytes)"),
-            )
-            .with_source(std::io::Error::from(e))
-        })?;
-        let base = NonNull::new(ptr.cast::<u8>())
-            .ok_or_else(|| Error::new(ErrorKind::Internal, "mmap returned a null address"))?;
-        Ok(PrimaryRegion {
-            base,
-            row_stride,
-            num_rows,
-            backing: Backing::SharedFile,
-            prefault: PrefaultMethod::None,
-            huge_pages: false,
-            small_pages_reason: Some(if len < huge_pages::HUGE_PAGE {
-                "the region is smaller than one 2 MiB page".to_string()
-            } else {
-                "no 2 MiB-aligned mapping could be made (see the log)".to_string()
-            }),
-            huge_page_share: 0.0,
-            measured: None,
-            // Only a region that may be staged needs it (`shared_file`).
-            copy_fd: (len >= huge_pages::HUGE_PAGE)
-                .then(|| fd.as_fd().try_clone_to_owned().ok())
-                .flatten(),
-            collapser: None,
+            leases: rows::Leases::new(num_rows),
         })
     }
 
@@ -391,7 +262,7 @@ impl PrimaryRegion {
     /// clone of the `Arc` it is put in.
     pub unsafe fn adopt_shared(
         base: *mut u8,
-        row_stride: usize,
+        row_stride: u64,
         num_rows: usize,
         mode: AdoptHugePages,
     ) -> Result<Self> {
@@ -483,7 +354,7 @@ impl PrimaryRegion {
     /// tests that must measure what kvtier does inside vLLM.
     pub fn create_vllm_shaped(
         num_rows: usize,
-        row_stride: usize,
+        row_stride: u64,
         dir: &std::path::Path,
         mode: AdoptHugePages,
     ) -> Result<Self> {
@@ -498,12 +369,12 @@ impl PrimaryRegion {
     /// owner's mapping (the same `FOLL_LONGTERM` pin), held until the region is dropped.
     pub fn create_vllm_shaped_pinned(
         num_rows: usize,
-        row_stride: usize,
+        row_stride: u64,
         dir: &std::path::Path,
         mode: AdoptHugePages,
         pinned: bool,
     ) -> Result<Self> {
-        let len = check_geometry(row_stride, num_rows)?;
+        let (_, len) = check_geometry(row_stride, num_rows)?;
         let mut owner = vllm_shm::OwnerMapping::create(dir, len)?;
         if pinned {
             owner.pin()?;
@@ -631,9 +502,10 @@ impl PrimaryRegion {
         self.copy_fd.as_ref().map(AsFd::as_fd)
     }
 
-    /// Bytes per row (a multiple of 4096).
-    pub fn row_stride(&self) -> usize {
-        self.row_stride
+    /// Bytes per row (a multiple of 4096): a row stride, `u64` as everywhere in kvtier
+    /// ([`crate::geometry`]).
+    pub fn row_stride(&self) -> u64 {
+        self.row_stride as u64
     }
 
     /// Number of rows.
@@ -676,50 +548,6 @@ impl PrimaryRegion {
             | Backing::VllmShaped { .. } => None,
         }
     }
-
-    /// Byte offset of `row` from the base, or an error if `row` is out of range.
-    pub fn row_offset(&self, row: usize) -> Result<usize> {
-        if row >= self.num_rows {
-            return Err(Error::new(
-                ErrorKind::Contract,
-                format!(
-                    "row {row} is out of range (region has {} rows)",
-                    self.num_rows
-                ),
-            ));
-        }
-        Ok(row * self.row_stride)
-    }
-
-    /// Address of `row`. Valid for `row_stride` bytes while the region lives.
-    pub fn row_ptr(&self, row: usize) -> Result<*mut u8> {
-        let off = self.row_offset(row)?;
-        // SAFETY: `off + row_stride <= len`, inside the mapping.
-        Ok(unsafe { self.base.as_ptr().add(off) })
-    }
-
-    /// A shared view of `row`.
-    ///
-    /// # Safety
-    /// No one may write the row (CPU, kernel I/O or device) while the returned slice lives;
-    /// the caller holds it pinned or reserved through the slot manager.
-    pub unsafe fn row(&self, row: usize) -> Result<&[u8]> {
-        let p = self.row_ptr(row)?;
-        // SAFETY: in bounds and valid for the region's life; exclusivity is the caller's promise.
-        Ok(unsafe { std::slice::from_raw_parts(p, self.row_stride) })
-    }
-
-    /// An exclusive view of `row`.
-    ///
-    /// # Safety
-    /// No one else may read or write the row while the returned slice lives; the caller holds
-    /// it reserved for writing through the slot manager.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn row_mut(&self, row: usize) -> Result<&mut [u8]> {
-        let p = self.row_ptr(row)?;
-        // SAFETY: in bounds; exclusivity is the caller's promise.
-        Ok(unsafe { std::slice::from_raw_parts_mut(p, self.row_stride) })
-    }
 }
 
 impl Drop for PrimaryRegion {
@@ -738,80 +566,4 @@ impl Drop for PrimaryRegion {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rows_are_page_aligned_and_distinct() {
-        let r = PrimaryRegion::create(8, 8192).unwrap();
-        assert_eq!(r.len(), 65536);
-        assert!(r.is_owned());
-        assert!(r.fd().is_some());
-        assert_ne!(r.prefault_method(), PrefaultMethod::None);
-        for c in 0..8 {
-            let p = r.row_ptr(c).unwrap() as usize;
-            assert_eq!(p % ROW_ALIGNMENT, 0);
-            assert_eq!(p - r.base_ptr() as usize, c * 8192);
-        }
-        assert_eq!(r.row_ptr(8).unwrap_err().kind(), ErrorKind::Contract);
-        // SAFETY: this test is the only user of the region.
-        unsafe {
-            r.row_mut(3).unwrap().fill(0xAB);
-            assert!(r.row(3).unwrap().iter().all(|&b| b == 0xAB));
-            assert!(r.row(2).unwrap().iter().all(|&b| b == 0));
-        }
-    }
-
-    #[test]
-    fn bad_geometry_is_rejected() {
-        assert_eq!(
-            PrimaryRegion::create(4, 1000).unwrap_err().kind(),
-            ErrorKind::Misaligned
-        );
-        assert_eq!(
-            PrimaryRegion::create(0, 4096).unwrap_err().kind(),
-            ErrorKind::Config
-        );
-        assert_eq!(
-            PrimaryRegion::create(usize::MAX / 4096, 8192)
-                .unwrap_err()
-                .kind(),
-            ErrorKind::Config
-        );
-    }
-
-    #[test]
-    fn a_shared_file_maps_the_owners_rows_and_a_short_file_is_refused() {
-        let owner = PrimaryRegion::create(4, 4096).unwrap();
-        let fd = owner.fd().unwrap().try_clone_to_owned().unwrap();
-        let mapped = PrimaryRegion::map_shared_file(&fd, 4, 4096).unwrap();
-        assert!(!mapped.is_owned());
-        assert_ne!(mapped.base_ptr(), owner.base_ptr());
-        // SAFETY: this test is the only user of both views of the file.
-        unsafe {
-            owner.row_mut(2).unwrap().fill(0x5A);
-            assert!(mapped.row(2).unwrap().iter().all(|&b| b == 0x5A));
-            mapped.row_mut(1).unwrap().fill(0xC3);
-            assert!(owner.row(1).unwrap().iter().all(|&b| b == 0xC3));
-        }
-        drop(mapped);
-        let err = PrimaryRegion::map_shared_file(&fd, 5, 4096).unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Config);
-        assert!(err.message().contains("16384 bytes"), "{err}");
-    }
-
-    #[test]
-    fn adopt_checks_alignment_and_never_unmaps() {
-        let owner = PrimaryRegion::create(2, 4096).unwrap();
-        // SAFETY: `owner` outlives `adopted`.
-        let adopted = unsafe { PrimaryRegion::adopt(owner.base_ptr(), 4096, 2) }.unwrap();
-        assert!(!adopted.is_owned());
-        assert_eq!(adopted.row_ptr(1).unwrap(), owner.row_ptr(1).unwrap());
-        drop(adopted);
-        // SAFETY: `owner` is still mapped and unused elsewhere.
-        unsafe { owner.row_mut(1).unwrap()[0] = 1 };
-        // SAFETY: pointer + 8 is inside `owner` but misaligned; adopt must refuse it.
-        let err = unsafe { PrimaryRegion::adopt(owner.base_ptr().add(8), 4096, 1) }.unwrap_err();
-        assert_eq!(err.kind(), ErrorKind::Misaligned);
-    }
-}
+mod tests;

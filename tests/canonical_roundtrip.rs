@@ -123,7 +123,7 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
     // vLLM's row for `tp`, and the G3 tier's slots: the canonical area (a prefix of the row).
     let open = |tp: u32| {
         let p = params(tp);
-        let region = Arc::new(PrimaryRegion::create(2, p.row_stride as usize).unwrap());
+        let region = Arc::new(PrimaryRegion::create(2, p.row_stride).unwrap());
         let g3 = open_g3_slots(
             dir.path(),
             &region,
@@ -146,9 +146,18 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
         let (region, g3) = open(tp_store);
         let mut g3 = g3.unwrap();
         for (c, &chunk) in chunks.iter().enumerate() {
-            // SAFETY: this test is the only user of the region; no I/O is in flight.
-            let row = unsafe { region.row_mut(0).unwrap() };
-            store_all_ranks(desc, tp_store, bpc, chunk, &by_tp[i][c], &canonical[c], row);
+            // This test is the only user of the region; no I/O is in flight.
+            let mut row = region.write_row(0).unwrap();
+            store_all_ranks(
+                desc,
+                tp_store,
+                bpc,
+                chunk,
+                &by_tp[i][c],
+                &canonical[c],
+                &mut row,
+            );
+            drop(row);
             g3_transfer(&mut g3, key(i, c), 0, false);
         }
         g3.shutdown().unwrap();
@@ -163,11 +172,11 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
         });
         for (i, &tp_store) in tps.iter().enumerate() {
             for (c, expected) in by_tp[j].iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { region.row_mut(1).unwrap() }.fill(SENTINEL);
+                // As above.
+                region.write_row(1).unwrap().fill(SENTINEL);
                 g3_transfer(&mut g3, key(i, c), 1, true);
-                // SAFETY: as above; the load has completed.
-                let row = unsafe { region.row(1).unwrap() };
+                // As above; the load has completed.
+                let row = region.read_row(1).unwrap();
                 // The transfer covers the slot (the canonical area's prefix of the row) only.
                 assert!(
                     row[canonical_stride as usize..]
@@ -176,7 +185,7 @@ fn round_trip(desc: &LayoutDescriptor, bpc: u32, chunks: &[u64]) {
                     "{} TP {tp_load}: a load wrote past the canonical area",
                     desc.model_name
                 );
-                load_all_ranks(desc, tp_load, bpc, expected, row, tp_store);
+                load_all_ranks(desc, tp_load, bpc, expected, &row, tp_store);
             }
         }
         g3.shutdown().unwrap();
@@ -242,7 +251,7 @@ fn direct_path_loads_only_under_the_same_topology() {
             (p.row_stride, p.slot_bytes) = (stride, stride);
             namespace_digest(&d, &p)
         };
-        let region = Arc::new(PrimaryRegion::create(2, stride as usize).unwrap());
+        let region = Arc::new(PrimaryRegion::create(2, stride).unwrap());
         for &tp in &tps {
             let dir = tempfile::tempdir_in("/tmp").unwrap();
             let replicated = NamespaceParams::new(&d, tp, bpc, false)
@@ -251,8 +260,8 @@ fn direct_path_loads_only_under_the_same_topology() {
             let page = d.worker_kv_bytes_per_block(tp).unwrap() * u64::from(bpc);
             let slot = |rank: u32| if replicated { 0 } else { rank };
             {
-                // SAFETY: this test is the only user of the region; no I/O is in flight.
-                let row = unsafe { region.row_mut(0).unwrap() };
+                // This test is the only user of the region; no I/O is in flight.
+                let mut row = region.write_row(0).unwrap();
                 row.fill(SENTINEL);
                 for rank in 0..tp {
                     let r = rank_page_range(page, slot(rank));
@@ -265,12 +274,12 @@ fn direct_path_loads_only_under_the_same_topology() {
             g3.shutdown().unwrap();
             // Same topology: reopens, loads, every rank finds its own page.
             let mut g3 = open_g3(dir.path(), &region, ns(tp), 2).unwrap();
-            // SAFETY: as above.
-            unsafe { region.row_mut(1).unwrap() }.fill(0);
+            // As above.
+            region.write_row(1).unwrap().fill(0);
             g3_transfer(&mut g3, 1, 1, true);
             g3.shutdown().unwrap();
-            // SAFETY: as above; the load has completed.
-            let row = unsafe { region.row(1).unwrap() };
+            // As above; the load has completed.
+            let row = region.read_row(1).unwrap();
             for rank in 0..tp {
                 let r = rank_page_range(page, slot(rank));
                 let expected = encode_local_chunk(&d, tp, rank, 7, bpc);

@@ -16,7 +16,7 @@ fn fmt_opts(slots: u64) -> FormatOptions {
     FormatOptions {
         row_stride: STRIDE as u64,
         capacity_bytes: slots * STRIDE as u64,
-        namespace: geometry_namespace(STRIDE),
+        namespace: geometry_namespace(STRIDE as u64),
         direct_io: DirectIoMode::Required,
         new_filesystem: false,
     }

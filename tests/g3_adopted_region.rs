@@ -96,7 +96,14 @@ impl Drop for VllmMapping {
 fn open_uring(r: &Arc<PrimaryRegion>, dir: &Path) -> G3Tier {
     let mut cfg = kvtier::g3::G3TierConfig::new(vec![dir.to_path_buf()], 16 * ROW as u64);
     cfg.io_engine = kvtier::io::IoEngineKind::Auto;
-    let t = G3Tier::open(cfg, r.clone(), geometry_namespace(ROW), "t".into(), None).unwrap();
+    let t = G3Tier::open(
+        cfg,
+        r.clone(),
+        geometry_namespace(ROW as u64),
+        "t".into(),
+        None,
+    )
+    .unwrap();
     assert!(t.wait_recovered(std::time::Duration::from_secs(30)));
     t
 }
@@ -107,8 +114,9 @@ fn round_trip_through_vllms_view(mode: AdoptHugePages) -> bool {
         return false;
     };
     // SAFETY: `vllm` outlives the region and the tier (both dropped at the end of this scope).
-    let region =
-        Arc::new(unsafe { PrimaryRegion::adopt_shared(vllm.ptr.cast(), ROW, ROWS, mode) }.unwrap());
+    let region = Arc::new(
+        unsafe { PrimaryRegion::adopt_shared(vllm.ptr.cast(), ROW as u64, ROWS, mode) }.unwrap(),
+    );
     let share = region.huge_page_share();
     let huge = share > 0.0;
     if huge {
@@ -190,7 +198,8 @@ fn memory_that_is_not_a_shared_file_keeps_its_pages_with_a_reason() {
     .unwrap();
     // SAFETY: `anon` outlives the region.
     let r =
-        unsafe { PrimaryRegion::adopt_shared(anon.cast(), ROW, 8, AdoptHugePages::Auto) }.unwrap();
+        unsafe { PrimaryRegion::adopt_shared(anon.cast(), ROW as u64, 8, AdoptHugePages::Auto) }
+            .unwrap();
     assert!(!r.huge_pages());
     assert_eq!(r.base_ptr(), anon.cast::<u8>());
     let why = r.small_pages_reason().unwrap();
@@ -217,11 +226,11 @@ fn vllm_shaped_region_is_adopted_through_the_same_path() {
         kvtier::skip_test!("skipping: no /dev/shm");
         return;
     }
-    let r = PrimaryRegion::create_vllm_shaped(8, ROW, dir, AdoptHugePages::Never).unwrap();
+    let r = PrimaryRegion::create_vllm_shaped(8, ROW as u64, dir, AdoptHugePages::Never).unwrap();
     assert!(!r.is_owned() && !r.huge_pages());
     fill_row(&r, 7, 7);
     assert!(row_is(&r, 7, 7));
-    let r = PrimaryRegion::create_vllm_shaped(8, ROW, dir, AdoptHugePages::Auto).unwrap();
+    let r = PrimaryRegion::create_vllm_shaped(8, ROW as u64, dir, AdoptHugePages::Auto).unwrap();
     fill_row(&r, 3, 9);
     assert!(row_is(&r, 3, 9));
     // Nothing is left behind in /dev/shm (the file is unlinked once mapped, as vLLM does).
@@ -263,9 +272,9 @@ fn a_shared_file_mapped_by_the_service_gets_the_huge_pages_adoption_gets() {
     std::fs::remove_file(&path).unwrap();
     file.set_len((ROWS * ROW) as u64).unwrap();
     // The owner's mapping (the engine's), then the service's own.
-    let owner = PrimaryRegion::map_shared_file(&file, ROWS, ROW).unwrap();
+    let owner = PrimaryRegion::map_shared_file(&file, ROWS, ROW as u64).unwrap();
     fill_row(&owner, 1, 5);
-    let service = PrimaryRegion::map_shared_file(&file, ROWS, ROW).unwrap();
+    let service = PrimaryRegion::map_shared_file(&file, ROWS, ROW as u64).unwrap();
     assert_eq!(
         service.base_ptr() as usize % (2 << 20),
         0,
@@ -274,7 +283,8 @@ fn a_shared_file_mapped_by_the_service_gets_the_huge_pages_adoption_gets() {
     assert!(row_is(&service, 1, 5), "the owner's bytes stay");
     fill_row(&service, 2, 6);
     assert!(row_is(&owner, 2, 6), "the owner sees the service's writes");
-    let adopted = PrimaryRegion::create_vllm_shaped(ROWS, ROW, dir, AdoptHugePages::Auto).unwrap();
+    let adopted =
+        PrimaryRegion::create_vllm_shaped(ROWS, ROW as u64, dir, AdoptHugePages::Auto).unwrap();
     eprintln!(
         "huge-page share: service mapping {} ({:?}), adoption {} ({:?})",
         service.huge_page_share(),

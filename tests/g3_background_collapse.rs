@@ -31,8 +31,9 @@ fn a_collapse_continues_in_the_background_while_the_tier_serves() {
     // environment while it is changed.
     unsafe { std::env::set_var("KVTIER_COLLAPSE_BUDGET_MS", "0") };
     let rows = 32;
-    let region =
-        Arc::new(PrimaryRegion::create_vllm_shaped(rows, ROW, shm, AdoptHugePages::Auto).unwrap());
+    let region = Arc::new(
+        PrimaryRegion::create_vllm_shaped(rows, ROW as u64, shm, AdoptHugePages::Auto).unwrap(),
+    );
     // SAFETY: as above (the collapse thread the region started does not read it).
     unsafe { std::env::remove_var("KVTIER_COLLAPSE_BUDGET_MS") };
     if region
@@ -51,7 +52,7 @@ fn a_collapse_continues_in_the_background_while_the_tier_serves() {
     let mut t = G3Tier::open(
         cfg,
         region.clone(),
-        geometry_namespace(ROW),
+        geometry_namespace(ROW as u64),
         "t".into(),
         None,
     )

@@ -59,7 +59,7 @@ fn rename_fault_child() {
     let t = G3Tier::open(
         small_journal_config(&dir.join("tier")),
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "child".into(),
         None,
     );
@@ -335,7 +335,7 @@ fn stores_into_a_deleted_slab_are_not_acknowledged() {
     let e = G3Tier::open(
         cfg.clone(),
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
     )
@@ -456,7 +456,7 @@ fn a_failed_slab_sync_during_a_checkpoint_fails_the_path() {
     let mut t = G3Tier::open_with_engine(
         cfg,
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
         factory,
@@ -515,7 +515,7 @@ fn a_reordered_stripe_set_names_the_right_order() {
     let e = G3Tier::open(
         config(&[b.path(), a.path()], 8),
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
     )
@@ -549,7 +549,7 @@ fn a_wrong_total_slots_names_both_numbers() {
     let e = G3Tier::open(
         config(&[d.path()], 8),
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
     )

@@ -80,7 +80,7 @@ fn required_is_a_clear_start_up_error() {
         let e = G3Tier::open(
             cfg,
             region(4),
-            geometry_namespace(STRIDE),
+            geometry_namespace(STRIDE as u64),
             "g3-test".into(),
             None,
         )

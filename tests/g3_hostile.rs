@@ -78,7 +78,7 @@ fn a_fifo_in_place_of_an_index_file_blocks_nothing() {
             let mut t = G3Tier::open(
                 config(&[&dir], 8),
                 r,
-                kvtier::g3::geometry_namespace(STRIDE),
+                kvtier::g3::geometry_namespace(STRIDE as u64),
                 "t".into(),
                 None,
             )
@@ -110,7 +110,7 @@ fn a_fifo_in_place_of_a_slab_blocks_nothing() {
         G3Tier::open(
             config(&[&dir], 8),
             region(1),
-            kvtier::g3::geometry_namespace(STRIDE),
+            kvtier::g3::geometry_namespace(STRIDE as u64),
             "t".into(),
             None,
         )

@@ -25,7 +25,13 @@ fn pinned_region() -> Option<Arc<PrimaryRegion>> {
         kvtier::skip_test!("/dev/shm is missing or has under 128 MiB free");
         return None;
     }
-    match PrimaryRegion::create_vllm_shaped_pinned(ROWS, ROW, shm, AdoptHugePages::Auto, true) {
+    match PrimaryRegion::create_vllm_shaped_pinned(
+        ROWS,
+        ROW as u64,
+        shm,
+        AdoptHugePages::Auto,
+        true,
+    ) {
         Ok(r) if r.huge_pages() => {
             kvtier::skip_test!("/dev/shm gives 2 MiB pages here: nothing to stage");
             None
@@ -42,7 +48,14 @@ fn pinned_region() -> Option<Arc<PrimaryRegion>> {
 fn open_uring(r: &Arc<PrimaryRegion>, dir: &Path) -> G3Tier {
     let mut cfg = G3TierConfig::new(vec![dir.to_path_buf()], 8 * ROW as u64);
     cfg.io_engine = kvtier::io::IoEngineKind::Uring;
-    let t = G3Tier::open(cfg, r.clone(), geometry_namespace(ROW), "t".into(), None).unwrap();
+    let t = G3Tier::open(
+        cfg,
+        r.clone(),
+        geometry_namespace(ROW as u64),
+        "t".into(),
+        None,
+    )
+    .unwrap();
     assert!(t.wait_recovered(Duration::from_secs(30)));
     t
 }
@@ -64,7 +77,7 @@ fn staged_rows_round_trip_and_a_changed_byte_on_disk_still_fails_its_crc() {
     assert!(res.success, "{res:?}");
     let staged = metric(&t, "g3_staged_bytes");
     if staged == 0.0 {
-        let control = PrimaryRegion::create(32, ROW).unwrap();
+        let control = PrimaryRegion::create(32, ROW as u64).unwrap();
         if control.huge_page_share() < 0.5 {
             kvtier::skip_test!("no free 2 MiB blocks for the staging memory now");
             return;

@@ -109,7 +109,7 @@ fn lookup_answers_retry_while_recovering() {
     let mut t = G3Tier::open(
         cfg,
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
     )
@@ -246,7 +246,7 @@ fn drain_finishes_started_jobs_and_cancels_queued_ones() {
     let mut t = G3Tier::open_with_engine(
         cfg,
         r.clone(),
-        kvtier::g3::geometry_namespace(STRIDE),
+        kvtier::g3::geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
         factory,
@@ -290,7 +290,7 @@ fn round_trip_with_every_engine() {
         let mut t = match G3Tier::open(
             cfg,
             r.clone(),
-            kvtier::g3::geometry_namespace(STRIDE),
+            kvtier::g3::geometry_namespace(STRIDE as u64),
             "t".into(),
             None,
         ) {
@@ -398,7 +398,7 @@ fn reopens_at_once_while_another_thread_starts_processes() {
         match G3Tier::open(
             config(&[d.path()], 8),
             r.clone(),
-            kvtier::g3::geometry_namespace(STRIDE),
+            kvtier::g3::geometry_namespace(STRIDE as u64),
             "t".into(),
             None,
         ) {

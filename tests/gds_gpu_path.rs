@@ -130,7 +130,7 @@ fn open_tier(dir: &std::path::Path, region: &Arc<PrimaryRegion>) -> G3Tier {
     let t = G3Tier::open(
         cfg,
         region.clone(),
-        geometry_namespace(stride()),
+        geometry_namespace(stride() as u64),
         "gds-test".into(),
         None,
     )
@@ -140,8 +140,8 @@ fn open_tier(dir: &std::path::Path, region: &Arc<PrimaryRegion>) -> G3Tier {
 }
 
 fn row(r: &PrimaryRegion, i: u32) -> Vec<u8> {
-    // SAFETY: the test owns the region; no transfer targets it now.
-    unsafe { r.row(i as usize).unwrap() }.to_vec()
+    // The test owns the region; no transfer targets it now.
+    r.read_row(i as usize).unwrap().to_vec()
 }
 
 fn chunks(blocks: &[[u64; 2]]) -> Vec<GpuChunk> {
@@ -161,7 +161,7 @@ const BLOCKS: [[u64; 2]; 3] = [[3, 5], [0, 1], [6, 2]];
 #[test]
 fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let p1 = plan(1, 0);
     let gpu = Gpu::new(&p1, Some(1));
@@ -203,8 +203,8 @@ fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
     tier.shutdown().unwrap();
     drop(tier);
     for i in 0..3 {
-        // SAFETY: the test owns the region.
-        unsafe { region.row_mut(i).unwrap() }.fill(0xAA);
+        // The test owns the region.
+        region.write_row(i).unwrap().fill(0xAA);
     }
     let mut tier = open_tier(d.path(), &region);
     check(&mut tier);
@@ -214,7 +214,7 @@ fn a_gpu_store_is_an_ordinary_slot_the_cpu_path_loads() {
 #[test]
 fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let area = plan(1, 0).canonical_area_bytes as usize;
     // Canonical rows, then what each TP 2 rank holds of them (`scatter`); both ranks gather
@@ -227,16 +227,16 @@ fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
         })
         .collect();
     for (c, want) in canon.iter().enumerate() {
-        // SAFETY: the test owns the region.
-        let r = unsafe { region.row_mut(c).unwrap() };
+        // The test owns the region.
+        let mut r = region.write_row(c).unwrap();
         r.fill(0);
         for rank in 0..2 {
             let p = plan(2, rank);
             let mut local = vec![0u8; p.local_chunk_bytes as usize];
             p.scatter(want, &mut local).unwrap();
-            p.gather(&local, r, c as u64).unwrap();
+            p.gather(&local, &mut r, c as u64).unwrap();
         }
-        assert!(r == want.as_slice(), "TP 2 ranks rebuild the canonical row");
+        assert!(r[..] == want[..], "TP 2 ranks rebuild the canonical row");
     }
     let mut j = job(3, &[], &[0, 1], false);
     j.keys = vec![key(0), key(1)];
@@ -291,7 +291,7 @@ fn a_cpu_store_at_tp2_loads_into_every_tp4_rank_and_tp1() {
 #[test]
 fn a_corrupt_slot_fails_its_key_before_its_blocks_are_touched() {
     let d = tmpdir();
-    let region = Arc::new(PrimaryRegion::create(4, stride()).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, stride() as u64).unwrap());
     let mut tier = open_tier(d.path(), &region);
     let p1 = plan(1, 0);
     let src = Gpu::new(&p1, Some(2));

@@ -138,8 +138,8 @@ fn file_backed_region_falls_back_to_unregistered_buffers() {
     assert!(!h.info.fixed_buffers, "file-backed memory registered?");
     let reason = h.info.fallback_reason.clone().unwrap();
     assert!(reason.contains("fixed buffers failed"), "{reason}");
-    // SAFETY: no transfer in flight; the test owns the region.
-    unsafe { region.row_mut(0).unwrap().fill(0xC3) };
+    // No transfer in flight; the test owns the region.
+    region.write_row(0).unwrap().fill(0xC3);
     let w = IoRequest {
         dir: IoDir::Write,
         file: 0,
@@ -164,8 +164,8 @@ fn file_backed_region_falls_back_to_unregistered_buffers() {
         assert_eq!(c.tag, req.tag);
         assert_eq!(c.result.unwrap(), 4096);
     }
-    // SAFETY: the read has completed.
-    assert!(unsafe { region.row(3).unwrap() }.iter().all(|&b| b == 0xC3));
+    // The read has completed.
+    assert!(region.read_row(3).unwrap().iter().all(|&b| b == 0xC3));
     h.engine.shutdown();
     drop(h);
     // `auto` does not settle for unregistered buffers: it runs psync and says why.
@@ -255,7 +255,7 @@ fn enomem_body() {
     }
     let stride = 1 << 20;
     let rows = (lim.rlim_cur as usize).div_ceil(stride) + 4;
-    let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+    let region = Arc::new(PrimaryRegion::create(rows, stride as u64).unwrap());
     let dir = tempfile::tempdir_in("/tmp").unwrap();
     let file = open_direct(&dir.path().join("slab"));
     let h = open_engine(

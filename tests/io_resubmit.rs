@@ -59,8 +59,8 @@ fn uring_partial_read_continues_into_advanced_buffer() {
         .recv_timeout(Duration::from_secs(30))
         .unwrap();
     assert_eq!((c.tag, c.result.unwrap()), (1, 8192));
-    // SAFETY: the read has completed; nothing else touches the region.
-    let row = unsafe { region.row(0).unwrap() };
+    // The read has completed; nothing else touches the region.
+    let row = region.read_row(0).unwrap();
     assert!(row[..4096].iter().all(|&b| b == 0xA1));
     assert!(row[4096..].iter().all(|&b| b == 0xB2));
     // The writer closing mid-request: the remainder reads 0 bytes, a ShortIo failure.

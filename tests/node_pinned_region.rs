@@ -35,7 +35,7 @@ fn a_pinned_engine_region_is_staged_and_round_trips_through_the_service() {
     }
     let owner = match PrimaryRegion::create_vllm_shaped_pinned(
         ROWS as usize,
-        STRIDE as usize,
+        STRIDE,
         shm,
         AdoptHugePages::Never,
         true,
@@ -101,7 +101,7 @@ fn a_pinned_engine_region_is_staged_and_round_trips_through_the_service() {
         .find(|l| l.starts_with("kvtier:node_engine_staged_bytes_total{engine=\"pinned\"}"))
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
     let Some(staged) = staged else {
-        let control = PrimaryRegion::create(32, STRIDE as usize).unwrap();
+        let control = PrimaryRegion::create(32, STRIDE).unwrap();
         if control.huge_page_share() < 0.5 {
             kvtier::skip_test!("no free 2 MiB blocks for the staging memory now");
             return;

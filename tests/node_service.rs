@@ -123,7 +123,7 @@ fn shm_path(f: &mut Fixture, name: &str) -> PathBuf {
 
 /// A client in this process, its region (a memfd of `ROWS` rows) registered by descriptor.
 fn client_in_this_process(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let c = NodeClient::connect(&f.socket, &hello(name)).unwrap();
     c.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, c)
@@ -254,7 +254,7 @@ fn child_process_entry() {
     let memfd;
     let base: *mut u8;
     if plan.region.is_empty() {
-        memfd = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+        memfd = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
         client
             .register_fd(memfd.fd().unwrap().as_fd(), ROWS)
             .unwrap();
@@ -269,7 +269,7 @@ fn child_process_entry() {
             .open(&plan.region)
             .unwrap();
         file.set_len(ROWS * STRIDE).unwrap();
-        let region = PrimaryRegion::map_shared_file(&file, ROWS as usize, STRIDE as usize).unwrap();
+        let region = PrimaryRegion::map_shared_file(&file, ROWS as usize, STRIDE).unwrap();
         client.register_path(Path::new(&plan.region), ROWS).unwrap();
         base = region.base_ptr();
         std::mem::forget(region); // stays mapped for the process's life
@@ -378,9 +378,9 @@ fn a_region_passed_by_descriptor_stores_and_loads() {
     let r = c.wait_finished(Duration::from_secs(30)).unwrap();
     assert!(r.success, "{:?}", r.error);
     for row in 0..8u64 {
-        // SAFETY: the job is done; this test is the only user of the region.
-        let mine = unsafe { region.row(row as usize).unwrap() };
-        assert!(mine == read_row(&b_file, row).as_slice(), "row {row}");
+        // The job is done; this test is the only user of the region.
+        let mine = region.read_row(row as usize).unwrap();
+        assert!(mine[..] == read_row(&b_file, row)[..], "row {row}");
         assert!(mine.iter().any(|b| *b != 0));
     }
 }
@@ -426,7 +426,7 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
         cfg.service.as_mut().unwrap().dram_bytes = dram_bytes;
         let f = fixture_of(dir, &cfg, None);
         let connect = |name: &str, stride: u64| {
-            let region = PrimaryRegion::create(4, stride as usize).unwrap();
+            let region = PrimaryRegion::create(4, stride).unwrap();
             let mut h = hello(name);
             h.row_stride = stride;
             let c = NodeClient::connect(&f.socket, &h).unwrap();
@@ -450,15 +450,17 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
         let a_keys: Vec<ChunkKey> = (0..2).map(|i| key("rows-a", i)).collect();
         let b_keys: Vec<ChunkKey> = (0..2).map(|i| key("rows-b", i)).collect();
         for i in 0..2 {
-            // SAFETY: no job is running; this test is the regions' only user.
-            unsafe { a_region.row_mut(i).unwrap() }
+            // No job is running; this test is the regions' only user.
+            a_region
+                .write_row(i)
+                .unwrap()
                 .copy_from_slice(&payload_of(&a_keys[i], STRIDE));
-            // SAFETY: as above.
-            let row = unsafe { b_region.row_mut(i).unwrap() };
+            // As above.
+            let mut row = b_region.write_row(i).unwrap();
             row.fill(0x77);
             row[..slot].copy_from_slice(&payload_of(&b_keys[i], STRIDE));
-            // SAFETY: as above.
-            unsafe { b_region.row_mut(i + 2).unwrap() }.fill(0x77);
+            // As above.
+            b_region.write_row(i + 2).unwrap().fill(0x77);
         }
         a.submit_store(1, a_keys.clone(), vec![0, 1]);
         b.submit_store(1, b_keys.clone(), vec![0, 1]);
@@ -473,8 +475,8 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
             let r = b.wait_finished(Duration::from_secs(30)).unwrap();
             assert!(r.success, "{:?}", r.error);
             for (i, k) in a_keys.iter().enumerate() {
-                // SAFETY: the load is reported; this test is the region's only user.
-                let got = unsafe { b_region.row(i + 2).unwrap() };
+                // The load is reported; this test is the region's only user.
+                let got = b_region.read_row(i + 2).unwrap();
                 assert!(
                     got[..slot] == payload_of(k, STRIDE)[..],
                     "row {i}: the slot"
@@ -484,16 +486,17 @@ fn engines_whose_rows_hold_the_slot_share_the_pool_with_their_own_strides() {
                     "dram {dram_bytes}, round {round}, row {i}: the bytes past the slot \
                      were not touched"
                 );
-                // SAFETY: as above.
-                unsafe { b_region.row_mut(i + 2).unwrap() }.fill(0x77);
+                drop(got);
+                // As above.
+                b_region.write_row(i + 2).unwrap().fill(0x77);
             }
             a.submit_load(2 + round, b_keys.clone(), vec![2, 3]);
             let r = a.wait_finished(Duration::from_secs(30)).unwrap();
             assert!(r.success, "{:?}", r.error);
             for (i, k) in b_keys.iter().enumerate() {
-                // SAFETY: the load is reported; this test is the region's only user.
-                let got = unsafe { a_region.row(i + 2).unwrap() };
-                assert!(got == payload_of(k, STRIDE).as_slice(), "row {i}");
+                // The load is reported; this test is the region's only user.
+                let got = a_region.read_row(i + 2).unwrap();
+                assert!(got[..] == payload_of(k, STRIDE)[..], "row {i}");
             }
         }
         if dram_bytes > 0 {
@@ -565,12 +568,9 @@ fn sigkill_of_a_client_mid_store_leaves_the_service_consistent() {
         let r = c.wait_finished(Duration::from_secs(30)).unwrap();
         assert!(r.success, "{:?}", r.error);
         for (row, i) in held.iter().enumerate() {
-            // SAFETY: the job is done; this test is the only user of the region.
-            let got = unsafe { region.row(row).unwrap() };
-            assert!(
-                got == read_row(&a_file, u64::from(*i)).as_slice(),
-                "key {i}"
-            );
+            // The job is done; this test is the only user of the region.
+            let got = region.read_row(row).unwrap();
+            assert!(got[..] == read_row(&a_file, u64::from(*i))[..], "key {i}");
         }
     }
     assert_all_slots_usable(&c, &region);
@@ -597,9 +597,9 @@ fn sigkill_of_a_client_mid_load_leaves_the_service_consistent() {
     let r = c.wait_finished(Duration::from_secs(30)).unwrap();
     assert!(r.success, "{:?}", r.error);
     for row in 0..u64::from(n) {
-        // SAFETY: the job is done; this test is the only user of the region.
-        let got = unsafe { region.row(row as usize).unwrap() };
-        assert!(got == read_row(&a_file, row).as_slice(), "row {row}");
+        // The job is done; this test is the only user of the region.
+        let got = region.read_row(row as usize).unwrap();
+        assert!(got[..] == read_row(&a_file, row)[..], "row {row}");
     }
     // No pin of the killed load survives: every slot can be taken by new keys.
     assert_all_slots_usable(&c, &region);
@@ -609,8 +609,8 @@ fn sigkill_of_a_client_mid_load_leaves_the_service_consistent() {
 /// leaked pin or reservation would forbid.
 fn assert_all_slots_usable(c: &NodeClient, region: &PrimaryRegion) {
     let keys: Vec<ChunkKey> = (0..SLOTS as u32).map(|i| key("fresh", i)).collect();
-    // SAFETY: no job of this client is running.
-    unsafe { region.row_mut(0).unwrap().fill(0xEE) };
+    // No job of this client is running.
+    region.write_row(0).unwrap().fill(0xEE);
     c.submit_store(99, keys.clone(), vec![0; keys.len()]);
     let r = c.wait_finished(Duration::from_secs(60)).unwrap();
     assert!(
@@ -785,7 +785,7 @@ fn storer(
     committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
 ) -> LoadReport {
     use kvtier::contract::secondary::SecondaryTier;
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "storer", &region);
     let mut rep = LoadReport::default();
     let mut next = 0u32;
@@ -799,8 +799,11 @@ fn storer(
             "the test stores more than fits"
         );
         for (row, k) in keys.iter().enumerate() {
-            // SAFETY: no job of this tier is running; this thread is the region's only user.
-            unsafe { region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
+            // No job of this tier is running; this thread is the region's only user.
+            region
+                .write_row(row)
+                .unwrap()
+                .copy_from_slice(&payload_of(k, STRIDE));
         }
         t.submit_store(job(id, keys.clone(), (0..KEYS_PER_JOB).collect(), false));
         let r = wait_job(&mut t, id);
@@ -847,7 +850,7 @@ fn loader(
     committed: std::sync::Arc<std::sync::Mutex<Vec<ChunkKey>>>,
 ) -> LoadReport {
     use kvtier::contract::secondary::SecondaryTier;
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "loader", &region);
     let mut rep = LoadReport::default();
     let mut id = 0;
@@ -874,8 +877,8 @@ fn loader(
             continue;
         }
         for row in 0..hits.len() {
-            // SAFETY: as in `storer`; poison the rows so a load that moved nothing shows.
-            unsafe { region.row_mut(row).unwrap() }.fill(0xA5);
+            // As in `storer`; poison the rows so a load that moved nothing shows.
+            region.write_row(row).unwrap().fill(0xA5);
         }
         id += 1;
         let n = hits.len() as u32;
@@ -890,10 +893,10 @@ fn loader(
             (0..hits.len()).filter(|i| ok.contains(&hits[*i])).collect()
         };
         for i in moved {
-            // SAFETY: the job is reported; this thread is the region's only user.
-            let got = unsafe { region.row(i).unwrap() };
+            // The job is reported; this thread is the region's only user.
+            let got = region.read_row(i).unwrap();
             assert!(
-                got == payload_of(&hits[i], STRIDE).as_slice(),
+                got[..] == payload_of(&hits[i], STRIDE)[..],
                 "load job {id} reported key {} moved but its row holds other bytes",
                 hits[i]
             );
@@ -966,7 +969,7 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
     assert!(b.rows_checked > 0, "the loader loaded rows: {b:?}");
     // Every key reported stored, before the kill and after, loads with its bytes from the
     // restarted service.
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "checker", &region);
     let info: std::collections::HashMap<_, _> =
         kvtier::contract::secondary::SecondaryTier::config_info(&t)
@@ -990,10 +993,10 @@ fn service_sigkill_under_load_clients_reconnect_and_committed_keys_load_exactly(
         let r = wait_job(&mut t, id);
         assert!(r.success, "{:?}", r.error);
         for (row, k) in chunk.iter().enumerate() {
-            // SAFETY: the job is reported; this test is the region's only user.
-            let got = unsafe { region.row(row).unwrap() };
+            // The job is reported; this test is the region's only user.
+            let got = region.read_row(row).unwrap();
             assert!(
-                got == payload_of(k, STRIDE).as_slice(),
+                got[..] == payload_of(k, STRIDE)[..],
                 "key {k} after the restart"
             );
         }
@@ -1019,10 +1022,13 @@ fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
     let (b_region, b) = client_in_this_process(&f, "prefix-b");
     let keys: Vec<ChunkKey> = (0..4).map(|i| key("prefix", i)).collect();
     for (row, k) in keys.iter().enumerate() {
-        // SAFETY: no job is running; this test is the regions' only user.
-        unsafe { a_region.row_mut(row).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
-        // SAFETY: as above.
-        unsafe { b_region.row_mut(row).unwrap() }.fill(0x77);
+        // No job is running; this test is the regions' only user.
+        a_region
+            .write_row(row)
+            .unwrap()
+            .copy_from_slice(&payload_of(k, STRIDE));
+        // As above.
+        b_region.write_row(row).unwrap().fill(0x77);
     }
     a.submit_store(1, keys.clone(), (0..4).collect());
     let r = a.wait_finished(Duration::from_secs(30)).unwrap();
@@ -1037,8 +1043,8 @@ fn with_a_slot_prefix_the_rows_first_bytes_move_and_the_rest_stays() {
     assert!(r.success, "{:?}", r.error);
     let slot = slot as usize;
     for (row, k) in keys.iter().enumerate() {
-        // SAFETY: the jobs are reported; this test is the region's only user.
-        let got = unsafe { b_region.row(row).unwrap() };
+        // The jobs are reported; this test is the region's only user.
+        let got = b_region.read_row(row).unwrap();
         assert!(
             got[..slot] == payload_of(k, STRIDE)[..slot],
             "row {row}: the slot's bytes"
@@ -1063,7 +1069,7 @@ fn a_restarted_service_with_another_digest_is_refused_until_the_right_one_return
         start_from_config(&cfg, STRIDE, None, digest).unwrap()
     };
     let service = start("a", DIGEST);
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&socket, "digest-check", &region);
     service.shutdown().unwrap();
     let other = [0x17; 32];
@@ -1189,7 +1195,7 @@ fn shutdown_stops_and_joins_a_reconnection_waiting_for_a_service_that_never_answ
 fn a_job_the_node_tier_cannot_run_is_reported_failed() {
     use kvtier::contract::secondary::SecondaryTier;
     let f = fixture();
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let mut t = node_tier(&f.socket, "refused", &region);
     let k = key("refused", 0);
     let jobs = [
@@ -1208,9 +1214,8 @@ fn a_job_the_node_tier_cannot_run_is_reported_failed() {
         let r = wait_job(&mut t, id);
         assert!(!r.success && r.error.is_some(), "job {id}: {r:?}");
     }
-    // SAFETY: every job is reported; this test is the region's only user.
-    let zero =
-        (0..ROWS as usize).all(|i| unsafe { region.row(i) }.unwrap().iter().all(|b| *b == 0));
+    // Every job is reported; this test is the region's only user.
+    let zero = (0..ROWS as usize).all(|i| region.read_row(i).unwrap().iter().all(|b| *b == 0));
     assert!(zero, "a job that could not run wrote a row");
     t.shutdown().unwrap();
     t.submit_store(job(5, vec![k], vec![0], false));

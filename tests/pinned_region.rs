@@ -144,12 +144,17 @@ fn a_pinned_vllm_region_cannot_be_collapsed_and_is_reported_in_4k_pages() {
     }
     let shm = Path::new("/dev/shm");
     // The control: the same region unpinned collapses where MADV_COLLAPSE works here.
-    let free =
-        PrimaryRegion::create_vllm_shaped_pinned(ROWS, ROW, shm, AdoptHugePages::Auto, false)
-            .unwrap();
+    let free = PrimaryRegion::create_vllm_shaped_pinned(
+        ROWS,
+        ROW as u64,
+        shm,
+        AdoptHugePages::Auto,
+        false,
+    )
+    .unwrap();
     let pinned = match PrimaryRegion::create_vllm_shaped_pinned(
         ROWS,
-        ROW,
+        ROW as u64,
         shm,
         AdoptHugePages::Auto,
         true,
@@ -191,7 +196,7 @@ fn a_pinned_vllm_region_cannot_be_collapsed_and_is_reported_in_4k_pages() {
 
 #[test]
 fn an_own_region_is_reported_as_the_kernel_backs_it() {
-    let r = PrimaryRegion::create(ROWS, ROW).unwrap();
+    let r = PrimaryRegion::create(ROWS, ROW as u64).unwrap();
     assert_reported_as_kernel_says(&r, "own region");
 }
 
@@ -199,8 +204,13 @@ fn an_own_region_is_reported_as_the_kernel_backs_it() {
 fn a_pinned_region_on_a_huge_page_tmpfs_is_reported_in_2mib_pages_without_a_collapse() {
     let Some(fs) = HugeTmpfs::mount() else { return };
     for mode in [AdoptHugePages::Never, AdoptHugePages::Auto] {
-        let r = match PrimaryRegion::create_vllm_shaped_pinned(ROWS, ROW, fs.dir.path(), mode, true)
-        {
+        let r = match PrimaryRegion::create_vllm_shaped_pinned(
+            ROWS,
+            ROW as u64,
+            fs.dir.path(),
+            mode,
+            true,
+        ) {
             Ok(r) => r,
             Err(e) if e.kind() == ErrorKind::Unsupported => {
                 kvtier::skip_test!("cannot pin here: {e}");
@@ -254,7 +264,7 @@ fn round_trip(region: Arc<PrimaryRegion>, case: &str) {
     let Some(staged) = engine.staged_bytes() else {
         // Staging needs 2 MiB pages of its own; on a host short of free 2 MiB blocks it
         // (rightly) does not start. Anywhere else this is a failure.
-        let control = PrimaryRegion::create(32, ROW).unwrap();
+        let control = PrimaryRegion::create(32, ROW as u64).unwrap();
         if control.huge_page_share() < 0.5 {
             kvtier::skip_test!("{case}: no free 2 MiB blocks for the staging memory now");
             return;
@@ -303,7 +313,7 @@ fn a_pinned_region_moves_the_right_bytes_through_staging() {
     }
     let region = match PrimaryRegion::create_vllm_shaped_pinned(
         ROWS,
-        ROW,
+        ROW as u64,
         Path::new("/dev/shm"),
         AdoptHugePages::Auto,
         true,
@@ -326,7 +336,7 @@ fn a_mapped_pinned_region_moves_the_right_bytes_and_a_shrunk_one_fails_its_copie
     // The engine's side: its region, pinned, kept in its own mapping.
     let owner = match PrimaryRegion::create_vllm_shaped_pinned(
         ROWS,
-        ROW,
+        ROW as u64,
         Path::new("/dev/shm"),
         AdoptHugePages::Never,
         true,
@@ -340,7 +350,7 @@ fn a_mapped_pinned_region_moves_the_right_bytes_and_a_shrunk_one_fails_its_copie
     };
     let file = region_file_of(&owner);
     // The node service's side: maps the file (cannot collapse it: pinned).
-    let mapped = Arc::new(PrimaryRegion::map_shared_file(&file.as_fd(), ROWS, ROW).unwrap());
+    let mapped = Arc::new(PrimaryRegion::map_shared_file(&file.as_fd(), ROWS, ROW as u64).unwrap());
     assert_eq!(
         mapped.huge_page_share(),
         0.0,

@@ -47,8 +47,8 @@ fn reported(t: &mut dyn SecondaryTier, ids: &[u64]) -> Vec<JobResult> {
 }
 
 fn region_is_zero(r: &PrimaryRegion) -> bool {
-    // SAFETY: every job of the test has been reported; nothing else uses the region.
-    (0..r.num_rows()).all(|i| unsafe { r.row(i) }.unwrap().iter().all(|b| *b == 0))
+    // Every job of the test has been reported; nothing else uses the region.
+    (0..r.num_rows()).all(|i| r.read_row(i).unwrap().iter().all(|b| *b == 0))
 }
 
 /// The checks every tier must pass; `r` is the tier's region, all zeros, `ROWS` rows.
@@ -88,7 +88,7 @@ fn refuses_by_reporting(t: &mut dyn SecondaryTier, r: &PrimaryRegion) {
 }
 
 fn zeroed_region() -> Arc<PrimaryRegion> {
-    Arc::new(PrimaryRegion::create(ROWS, g3_common::STRIDE).unwrap())
+    Arc::new(PrimaryRegion::create(ROWS, g3_common::STRIDE as u64).unwrap())
 }
 
 #[test]

@@ -40,7 +40,7 @@ fn run(
     let clock = ManualClock::new();
     let region = region(80);
     let cfg = g3_config(dir.path());
-    let ns = geometry_namespace(STRIDE);
+    let ns = geometry_namespace(STRIDE as u64);
     let opened = match faults {
         None => G3Tier::open(
             cfg,

@@ -51,7 +51,7 @@ impl BenchRegion {
     }
 
     /// Creates the region.
-    pub fn create(self, rows: usize, row: usize) -> Result<PrimaryRegion> {
+    pub fn create(self, rows: usize, row: u64) -> Result<PrimaryRegion> {
         use kvtier::region::AdoptHugePages;
         let shm = std::path::Path::new(VLLM_SHM_DIR);
         let (mode, pinned) = match self {
@@ -60,7 +60,7 @@ impl BenchRegion {
             BenchRegion::Vllm4k => (AdoptHugePages::Never, false),
             BenchRegion::VllmPinned => (AdoptHugePages::Auto, true),
             BenchRegion::VllmPinnedHuge => {
-                let len = rows.saturating_mul(row);
+                let len = (rows as u64).saturating_mul(row);
                 return with_huge_tmpfs(len, |dir| {
                     PrimaryRegion::create_vllm_shaped_pinned(
                         rows,
@@ -115,7 +115,7 @@ pub fn huge_option_gives_huge_pages(huge: &str) -> bool {
 /// temporary directory and lazily unmounted (`umount -l`) as soon as `make` returns (a region
 /// file there is unlinked and stays mapped; the mount goes with its last mapping).
 fn with_huge_tmpfs(
-    len: usize,
+    len: u64,
     make: impl FnOnce(&std::path::Path) -> Result<PrimaryRegion>,
 ) -> Result<PrimaryRegion> {
     if tmpfs_huge_option(VLLM_SHM_DIR).is_some_and(|h| huge_option_gives_huge_pages(&h)) {
@@ -125,7 +125,7 @@ fn with_huge_tmpfs(
         .prefix("kvtier-huge-shm-")
         .tempdir()
         .map_err(|e| Error::config("--region", format!("cannot make a temporary dir: {e}")))?;
-    let size = len + (16 << 20);
+    let size = len.saturating_add(16 << 20);
     let mounted = std::process::Command::new("mount")
         .args(["-t", "tmpfs", "-o"])
         .arg(format!("size={size},huge=within_size,mode=0700"))

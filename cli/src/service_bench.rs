@@ -245,14 +245,13 @@ fn hello(name: &str, row: u64) -> ClientHello {
     }
 }
 
-/// Engines B and C of every lane, each with its own region of `rows` rows of `row` bytes
-/// (`stride`), connected to the service on `socket` as node tiers; and their regions.
+/// Engines B and C of every lane, each with its own region of `rows` rows of `row` bytes,
+/// connected to the service on `socket` as node tiers; and their regions.
 #[allow(clippy::type_complexity)]
 fn connect_lanes(
     socket: &Path,
     lanes: usize,
     rows: usize,
-    stride: usize,
     row: u64,
 ) -> Result<(Vec<[parking_lot::Mutex<NodeTier>; 2]>, Vec<PrimaryRegion>)> {
     let mut regions = Vec::new();
@@ -260,7 +259,7 @@ fn connect_lanes(
     for lane in 0..lanes {
         let mut pair = Vec::new();
         for name in ["bench-b", "bench-c"] {
-            let r = PrimaryRegion::create(rows, stride)?;
+            let r = PrimaryRegion::create(rows, row)?;
             let fd = r
                 .fd()
                 .ok_or_else(|| Error::new(ErrorKind::Internal, "the region has no descriptor"))?;
@@ -297,14 +296,13 @@ impl Bench {
         let svc = start_service(dir.path(), row, per_set, capacity)?;
         let socket = dir.path().join("kvtier.sock");
         let rows = args.chunks as usize;
-        let stride = usize::try_from(row).map_err(|_| bench_error("--row-size too large"))?;
-        let a_region = PrimaryRegion::create(rows, stride)?;
+        let a_region = PrimaryRegion::create(rows, row)?;
         let a = NodeClient::connect(&socket, &hello("bench-a", row))?;
         let fd = a_region
             .fd()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "the region has no descriptor"))?;
         a.register_fd(fd, rows as u64)?;
-        let (tiers, regions) = connect_lanes(&socket, lanes, rows, stride, row)?;
+        let (tiers, regions) = connect_lanes(&socket, lanes, rows, row)?;
         Ok(Bench {
             service: Some(svc),
             _dir: dir,

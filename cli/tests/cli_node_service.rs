@@ -61,11 +61,11 @@ fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
         },
     )
     .unwrap();
-    let region = PrimaryRegion::create(4, stride).unwrap();
+    let region = PrimaryRegion::create(4, stride as u64).unwrap();
     client.register_fd(region.fd().unwrap(), 4).unwrap();
     for row in 0..2 {
-        // SAFETY: no job is running; this test is the region's only user.
-        let r = unsafe { region.row_mut(row).unwrap() };
+        // No job is running; this test is the region's only user.
+        let mut r = region.write_row(row).unwrap();
         for (i, b) in r.iter_mut().enumerate() {
             *b = (i * 7 + row * 13) as u8;
         }
@@ -81,11 +81,9 @@ fn serve_with_a_service_section_shares_its_tier_over_the_socket() {
     client.submit_load(2, keys.clone(), vec![2, 3]);
     let r = client.wait_finished(Duration::from_secs(60)).unwrap();
     assert!(r.success, "{:?}", r.error);
-    // SAFETY: the load is done; this test is the region's only user.
-    unsafe {
-        assert!(region.row(2).unwrap() == region.row(0).unwrap());
-        assert!(region.row(3).unwrap() == region.row(1).unwrap());
-    }
+    // The load is done; this test is the region's only user.
+    assert!(region.read_row(2).unwrap()[..] == region.read_row(0).unwrap()[..]);
+    assert!(region.read_row(3).unwrap()[..] == region.read_row(1).unwrap()[..]);
 
     let socket_s = socket.display().to_string();
     let out = kvtier(&["service", "status", "--socket", &socket_s]);

@@ -211,9 +211,9 @@ fn an_unmounted_tier_filesystem_is_refused_not_replaced() {
     let mut j = g3_common::job(3, &[5], &[1], true);
     j.is_promotion = true;
     assert!(run(t.as_mut(), j).success);
-    // SAFETY: the test owns every row of its region; no I/O targets row 1 now.
-    let row = unsafe { r.row(1).unwrap() };
-    assert_eq!(row, pattern(5, r.row_stride()).as_slice());
+    // The test owns every row of its region; no I/O targets row 1 now.
+    let row = r.read_row(1).unwrap();
+    assert_eq!(row[..], pattern(5, r.row_stride() as usize)[..]);
     assert_eq!(t.health().state, HealthState::Ok);
     t.shutdown().unwrap();
 }

@@ -94,7 +94,7 @@ fn connect(f: &Fixture, name: &str) -> NodeClient {
 
 /// Engine B: a memfd region passed by descriptor, registered.
 fn engine_b(f: &Fixture) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let b = connect(f, "rank-b");
     b.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, b)
@@ -131,8 +131,11 @@ fn status(f: &Fixture) -> serde_json::Value {
 fn b_stores_and_loads(b: &NodeClient, region: &PrimaryRegion, id: u64, keys: &[ChunkKey]) {
     let rows: Vec<u32> = (0..keys.len() as u32).collect();
     for (k, &row) in keys.iter().zip(&rows) {
-        // SAFETY: no job of B runs now; this test is the only user of B's rows.
-        unsafe { region.row_mut(row as usize).unwrap() }.copy_from_slice(&payload_of(k, STRIDE));
+        // No job of B runs now; this test is the only user of B's rows.
+        region
+            .write_row(row as usize)
+            .unwrap()
+            .copy_from_slice(&payload_of(k, STRIDE));
     }
     let r = run_job(b, id, false, keys, &rows);
     assert!(r.success, "engine B's store: {:?}", r.error);
@@ -145,16 +148,16 @@ fn b_loads(b: &NodeClient, region: &PrimaryRegion, id: u64, keys: &[ChunkKey]) {
         .map(|i| ROWS as u32 - 1 - i)
         .collect();
     for &row in &into {
-        // SAFETY: as above.
-        unsafe { region.row_mut(row as usize).unwrap() }.fill(0);
+        // As above.
+        region.write_row(row as usize).unwrap().fill(0);
     }
     let r = run_job(b, id, true, keys, &into);
     assert!(r.success, "engine B's load: {:?}", r.error);
     for (k, &row) in keys.iter().zip(&into) {
-        // SAFETY: the job is done.
-        let got = unsafe { region.row(row as usize).unwrap() };
+        // The job is done.
+        let got = region.read_row(row as usize).unwrap();
         assert!(
-            got == payload_of(k, STRIDE).as_slice(),
+            got[..] == payload_of(k, STRIDE)[..],
             "engine B loaded other bytes for {k}"
         );
     }

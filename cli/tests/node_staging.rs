@@ -95,7 +95,7 @@ fn hello(name: &str) -> ClientHello {
 
 /// An engine connection with its own region (a memfd passed by descriptor).
 fn engine(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let c = NodeClient::connect(&f.socket, &hello(name)).unwrap();
     c.register_fd(region.fd().unwrap(), ROWS).unwrap();
     (region, c)
@@ -103,7 +103,7 @@ fn engine(f: &Fixture, name: &str) -> (PrimaryRegion, NodeClient) {
 
 /// The node service as an engine's secondary tier (client mode), its region by descriptor.
 fn client_tier(f: &Fixture, name: &str, locality: Option<Locality>) -> (PrimaryRegion, NodeTier) {
-    let region = PrimaryRegion::create(ROWS as usize, STRIDE as usize).unwrap();
+    let region = PrimaryRegion::create(ROWS as usize, STRIDE).unwrap();
     let tier = NodeTier::connect(
         &f.socket,
         &hello(name),
@@ -116,8 +116,8 @@ fn client_tier(f: &Fixture, name: &str, locality: Option<Locality>) -> (PrimaryR
 }
 
 fn fill(region: &PrimaryRegion, row: usize, seed: u64) -> Vec<u8> {
-    // SAFETY: the test owns the region and no job uses the row now.
-    let bytes = unsafe { region.row_mut(row) }.unwrap();
+    // The test owns the region and no job uses the row now.
+    let mut bytes = region.write_row(row).unwrap();
     let mut x = seed | 1;
     for b in bytes.chunks_mut(8) {
         x ^= x << 13;
@@ -129,8 +129,8 @@ fn fill(region: &PrimaryRegion, row: usize, seed: u64) -> Vec<u8> {
 }
 
 fn row(region: &PrimaryRegion, row: usize) -> Vec<u8> {
-    // SAFETY: no job uses the row now.
-    unsafe { region.row(row) }.unwrap().to_vec()
+    // No job uses the row now.
+    region.read_row(row).unwrap().to_vec()
 }
 
 fn run(c: &NodeClient, load: bool, job: u64, keys: &[ChunkKey], rows: &[u32]) -> bool {

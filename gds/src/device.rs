@@ -65,6 +65,13 @@ pub trait Device: Send + Sync {
         copies: &[DeviceCopy],
         flow: Flow,
     ) -> Result<()>;
+    /// [`Device::copy_host_row`] for a row the caller holds as `&mut [u8]` (a primary row's
+    /// write lease), which is what the contract asks: valid for its length, and nobody else's
+    /// for the call.
+    fn copy_row(&self, row: &mut [u8], copies: &[DeviceCopy], flow: Flow) -> Result<()> {
+        // SAFETY: `row` is an exclusive borrow of `row.len()` bytes, alive for the whole call.
+        unsafe { self.copy_host_row(row.as_mut_ptr(), row.len(), copies, flow) }
+    }
     /// The CRC-32 of each [`crate::crc::PIECE_BYTES`] piece of `len` bytes at `addr`.
     fn crc_pieces(&self, addr: u64, len: u64) -> Result<Vec<u32>>;
     /// Writes `len` bytes from device address `src` at `offset` of a registered file; returns

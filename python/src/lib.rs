@@ -406,7 +406,12 @@ impl Tier {
                 // mapping of it; vLLM's mapping and bytes stay as they are), unless the
                 // entry's `region_huge_pages` says `never`.
                 let region = unsafe {
-                    PrimaryRegion::adopt_shared(base as *mut u8, row_stride, num_rows, huge_pages)
+                    PrimaryRegion::adopt_shared(
+                        base as *mut u8,
+                        row_stride as u64,
+                        num_rows,
+                        huge_pages,
+                    )
                 }?;
                 let mut builder = Builder::for_tier(tier_config)
                     .region(Arc::new(region))

@@ -290,12 +290,7 @@ impl SglangStore {
                 // never drops it when stopping failed. Its `region` clone is only used to open
                 // the tier again, under the same anchor.
                 let region = Arc::new(unsafe {
-                    PrimaryRegion::adopt_shared(
-                        base as *mut u8,
-                        piece_bytes as usize,
-                        rows,
-                        huge_pages,
-                    )
+                    PrimaryRegion::adopt_shared(base as *mut u8, piece_bytes, rows, huge_pages)
                 }?);
                 Self::open(cfg, region.clone(), digest).map(|t| (t, region))
             })

@@ -315,7 +315,7 @@ impl Builder {
         // Slot tiers store what the namespace names: the canonical area, or the whole row.
         let slot_bytes = self.options.slot_bytes.or(params.slot_prefix());
         if let Some(region) = &self.region {
-            if region.row_stride() as u64 != geometry.row_stride {
+            if region.row_stride() != geometry.row_stride {
                 return Err(Error::new(
                     ErrorKind::IncompatibleLayout,
                     format!(
@@ -334,7 +334,7 @@ impl Builder {
                 slot_bytes,
             });
         }
-        let (rows, stride) = geometry.region_dims()?;
+        let (rows, _) = geometry.region_dims()?;
         if self.check_memory {
             check_region_memory(geometry.region_bytes, mem_available())?;
         }
@@ -344,7 +344,7 @@ impl Builder {
             crate::config::size::format_size_human(geometry.region_bytes)
         );
         Ok(Resolved {
-            region: Arc::new(PrimaryRegion::create(rows, stride)?),
+            region: Arc::new(PrimaryRegion::create(rows, geometry.row_stride)?),
             namespace,
             file_mapper_fields,
             slot_bytes,

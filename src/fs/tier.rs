@@ -142,7 +142,7 @@ impl FsTier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
-        let stride = region.row_stride() as u64;
+        let stride = region.row_stride();
         cfg.validate("", Some(stride))?;
         let probe = probe_direct_io(&cfg.root_dir).map_err(|e| root_error(&cfg, e))?;
         let mapper = FileMapper::new(&cfg.root_dir, fields)?;

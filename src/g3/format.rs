@@ -208,11 +208,11 @@ pub fn slab_file_len(slots: u64, row_stride: u64) -> u64 {
 }
 
 /// Namespace digest of the geometry alone, used until the canonical layout supplies the real
-/// namespace digest: `sha256("kvtier-g3-geometry-v1" || row_stride as u64 LE)`.
-pub fn geometry_namespace(row_stride: usize) -> [u8; 32] {
+/// namespace digest: `sha256("kvtier-g3-geometry-v1" || row_stride u64 LE)`.
+pub fn geometry_namespace(row_stride: u64) -> [u8; 32] {
     let mut h = Sha256::new();
     h.update(b"kvtier-g3-geometry-v1");
-    h.update((row_stride as u64).to_le_bytes());
+    h.update(row_stride.to_le_bytes());
     h.finalize().into()
 }
 

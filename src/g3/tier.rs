@@ -141,9 +141,9 @@ impl G3Tier {
         locality: Option<Locality>,
         make_engine: EngineFactory,
     ) -> Result<Self> {
-        cfg.validate("", Some(region.row_stride() as u64))?;
+        cfg.validate("", Some(region.row_stride()))?;
         // Slots hold a prefix of each row (the whole row unless `slot_bytes` says less).
-        let row_stride = cfg.slot_bytes_for(region.row_stride() as u64)?;
+        let row_stride = cfg.slot_bytes_for(region.row_stride())?;
         let gds = crate::g3::gds::status_at_open(cfg.gds, &cfg.paths)?;
         let spec = SlabSpec {
             row_stride,

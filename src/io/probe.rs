@@ -337,19 +337,17 @@ fn direct_round_trip(path: &Path) -> std::result::Result<bool, String> {
             _ => format!("opening with O_DIRECT failed: {e}"),
         })?;
     // Two page-aligned rows: one to write from, one to read into.
-    let buf = PrimaryRegion::create(2, PROBE_BYTES)
+    let buf = PrimaryRegion::create(2, PROBE_BYTES as u64)
         .map_err(|e| format!("cannot allocate an aligned probe buffer: {e}"))?;
-    // SAFETY: `buf` is private to this function; the two row views are disjoint and each is
-    // the only view of its row while it lives.
-    let (src, dst) = unsafe { (buf.row_mut(0), buf.row_mut(1)) };
-    let (src, dst) = match (src, dst) {
+    let (src, dst) = (buf.write_row(0), buf.write_row(1));
+    let (mut src, mut dst) = match (src, dst) {
         (Ok(s), Ok(d)) => (s, d),
         _ => return Err("probe buffer rows are unavailable".to_string()),
     };
     for (i, b) in src.iter_mut().enumerate() {
         *b = (i % 251) as u8 ^ 0x5A;
     }
-    match file.write_at(src, 0) {
+    match file.write_at(&src, 0) {
         Ok(n) if n == PROBE_BYTES => {}
         Ok(n) => {
             return Err(format!(
@@ -358,7 +356,7 @@ fn direct_round_trip(path: &Path) -> std::result::Result<bool, String> {
         }
         Err(e) => return Err(format!("aligned O_DIRECT write failed: {e}")),
     }
-    match file.read_at(dst, 0) {
+    match file.read_at(&mut dst, 0) {
         Ok(n) if n == PROBE_BYTES => {}
         Ok(n) => {
             return Err(format!(

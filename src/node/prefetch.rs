@@ -361,7 +361,7 @@ impl Worker {
                 return self.fail(&batch);
             }
         };
-        let stride = self.pool.row_stride();
+        let stride = self.pool.row_stride() as usize;
         let n = batch.len();
         let mut results: Vec<Result<u32>> = (0..n)
             .map(|_| Err(Error::new(ErrorKind::Internal, "not read")))
@@ -392,9 +392,10 @@ impl Worker {
                             break;
                         };
                         let i = c.tag as usize;
-                        results[i] = c.result.map(|_| {
-                            // SAFETY: the slot was reserved for this batch; its read is done.
-                            crc32fast::hash(unsafe { self.pool.fill_bytes(batch[i].1) })
+                        // The slot was reserved for this batch; its read is done.
+                        results[i] = c.result.and_then(|_| {
+                            let bytes = self.pool.region().read_row(batch[i].1)?;
+                            Ok(crc32fast::hash(&bytes))
                         });
                     }
                 }

@@ -30,9 +30,10 @@
 //! fails (the chunk is dropped from G3 as a damaged one would be) and a store's bytes fail
 //! their CRC at their first load. No wrong byte is returned either way.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::region::{PrimaryRegion, RowCopyError};
 
 /// Bytes of a row read per `pread` for its CRC: small enough to stay in the L2 cache between
 /// the kernel's copy and the CRC.
@@ -187,60 +188,36 @@ impl RegionFile {
         Ok(h.finalize())
     }
 
-    /// Copies `len` bytes of the file `src` from `src_offset` into the region's mapping at
-    /// `dst`, which maps the region's bytes from `offset`: the kernel writes them (`pread`
-    /// of `src` with `dst` as the buffer), so a page the region file lost fails the copy with
-    /// `EFAULT` instead of raising `SIGBUS`, and the region file is not extended.
-    ///
-    /// # Safety
-    /// `dst` must be the service's mapping of this region file at byte `offset`, mapped for
-    /// at least `len` bytes for the whole call, and no other thread may use those bytes
-    /// meanwhile (the engine gave the row to a load job).
-    pub unsafe fn copy_into_row(
+    /// Copies `len` bytes of the file `src` from `src_offset` into row `row` of `mapped`,
+    /// the service's mapping of this region file: the kernel writes them (`pread` of `src`
+    /// with the row as the buffer, [`PrimaryRegion::copy_file_into_row`]), so a page the
+    /// region file lost fails the copy with `EFAULT` instead of raising `SIGBUS`, and the
+    /// region file is not extended. The engine gave the row to a load job; the copy holds a
+    /// write lease on it.
+    pub fn copy_into_row(
         &self,
-        dst: *mut u8,
-        offset: u64,
+        mapped: &PrimaryRegion,
+        row: usize,
         len: usize,
         src: BorrowedFd<'_>,
         src_offset: u64,
     ) -> Result<()> {
+        let offset = row as u64 * mapped.row_stride();
         self.range(offset, len)?;
-        let mut done = 0;
-        while done < len {
-            let Ok(at) = i64::try_from(src_offset + done as u64) else {
-                return Err(Error::new(ErrorKind::Internal, "source offset overflow"));
-            };
-            // SAFETY: `dst + done .. dst + len` lies inside the mapping (the caller's promise)
-            // and no Rust reference to it exists; the kernel writes it or fails with EFAULT.
-            // rustix's `pread` takes only slices, which would assert that the bytes are
-            // accessible: libc with the raw pointer.
-            let n = unsafe {
-                libc::pread(
-                    src.as_raw_fd(),
-                    dst.add(done).cast::<libc::c_void>(),
-                    len - done,
-                    at,
-                )
-            };
-            match n {
-                0 => return Err(self.copy_failed(offset, len, None)),
-                n if n > 0 => done += n as usize,
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.raw_os_error() != Some(libc::EINTR) {
-                        return Err(self.copy_failed(offset, len, Some(e)));
-                    }
-                }
+        match mapped.copy_file_into_row(row, len, src, src_offset)? {
+            Ok(()) => Ok(()),
+            Err(RowCopyError::Short) => Err(self.copy_failed(offset, len, None)),
+            Err(RowCopyError::SourceOffset) => {
+                Err(Error::new(ErrorKind::Internal, "source offset overflow"))
             }
+            Err(RowCopyError::Os(e)) => Err(self.copy_failed(offset, len, Some(e))),
         }
-        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::region::PrimaryRegion;
 
     const STRIDE: usize = 64 * 1024;
     const ROWS: usize = 4;
@@ -263,7 +240,7 @@ mod tests {
         let fd = memfd(STRIDE * ROWS);
         let bytes: Vec<u8> = (0..STRIDE * ROWS).map(pattern).collect();
         rustix::io::pwrite(&fd, &bytes, 0).unwrap();
-        let mapped = PrimaryRegion::map_shared_file(&fd, ROWS, STRIDE).unwrap();
+        let mapped = PrimaryRegion::map_shared_file(&fd, ROWS, STRIDE as u64).unwrap();
         let engine_side = fd.try_clone().unwrap();
         let file = RegionFile::new(fd, "engine-a", "fd", (STRIDE * ROWS) as u64).unwrap();
         (mapped, file, engine_side)
@@ -284,9 +261,8 @@ mod tests {
         // A copy from another file into row 2 of the mapping.
         let src = memfd(STRIDE);
         rustix::io::pwrite(&src, &[7u8; STRIDE], 0).unwrap();
-        let dst = mapped.row_ptr(2).unwrap();
-        // SAFETY: row 2 of the mapping of this file; nothing else uses it.
-        unsafe { file.copy_into_row(dst, 2 * STRIDE as u64, STRIDE, src.as_fd(), 0) }.unwrap();
+        file.copy_into_row(&mapped, 2, STRIDE, src.as_fd(), 0)
+            .unwrap();
         file.read_into(2 * STRIDE as u64, &mut row).unwrap();
         assert!(row.iter().all(|b| *b == 7));
         file.check("now").unwrap();
@@ -309,9 +285,9 @@ mod tests {
         let e = file.read_into(2 * STRIDE as u64, &mut row).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::RegionLost, "{e}");
         let src = memfd(STRIDE);
-        let dst = mapped.row_ptr(3).unwrap();
-        // SAFETY: row 3 of the mapping of this file (its pages are gone: the kernel says so).
-        let e = unsafe { file.copy_into_row(dst, 3 * STRIDE as u64, STRIDE, src.as_fd(), 0) }
+        // Row 3 of the mapping of this file: its pages are gone (the kernel says so).
+        let e = file
+            .copy_into_row(&mapped, 3, STRIDE, src.as_fd(), 0)
             .unwrap_err();
         assert_eq!(e.kind(), ErrorKind::RegionLost, "{e}");
         assert!(e.to_string().contains("Bad address"), "{e}");

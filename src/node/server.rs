@@ -124,11 +124,9 @@ fn start_with_hooks(
     g3.slot_bytes = slot_bytes;
     g3.validate(&tc.key_path(), Some(row_stride))?;
     let in_flight = g3.max_bytes_in_flight_for(g3.slot_bytes_for(row_stride)?);
-    let stride = usize::try_from(row_stride)
-        .map_err(|_| Error::config("row_stride", "does not fit this machine"))?;
     // The tier's own engine never moves a row (every transfer goes through an engine's
     // region): one row is all it is given.
-    let own = Arc::new(PrimaryRegion::create(1, stride)?);
+    let own = Arc::new(PrimaryRegion::create(1, row_stride)?);
     let label = tier_label(tc.index, &tc.tier_type);
     let tier = G3Tier::open(g3, own, digest, label.clone(), tc.locality)?;
     tier.set_events_enabled(false);
@@ -180,9 +178,11 @@ impl NodeService {
         let staging = if staging_slots == 0 {
             None
         } else {
-            let stride = usize::try_from(info.row_stride)
-                .map_err(|_| Error::config("row_stride", "does not fit this machine"))?;
-            let pool = Arc::new(StagingPool::new(staging_slots, stride, events.clone())?);
+            let pool = Arc::new(StagingPool::new(
+                staging_slots,
+                info.row_stride,
+                events.clone(),
+            )?);
             let opts = EngineOptions {
                 queue_depth: per_flight as u32,
                 o_direct,

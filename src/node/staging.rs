@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::key::ChunkKey;
 use crate::node::events::EventBus;
 use crate::node::protocol::EventMedium;
-use crate::region::PrimaryRegion;
+use crate::region::{PrimaryRegion, RowWrite};
 
 /// How long a load waits for a chunk a prefetch is still reading before it reads G3 itself.
 pub const FILL_WAIT: Duration = Duration::from_secs(5);
@@ -143,7 +143,7 @@ impl std::fmt::Debug for StagingPool {
 
 impl StagingPool {
     /// A pool of `slots` slots of `row_stride` bytes; changes are published on `events`.
-    pub fn new(slots: usize, row_stride: usize, events: Arc<EventBus>) -> Result<StagingPool> {
+    pub fn new(slots: usize, row_stride: u64, events: Arc<EventBus>) -> Result<StagingPool> {
         let region = Arc::new(PrimaryRegion::create(slots, row_stride)?);
         Ok(StagingPool {
             region,
@@ -171,7 +171,7 @@ impl StagingPool {
     }
 
     /// Bytes per slot.
-    pub fn row_stride(&self) -> usize {
+    pub fn row_stride(&self) -> u64 {
         self.region.row_stride()
     }
 
@@ -251,22 +251,26 @@ impl StagingPool {
         Reserve::Reserved(slot)
     }
 
-    /// The bytes of a slot reserved for filling.
-    ///
-    /// # Safety
-    /// `slot` must have come from [`StagingPool::reserve`] to this caller and not yet be
-    /// committed or aborted: nobody else touches a slot while it is filled.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn fill_bytes(&self, slot: usize) -> &mut [u8] {
-        // SAFETY: the caller owns the filling slot (above); the row is inside the region.
-        unsafe { self.region.row_mut(slot) }.expect("a reserved slot is a row of the pool")
+    /// The bytes of a slot reserved for filling: a write lease on its row (see
+    /// [`crate::region::RowRead`]), to drop before [`StagingPool::commit`] reads them. Call
+    /// only for a slot [`StagingPool::reserve`] gave this caller and not yet committed or
+    /// aborted; a lease on a slot someone else reads or fills is refused.
+    pub fn fill_bytes(&self, slot: usize) -> Result<RowWrite<'_>> {
+        self.region.write_row(slot)
     }
 
     /// The filled slot holds its key's bytes, whose CRC-32 G3 vouched for: `crc`. The slot's
-    /// bytes are checked against it first; a mismatch frees the slot (counted).
+    /// bytes are checked against it first; a mismatch frees the slot (counted), and so does a
+    /// slot whose bytes cannot be read (its filler still holds [`StagingPool::fill_bytes`]).
     pub fn commit(&self, slot: usize, crc: u32) -> bool {
-        // SAFETY: the caller still owns the filling slot; reading it here is the filler's read.
-        let actual = crc32fast::hash(unsafe { self.fill_bytes(slot) });
+        let actual = match self.region.read_row(slot) {
+            Ok(bytes) => crc32fast::hash(&bytes),
+            Err(e) => {
+                log::error!("staging slot {slot} not committed: {e}");
+                self.abort(slot);
+                return false;
+            }
+        };
         self.commit_hashed(slot, crc, actual)
     }
 
@@ -356,13 +360,17 @@ impl StagingPool {
             s.lru.insert(s.tick, slot);
         }
         drop(guard);
-        // SAFETY: the slot is Ready and counted as read: nobody writes, evicts or reuses it
-        // until the count drops (below).
-        let src = unsafe { self.region.row(slot) }.expect("a staged slot is a row of the pool");
+        // The slot is Ready and counted as read: nobody writes, evicts or reuses it until the
+        // count drops (below), so the read lease is granted.
+        let src = self
+            .region
+            .read_row(slot)
+            .expect("a staged slot is a row of the pool");
         // A row may be longer than the slot (vLLM's row past its canonical area): the slot's
         // bytes are its first ones, and the CRC covers them.
-        let ok = crc32fast::hash(src) == crc;
-        let copied = if ok { copy(slot, src) } else { Ok(()) };
+        let ok = crc32fast::hash(&src) == crc;
+        let copied = if ok { copy(slot, &src) } else { Ok(()) };
+        drop(src);
         let mut guard = self.state.lock();
         let s = &mut *guard;
         s.slots[slot].readers -= 1;
@@ -460,10 +468,10 @@ mod tests {
     fn stage(pool: &StagingPool, key: &ChunkKey, fill: u8, hold: bool) -> bool {
         match pool.reserve(key, hold) {
             Reserve::Reserved(slot) => {
-                // SAFETY: reserved to this test just now.
-                let b = unsafe { pool.fill_bytes(slot) };
+                let mut b = pool.fill_bytes(slot).unwrap();
                 b.fill(fill);
-                let crc = crc32fast::hash(b);
+                let crc = crc32fast::hash(&b);
+                drop(b);
                 pool.commit(slot, crc)
             }
             _ => false,
@@ -513,8 +521,7 @@ mod tests {
             panic!("a free slot")
         };
         pool.release(&k(2));
-        // SAFETY: reserved above.
-        let crc = crc32fast::hash(unsafe { pool.fill_bytes(slot) });
+        let crc = crc32fast::hash(&pool.fill_bytes(slot).unwrap());
         assert!(!pool.commit(slot, crc));
         assert!(!pool.contains(&k(2)));
         assert_eq!(pool.used_slots(), 1);
@@ -526,15 +533,13 @@ mod tests {
         let Reserve::Reserved(slot) = pool.reserve(&k(0), false) else {
             panic!()
         };
-        // SAFETY: reserved above.
-        unsafe { pool.fill_bytes(slot) }.fill(7);
+        pool.fill_bytes(slot).unwrap().fill(7);
         assert!(!pool.commit(slot, 12345), "bytes that G3 did not vouch for");
         assert!(!pool.contains(&k(0)));
         assert!(stage(&pool, &k(1), 9, false));
         // Damage the staged copy behind the pool's back: the load falls back to G3.
         let i = *pool.state.lock().map.get(&k(1)).unwrap();
-        // SAFETY: this test is the only user of the pool now.
-        unsafe { pool.region.row_mut(i) }.unwrap()[100] ^= 1;
+        pool.region.write_row(i).unwrap()[100] ^= 1;
         let mut row = vec![0u8; 4096];
         assert_eq!(copy_out(&pool, &k(1), &mut row, FILL_WAIT), None);
         assert!(!pool.contains(&k(1)));
@@ -557,10 +562,11 @@ mod tests {
             })
         };
         std::thread::sleep(Duration::from_millis(20));
-        // SAFETY: reserved above; the reader waits for the commit.
-        let b = unsafe { pool.fill_bytes(slot) };
+        // Reserved above; the reader waits for the commit.
+        let mut b = pool.fill_bytes(slot).unwrap();
         b.fill(5);
-        let crc = crc32fast::hash(b);
+        let crc = crc32fast::hash(&b);
+        drop(b);
         assert!(pool.commit(slot, crc));
         assert_eq!(reader.join().unwrap(), (Some(crc), 5));
     }

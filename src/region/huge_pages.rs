@@ -441,17 +441,15 @@ mod tests {
     fn large_regions_are_huge_page_aligned_zeroed_and_collapsed_where_supported() {
         let rows = 3;
         let row = HUGE_PAGE + 4096 * 3; // rows straddle huge pages; the tail is partial
-        let r = PrimaryRegion::create(rows, row).unwrap();
+        let r = PrimaryRegion::create(rows, row as u64).unwrap();
         assert_eq!(r.base_ptr() as usize % HUGE_PAGE, 0);
         for c in 0..rows {
-            // SAFETY: the test owns the region and its rows.
-            let bytes = unsafe { r.row_mut(c).unwrap() };
+            let mut bytes = r.write_row(c).unwrap();
             assert!(bytes.iter().all(|&b| b == 0), "row {c} is not zeroed");
             bytes.fill(c as u8 + 1);
         }
         for c in 0..rows {
-            // SAFETY: as above.
-            let bytes = unsafe { r.row(c).unwrap() };
+            let bytes = r.read_row(c).unwrap();
             assert!(
                 bytes.iter().all(|&b| b == c as u8 + 1),
                 "row {c} lost its bytes"

@@ -249,29 +249,8 @@ pub(super) fn map_collapsed(
             "the region ({len} bytes) is smaller than one 2 MiB page"
         ));
     }
-    let file_len = rustix::fs::fstat(fd)
-        .map_err(|e| format!("cannot stat {name}: {e}"))?
-        .st_size;
-    let file_len = u64::try_from(file_len).unwrap_or(0);
-    let head = (offset % HUGE_PAGE as u64) as usize;
-    let map_offset = offset - head as u64;
-    // Whole huge pages where the file has them, so the region's tail collapses too.
-    let wanted = (head + len).next_multiple_of(HUGE_PAGE) as u64;
-    let map_len = wanted.min(file_len.saturating_sub(map_offset)) as usize;
-    if map_len < head + len {
-        return Err(format!(
-            "{name} is shorter ({file_len} bytes) than the range to map"
-        ));
-    }
-    // `map_offset` is a multiple of 2 MiB and the file holds `map_offset + map_len` bytes.
-    let map = map_shared_aligned(fd, map_offset, map_len)
-        .map_err(|e| format!("cannot map {name} at a 2 MiB boundary: {e}"))?;
-    let alias = Alias {
-        map,
-        map_len,
-        // SAFETY: `head < map_len`; inside the mapping just made.
-        base: unsafe { map.cast::<u8>().add(head) },
-    };
+    let alias = map_aligned_range(fd, offset, len, name)?;
+    let (map, map_len) = (alias.map, alias.map_len);
     let fs = rustix::fs::fstatfs(fd).map_err(|e| format!("fstatfs failed: {e}"))?;
     if fs.f_type as i64 != TMPFS_MAGIC {
         return Ok(Collapsed {
@@ -327,10 +306,54 @@ pub(super) fn map_collapsed(
             measured: None,
         });
     }
-    // The share is what the kernel reports afterwards, not what the calls returned.
-    let measured = measure_mapping(map.cast(), map_len);
+    Ok(collapse_outcome(alias, whole, collapsed, last_error))
+}
+
+/// The 2 MiB-aligned shared mapping of `len` bytes of `fd` from `offset` that
+/// [`map_collapsed`] collapses: it starts at the 2 MiB boundary below `offset` and covers
+/// whole huge pages where the file has them, so that the range's tail collapses too.
+fn map_aligned_range(
+    fd: BorrowedFd<'_>,
+    offset: u64,
+    len: usize,
+    name: &str,
+) -> Result<Alias, String> {
+    let file_len = rustix::fs::fstat(fd)
+        .map_err(|e| format!("cannot stat {name}: {e}"))?
+        .st_size;
+    let file_len = u64::try_from(file_len).unwrap_or(0);
+    let head = (offset % HUGE_PAGE as u64) as usize;
+    let map_offset = offset - head as u64;
+    let wanted = (head + len).next_multiple_of(HUGE_PAGE) as u64;
+    let map_len = wanted.min(file_len.saturating_sub(map_offset)) as usize;
+    if map_len < head + len {
+        return Err(format!(
+            "{name} is shorter ({file_len} bytes) than the range to map"
+        ));
+    }
+    // `map_offset` is a multiple of 2 MiB and the file holds `map_offset + map_len` bytes.
+    let map = map_shared_aligned(fd, map_offset, map_len)
+        .map_err(|e| format!("cannot map {name} at a 2 MiB boundary: {e}"))?;
+    Ok(Alias {
+        map,
+        map_len,
+        // SAFETY: `head < map_len`; inside the mapping just made.
+        base: unsafe { map.cast::<u8>().add(head) },
+    })
+}
+
+/// What [`map_collapsed`] reports once the collapse of `alias`'s `whole` huge pages is over
+/// (`collapsed` of them by the calls, `last_error` the last failure): the share is what the
+/// kernel reports afterwards, not what the calls returned.
+fn collapse_outcome(
+    alias: Alias,
+    whole: usize,
+    collapsed: usize,
+    last_error: Option<std::io::Error>,
+) -> Collapsed {
+    let measured = measure_mapping(alias.map.cast(), alias.map_len);
     let share = measured.map_or(collapsed as f64 / whole as f64, |m| {
-        m.share_of_whole_pages(map_len)
+        m.share_of_whole_pages(alias.map_len)
     });
     if share == 0.0 {
         let e = last_error.map_or_else(|| "nothing to collapse".to_string(), |e| e.to_string());
@@ -340,7 +363,7 @@ pub(super) fn map_collapsed(
         } else {
             ""
         };
-        return Ok(Collapsed {
+        return Collapsed {
             collapser: None,
             alias,
             share: 0.0,
@@ -351,7 +374,7 @@ pub(super) fn map_collapsed(
             )),
             already_huge: false,
             measured,
-        });
+        };
     }
     // Even a partial collapse helps: every collapsed huge page is one DMA segment.
     let shortfall = (share < 1.0).then(|| {
@@ -361,14 +384,14 @@ pub(super) fn map_collapsed(
             (1.0 - share) * 100.0
         )
     });
-    Ok(Collapsed {
+    Collapsed {
         collapser: None,
         alias,
         share,
         shortfall,
         already_huge: false,
         measured,
-    })
+    }
 }
 
 /// Faults `[base, base + len)` (kvtier's own mapping) in for reading and measures how it is

@@ -188,7 +188,7 @@ impl TierFactory {
         cfg: &TierConfig,
         ctx: &TierBuildContext,
     ) -> Result<Box<dyn SecondaryTier>> {
-        self.check(cfg, ctx.region.row_stride() as u64)?;
+        self.check(cfg, ctx.region.row_stride())?;
         match self.ctors.get(&cfg.tier_type) {
             Some(ctor) => ctor(cfg, ctx),
             None => Err(self.unknown_type(cfg)),
@@ -242,7 +242,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
     let mut g3 = G3TierConfig::from_tier(cfg)?;
     refuse_layout_outside_vllm(cfg, &g3)?;
     g3.slot_bytes = ctx.slot_bytes;
-    g3.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
+    g3.validate(&cfg.key_path(), Some(ctx.region.row_stride()))?;
     let tier_events = g3.enable_kv_events;
     let opened = G3Tier::open(
         g3.clone(),
@@ -280,7 +280,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
 /// Builds an `fs` tier ([`FsTier`]) from its params (see `docs/fs-tier.md`).
 pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn SecondaryTier>> {
     let fs = FsTierConfig::from_tier(cfg)?;
-    fs.validate(&cfg.key_path(), Some(ctx.region.row_stride() as u64))?;
+    fs.validate(&cfg.key_path(), Some(ctx.region.row_stride()))?;
     let Some(fields) = ctx.file_mapper_fields.clone() else {
         return Err(Error::new(
             ErrorKind::Config,

@@ -176,9 +176,9 @@ impl Executor {
             if self.store.lock().map.contains_key(key) {
                 continue;
             }
-            // SAFETY: the manager keeps this row pinned (read-only) until the job is reported.
-            match unsafe { self.region.row(chunk as usize) } {
-                Ok(row) => copies.push((key.clone(), Arc::<[u8]>::from(row))),
+            // The manager keeps this row pinned (read-only) until the job is reported.
+            match self.region.read_row(chunk as usize) {
+                Ok(row) => copies.push((key.clone(), Arc::<[u8]>::from(&*row))),
                 Err(e) => return JobResult::failed(job.job_id, e.with("key", key.to_hex())),
             }
         }
@@ -239,10 +239,10 @@ impl Executor {
                 });
                 continue;
             };
-            // SAFETY: the manager reserved this row for this job (no reader, no other writer)
+            // The manager reserved this row for this job (no reader, no other writer)
             // until the job is reported.
-            match unsafe { self.region.row_mut(chunk as usize) } {
-                Ok(row) if row.len() == data.len() => {
+            match self.region.write_row(chunk as usize) {
+                Ok(mut row) if row.len() == data.len() => {
                     row.copy_from_slice(&data);
                     bytes += data.len() as u64;
                     ok_keys.push(key.clone());

@@ -22,8 +22,8 @@ fn threaded_round_trip_capacity_events_and_drain() {
     let mut t = MemoryTier::start(region.clone(), o).unwrap();
     let keys: Vec<ChunkKey> = (0..3u8).map(|i| ChunkKey::new([i])).collect();
     for (i, k) in keys.iter().enumerate() {
-        // SAFETY: this test is the only user of the region; no job is in flight.
-        unsafe { region.row_mut(i).unwrap().fill(i as u8 + 1) };
+        // This test is the only user of the region; no job is in flight.
+        region.write_row(i).unwrap().fill(i as u8 + 1);
         t.submit_store(job(i as u64, std::slice::from_ref(k), &[i as u32], false));
         t.drain_jobs();
     }
@@ -54,8 +54,8 @@ fn threaded_round_trip_capacity_events_and_drain() {
     let r = t.get_finished_jobs().pop().unwrap();
     assert!(!r.success);
     assert_eq!(r.successful_keys, Some(vec![keys[2].clone()]));
-    // SAFETY: no job is in flight.
-    assert!(unsafe { region.row(3).unwrap() }.iter().all(|&b| b == 3));
+    // No job is in flight.
+    assert!(region.read_row(3).unwrap().iter().all(|&b| b == 3));
     t.shutdown().unwrap();
     t.submit_store(job(11, &keys[..1], &[0], false));
     let r = t.get_finished_jobs();

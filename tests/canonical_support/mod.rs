@@ -193,7 +193,7 @@ pub fn open_g3_slots(
     slots: u64,
     slot_bytes: Option<u64>,
 ) -> kvtier::Result<kvtier::g3::G3Tier> {
-    let slot = slot_bytes.unwrap_or(region.row_stride() as u64);
+    let slot = slot_bytes.unwrap_or(region.row_stride());
     let mut cfg = kvtier::g3::G3TierConfig::new(vec![dir.to_path_buf()], slots * slot);
     cfg.slot_bytes = slot_bytes;
     cfg.io_engine = kvtier::io::IoEngineKind::Psync;

@@ -15,7 +15,7 @@ use kvtier::region::PrimaryRegion;
 pub const STRIDE: usize = 8192;
 
 pub fn region(rows: usize) -> Arc<PrimaryRegion> {
-    Arc::new(PrimaryRegion::create(rows, STRIDE).unwrap())
+    Arc::new(PrimaryRegion::create(rows, STRIDE as u64).unwrap())
 }
 
 pub fn key(i: u64) -> ChunkKey {
@@ -38,19 +38,21 @@ pub fn pattern(i: u64, len: usize) -> Vec<u8> {
 }
 
 pub fn fill_row(r: &PrimaryRegion, row: u32, i: u64) {
-    // SAFETY: tests own every row of their region.
-    unsafe { r.row_mut(row as usize).unwrap() }.copy_from_slice(&pattern(i, r.row_stride()));
+    // Tests own every row of their region.
+    let mut bytes = r.write_row(row as usize).unwrap();
+    let want = pattern(i, bytes.len());
+    bytes.copy_from_slice(&want);
 }
 
 pub fn clear_row(r: &PrimaryRegion, row: u32) {
-    // SAFETY: tests own every row of their region.
-    unsafe { r.row_mut(row as usize).unwrap() }.fill(0);
+    // Tests own every row of their region.
+    r.write_row(row as usize).unwrap().fill(0);
 }
 
 pub fn row_is(r: &PrimaryRegion, row: u32, i: u64) -> bool {
-    // SAFETY: tests own every row of their region; no I/O targets it now.
-    let got = unsafe { r.row(row as usize).unwrap() };
-    got == pattern(i, r.row_stride()).as_slice()
+    // Tests own every row of their region; no I/O targets it now.
+    let got = r.read_row(row as usize).unwrap();
+    got[..] == pattern(i, got.len())[..]
 }
 
 pub fn job(id: u64, keys: &[u64], rows: &[u32], load: bool) -> TransferJob {
@@ -83,7 +85,7 @@ pub fn open(cfg: G3TierConfig, r: &Arc<PrimaryRegion>) -> G3Tier {
     let t = G3Tier::open(
         cfg,
         r.clone(),
-        geometry_namespace(STRIDE),
+        geometry_namespace(STRIDE as u64),
         "g3-test".into(),
         None,
     )
@@ -100,7 +102,7 @@ pub fn open_faulty(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, plan: FaultPlan) -
     let t = G3Tier::open_with_engine(
         cfg,
         r.clone(),
-        geometry_namespace(STRIDE),
+        geometry_namespace(STRIDE as u64),
         "t".into(),
         None,
         factory,

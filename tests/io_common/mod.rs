@@ -101,7 +101,7 @@ impl Fixture {
                 .unwrap()
         };
         file.set_len(file_len).unwrap();
-        let region = Arc::new(PrimaryRegion::create(rows, stride).unwrap());
+        let region = Arc::new(PrimaryRegion::create(rows, stride as u64).unwrap());
         let opts = EngineOptions {
             queue_depth,
             psync_threads: 3,
@@ -144,8 +144,8 @@ impl Fixture {
 
 /// Fills `row` with a pattern derived from `seed` (distinct per row and per position).
 pub fn fill_row(region: &PrimaryRegion, row: usize, seed: u64) {
-    // SAFETY: tests own the region; no transfer touches this row right now.
-    let bytes = unsafe { region.row_mut(row).unwrap() };
+    // Tests own the region; no transfer touches this row right now.
+    let mut bytes = region.write_row(row).unwrap();
     for (i, b) in bytes.iter_mut().enumerate() {
         *b = (seed.wrapping_mul(31).wrapping_add(i as u64 * 7) % 251) as u8;
     }
@@ -153,8 +153,8 @@ pub fn fill_row(region: &PrimaryRegion, row: usize, seed: u64) {
 
 /// A copy of `row`.
 pub fn row_bytes(region: &PrimaryRegion, row: usize) -> Vec<u8> {
-    // SAFETY: tests own the region; no transfer touches this row right now.
-    unsafe { region.row(row).unwrap().to_vec() }
+    // Tests own the region; no transfer touches this row right now.
+    region.read_row(row).unwrap().to_vec()
 }
 
 /// Waits for `n` completions (30 s each at most) and returns them by tag; a tag seen twice or

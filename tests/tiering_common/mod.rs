@@ -58,18 +58,18 @@ pub fn expected_row(key: &ChunkKey, len: usize) -> Vec<u8> {
 
 /// Writes `key`'s bytes into `row` (a row reserved for writing by the caller).
 pub fn write_row(region: &PrimaryRegion, row: u32, key: &ChunkKey) {
-    let data = expected_row(key, region.row_stride());
-    // SAFETY: the caller holds the row reserved for this write (prepare_store), so nobody
+    let data = expected_row(key, region.row_stride() as usize);
+    // The caller holds the row reserved for this write (prepare_store), so nobody
     // reads or writes it concurrently.
-    let dst = unsafe { region.row_mut(row as usize) }.expect("row in range");
+    let mut dst = region.write_row(row as usize).expect("row in range");
     dst.copy_from_slice(&data);
 }
 
 /// Whether `row` holds `key`'s bytes.
 pub fn row_matches(region: &PrimaryRegion, row: u32, key: &ChunkKey) -> bool {
-    // SAFETY: the caller holds the row pinned or reserved; no writer is active.
-    let got = unsafe { region.row(row as usize) }.expect("row in range");
-    got == expected_row(key, region.row_stride()).as_slice()
+    // The caller holds the row pinned or reserved; no writer is active.
+    let got = region.read_row(row as usize).expect("row in range");
+    got[..] == expected_row(key, region.row_stride() as usize)[..]
 }
 
 /// What the audit saw (shared with the test).
@@ -242,7 +242,7 @@ impl SecondaryTier for AuditTier {
 
 /// A region of `rows` rows of [`STRIDE`] bytes.
 pub fn region(rows: usize) -> Arc<PrimaryRegion> {
-    Arc::new(PrimaryRegion::create(rows, STRIDE).expect("region"))
+    Arc::new(PrimaryRegion::create(rows, STRIDE as u64).expect("region"))
 }
 
 /// Inline memory-tier options on `clock` with virtual latencies (ms).

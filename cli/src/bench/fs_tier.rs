@@ -298,9 +298,7 @@ fn vllm_round(
     let dir = fresh_dir(parent, "kvtier-bench-vllm-")?;
     let rows = usize::try_from(plan.chunks)
         .map_err(|_| Error::config("--bytes", "too many rows for this platform"))?;
-    let stride = usize::try_from(plan.row_stride)
-        .map_err(|_| Error::config("--layout", "row stride too large"))?;
-    let region = Arc::new(PrimaryRegion::create(rows, stride)?);
+    let region = Arc::new(PrimaryRegion::create(rows, plan.row_stride)?);
     let mirror = VllmFsMirror {
         mapper: FileMapper::new(dir.path(), fields.clone())?,
         region: &region,

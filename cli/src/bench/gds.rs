@@ -288,7 +288,7 @@ mod gpu {
             };
             let rows =
                 usize::try_from(chunks).map_err(|_| Error::config("--bytes", "too many rows"))?;
-            let region = Arc::new(PrimaryRegion::create(rows, stride as usize)?);
+            let region = Arc::new(PrimaryRegion::create(rows, stride)?);
             let mut cfg = G3TierConfig::new(vec![dir.path().to_path_buf()], 2 * chunks * stride);
             cfg.max_bytes_in_flight = Some(plan.max_bytes_in_flight);
             cfg.io_engine = args.io_engine;
@@ -418,10 +418,10 @@ mod gpu {
         wait(&mut rig.tier, 1)?;
         let cpu_load_of_gds = t.elapsed();
         for c in 0..chunks {
-            // SAFETY: no transfer targets the region now.
-            let row = unsafe { region.row(c as usize)? };
+            // No transfer targets the region now.
+            let row = region.read_row(c as usize)?;
             let mut local = vec![0u8; rplan.local_chunk_bytes as usize];
-            rplan.scatter(row, &mut local)?;
+            rplan.scatter(&row, &mut local)?;
             let mut at = 0usize;
             for (l, lp) in rplan.layers.iter().enumerate() {
                 let len = (lp.mapping.local_page_size_bytes * u64::from(bpc)) as usize;
@@ -459,10 +459,9 @@ mod gpu {
                 &rig.block_ids(c),
             )
             .map_err(gds_error)?;
-            // SAFETY: row `c` is this benchmark's, pinned, and no transfer targets it now.
-            let row = unsafe { region.row_mut(c as usize)? };
-            // SAFETY: `row` is valid for its length and nothing else touches it meanwhile.
-            unsafe { dev.copy_host_row(row.as_mut_ptr(), row.len(), &copies, Flow::ToRow) }
+            // Row `c` is this benchmark's, pinned, and no transfer targets it now.
+            let mut row = region.write_row(c as usize)?;
+            dev.copy_row(&mut row, &copies, Flow::ToRow)
                 .map_err(gds_error)?;
         }
         rig.tier.submit_store(job(
@@ -488,10 +487,9 @@ mod gpu {
                 &rig.block_ids(c),
             )
             .map_err(gds_error)?;
-            // SAFETY: as above.
-            let row = unsafe { region.row_mut(c as usize)? };
-            // SAFETY: as above.
-            unsafe { dev.copy_host_row(row.as_mut_ptr(), row.len(), &copies, Flow::FromRow) }
+            // As above.
+            let mut row = region.write_row(c as usize)?;
+            dev.copy_row(&mut row, &copies, Flow::FromRow)
                 .map_err(gds_error)?;
         }
         let cpu_load = t.elapsed();

@@ -51,10 +51,11 @@ pub(crate) fn corrupt_loaded_chunk(
     let rows = manager.prepare_load(std::slice::from_ref(key), &req)?;
     let region = manager.region().clone();
     if let Some(&row) = rows.first() {
-        // SAFETY: the row is pinned and this single-threaded driver is its only user until
+        // The row is pinned and this single-threaded driver is its only user until
         // `complete_load`; the G3 tier finished writing it (the promotion completed).
-        let bytes = unsafe { region.row_mut(row as usize)? };
-        bytes[bytes.len() / 2] ^= 0x40;
+        let mut bytes = region.write_row(row as usize)?;
+        let middle = bytes.len() / 2;
+        bytes[middle] ^= 0x40;
     }
     manager.complete_load(std::slice::from_ref(key))?;
     manager.on_request_finished(&req);
@@ -88,10 +89,10 @@ pub(crate) fn fill(
         })?;
         for (key, &row) in out.keys_to_store.iter().zip(&out.chunk_ids) {
             let index = range.start + batch.iter().position(|k| k == key).unwrap_or(0) as u64;
-            // SAFETY: `prepare_store` reserved this row for our write (ref_cnt -1): nothing
+            // `prepare_store` reserved this row for our write (ref_cnt -1): nothing
             // else reads or writes it until `complete_store`.
-            let bytes = unsafe { region.row_mut(row as usize)? };
-            fill_row(bytes, seed, index);
+            let mut bytes = region.write_row(row as usize)?;
+            fill_row(&mut bytes, seed, index);
         }
         bar.inc(batch.len() as u64);
     }
@@ -381,9 +382,9 @@ pub(crate) fn verify(
             .first()
             .copied()
             .ok_or_else(|| Error::new(ErrorKind::Internal, "prepare_load returned no row"))?;
-        // SAFETY: `prepare_load` pinned the row for reading: nobody writes it until
+        // `prepare_load` pinned the row for reading: nobody writes it until
         // `complete_load`.
-        let bytes = unsafe { region.row(row as usize)? };
+        let bytes = region.read_row(row as usize)?;
         // A tier that keeps a prefix of each row (slots of the canonical area) brings back
         // only that prefix.
         let stored = stored_bytes.map_or(bytes.len(), |n| (n as usize).min(bytes.len()));

@@ -85,9 +85,7 @@ impl BenchTier {
         }
         let rows = usize::try_from(opts.primary_rows)
             .map_err(|_| Error::config("--bytes", "too many rows for this platform"))?;
-        let row = usize::try_from(opts.row_stride)
-            .map_err(|_| Error::config("--layout", "row stride too large"))?;
-        let region = Arc::new(opts.region.create(rows, row)?);
+        let region = Arc::new(opts.region.create(rows, opts.row_stride)?);
         let pages = pages_note(&region);
         let io_engine = match opts.io_engine {
             IoEngineKind::Auto => "auto",

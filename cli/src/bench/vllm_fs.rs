@@ -63,8 +63,8 @@ impl VllmFsMirror<'_> {
     /// Fills row `i` with chunk `i`'s bytes for every chunk (untimed).
     pub fn fill(&self, n: usize, seed: u64) -> Result<()> {
         for i in 0..n {
-            // SAFETY: the mirror's region is private to the bench and no thread runs now.
-            fill_row(unsafe { self.region.row_mut(i)? }, seed, i as u64);
+            // The mirror's region is private to the bench and no thread runs now.
+            fill_row(&mut self.region.write_row(i)?, seed, i as u64);
         }
         Ok(())
     }
@@ -72,8 +72,8 @@ impl VllmFsMirror<'_> {
     /// Zeroes every row, so that a load that moved nothing cannot pass the check.
     pub fn clear(&self, n: usize) -> Result<()> {
         for i in 0..n {
-            // SAFETY: as in `fill`.
-            unsafe { self.region.row_mut(i)? }.fill(0);
+            // As in `fill`.
+            self.region.write_row(i)?.fill(0);
         }
         Ok(())
     }
@@ -82,9 +82,9 @@ impl VllmFsMirror<'_> {
     pub fn verified(&self, n: usize, seed: u64) -> Result<u64> {
         let mut ok = 0;
         for i in 0..n {
-            // SAFETY: as in `fill`.
-            let row = unsafe { self.region.row(i)? };
-            ok += u64::from(first_mismatch(row, seed, i as u64).is_none());
+            // As in `fill`.
+            let row = self.region.read_row(i)?;
+            ok += u64::from(first_mismatch(&row, seed, i as u64).is_none());
         }
         Ok(ok)
     }
@@ -152,9 +152,9 @@ impl VllmFsMirror<'_> {
             o.custom_flags(libc::O_DIRECT);
         }
         let mut f = o.open(&tmp)?;
-        // SAFETY: rows are only read during a store phase; no thread writes them.
-        let bytes = unsafe { self.region.row(row) }.map_err(std::io::Error::other)?;
-        let written = f.write(bytes)?;
+        // Rows are only read during a store phase; no thread writes them.
+        let bytes = self.region.read_row(row).map_err(std::io::Error::other)?;
+        let written = f.write(&bytes)?;
         drop(f);
         if written < bytes.len() {
             let _ = std::fs::remove_file(&tmp);
@@ -174,10 +174,10 @@ impl VllmFsMirror<'_> {
             o.custom_flags(libc::O_DIRECT);
         }
         let mut f = o.open(&path)?;
-        // SAFETY: each row is written by exactly one thread (its chunk's task) during a load
+        // Each row is written by exactly one thread (its chunk's task) during a load
         // phase, and nothing reads it until the phase is over.
-        let buf = unsafe { self.region.row_mut(row) }.map_err(std::io::Error::other)?;
-        let n = f.read(buf)?;
+        let mut buf = self.region.write_row(row).map_err(std::io::Error::other)?;
+        let n = f.read(&mut buf)?;
         if n < buf.len() {
             return Err(std::io::Error::other(format!(
                 "short read: {n} of {} bytes from {}",

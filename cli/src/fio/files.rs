@@ -20,15 +20,15 @@ const FILL_CHUNK: usize = 8 << 20;
 /// Prepares every file: `len` bytes (a multiple of `row_size`), preallocated and written.
 pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
     let chunk = FILL_CHUNK.min(len as usize).max(ROW_ALIGNMENT) / ROW_ALIGNMENT * ROW_ALIGNMENT;
-    let buffer = PrimaryRegion::create(1, chunk)?;
-    // SAFETY: `buffer` is a private region owned by this function; nothing else reads or writes
+    let buffer = PrimaryRegion::create(1, chunk as u64)?;
+    // `buffer` is a private region owned by this function; nothing else reads or writes
     // it while this view lives.
-    let bytes = unsafe { buffer.row_mut(0)? };
+    let mut bytes = buffer.write_row(0)?;
     for (i, b) in bytes.iter_mut().enumerate() {
         *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7];
     }
     for path in files {
-        fill(path, len, bytes)?;
+        fill(path, len, &bytes)?;
     }
     debug_assert!(len.is_multiple_of(row_size));
     Ok(())
@@ -42,9 +42,8 @@ pub fn buffer_region(
     max_depth: u32,
     kind: BenchRegion,
 ) -> Result<Arc<PrimaryRegion>> {
-    let row = usize::try_from(row_size).map_err(|_| Error::config("--row-size", "too large"))?;
     let rows = 2 * max_depth.max(1) as usize;
-    Ok(Arc::new(kind.create(rows, row)?))
+    Ok(Arc::new(kind.create(rows, row_size)?))
 }
 
 /// How the buffer rows are backed, in the words the report uses: an O_DIRECT transfer is one

@@ -76,7 +76,7 @@ impl KvtierWorkload {
     /// Opens the files with O_DIRECT and starts the engine.
     pub fn open(shape: &WorkloadShape) -> Result<Self> {
         let region = buffer_region(shape.row_size, shape.max_depth, shape.region)?;
-        let (rows, row) = (region.num_rows(), region.row_stride());
+        let (rows, row) = (region.num_rows(), region.row_stride() as usize);
         let files = shape
             .files
             .iter()

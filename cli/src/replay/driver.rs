@@ -254,9 +254,9 @@ fn verify_served(
     let region = manager.region().clone();
     let mut bad = None;
     for (j, &row) in rows.iter().enumerate() {
-        // SAFETY: `prepare_load` pinned the row for reading: nobody writes it until
+        // `prepare_load` pinned the row for reading: nobody writes it until
         // `complete_load`, and this single-threaded driver only reads it.
-        let bytes = unsafe { region.row(row as usize)? };
+        let bytes = region.read_row(row as usize)?;
         let n = (opts.slot_bytes as usize).min(bytes.len());
         let id = r.hash_ids[j];
         if let Some(at) = first_mismatch(&bytes[..n], opts.seed, id) {
@@ -304,10 +304,10 @@ fn store_computed(
                 format!("prepare_store returned key {key} that was not offered"),
             )
         })?;
-        // SAFETY: `prepare_store` reserved the row for this write (`ref_cnt == -1`): no tier
+        // `prepare_store` reserved the row for this write (`ref_cnt == -1`): no tier
         // reads or writes it until `complete_store`, and this driver is single-threaded.
-        let bytes = unsafe { region.row_mut(row as usize)? };
-        fill_row(bytes, opts.seed, r.hash_ids[first + j]);
+        let mut bytes = region.write_row(row as usize)?;
+        fill_row(&mut bytes, opts.seed, r.hash_ids[first + j]);
     }
     manager.complete_store(&prep.keys_to_store, req, true);
     Ok(())

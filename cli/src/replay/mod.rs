@@ -266,7 +266,7 @@ fn build_stack(
 ) -> Result<TieringManager> {
     let rows = usize::try_from(primary_blocks)
         .map_err(|_| Error::config("--primary", "too many blocks for this platform"))?;
-    let region = Arc::new(PrimaryRegion::create(rows, row as usize)?);
+    let region = Arc::new(PrimaryRegion::create(rows, row)?);
     let engine = match args.io_engine {
         IoEngineKind::Auto => "auto",
         IoEngineKind::Uring => "uring",

@@ -85,7 +85,7 @@ pub(crate) struct Shared {
 impl Shared {
     /// Bytes per chunk file (the row stride).
     pub fn stride(&self) -> u64 {
-        self.region.row_stride() as u64
+        self.region.row_stride()
     }
 
     /// Refreshes the catalog gauges.

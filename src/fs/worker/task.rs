@@ -155,10 +155,10 @@ fn open_store(sh: &Shared, dest: &std::path::Path, row: u32) -> Result<Option<(u
     }
     let record = match sh.integrity {
         Integrity::Xattr => {
-            // SAFETY: the manager pinned this row for the job until it is reported, which
+            // The manager pinned this row for the job until it is reported, which
             // happens only after this step: nothing writes it meanwhile.
-            let bytes = unsafe { sh.region.row(row as usize) }?;
-            Some(CrcRecord::of(bytes))
+            let bytes = sh.region.read_row(row as usize)?;
+            Some(CrcRecord::of(&bytes))
         }
         Integrity::None => None,
     };
@@ -232,10 +232,10 @@ fn finish_load(
     let Some(rec) = record else {
         return Ok(KeyOutcome::Loaded { verified: false });
     };
-    // SAFETY: the row is reserved for this job until it is reported (after this step), and
+    // The row is reserved for this job until it is reported (after this step), and
     // the engine's write into it has completed: nothing else writes it now.
-    let bytes = unsafe { sh.region.row(row as usize) }?;
-    let found = crc32fast::hash(bytes);
+    let bytes = sh.region.read_row(row as usize)?;
+    let found = crc32fast::hash(&bytes);
     if found == rec.crc {
         return Ok(KeyOutcome::Loaded { verified: true });
     }

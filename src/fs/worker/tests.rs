@@ -27,7 +27,7 @@ fn store_job(job_id: u64, keys: &[u8], rows: &[u32]) -> TransferJob {
 /// A coordinator with one I/O thread and room for one file, driven by hand (its `run`
 /// loop is not started), so that steps arrive in exactly the order a test chooses.
 fn worker(dir: &std::path::Path) -> (Worker, Receiver<OffloadingEvent>) {
-    let region = Arc::new(PrimaryRegion::create(4, STRIDE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, STRIDE as u64).unwrap());
     let opts = EngineOptions {
         queue_depth: 4,
         psync_threads: 1,

@@ -60,9 +60,9 @@ impl Worker {
                         stride,
                     ))
                 }
-                // SAFETY: the manager reserves a load job's rows (no other reader or writer)
+                // The manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
-                None => unsafe { region.row(a.rows[i] as usize) }.map(|row| {
+                None => region.read_row(a.rows[i] as usize).map(|row| {
                     chunk_crc(
                         a.keys[i].as_bytes(),
                         &row[..(stride as usize).min(row.len())],

@@ -451,7 +451,7 @@ impl Worker {
         }
         let stride = self.set.row_stride();
         // Slots may hold only a prefix of each row (`G3TierConfig::slot_bytes`).
-        let region_stride = self.engine.region().row_stride();
+        let region_stride = self.engine.region().row_stride() as usize;
         for i in 0..n {
             if a.status[i] != KeyStatus::Pending {
                 continue;
@@ -532,8 +532,8 @@ impl Worker {
                         // Not checksummed at submission (see `checksum_submitted_writes`);
                         // the row is still pinned, so this is the CRC of the bytes written.
                         let region = self.engine.region();
-                        // SAFETY: the row is pinned (no writer) until the job is reported.
-                        match unsafe { region.row(a.rows[i] as usize) } {
+                        // The row is pinned (no writer) until the job is reported.
+                        match region.read_row(a.rows[i] as usize) {
                             Ok(bytes) => {
                                 let stored = &bytes[..(stride as usize).min(bytes.len())];
                                 let crc = chunk_crc(a.keys[i].as_bytes(), stored);

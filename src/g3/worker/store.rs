@@ -125,9 +125,9 @@ impl Worker {
             else {
                 continue;
             };
-            // SAFETY: the row is pinned (no writer) until the job is reported, and was
+            // The row is pinned (no writer) until the job is reported, and was
             // range-checked in `prepare_store`; O_DIRECT only reads it meanwhile.
-            match unsafe { region.row(row as usize) } {
+            match region.read_row(row as usize) {
                 Ok(bytes) => {
                     let stored = &bytes[..slot_bytes.min(bytes.len())];
                     a.tier.slots[i] = Some((slot_id, chunk_crc(a.keys[i].as_bytes(), stored)))

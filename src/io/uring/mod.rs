@@ -182,8 +182,8 @@ impl OpcodeSupport {
 /// How the region is split into registered buffers: pieces of at most `max_piece` bytes, each a
 /// whole number of rows; `None` when one row is already larger.
 fn piece_bytes(region: &PrimaryRegion, max_piece: usize) -> Option<usize> {
-    let rows = ChunkGeometry::rows_in(max_piece as u64, region.row_stride() as u64) as usize;
-    (rows > 0).then(|| rows * region.row_stride())
+    let rows = ChunkGeometry::rows_in(max_piece as u64, region.row_stride()) as usize;
+    (rows > 0).then(|| rows * region.row_stride() as usize)
 }
 
 /// Registers `region` as fixed buffers, or says why not.

@@ -115,7 +115,7 @@ impl Staging {
         {
             return None;
         }
-        let slot_len = region.row_stride();
+        let slot_len = region.row_stride() as usize;
         let min_len = match mode {
             Mode::Always => 4096,
             _ => (max_segments(files).unwrap_or(DEFAULT_MAX_SEGMENTS) * 4096).saturating_add(1),
@@ -124,7 +124,7 @@ impl Staging {
             return None;
         }
         let slots = (STAGING_BYTES / slot_len).max(2);
-        let buf = match PrimaryRegion::create(slots, slot_len) {
+        let buf = match PrimaryRegion::create(slots, slot_len as u64) {
             // Mostly huge is worth it (free 2 MiB blocks can run short on a busy host).
             Ok(b) if b.huge_page_share() >= 0.5 => b,
             Ok(b) => {

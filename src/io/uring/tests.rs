@@ -47,7 +47,7 @@ fn requests_use_their_piece_and_never_straddle_two() {
         .custom_flags(libc::O_DIRECT)
         .open(dir.path().join("slab"))
         .unwrap();
-    let region = Arc::new(PrimaryRegion::create(8, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(8, PAGE as u64).unwrap());
     let engine = match UringEngine::with_piece_limit(region.clone(), vec![file], 8, true, 3 * PAGE)
     {
         Ok(e) => e,
@@ -66,8 +66,8 @@ fn requests_use_their_piece_and_never_straddle_two() {
     // Pieces: rows 0-2, 3-5, 6-7.
     assert_eq!(engine.piece_bytes(), Some(3 * PAGE));
     for row in 0..8 {
-        // SAFETY: no transfer is in flight; this test owns the region.
-        unsafe { region.row_mut(row).unwrap().fill(pattern(row)) };
+        // No transfer is in flight; this test owns the region.
+        region.write_row(row).unwrap().fill(pattern(row));
     }
     // Whole pieces and single rows in every piece, including the short last one.
     for (i, (row, rows)) in [(0, 3), (3, 3), (6, 2)].into_iter().enumerate() {
@@ -77,14 +77,14 @@ fn requests_use_their_piece_and_never_straddle_two() {
         assert_eq!(wait(&engine, i as u64).unwrap(), rows * PAGE);
     }
     for row in 0..8 {
-        // SAFETY: as above.
-        unsafe { region.row_mut(row).unwrap().fill(0) };
+        // As above.
+        region.write_row(row).unwrap().fill(0);
         engine
             .submit(&[req(IoDir::Read, row, 1, 100 + row as u64)])
             .unwrap();
         assert_eq!(wait(&engine, 100 + row as u64).unwrap(), PAGE);
-        // SAFETY: the read into this row has completed.
-        let bytes = unsafe { region.row(row).unwrap() };
+        // The read into this row has completed.
+        let bytes = region.read_row(row).unwrap();
         assert!(bytes.iter().all(|&b| b == pattern(row)), "row {row}");
     }
     // Rows 2-3 lie in two pieces: refused, clearly.
@@ -154,7 +154,7 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
             .open(dir.path().join("slab"))
             .unwrap()
     };
-    let region = Arc::new(PrimaryRegion::create(2, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(2, PAGE as u64).unwrap());
     // An older kernel: no POLL_ADD. The engine refuses, naming the opcode.
     let poll = opcode::PollAdd::CODE;
     let refused = UringEngine::start(
@@ -200,8 +200,8 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
     assert!(!engine.fixed_buffers());
     let why = engine.fallback_reason().unwrap_or_default().to_string();
     assert!(why.contains("READ_FIXED"), "{why}");
-    // SAFETY: no transfer is in flight; this test owns the region.
-    unsafe { region.row_mut(0).unwrap().fill(pattern(0)) };
+    // No transfer is in flight; this test owns the region.
+    region.write_row(0).unwrap().fill(pattern(0));
     engine.submit(&[req(IoDir::Write, 0, 1, 1)]).unwrap();
     assert_eq!(wait(&engine, 1).unwrap(), PAGE);
     engine.submit(&[req(IoDir::Read, 0, 1, 2)]).unwrap();
@@ -212,8 +212,8 @@ fn an_engine_without_fixed_opcodes_moves_rows_with_plain_ones_and_says_why() {
     back.region_offset = PAGE;
     engine.submit(&[back]).unwrap();
     assert_eq!(wait(&engine, 3).unwrap(), PAGE);
-    // SAFETY: the read into row 1 has completed.
-    let bytes = unsafe { region.row(1).unwrap() };
+    // The read into row 1 has completed.
+    let bytes = region.read_row(1).unwrap();
     assert!(bytes.iter().all(|&b| b == pattern(0)));
     engine.shutdown();
 }
@@ -237,7 +237,7 @@ fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
         .truncate(true)
         .open(dir.path().join("slab"))
         .unwrap();
-    let region = Arc::new(PrimaryRegion::create(4, PAGE).unwrap());
+    let region = Arc::new(PrimaryRegion::create(4, PAGE as u64).unwrap());
     let seen: Arc<Mutex<HashMap<u64, u32>>> = Arc::default();
     let counts = seen.clone();
     // Tag 1: always EAGAIN. Tag 2: EINTR three times, then the real result. Tag 3: always
@@ -261,8 +261,8 @@ fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
             return;
         }
     };
-    // SAFETY: no transfer is in flight; this test owns the region.
-    unsafe { region.row_mut(0).unwrap().fill(pattern(0)) };
+    // No transfer is in flight; this test owns the region.
+    region.write_row(0).unwrap().fill(pattern(0));
     engine.submit(&[req(IoDir::Write, 0, 1, 0)]).unwrap();
     assert_eq!(wait(&engine, 0).unwrap(), PAGE);
     let expect_failure = |tag: u64, errno: i32| {
@@ -287,8 +287,8 @@ fn eintr_and_eagain_are_resubmitted_a_bounded_number_of_times() {
     into_row_1.region_offset = PAGE;
     engine.submit(&[into_row_1]).unwrap();
     assert_eq!(wait(&engine, 2).unwrap(), PAGE);
-    // SAFETY: the read into row 1 has completed.
-    let bytes = unsafe { region.row(1).unwrap() };
+    // The read into row 1 has completed.
+    let bytes = region.read_row(1).unwrap();
     assert!(bytes.iter().all(|&b| b == pattern(0)));
     let c = seen.lock().unwrap().clone();
     assert_eq!(c[&1], MAX_TRANSIENT_RETRIES + 1);

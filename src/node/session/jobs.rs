@@ -131,33 +131,30 @@ impl JobWorker {
     fn load_through_staging(&self, st: &Staging, job: &JobRequest) -> JobResult {
         let started = Instant::now();
         let (region, file) = (&self.mapped.region, &self.mapped.file);
-        let stride = region.row_stride() as u64;
-        let pool_stride = st.pool.row_stride() as u64;
+        let stride = region.row_stride();
+        let pool_stride = st.pool.row_stride();
         let mut from_pool = Vec::new();
         let (mut keys, mut rows) = (Vec::new(), Vec::new());
         for (k, &row) in job.keys.iter().zip(&job.rows) {
-            let Ok(dst) = region.row_ptr(row as usize) else {
+            if region.row_offset(row as usize).is_err() {
                 keys.push(k.clone());
                 rows.push(row);
                 continue;
-            };
+            }
             let copy = |slot: usize, bytes: &[u8]| {
                 let pool_fd = st.pool.region().fd().ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the staging pool has no descriptor")
                 })?;
-                // SAFETY: `dst` is the service's mapping of the engine's row `row`, a whole
-                // row (at least a slot) long, mapped while this job runs; the engine gave the
-                // row to this job to fill and reads it only after JOB_DONE; this thread is
-                // the only one of the service touching it now.
-                unsafe {
-                    file.copy_into_row(
-                        dst,
-                        u64::from(row) * stride,
-                        bytes.len(),
-                        pool_fd,
-                        slot as u64 * pool_stride,
-                    )
-                }
+                // The service's mapping of the engine's row `row`, a whole row (at least a
+                // slot) long, mapped while this job runs; the engine gave the row to this job
+                // to fill and reads it only after JOB_DONE.
+                file.copy_into_row(
+                    region,
+                    row as usize,
+                    bytes.len(),
+                    pool_fd,
+                    slot as u64 * pool_stride,
+                )
             };
             match st.pool.copy_out_with(k, FILL_WAIT, copy) {
                 Ok(Some(_)) => from_pool.push(k.clone()),
@@ -193,11 +190,15 @@ impl JobWorker {
                 continue;
             };
             if let Reserve::Reserved(slot) = st.pool.reserve(k, false) {
-                // SAFETY: the slot was reserved to this thread just now.
-                let dst = unsafe { st.pool.fill_bytes(slot) };
                 // The slot holds the row's first slot_bytes, what G3 stored; read through
                 // the region file (a lost row fails the copy, and the job, see `transfer`).
-                match file.read_into(u64::from(rows[i]) * stride, dst) {
+                // The slot was reserved to this thread just now; its lease ends before the
+                // commit reads it.
+                let read = match st.pool.fill_bytes(slot) {
+                    Ok(mut dst) => file.read_into(u64::from(rows[i]) * stride, &mut dst),
+                    Err(e) => Err(e),
+                };
+                match read {
                     Ok(()) => {
                         st.pool.commit(slot, crc);
                     }
@@ -231,7 +232,7 @@ impl JobWorker {
             Err(e) => return JobResult::failed(job.job_id, e),
         };
         let region = &self.mapped.region;
-        let stride = region.row_stride();
+        let stride = region.row_stride() as usize;
         let slot = self.sh.slot_bytes as usize;
         let n = job.keys.len();
         let mut results: Vec<Result<u32>> = (0..n)
@@ -336,7 +337,7 @@ impl JobWorker {
     /// The CRC-32 of the row's first `slot_bytes` (what its slot holds), read through the
     /// region file: a row the file lost is an error ([`ErrorKind::RegionLost`]), not a signal.
     fn row_crc(&self, row: usize) -> Result<u32> {
-        let offset = row as u64 * self.mapped.region.row_stride() as u64;
+        let offset = row as u64 * self.mapped.region.row_stride();
         let mut chunk = self.chunk.borrow_mut();
         self.mapped
             .file

@@ -256,9 +256,7 @@ impl Session {
         }
         let rows = usize::try_from(num_rows)
             .map_err(|_| Error::new(ErrorKind::Config, "num_rows does not fit this machine"))?;
-        let stride = usize::try_from(self.row_stride)
-            .map_err(|_| Error::new(ErrorKind::Config, "row_stride does not fit this machine"))?;
-        let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, stride)?);
+        let region = Arc::new(PrimaryRegion::map_shared_file(&fd, rows, self.row_stride)?);
         // Before io_uring pins its pages: any shrink from here on is seen (`RegionFile`).
         let file = RegionFile::new(fd, &self.entry.name, &path, region.len() as u64)?;
         let opts = EngineOptions {

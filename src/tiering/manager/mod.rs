@@ -330,7 +330,7 @@ impl TieringManager {
             labels_len(&metrics)
         );
         Ok(TieringManager {
-            row_stride: region.row_stride() as u64,
+            row_stride: region.row_stride(),
             region,
             primary,
             tiers,

@@ -249,8 +249,7 @@ fn manager_scenario(s: &Value) -> Result<Value, String> {
     };
     let num_chunks =
         usize::try_from(opt_uint(s, "num_chunks")?.unwrap_or(1024)).map_err(|e| e.to_string())?;
-    let row_stride =
-        usize::try_from(opt_uint(s, "row_stride")?.unwrap_or(4096)).map_err(|e| e.to_string())?;
+    let row_stride = opt_uint(s, "row_stride")?.unwrap_or(4096);
     let region = PrimaryRegion::create(num_chunks, row_stride).map_err(|e| e.to_string())?;
     let primary = PrimaryTier::new(Arc::new(region), cfg.eviction_policy, false);
     let clock = Arc::new(ManualClock::new());

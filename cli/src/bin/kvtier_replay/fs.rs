@@ -44,7 +44,7 @@ pub fn run(input: &Value) -> Result<Value, String> {
 fn scenario(s: &Value) -> Result<Value, String> {
     let root = string(s, "root_dir")?;
     let fields = field(s, "fields")?.clone();
-    let stride = usize::try_from(uint(s, "row_stride")?).map_err(|e| e.to_string())?;
+    let stride = uint(s, "row_stride")?;
     let steps = array(s, "steps")?;
     let rows = steps
         .iter()
@@ -108,10 +108,11 @@ fn step(t: &mut FsTier, region: &PrimaryRegion, n: u64, st: &Value) -> Result<Va
                 let bytes = hex_row
                     .as_str()
                     .and_then(|h| hex::decode(h).ok())
-                    .filter(|b| b.len() == region.row_stride())
+                    .filter(|b| b.len() as u64 == region.row_stride())
                     .ok_or("each row must be row_stride bytes of hex")?;
-                // SAFETY: this driver owns the region; no job uses the row now.
-                unsafe { region.row_mut(*row as usize) }
+                // This driver owns the region; no job uses the row now.
+                region
+                    .write_row(*row as usize)
                     .map_err(|e| e.to_string())?
                     .copy_from_slice(&bytes);
             }
@@ -127,9 +128,9 @@ fn step(t: &mut FsTier, region: &PrimaryRegion, n: u64, st: &Value) -> Result<Va
             let mut out = Vec::new();
             for (k, row) in ks.iter().zip(&rows) {
                 if loaded(k) {
-                    // SAFETY: the job is reported: nothing writes the row any more.
-                    let bytes = unsafe { region.row(*row as usize) }.map_err(|e| e.to_string())?;
-                    out.push(json!(hex::encode(bytes)));
+                    // The job is reported: nothing writes the row any more.
+                    let bytes = region.read_row(*row as usize).map_err(|e| e.to_string())?;
+                    out.push(json!(hex::encode(&*bytes)));
                 } else {
                     out.push(Value::Null);
                 }

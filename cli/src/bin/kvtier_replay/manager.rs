@@ -43,7 +43,7 @@ use serde_json::{Value, json};
 
 use crate::json::{array, field, key, keys, string, uint};
 
-const ROW_STRIDE: usize = 4096;
+const ROW_STRIDE: u64 = 4096;
 
 /// Which labels a compared metric has.
 #[derive(Clone, Copy)]

@@ -97,7 +97,7 @@ fn transfer(
             prepare_canonical_from_views(desc, &ParallelConfig::tp(tp, rank), bpc, true, views)
         })
         .collect::<kvtier::Result<Vec<_>>>()?;
-    let region = Arc::new(PrimaryRegion::create(1, params.row_stride as usize)?);
+    let region = Arc::new(PrimaryRegion::create(1, params.row_stride)?);
     let mut cfg = G3TierConfig::new(vec![dir.to_path_buf()], SLOTS * params.slot_bytes);
     cfg.slot_bytes = params.slot_prefix();
     cfg.fsync = FsyncPolicy::Never;
@@ -107,11 +107,11 @@ fn transfer(
     }
     let result = if load {
         run_job(&mut tier, key, true).and_then(|()| {
-            // SAFETY: this function is the region's only user and the load has completed.
-            let row = unsafe { region.row(0)? };
+            // This function is the region's only user and the load has completed.
+            let row = region.read_row(0)?;
             for (p, file) in plans.iter().zip(files) {
                 let mut local = vec![0u8; p.plan.local_chunk_bytes as usize];
-                p.plan.scatter(row, &mut local)?;
+                p.plan.scatter(&row, &mut local)?;
                 std::fs::write(file, &local).map_err(|e| Error::io("write", file, e))?;
             }
             Ok(())
@@ -120,9 +120,8 @@ fn transfer(
         let fill = || -> kvtier::Result<()> {
             for (p, file) in plans.iter().zip(files) {
                 let local = std::fs::read(file).map_err(|e| Error::io("read", file, e))?;
-                // SAFETY: as above; no transfer is in flight.
-                let row = unsafe { region.row_mut(0)? };
-                p.plan.gather(&local, row, key)?;
+                // As above; no transfer is in flight.
+                p.plan.gather(&local, &mut region.write_row(0)?, key)?;
             }
             Ok(())
         };
