@@ -29,6 +29,7 @@ use crate::geometry::{ChunkGeometry, ROW_ALIGNMENT};
 
 mod backing;
 mod huge_pages;
+pub(crate) mod mem_hints;
 mod pin;
 mod rows;
 mod shared_alias;

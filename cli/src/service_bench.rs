@@ -343,15 +343,17 @@ impl Bench {
         let rows: Vec<u32> = (0..self.chunks).collect();
         let started = Instant::now();
         for set in g3.iter().chain(&hint) {
-            let len = self.a_region.len();
-            // SAFETY: the region is this command's own and no job uses it now.
-            let all = unsafe { std::slice::from_raw_parts_mut(self.a_region.base_ptr(), len) };
+            // The region is this command's own and no job uses it now. Rows are whole 4 KiB
+            // pages, so the pages are filled in the region's order.
             let mut x = u64::from(round) * 7919 + set.len() as u64 + 1;
-            for b in all.chunks_mut(4096) {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                b[..8].copy_from_slice(&x.to_le_bytes());
+            for r in 0..self.a_region.num_rows() {
+                let mut row = self.a_region.write_row(r)?;
+                for b in row.chunks_mut(4096) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    b[..8].copy_from_slice(&x.to_le_bytes());
+                }
             }
             let id = self.job_id();
             self.a.submit_store(id, set.clone(), rows.clone());

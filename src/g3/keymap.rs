@@ -7,6 +7,8 @@
 //! key + value + control bytes keeps recovery of millions of entries cache- and TLB-friendly;
 //! large tables are advised to use transparent huge pages.
 
+use crate::region::mem_hints::{HUGE_PAGE, advise_huge_slice, advise_huge_spare};
+
 /// A slot number within the stripe set.
 pub type Slot = u32;
 
@@ -132,50 +134,26 @@ impl KeyTable {
     }
 }
 
-/// Hints the CPU to load the cache line holding `x` (no effect off x86-64).
-pub fn prefetch<T>(x: &T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is only a hint: it never faults or changes memory, and `x` is a
-    // valid reference anyway. SSE is part of the x86-64 baseline.
-    unsafe {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        _mm_prefetch::<_MM_HINT_T0>((x as *const T).cast());
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = x;
-}
+pub(crate) use crate::region::mem_hints::prefetch;
 
 /// Asks for transparent huge pages over the page-aligned part of a large vector (a hint: the
 /// result is ignored; small vectors are left alone).
 pub fn advise_huge_pages<T>(v: &[T]) {
-    advise_range(v.as_ptr() as usize, std::mem::size_of_val(v));
+    advise_range(std::mem::size_of_val(v), || advise_huge_slice(v));
 }
 
 /// [`advise_huge_pages`] over a vector's unused capacity, before it is first written (pages
 /// already touched are not backed by huge pages until the kernel collapses them later).
 pub fn advise_huge_pages_spare<T>(v: &mut Vec<T>) {
-    let spare = v.spare_capacity_mut();
-    advise_range(spare.as_ptr() as usize, std::mem::size_of_val(spare));
+    let bytes = std::mem::size_of_val(v.spare_capacity_mut());
+    advise_range(bytes, || advise_huge_spare(v));
 }
 
-fn advise_range(start: usize, bytes: usize) {
-    const HUGE: usize = 2 << 20;
-    if bytes < 2 * HUGE {
-        return;
-    }
-    let aligned = (start + HUGE - 1) & !(HUGE - 1);
-    let end = (start + bytes) & !(HUGE - 1);
-    if end > aligned {
-        // SAFETY: callers pass a range inside an allocation they own; MADV_HUGEPAGE only
-        // changes how the kernel backs it, never its contents (a refusal only leaves the table
-        // in small pages).
-        let _ = unsafe {
-            rustix::mm::madvise(
-                aligned as *mut std::ffi::c_void,
-                end - aligned,
-                rustix::mm::Advice::LinuxHugepage,
-            )
-        };
+/// `advise` for a table of `bytes`, given only to tables of at least two huge
+/// pages (a refusal only leaves the table in small pages).
+fn advise_range(bytes: usize, advise: impl FnOnce() -> rustix::io::Result<()>) {
+    if bytes >= 2 * HUGE_PAGE {
+        let _ = advise();
     }
 }
 

@@ -483,6 +483,20 @@ pub(crate) fn advance(
     Ok(done)
 }
 
+/// `posix_fallocate(file, 0, len)`: glibc's, which writes zeros where the filesystem has no
+/// `fallocate(2)` (rustix's `fallocate` and std have only the system call, which then fails).
+/// The error is the call's `errno` (`ENOSPC`, `EDQUOT`, ...), or `EFBIG` for a length beyond
+/// `off_t`.
+pub(crate) fn posix_fallocate(file: &File, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+    // SAFETY: posix_fallocate on a descriptor `file` owns and keeps open for the call; no
+    // memory is involved.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

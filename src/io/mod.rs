@@ -26,7 +26,7 @@ mod thread;
 
 #[cfg(any(test, feature = "test-support"))]
 pub use faulty::{DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault};
-pub(crate) use files::is_transient;
+pub(crate) use files::{is_transient, posix_fallocate};
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
 #[cfg(feature = "test-support")]
 pub use open::EngineHandle;

@@ -18,7 +18,7 @@
 //! access into the caller's arrays. The capacity is fixed at construction: nothing allocates
 //! afterwards.
 
-use super::mem_hints::huge_slice;
+use super::huge_arrays::huge_slice;
 
 pub(crate) use crate::hash::KeyHasher;
 
@@ -165,7 +165,7 @@ impl IndexTable {
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
         if let Some(b) = self.buckets.get(self.home(hash)) {
-            super::mem_hints::prefetch(b);
+            super::huge_arrays::prefetch(b);
         }
     }
 

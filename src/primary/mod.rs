@@ -21,7 +21,7 @@
 //! [`ErrorKind::Contract`] and change nothing; they never panic.
 
 mod index;
-mod mem_hints;
+mod huge_arrays;
 mod pins;
 test_visible! {
     mod policy;

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use crate::key::ChunkKey;
 
 use super::index::KeyHasher;
-use super::mem_hints::huge_slice;
+use super::huge_arrays::huge_slice;
 use super::policy::list::NIL;
 
 /// Longest key stored entirely inside its entry.
@@ -177,7 +177,7 @@ impl SlotTable {
     /// Several of these in a row overlap their memory latency.
     #[inline]
     pub(crate) fn warm(&self, hash: u64) {
-        super::mem_hints::prefetch(&self.entries[self.home(hash)]);
+        super::huge_arrays::prefetch(&self.entries[self.home(hash)]);
     }
 
     /// Inside a walk along a run of entries (insertion, backward shift): prefetches the
@@ -186,7 +186,7 @@ impl SlotTable {
     #[inline]
     fn prefetch_ahead(&self, i: usize) {
         if let Some(e) = self.entries.get(i + RUN_AHEAD) {
-            super::mem_hints::prefetch(e);
+            super::huge_arrays::prefetch(e);
         }
     }
 

@@ -2,7 +2,6 @@
 //! format removes anything.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
@@ -32,21 +31,13 @@ pub(super) fn preallocate(f: &File, p: &Path, len: u64) -> Result<()> {
     {
         return Err(no_space(available));
     }
-    let len_off = libc::off_t::try_from(len).map_err(|_| no_space(available))?;
-    // Raw libc: glibc's posix_fallocate writes zeros where the filesystem has no fallocate(2)
-    // (rustix's `fallocate` and std have only the system call, which then fails).
-    // SAFETY: posix_fallocate on a descriptor we own; no memory is involved.
-    let rc = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len_off) };
-    match rc {
-        0 => Ok(()),
-        libc::ENOSPC | libc::EDQUOT => Err(no_space(available_bytes(
-            p.parent().unwrap_or(Path::new(".")),
-        ))),
-        e => Err(Error::io(
-            "posix_fallocate",
-            p,
-            std::io::Error::from_raw_os_error(e),
+    libc::off_t::try_from(len).map_err(|_| no_space(available))?;
+    match crate::io::posix_fallocate(f, len) {
+        Ok(()) => Ok(()),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => Err(no_space(
+            available_bytes(p.parent().unwrap_or(Path::new("."))),
         )),
+        Err(e) => Err(Error::io("posix_fallocate", p, e)),
     }
 }
 

@@ -18,7 +18,7 @@
 //!   inserted move to the front of their list, the rest stay.
 
 use super::ghost::{Ghost, GhostLists};
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::huge_arrays::huge_slice;
 
 use super::list::{Link, List, more_recent, new_links};
 use super::marks::{Marked, marked_methods};

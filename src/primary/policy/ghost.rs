@@ -15,7 +15,7 @@
 
 use super::list::{Link, List, NIL, new_links};
 use crate::primary::index::IndexTable;
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::huge_arrays::huge_slice;
 
 /// Which ghost list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

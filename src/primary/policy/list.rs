@@ -24,7 +24,7 @@ impl Link {
 
 /// A fresh array of `n` unlinked nodes.
 pub(crate) fn new_links(n: usize) -> Box<[Link]> {
-    crate::primary::mem_hints::huge_slice(n, || Link::UNLINKED)
+    crate::primary::huge_arrays::huge_slice(n, || Link::UNLINKED)
 }
 
 /// The node after `i` walking from the back (least recent) to the front: its more recent
@@ -37,8 +37,8 @@ pub(crate) fn more_recent(links: &[Link], i: u32) -> Option<u32> {
 /// Starts loading node `slot`'s links and its per-slot policy state (out-of-range: nothing).
 pub(crate) fn prefetch_node(links: &[Link], state: &[u8], slot: u32) {
     if let (Some(link), Some(st)) = (links.get(slot as usize), state.get(slot as usize)) {
-        crate::primary::mem_hints::prefetch(link);
-        crate::primary::mem_hints::prefetch(st);
+        crate::primary::huge_arrays::prefetch(link);
+        crate::primary::huge_arrays::prefetch(st);
     }
 }
 

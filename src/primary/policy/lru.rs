@@ -2,7 +2,7 @@
 //! `LRUCachePolicy` for requests without token positions: every use gives a key the newest
 //! rank, and a pinned key keeps its rank).
 
-use crate::primary::mem_hints::huge_slice;
+use crate::primary::huge_arrays::huge_slice;
 
 use super::list::{Link, List, more_recent, new_links};
 use super::marks::{Marked, marked_methods};
