@@ -11,13 +11,16 @@
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+#[cfg(any(test, feature = "test-support"))]
 use std::sync::Arc;
 
 use rustix::fs::{AtFlags, CWD, FileType, Mode, OFlags};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::g3::dirs::unwritable_reason;
-use crate::io::{IoEngine, MetaFile, MetaOp};
+#[cfg(any(test, feature = "test-support"))]
+use crate::io::IoEngine;
+use crate::io::{MetaFile, MetaOp};
 
 /// The journal of the current generation.
 pub const JOURNAL_FILE_NAME: &str = "kvtier-g3.journal";
@@ -51,6 +54,7 @@ pub struct IndexDir {
     fd: OwnedFd,
     dev: u64,
     ino: u64,
+    #[cfg(any(test, feature = "test-support"))]
     faults: Option<Arc<dyn IoEngine>>,
 }
 
@@ -185,17 +189,20 @@ impl IndexDir {
             fd,
             dev: st.st_dev,
             ino: st.st_ino,
+            #[cfg(any(test, feature = "test-support"))]
             faults: None,
         })
     }
 
-    /// Sends every operation through `engine`'s fault hook.
+    /// Sends every operation through `engine`'s fault hook (test support).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn with_faults(mut self, engine: Arc<dyn IoEngine>) -> Self {
         self.faults = Some(engine);
         self
     }
 
-    /// The engine whose fault hook applies, if any.
+    /// The engine whose fault hook applies, if any (test support).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn faults(&self) -> Option<&Arc<dyn IoEngine>> {
         self.faults.as_ref()
     }
@@ -211,11 +218,20 @@ impl IndexDir {
         self.path.join(name)
     }
 
+    /// The fault a test injects into `op` on `file`; none in a shipped build.
+    #[cfg(any(test, feature = "test-support"))]
     fn fault(&self, file: MetaFile, op: MetaOp) -> std::io::Result<()> {
         match self.faults.as_ref().and_then(|e| e.meta_fault(file, op)) {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// The fault a test injects into `op` on `file`; none in a shipped build.
+    #[cfg(not(any(test, feature = "test-support")))]
+    #[inline(always)]
+    fn fault(&self, _file: MetaFile, _op: MetaOp) -> std::io::Result<()> {
+        Ok(())
     }
 
     /// Opens `name` for reading; `None` when it does not exist. Anything but a regular file is

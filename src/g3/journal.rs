@@ -9,6 +9,7 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+#[cfg(any(test, feature = "test-support"))]
 use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -17,7 +18,9 @@ use crate::g3::index_dir::IndexDir;
 #[cfg(any(test, feature = "test-support"))]
 use crate::g3::index_dir::JOURNAL_TMP_FILE_NAME;
 use crate::g3::record::{FileHeader, JOURNAL_MAGIC, RecordCodec};
-use crate::io::{IoEngine, MetaFile, MetaOp};
+use crate::io::MetaOp;
+#[cfg(any(test, feature = "test-support"))]
+use crate::io::{IoEngine, MetaFile};
 use crate::key::ChunkKey;
 
 pub use crate::g3::index_dir::{CHECKPOINT_FILE_NAME, JOURNAL_FILE_NAME};
@@ -46,6 +49,7 @@ pub struct JournalWriter {
     len: u64,
     pending: Vec<u8>,
     poisoned: Option<String>,
+    #[cfg(any(test, feature = "test-support"))]
     faults: Option<Arc<dyn IoEngine>>,
 }
 
@@ -98,6 +102,8 @@ impl JournalWriter {
         path: PathBuf,
         set_uuid: [u8; 16],
         len: u64,
+        // The directory's fault hook (test support).
+        #[cfg_attr(not(any(test, feature = "test-support")), allow(unused_variables))]
         dir: &IndexDir,
     ) -> Self {
         JournalWriter {
@@ -107,6 +113,7 @@ impl JournalWriter {
             len,
             pending: Vec::new(),
             poisoned: None,
+            #[cfg(any(test, feature = "test-support"))]
             faults: dir.faults().cloned(),
         }
     }
@@ -150,6 +157,8 @@ impl JournalWriter {
         self.codec.encode_remove(&mut self.pending, self.len, slot);
     }
 
+    /// The fault a test injects into `op` on the journal; none in a shipped build.
+    #[cfg(any(test, feature = "test-support"))]
     fn fault(&self, op: MetaOp) -> std::io::Result<()> {
         match self
             .faults
@@ -159,6 +168,13 @@ impl JournalWriter {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// The fault a test injects into `op` on the journal; none in a shipped build.
+    #[cfg(not(any(test, feature = "test-support")))]
+    #[inline(always)]
+    fn fault(&self, _op: MetaOp) -> std::io::Result<()> {
+        Ok(())
     }
 
     /// Writes the buffered records; with `sync`, also `fdatasync`s the journal. With `sync`

@@ -20,6 +20,7 @@ test_visible! {
 }
 mod files;
 mod idle;
+mod meta;
 mod open;
 mod queue;
 mod thread;
@@ -28,6 +29,10 @@ mod thread;
 pub use faulty::{DataFault, DataOp, FaultPlan, FaultyEngine, MetaFault};
 pub(crate) use files::{is_transient, posix_fallocate};
 pub use idle::{DEFAULT_IDLE_LINGER, DEFAULT_IDLE_POLL_INTERVAL, IdlePolicy};
+#[cfg(feature = "test-support")]
+pub use meta::{MetaFile, MetaOp};
+#[cfg(not(feature = "test-support"))]
+pub(crate) use meta::{MetaFile, MetaOp};
 #[cfg(feature = "test-support")]
 pub use open::EngineHandle;
 #[cfg(not(feature = "test-support"))]
@@ -108,31 +113,6 @@ pub enum IoEngineKind {
     Psync,
 }
 
-/// A file that a tier writes beside its data files, outside the engine's transfers (the G3
-/// index), named so that faults can be injected into its operations.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MetaFile {
-    /// The index journal (and its temporary and previous-generation names).
-    Journal,
-    /// The index checkpoint (and its temporary and previous-generation names).
-    Checkpoint,
-    /// The directory holding them (its fsync).
-    Directory,
-}
-
-/// An operation on a [`MetaFile`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum MetaOp {
-    /// Creating (or truncating) a file.
-    Create,
-    /// Writing bytes.
-    Write,
-    /// `fsync` / `fdatasync`.
-    Sync,
-    /// Renaming (or linking) a file to another name.
-    Rename,
-}
-
 /// A pluggable I/O engine.
 pub trait IoEngine: Send + Sync {
     /// `"uring"`, `"psync"`, `"faulty(uring)"`, ...
@@ -171,9 +151,10 @@ pub trait IoEngine: Send + Sync {
     /// when it returns `Ok`. Blocks the caller (the G3 worker's group commit).
     fn sync_data(&self, file: usize) -> Result<()>;
 
-    /// Called before each operation on a tier's metadata files (the G3 journal, checkpoint
+    /// Test support: called before each operation on a tier's metadata files (the G3 journal, checkpoint
     /// and their directory): `Some(error)` makes that operation fail with `error` without
     /// running it. Real engines inject nothing; the `faulty` engine follows its plan.
+    #[cfg(any(test, feature = "test-support"))]
     fn meta_fault(&self, _file: MetaFile, _op: MetaOp) -> Option<std::io::Error> {
         None
     }

@@ -95,7 +95,10 @@ impl Worker {
                 "more than 2^32 - 1 slots in one stripe set",
             )
         })?;
-        let dir = IndexDir::open(self.set.meta_dir())?.with_faults(self.engine.clone());
+        let dir = IndexDir::open(self.set.meta_dir())?;
+        // Tests inject metadata faults through the engine's hook.
+        #[cfg(any(test, feature = "test-support"))]
+        let dir = dir.with_faults(self.engine.clone());
         let uuid = self.set.set_uuid();
         let rec = recovery::recover(&dir, uuid, total, self.set.files.len())?;
         let m = &self.sh.metrics;
