@@ -43,40 +43,14 @@ pub const MISMATCH_FILESYSTEM: &str = "filesystem";
 /// `statfs` magics of filesystems that keep nothing across a mount.
 const VOLATILE: [u64; 2] = [0x0102_1994, 0x8584_58F6];
 
-/// The filesystem holding a directory, as a record keeps it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FsIdentity {
-    /// `statfs` `f_type`.
-    pub fs_type: u64,
-    /// `statvfs` `f_fsid` (0: none).
-    pub fsid: u64,
-    /// The filesystem UUID, when the kernel reports a nonzero one.
-    pub uuid: Option<[u8; 16]>,
-    /// `st_dev` when recorded.
-    pub dev: u64,
-    /// The mount's source (`/dev/nvme0n1`), for messages; empty when unknown.
-    pub source: String,
-    /// The mount point, for messages; empty when unknown.
-    pub mount_point: String,
-}
-
-impl From<FilesystemFacts> for FsIdentity {
-    fn from(f: FilesystemFacts) -> Self {
-        FsIdentity {
-            fs_type: f.fs_type,
-            fsid: f.fsid,
-            uuid: f.uuid,
-            dev: f.dev,
-            source: f.source,
-            mount_point: f.mount_point,
-        }
-    }
-}
+/// The filesystem holding a directory, as a record keeps it: the facts the I/O layer reads
+/// ([`FilesystemFacts`]), compared by [`FsIdentity::same_filesystem`].
+pub type FsIdentity = FilesystemFacts;
 
 impl FsIdentity {
     /// The filesystem holding the directory `dir` now.
     pub fn of(dir: &Path) -> Result<Self> {
-        filesystem_facts(dir).map(Self::from)
+        filesystem_facts(dir)
     }
 
     /// Whether `self` and `other` are the same filesystem (see the module docs).

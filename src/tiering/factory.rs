@@ -265,7 +265,14 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
         }
         Err(e) => return Err(e),
     };
-    // vLLM's fs tier's rule: events when the tier asks for them and the host records them.
+    tier.set_events_enabled(events_enabled(cfg, ctx, tier_events));
+    Ok(Box::new(tier))
+}
+
+/// vLLM's fs tier's rule for a tier's KV events: on when the tier asks for them
+/// (`enable_kv_events`) and the manager records them; a tier asking while the manager does not
+/// is told so in the log.
+fn events_enabled(cfg: &TierConfig, ctx: &TierBuildContext, tier_events: bool) -> bool {
     if tier_events && !ctx.events {
         log::warn!(
             "{}.enable_kv_events is set but KV events are off for the manager; the tier \
@@ -273,8 +280,7 @@ pub fn build_nvme_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<d
             cfg.key_path()
         );
     }
-    tier.set_events_enabled(ctx.events && tier_events);
-    Ok(Box::new(tier))
+    ctx.events && tier_events
 }
 
 /// Builds an `fs` tier ([`FsTier`]) from its params (see `docs/fs-tier.md`).
@@ -300,15 +306,7 @@ pub fn build_fs_tier(cfg: &TierConfig, ctx: &TierBuildContext) -> Result<Box<dyn
         ctx.tier_label.clone(),
         cfg.locality,
     )?;
-    // vLLM's fs tier's rule: events when the tier asks for them and the host records them.
-    if tier_events && !ctx.events {
-        log::warn!(
-            "{}.enable_kv_events is set but KV events are off for the manager; the tier \
-             records none",
-            cfg.key_path()
-        );
-    }
-    tier.set_events_enabled(ctx.events && tier_events);
+    tier.set_events_enabled(events_enabled(cfg, ctx, tier_events));
     Ok(Box::new(tier))
 }
 

@@ -243,18 +243,8 @@ fn kvtier_round(
     seed: u64,
 ) -> Result<(SideRound, String, String)> {
     let mut tier = BenchTier::open(&TierOptions {
-        parent_dirs: args.path.paths.clone(),
-        capacity: plan.capacity,
-        row_stride: plan.row_stride,
-        primary_rows: plan.chunks,
-        max_bytes_in_flight: plan.max_bytes_in_flight,
-        io_engine: args.io_engine,
-        idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
-        namespace,
-        keep: args.keep,
-        slot_bytes: None,
         fs_fields: Some(fields.clone()),
-        region: crate::region_arg::BenchRegion::Own,
+        ..TierOptions::of(args, plan, namespace)
     })?;
     let batches = plan.batches();
     let progress = !args.json;

@@ -252,18 +252,9 @@ fn run_once(
     progress: bool,
 ) -> Result<(Run, TierFacts)> {
     let mut tier = BenchTier::open(&TierOptions {
-        parent_dirs: args.path.paths.clone(),
-        capacity: plan.capacity,
-        row_stride: plan.row_stride,
-        primary_rows: plan.chunks,
-        max_bytes_in_flight: plan.max_bytes_in_flight,
-        io_engine: args.io_engine,
-        idle_linger: std::time::Duration::from_millis(args.idle_linger_ms),
-        namespace,
         slot_bytes: plan.params.slot_prefix(),
-        keep: args.keep,
-        fs_fields: None,
         region,
+        ..TierOptions::of(args, plan, namespace)
     })?;
     if args.path.paths.is_empty() && progress {
         // The user named no directory: say where the slabs go, before the long part starts.

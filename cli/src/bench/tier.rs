@@ -13,6 +13,8 @@ use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::io::IoEngineKind;
 use kvtier::tiering::TieringManager;
 
+use crate::bench::args::BenchArgs;
+use crate::bench::plan::Plan;
 use crate::region_arg::{BenchRegion, pages_note};
 
 /// How to build the stack.
@@ -43,6 +45,27 @@ pub struct TierOptions {
     pub fs_fields: Option<serde_json::Value>,
     /// The primary region the stack runs on.
     pub region: BenchRegion,
+}
+
+impl TierOptions {
+    /// The stack `args` and `plan` ask for: a G3 tier holding whole rows, on kvtier's own
+    /// region, with the namespace `namespace`. Callers change what differs.
+    pub(crate) fn of(args: &BenchArgs, plan: &Plan, namespace: [u8; 32]) -> Self {
+        TierOptions {
+            parent_dirs: args.path.paths.clone(),
+            capacity: plan.capacity,
+            row_stride: plan.row_stride,
+            primary_rows: plan.chunks,
+            max_bytes_in_flight: plan.max_bytes_in_flight,
+            io_engine: args.io_engine,
+            idle_linger: Duration::from_millis(args.idle_linger_ms),
+            namespace,
+            slot_bytes: None,
+            keep: args.keep,
+            fs_fields: None,
+            region: BenchRegion::Own,
+        }
+    }
 }
 
 /// Facts for the report.

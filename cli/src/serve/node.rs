@@ -46,23 +46,7 @@ pub fn run(
             in_file(config_path, e)
         }
     })?;
-    if let Some(s) = &cfg.service {
-        // stderr: the first stdout line stays the endpoint's address (scripts read it).
-        crate::output::errln!(
-            "kvtier serve: node service on {} (digest {}, slots of {} bytes: engines' rows \
-             of at least that many bytes, their first ones stored)",
-            s.socket_path.display(),
-            hex::encode(digest),
-            plan.params.slot_bytes
-        );
-    }
-    serve_until_signal(
-        listener,
-        Box::new(NodeHttp {
-            service: Some(service),
-            prefix: args.metrics_prefix.clone(),
-        }),
-    )
+    serve(args, cfg, service, listener, digest, plan.params.slot_bytes)
 }
 
 /// Starts the node service for `cfg` with the namespace digest `namespace` (64 hex digits)
@@ -115,12 +99,27 @@ pub fn run_for_namespace(
         }
         in_file(config_path, out)
     })?;
+    serve(args, cfg, service, listener, digest, slot_bytes)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Says where the started `service` listens and what it stores, then serves its metrics and
+/// health on `listener` until a signal.
+fn serve(
+    args: &ServeArgs,
+    cfg: &KvtierConfig,
+    service: NodeService,
+    listener: TcpListener,
+    digest: [u8; 32],
+    slot_bytes: u64,
+) -> Result<()> {
     if let Some(s) = &cfg.service {
+        // stderr: the first stdout line stays the endpoint's address (scripts read it).
         crate::output::errln!(
             "kvtier serve: node service on {} (digest {}, slots of {} bytes: engines' rows \
              of at least that many bytes, their first ones stored)",
             s.socket_path.display(),
-            namespace.to_ascii_lowercase(),
+            hex::encode(digest),
             slot_bytes
         );
     }
@@ -130,8 +129,7 @@ pub fn run_for_namespace(
             service: Some(service),
             prefix: args.metrics_prefix.clone(),
         }),
-    )?;
-    Ok(ExitCode::SUCCESS)
+    )
 }
 
 /// The node service behind the HTTP endpoint.

@@ -207,24 +207,18 @@ impl Staging {
     ) -> Result<u32> {
         let dst = self.ptr(slot, 0);
         let crc = match region.shared_file() {
-            Some(fd) => {
-                let mut h = crc32fast::Hasher::new();
-                let mut off = 0;
-                while off < req.len {
-                    let n = COPY_CHUNK.min(req.len - off);
-                    // SAFETY: the slot is this request's alone until it is released.
-                    let chunk = unsafe { std::slice::from_raw_parts_mut(dst.add(off), n) };
-                    pread_exact(
-                        fd.as_fd(),
-                        chunk,
-                        (req.region_offset + off) as u64,
-                        "the region file",
-                    )?;
-                    h.update(chunk);
-                    off += n;
-                }
-                h.finalize()
-            }
+            // SAFETY: the slot is this request's alone until it is released; it is both what
+            // the read fills and what is checksummed.
+            Some(fd) => unsafe {
+                pread_crc(
+                    fd.as_fd(),
+                    dst,
+                    dst,
+                    req.len,
+                    req.region_offset as u64,
+                    "the region file",
+                )
+            }?,
             // SAFETY: the range was validated inside the region on submission and the caller
             // does not write it while its write is in flight; the slot is ours.
             None => unsafe { copy_crc(dst, region.base_ptr().add(req.region_offset), req.len) },
@@ -252,25 +246,20 @@ impl Staging {
                 let memfd = self.buf.fd().ok_or_else(|| {
                     Error::new(ErrorKind::Internal, "the staging buffer has no memfd")
                 })?;
-                let mut h = crc32fast::Hasher::new();
-                let mut off = 0;
-                while off < req.len {
-                    let n = COPY_CHUNK.min(req.len - off);
-                    // SAFETY: see above; the kernel writes the range, we only name it.
-                    let chunk = unsafe { std::slice::from_raw_parts_mut(dst.add(off), n) };
-                    pread_exact(
+                // The CRC of the slot's bytes (ours; the copy is what the kernel put there):
+                // never a CPU read of the other process's mapping.
+                // SAFETY: see above: the kernel writes the region range, we only name it; the
+                // slot is ours and holds the read's bytes.
+                unsafe {
+                    pread_crc(
                         memfd,
-                        chunk,
-                        (slot * self.slot_len + off) as u64,
+                        dst,
+                        src,
+                        req.len,
+                        (slot * self.slot_len) as u64,
                         "the engine's region (mapping lost?)",
-                    )?;
-                    // The CRC of the slot's bytes (ours; the copy is what the kernel put
-                    // there): never a CPU read of the other process's mapping.
-                    // SAFETY: the slot is ours and holds the read's bytes.
-                    h.update(unsafe { std::slice::from_raw_parts(src.add(off), n) });
-                    off += n;
-                }
-                h.finalize()
+                    )
+                }?
             }
             // SAFETY: see above; the slot holds the read's bytes and is ours.
             None => unsafe { copy_crc(dst, src, req.len) },
@@ -279,6 +268,36 @@ impl Staging {
             .fetch_add(req.len as u64, Ordering::Relaxed);
         Ok(crc)
     }
+}
+
+/// Reads `len` bytes of `fd` at `file_off` into `dst`, [`COPY_CHUNK`] at a time, and returns
+/// the CRC-32 of `checked`'s same `len` bytes, each chunk hashed right after its read (while it
+/// is in cache). `checked` is `dst` itself, or the bytes the read copies from when `dst` is
+/// another process's mapping the CPU must not read.
+///
+/// # Safety
+/// `dst` is writable for `len` bytes by the kernel and `checked` readable for `len` bytes once
+/// each chunk is read; nobody else touches either meanwhile.
+unsafe fn pread_crc(
+    fd: std::os::fd::BorrowedFd<'_>,
+    dst: *mut u8,
+    checked: *const u8,
+    len: usize,
+    file_off: u64,
+    what: &str,
+) -> Result<u32> {
+    let mut h = crc32fast::Hasher::new();
+    let mut off = 0;
+    while off < len {
+        let n = COPY_CHUNK.min(len - off);
+        // SAFETY: the caller's contract: `[dst + off, + n)` is writable and ours.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(dst.add(off), n) };
+        pread_exact(fd, chunk, file_off + off as u64, what)?;
+        // SAFETY: the caller's contract: `[checked + off, + n)` is readable and ours.
+        h.update(unsafe { std::slice::from_raw_parts(checked.add(off), n) });
+        off += n;
+    }
+    Ok(h.finalize())
 }
 
 /// Bytes copied (and then checksummed while still in cache) at a time.
