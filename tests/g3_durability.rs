@@ -194,68 +194,11 @@ fn no_acknowledged_store_is_lost_when_a_rename_fails() {
     eprintln!("{refused_some} of 12 runs refused some stores while a checkpoint was broken");
 }
 
-/// A loop device with ext4, mounted on a directory; unmounted and detached on drop.
-struct LoopFs {
-    image: PathBuf,
-    dev: String,
-    mnt: PathBuf,
-}
-
-fn run_ok(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    } else {
-        Err(format!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl LoopFs {
-    fn new(dir: &Path, mb: u64) -> Result<LoopFs, String> {
-        let image = dir.join("fs.img");
-        let f = std::fs::File::create(&image).map_err(|e| e.to_string())?;
-        f.set_len(mb << 20).map_err(|e| e.to_string())?;
-        let dev = run_ok("losetup", &["-f", "--show", &image.display().to_string()])?;
-        let fs = LoopFs {
-            image,
-            dev,
-            mnt: dir.join("mnt"),
-        };
-        run_ok("mkfs.ext4", &["-q", "-F", &fs.dev])?;
-        std::fs::create_dir_all(&fs.mnt).map_err(|e| e.to_string())?;
-        fs.mount()?;
-        Ok(fs)
-    }
-
-    fn mount(&self) -> Result<(), String> {
-        run_ok("mount", &[&self.dev, &self.mnt.display().to_string()]).map(|_| ())
-    }
-
-    fn lazy_unmount(&self) -> Result<(), String> {
-        run_ok("umount", &["-l", &self.mnt.display().to_string()]).map(|_| ())
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let _ = run_ok("umount", &["-l", &self.mnt.display().to_string()]);
-        let _ = run_ok("losetup", &["-d", &self.dev]);
-        let _ = std::fs::remove_file(&self.image);
-    }
-}
-
 /// Item 2: a lazy unmount, and a directory of the same name under the mount point.
 #[test]
 fn a_lazy_unmount_loses_no_acknowledged_store() {
     let d = tmpdir();
-    let fs = match LoopFs::new(d.path(), 64) {
+    let fs = match LoopExt4::new(d.path(), 64) {
         Ok(fs) => fs,
         Err(e) => {
             kvtier::skip_test!("no loop device with ext4 here: {e}");
@@ -529,23 +472,11 @@ fn a_reordered_stripe_set_names_the_right_order() {
 /// Item 10: a `total_slots` that disagrees with the files names both numbers.
 #[test]
 fn a_wrong_total_slots_names_both_numbers() {
-    use std::os::unix::fs::FileExt;
     let d = tmpdir();
     let r = region(1);
     open(config(&[d.path()], 8), &r).shutdown().unwrap();
     let slab = d.path().join(kvtier::g3::slab::SLAB_FILE_NAME);
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&slab)
-        .unwrap();
-    let mut sb = vec![0u8; 4096];
-    f.read_exact_at(&mut sb, 0).unwrap();
-    sb[32..40].copy_from_slice(&7u64.to_le_bytes());
-    let crc = crc32fast::hash(&sb[..4092]);
-    sb[4092..].copy_from_slice(&crc.to_le_bytes());
-    f.write_all_at(&sb, 0).unwrap();
-    drop(f);
+    rewrite_superblock(&slab, |sb| sb[32..40].copy_from_slice(&7u64.to_le_bytes()));
     let e = G3Tier::open(
         config(&[d.path()], 8),
         r.clone(),

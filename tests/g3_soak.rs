@@ -24,8 +24,7 @@ mod g3_common;
 
 use std::collections::BTreeSet;
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -39,63 +38,6 @@ use kvtier::region::PrimaryRegion;
 
 /// Rows of the region: 8 for stores, 8 for loads.
 const ROWS: u32 = 16;
-
-fn run_ok(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
-    } else {
-        Err(format!(
-            "{cmd} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// ext4 on a loop device, mounted on `mnt`; unmounted and detached on drop.
-struct LoopFs {
-    image: PathBuf,
-    dev: String,
-    mnt: PathBuf,
-}
-
-impl LoopFs {
-    fn new(dir: &Path, mb: u64) -> Result<LoopFs, String> {
-        let image = dir.join("fs.img");
-        let f = std::fs::File::create(&image).map_err(|e| e.to_string())?;
-        f.set_len(mb << 20).map_err(|e| e.to_string())?;
-        let dev = run_ok("losetup", &["-f", "--show", &image.display().to_string()])?;
-        let fs = LoopFs {
-            image,
-            dev,
-            mnt: dir.join("mnt"),
-        };
-        run_ok("mkfs.ext4", &["-q", "-F", &fs.dev])?;
-        std::fs::create_dir_all(&fs.mnt).map_err(|e| e.to_string())?;
-        fs.mount()?;
-        Ok(fs)
-    }
-
-    fn mount(&self) -> Result<(), String> {
-        run_ok("mount", &[&self.dev, &self.mnt.display().to_string()]).map(|_| ())
-    }
-
-    fn lazy_unmount(&self) -> Result<(), String> {
-        run_ok("umount", &["-l", &self.mnt.display().to_string()]).map(|_| ())
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let _ = run_ok("umount", &["-l", &self.mnt.display().to_string()]);
-        let _ = run_ok("losetup", &["-d", &self.dev]);
-        let _ = std::fs::remove_file(&self.image);
-    }
-}
 
 /// What the traffic saw.
 #[derive(Default)]
@@ -218,7 +160,7 @@ fn soak_config(fast: &Path, tmp: &Path) -> G3TierConfig {
 }
 
 /// One cycle; returns the tally. `scale` multiplies the traffic of each phase.
-fn cycle(fs: &LoopFs, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
+fn cycle(fs: &LoopExt4, tmp: &Path, scale: usize, cycle_no: usize) -> Tally {
     let fast = fs.mnt.join("tier");
     std::fs::create_dir_all(&fast).unwrap();
     let cfg = soak_config(&fast, tmp);
@@ -327,7 +269,7 @@ fn verify_after_restart(cfg: G3TierConfig, r: &Arc<PrimaryRegion>, tally: &Tally
 
 fn soak(cycles: usize, scale: usize) {
     let d = tmpdir();
-    let fs = match LoopFs::new(d.path(), 48) {
+    let fs = match LoopExt4::new(d.path(), 48) {
         Ok(fs) => fs,
         Err(e) => {
             kvtier::skip_test!("no loop device with ext4 here: {e}");

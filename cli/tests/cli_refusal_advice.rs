@@ -3,8 +3,10 @@
 //! permission problem says which permission, not "not writable" or "holds no G3 tier".
 
 mod cli_common;
+#[path = "../../tests/g3_common/mod.rs"]
+mod g3_common;
 
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -108,18 +110,7 @@ fn a_slab_of_a_newer_kvtier_is_not_advised_a_format() {
     // Superblock version 3 (`docs/format.md`: u32 LE at offset 8, CRC-32 of bytes 0..4092 at
     // 4092), as a newer kvtier would write it.
     let slab = d[0].join("kvtier-g3.slab");
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&slab)
-        .unwrap();
-    let mut sb = vec![0u8; 4096];
-    f.read_exact_at(&mut sb, 0).unwrap();
-    sb[8..12].copy_from_slice(&3u32.to_le_bytes());
-    let crc = crc32fast::hash(&sb[..4092]);
-    sb[4092..].copy_from_slice(&crc.to_le_bytes());
-    f.write_all_at(&sb, 0).unwrap();
-    drop(f);
+    g3_common::rewrite_superblock(&slab, |sb| sb[8..12].copy_from_slice(&3u32.to_le_bytes()));
     let cfg = serve_config(root.path(), "newer.json", &[&d[0]], "16MiB");
     let m = serve_refusal(&cfg);
     assert!(m.contains("written by a newer kvtier"), "{m}");

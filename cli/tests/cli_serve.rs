@@ -6,28 +6,12 @@ mod cli_common;
 
 use std::io::Read;
 use std::net::TcpStream;
-use std::path::Path;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use cli_common::{assert_exit_2_one_line, assert_success, get, kvtier, send_signal, start_serve};
-
-fn write_config(dir: &Path) -> std::path::PathBuf {
-    let tier = dir.join("tier");
-    std::fs::create_dir_all(&tier).unwrap();
-    let cfg = dir.join("kvtier.json");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"{{"cpu_bytes_to_use": "8MiB",
-                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
-                                      "capacity_bytes": "16MiB"}}]}}"#,
-            tier.display()
-        ),
-    )
-    .unwrap();
-    cfg
-}
+use cli_common::{
+    assert_exit_2_one_line, assert_success, get, kvtier, send_signal, start_serve, write_config,
+};
 
 fn wait_with_timeout(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;

@@ -434,19 +434,7 @@ fn a_tier_without_a_record_opens_and_gains_it() {
 fn a_path_that_cannot_be_recorded_is_counted() {
     use std::io::{BufRead, BufReader};
     let d = tmpdir();
-    let tier = d.path().join("tier");
-    std::fs::create_dir(&tier).unwrap();
-    let cfg = d.path().join("kvtier.json");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"{{"cpu_bytes_to_use": "8MiB",
-                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
-                                      "capacity_bytes": "16MiB"}}]}}"#,
-            tier.display()
-        ),
-    )
-    .unwrap();
+    let cfg = cli_common::write_config(d.path());
     let child = cli_common::command(&[
         "serve",
         "--config",

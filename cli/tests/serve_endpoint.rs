@@ -7,32 +7,14 @@ mod cli_common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use cli_common::{send_signal, start_serve};
+use cli_common::{send_signal, start_serve, write_config};
 
 /// How long `/healthz` and `/metrics` may take while the bad clients hold their connections.
 const PROMPT: Duration = Duration::from_secs(1);
-
-fn write_config(dir: &Path) -> PathBuf {
-    let tier = dir.join("tier");
-    std::fs::create_dir_all(&tier).unwrap();
-    let cfg = dir.join("kvtier.json");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"{{"cpu_bytes_to_use": "8MiB",
-                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
-                                      "capacity_bytes": "16MiB"}}]}}"#,
-            tier.display()
-        ),
-    )
-    .unwrap();
-    cfg
-}
 
 /// Sends `request` and reads the whole answer (the server closes after it), within 5 s.
 fn exchange(addr: &str, request: &[u8]) -> Result<String, String> {

@@ -202,6 +202,24 @@ pub fn run_cmd(cmd: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// Rewrites the superblock of the slab file `slab` with `edit` and gives it a valid CRC again
+/// (`docs/format.md`: CRC-32 of bytes 0..4092, u32 LE at 4092), as a kvtier that wrote those
+/// values would have.
+pub fn rewrite_superblock(slab: &Path, edit: impl FnOnce(&mut [u8])) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(slab)
+        .unwrap();
+    let mut sb = vec![0u8; 4096];
+    f.read_exact_at(&mut sb, 0).unwrap();
+    edit(&mut sb);
+    let crc = crc32fast::hash(&sb[..4092]);
+    sb[4092..].copy_from_slice(&crc.to_le_bytes());
+    f.write_all_at(&sb, 0).unwrap();
+}
+
 /// An ext4 filesystem in an image file on a loop device, mounted on `mnt` (the mount point
 /// itself, the directory an unmount leaves bare); unmounted and detached on drop.
 pub struct LoopExt4 {
@@ -232,6 +250,12 @@ impl LoopExt4 {
     /// Mounts the filesystem on its mount point.
     pub fn mount(&self) -> Result<(), String> {
         run_cmd("mount", &[&self.dev, &self.mnt.display().to_string()]).map(|_| ())
+    }
+
+    /// Detaches it at once (`umount -l`, what a lost or yanked disk looks like to a process
+    /// still holding files on it): the mount point is bare, open files keep working.
+    pub fn lazy_unmount(&self) -> Result<(), String> {
+        run_cmd("umount", &["-l", &self.mnt.display().to_string()]).map(|_| ())
     }
 
     /// Unmounts it: the mount point is a bare directory of the filesystem below again.

@@ -15,16 +15,14 @@ fail.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shutil
 import sys
-import tomllib
-import zipfile
 from pathlib import Path
 
 import fetch_vllm
-from fetch_vllm import COMPLETE_MARKER, EXIT_UNAVAILABLE, FetchError, Unavailable, log, sha256_of
+from fetch_vllm import COMPLETE_MARKER, sha256_of
+from fetch_vllm import Unavailable  # noqa: F401 (re-exported: callers catch fetch_sglang.Unavailable)
 
 HERE = Path(__file__).resolve().parent
 PIN_FILE = HERE / "sglang-wheel.toml"
@@ -32,12 +30,7 @@ PACKAGE = "sglang"
 
 
 def load_pin() -> dict:
-    with PIN_FILE.open("rb") as f:
-        pin = tomllib.load(f)
-    for key in ("version", "filename", "sha256"):
-        if not isinstance(pin.get(key), str) or not pin[key]:
-            raise FetchError(f"{PIN_FILE}: {key} must be a non-empty string")
-    return pin
+    return fetch_vllm.load_pin(PIN_FILE)
 
 
 def source_dir(cache: Path, pin: dict) -> Path:
@@ -78,21 +71,7 @@ def ensure(cache: Path | None = None) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", type=Path, help="default: $KVTIER_CACHE_DIR or ~/.cache/kvtier")
-    parser.add_argument("--print-src", action="store_true", help="print the source directory last")
-    args = parser.parse_args()
-    try:
-        src = ensure(args.cache_dir)
-    except Unavailable as e:
-        log(str(e))
-        return EXIT_UNAVAILABLE
-    except (FetchError, OSError, zipfile.BadZipFile) as e:
-        log(f"error: {e}")
-        return 1
-    if args.print_src:
-        print(src)
-    return 0
+    return fetch_vllm.run_cli(__doc__, ensure)
 
 
 if __name__ == "__main__":

@@ -54,12 +54,13 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "kvtier"
 
 
-def load_pin() -> dict:
-    with PIN_FILE.open("rb") as f:
+def load_pin(pin_file: Path = PIN_FILE) -> dict:
+    """The pinned wheel (``version``, ``filename``, ``sha256``) from the TOML ``pin_file``."""
+    with pin_file.open("rb") as f:
         pin = tomllib.load(f)
     for key in ("version", "filename", "sha256"):
         if not isinstance(pin.get(key), str) or not pin[key]:
-            raise FetchError(f"{PIN_FILE}: {key} must be a non-empty string")
+            raise FetchError(f"{pin_file}: {key} must be a non-empty string")
     return pin
 
 
@@ -318,13 +319,16 @@ def ensure_sdist_tests(cache: Path | None = None) -> Path:
     return target
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_cli(doc: str, ensure_sources) -> int:
+    """The command line of a fetch script: ``--cache-dir``, ``--print-src``; runs
+    ``ensure_sources(cache_dir)`` and exits 0, 1 on an error, or ``EXIT_UNAVAILABLE`` when
+    this machine cannot fetch."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--cache-dir", type=Path, help="default: $KVTIER_CACHE_DIR or ~/.cache/kvtier")
     parser.add_argument("--print-src", action="store_true", help="print the source directory last")
     args = parser.parse_args()
     try:
-        src = ensure(args.cache_dir)
+        src = ensure_sources(args.cache_dir)
     except Unavailable as e:
         log(str(e))
         return EXIT_UNAVAILABLE
@@ -334,6 +338,10 @@ def main() -> int:
     if args.print_src:
         print(src)
     return 0
+
+
+def main() -> int:
+    return run_cli(__doc__, ensure)
 
 
 if __name__ == "__main__":

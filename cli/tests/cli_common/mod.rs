@@ -86,6 +86,25 @@ pub fn get(addr: &str, path: &str) -> (String, String) {
     (head.to_string(), body.to_string())
 }
 
+/// Writes `kvtier.json` in `dir`: an 8 MiB primary and one 16 MiB `nvme` tier in `dir/tier`
+/// (created), the smallest configuration `kvtier serve` runs. Returns the file's path.
+pub fn write_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let tier = dir.join("tier");
+    std::fs::create_dir_all(&tier).unwrap();
+    let cfg = dir.join("kvtier.json");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"{{"cpu_bytes_to_use": "8MiB",
+                "secondary_tiers": [{{"type": "nvme", "paths": ["{}"],
+                                      "capacity_bytes": "16MiB"}}]}}"#,
+            tier.display()
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
 /// Starts `kvtier serve` with `args` (stdout and stderr piped) and reads the bound address
 /// (`host:port`) from its first stdout line.
 pub fn start_serve(args: &[&str]) -> (Child, String) {
