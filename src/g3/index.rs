@@ -294,9 +294,10 @@ impl Index {
     /// used committed slot that no read holds. `None` when every candidate is busy.
     pub fn reserve(&mut self, key: &ChunkKey) -> Option<Reservation> {
         debug_assert!(self.find(key).is_none());
+        let hash = self.hasher.hash(key.as_bytes());
         if let Some(arc) = &mut self.arc {
             // A store miss: a ghost of the key adapts ARC's target before the victim is chosen.
-            arc.on_store_miss(self.hasher.hash(key.as_bytes()));
+            arc.on_store_miss(hash);
         }
         let mut evicted = None;
         let slot = loop {
@@ -320,7 +321,7 @@ impl Index {
         e.key = SlotKey::from_key(key);
         e.crc = 0;
         e.generation = 0;
-        self.map.insert(self.hasher.hash(key.as_bytes()), slot);
+        self.map.insert(hash, slot);
         Some(Reservation { slot, evicted })
     }
 

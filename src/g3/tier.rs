@@ -101,6 +101,9 @@ pub struct G3Tier {
     namespace: [u8; 32],
     /// The admission gate (`admission` key); `None` with `all`.
     admission: Option<AdmissionGate>,
+    /// The primary region, whose share of 2 MiB pages (it moves while a collapse runs in the
+    /// background) the metrics report.
+    region: Arc<PrimaryRegion>,
 }
 
 impl std::fmt::Debug for G3Tier {
@@ -178,10 +181,6 @@ impl G3Tier {
         let metrics = G3Metrics::default();
         *metrics.engine.lock() = handle.info.name.clone();
         *metrics.engine_fallback.lock() = handle.info.fallback_reason.clone();
-        metrics.region_huge_page_ppm.store(
-            (region.huge_page_share() * 1e6).round() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
         *metrics.staged_bytes.lock() = handle.engine.staged_bytes();
         *metrics.gds.lock() = gds;
         metrics
@@ -216,6 +215,7 @@ impl G3Tier {
         let thread = spawn_worker(NAMES, format!("kvtier-g3-{tier_id}"), move || worker.run())
             .inspect_err(|_| engine.shutdown())?;
         Ok(G3Tier {
+            region: region.clone(),
             shared,
             front: TierFront::new(
                 NAMES,
@@ -429,6 +429,10 @@ impl SecondaryTier for G3Tier {
     }
 
     fn metrics(&self) -> Vec<TierMetric> {
+        self.shared.metrics.region_huge_page_ppm.store(
+            (self.region.huge_page_share() * 1e6).round() as u64,
+            Ordering::Relaxed,
+        );
         self.shared.metrics.sample(&self.shared.paths)
     }
 

@@ -194,7 +194,6 @@ impl Worker {
         } else {
             never()
         };
-        let completions = self.completions.clone();
         crossbeam_channel::select! {
             recv(cmds) -> msg => match msg {
                 Ok(cmd) => self.command(cmd),
@@ -208,7 +207,7 @@ impl Worker {
                     self.step(step);
                 }
             }
-            recv(completions) -> c => match c {
+            recv(self.completions) -> c => match c {
                 Ok(c) => self.completion(c),
                 Err(_) => {
                     self.completions = never();
@@ -432,6 +431,7 @@ impl Worker {
                 identity,
                 row,
                 io,
+                row_crc: c.row_crc,
             },
         };
         self.send_task(task);
@@ -531,7 +531,8 @@ impl Worker {
     }
 
     fn report(&mut self, a: Active) {
-        if !a.load {
+        // Events off (the fs tier's default): nothing to announce, so no catalog lock either.
+        if !a.load && self.sh.events.load(Ordering::Relaxed) {
             // Only the keys the tier still holds: a key of this job may have finished long
             // before its last one (the engine completes requests in any order, and the uring
             // engine's staging queues large ones for its slots) and been evicted meanwhile, its

@@ -37,6 +37,9 @@ pub(super) enum Task {
         identity: (u64, u64),
         row: u32,
         io: Result<usize>,
+        /// The CRC-32 of the bytes the engine's staging copy put in the row, when it staged
+        /// the read (`IoCompletion::row_crc`): the row need not be read and hashed again.
+        row_crc: Option<u32>,
     },
     Evict {
         key: ChunkKey,
@@ -137,9 +140,10 @@ pub(super) fn run_task(sh: &Shared, task: Task) -> Step {
             identity,
             row,
             io,
+            row_crc,
         } => Step::Finished {
             tag,
-            outcome: finish_load(sh, file, &path, record, identity, row, io),
+            outcome: finish_load(sh, file, &path, record, identity, (row, row_crc), io),
         },
         Task::Evict { key, path } => Step::Evicted {
             key,
@@ -223,7 +227,7 @@ fn finish_load(
     path: &std::path::Path,
     record: Option<CrcRecord>,
     identity: (u64, u64),
-    row: u32,
+    (row, row_crc): (u32, Option<u32>),
     io: Result<usize>,
 ) -> Result<KeyOutcome> {
     let detached = sh.engine.detach_file(file);
@@ -232,10 +236,13 @@ fn finish_load(
     let Some(rec) = record else {
         return Ok(KeyOutcome::Loaded { verified: false });
     };
-    // The row is reserved for this job until it is reported (after this step), and
-    // the engine's write into it has completed: nothing else writes it now.
-    let bytes = sh.region.read_row(row as usize)?;
-    let found = crc32fast::hash(&bytes);
+    let found = match row_crc {
+        // The staging copy checksummed the whole row (the read is one row) as it filled it.
+        Some(crc) => crc,
+        // The row is reserved for this job until it is reported (after this step), and
+        // the engine's write into it has completed: nothing else writes it now.
+        None => crc32fast::hash(&sh.region.read_row(row as usize)?),
+    };
     if found == rec.crc {
         return Ok(KeyOutcome::Loaded { verified: true });
     }

@@ -97,7 +97,7 @@ impl Worker {
             s.load,
             s.keys,
             vec![0; n],
-            G3Job::new(n, Some(grant)),
+            G3Job::new(n, s.load, Some(grant)),
             &self.sh.metrics,
         );
         if let Some(e) = self.sh.failed.lock().as_ref() {

@@ -130,16 +130,23 @@ struct G3Job {
     /// from it, the result goes to `reply`.
     grant: Option<grants::GrantState>,
     /// Per key, the CRC-32 of the row's bytes as the engine's staging copy computed it (a
-    /// load; see `IoCompletion::row_crc`).
+    /// load through this tier's engine; see `IoCompletion::row_crc`; empty otherwise).
     row_crcs: Vec<Option<u32>>,
 }
 
 impl G3Job {
-    fn new(n: usize, grant: Option<grants::GrantState>) -> Self {
+    /// A job of `n` keys; only a `load` through this tier's own engine (no `grant`) collects
+    /// the engine's row CRCs.
+    fn new(n: usize, load: bool, grant: Option<grants::GrantState>) -> Self {
+        let row_crcs = if load && grant.is_none() {
+            vec![None; n]
+        } else {
+            Vec::new()
+        };
         G3Job {
             slots: vec![None; n],
             grant,
-            row_crcs: vec![None; n],
+            row_crcs,
         }
     }
 }
@@ -286,7 +293,6 @@ impl Worker {
         } else {
             never()
         };
-        let completions = self.completions.clone();
         crossbeam_channel::select! {
             recv(stores) -> job => match job {
                 Ok(job) => {
@@ -306,7 +312,7 @@ impl Worker {
                     self.cancel_queued();
                 }
             },
-            recv(completions) -> c => match c {
+            recv(self.completions) -> c => match c {
                 Ok(c) => {
                     self.last_work = Instant::now();
                     self.complete(c);
@@ -431,7 +437,7 @@ impl Worker {
     fn start(&mut self, job: TransferJob, load: bool) {
         let serial = self.jobs.next_serial();
         let n = job.keys.len();
-        let mut a = Active::of(job, load, G3Job::new(n, None), &self.sh.metrics);
+        let mut a = Active::of(job, load, G3Job::new(n, load, None), &self.sh.metrics);
         if a.rows.len() != n {
             let e = Error::new(
                 ErrorKind::Contract,
@@ -485,11 +491,6 @@ impl Worker {
     }
 
     fn complete(&mut self, c: IoCompletion) {
-        // The region's share of 2 MiB pages moves while a collapse runs in the background.
-        self.sh.metrics.region_huge_page_ppm.store(
-            (self.engine.region().huge_page_share() * 1e6).round() as u64,
-            Ordering::Relaxed,
-        );
         let (serial, i) = split_job_tag(c.tag);
         let stride = self.set.row_stride();
         self.jobs.release();

@@ -80,21 +80,21 @@ impl TieringManager {
     /// publishes or frees its rows: as in vLLM, no tier hears of it and the request's pending
     /// stores, zeroed by the reset, are not counted down again.
     pub fn complete_store(&mut self, keys: &[ChunkKey], req: &RequestContext, success: bool) {
-        if !self.stale_stores.is_empty() {
+        // A set lookup per key, and more only when this call completes a store from before
+        // the reset.
+        if !self.stale_stores.is_empty() && keys.iter().any(|k| self.stale_stores.contains(k)) {
             let (stale, fresh): (Vec<ChunkKey>, Vec<ChunkKey>) = keys
                 .iter()
                 .cloned()
                 .partition(|k| self.stale_stores.contains(k));
-            if !stale.is_empty() {
-                for k in &stale {
-                    self.stale_stores.remove(k);
-                }
-                self.primary.complete_store(&stale, success);
-                if fresh.is_empty() {
-                    return;
-                }
-                return self.complete_store(&fresh, req, success);
+            for k in &stale {
+                self.stale_stores.remove(k);
             }
+            self.primary.complete_store(&stale, success);
+            if fresh.is_empty() {
+                return;
+            }
+            return self.complete_store(&fresh, req, success);
         }
         self.primary.complete_store(keys, success);
         if success {
