@@ -31,6 +31,7 @@ mod backing;
 mod huge_pages;
 pub(crate) mod mem_hints;
 mod pin;
+pub(crate) use pin::MAX_REGISTERED_BUFFER;
 mod rows;
 mod shared_alias;
 mod shared_file;

@@ -31,7 +31,7 @@ pub struct EngineCounters {
 }
 
 /// The region an engine registered.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize)]
 pub struct RegionInfo {
     /// `path` or `fd`.
     pub source: String,
@@ -50,18 +50,7 @@ pub struct RegionInfo {
     /// Bytes its I/O engine staged through the engine's own 2 MiB pages because the region
     /// is in 4 KiB pages (`IoEngine::staged_bytes`; `None` when it does not stage).
     #[serde(skip)]
-    pub staged_bytes: Option<StagedBytes>,
-}
-
-/// A shared byte counter, equal whenever both count the same (for `RegionInfo`'s
-/// `PartialEq`: the counter is not part of what a region is).
-#[derive(Debug, Clone)]
-pub struct StagedBytes(pub std::sync::Arc<AtomicU64>);
-
-impl PartialEq for StagedBytes {
-    fn eq(&self, other: &Self) -> bool {
-        self.0.load(Ordering::Relaxed) == other.0.load(Ordering::Relaxed)
-    }
+    pub staged_bytes: Option<std::sync::Arc<AtomicU64>>,
 }
 
 /// One connected engine.
@@ -208,9 +197,14 @@ impl EngineRegistry {
             .filter_map(|e| {
                 let r = e.region.lock();
                 let staged = r.as_ref()?.staged_bytes.as_ref()?;
-                Some((e.name.clone(), staged.0.load(Ordering::Relaxed)))
+                Some((e.name.clone(), staged.load(Ordering::Relaxed)))
             })
             .collect()
+    }
+
+    /// How many engines are connected now.
+    pub fn len(&self) -> usize {
+        self.engines.lock().len()
     }
 
     /// Engines connected now, by connection number.

@@ -250,7 +250,7 @@ impl NodeService {
 
     /// Engine processes connected now (a session past its handshake; observers not counted).
     pub fn engines_connected(&self) -> usize {
-        self.sh.engines.status().len()
+        self.sh.engines.len()
     }
 
     /// The status document `kvtier service status` prints (JSON).

@@ -15,6 +15,8 @@
 
 use std::ffi::c_void;
 
+use super::huge_pages::HUGE_PAGE;
+
 /// What `/proc/self/smaps` says about a range of this process's address space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MeasuredBacking {
@@ -46,7 +48,7 @@ impl MeasuredBacking {
     /// 2 MiB-aligned) in 2 MiB pages: of the resident bytes of a sample, else of every whole
     /// page (a partial last page can never be huge and does not count).
     pub fn share_of_whole_pages(&self, len: usize) -> f64 {
-        let whole = (len / (2 << 20) * (2 << 20)) as u64;
+        let whole = (len / HUGE_PAGE * HUGE_PAGE) as u64;
         let base = if self.sampled {
             self.resident_bytes.min(whole)
         } else {
@@ -167,14 +169,13 @@ pub const SAMPLE_PAGES: usize = 1024;
 /// # Safety
 /// The range is a mapping of this process that nobody unmaps meanwhile.
 pub unsafe fn fault_in_and_measure(base: *mut u8, len: usize) -> Option<MeasuredBacking> {
-    const HUGE: usize = 2 << 20;
-    let pages = len / HUGE;
+    let pages = len / HUGE_PAGE;
     let sampled = len > MEASURE_WHOLE_LIMIT && pages > SAMPLE_PAGES;
     if sampled {
         for k in 0..SAMPLE_PAGES {
             let page = k * pages / SAMPLE_PAGES;
             // SAFETY: `page < pages`: the 2 MiB at it lie inside the caller's mapping.
-            if let Err(e) = unsafe { populate_read(base.add(page * HUGE), HUGE) } {
+            if let Err(e) = unsafe { populate_read(base.add(page * HUGE_PAGE), HUGE_PAGE) } {
                 log::debug!("MADV_POPULATE_READ of a sampled page failed: {e}");
             }
         }

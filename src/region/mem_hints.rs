@@ -4,7 +4,7 @@
 //! the tiers above use them as safe functions.
 
 /// Huge-page size the hints align to.
-pub(crate) const HUGE_PAGE: usize = 2 << 20;
+pub(crate) use super::huge_pages::HUGE_PAGE;
 
 /// Asks the CPU to bring the cache line holding `value` closer (no effect on correctness, and
 /// none off x86-64).

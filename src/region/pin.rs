@@ -13,7 +13,7 @@
 use io_uring::IoUring;
 
 /// The largest single registered buffer the kernel accepts.
-const MAX_PIECE: usize = 1 << 30;
+pub(crate) const MAX_REGISTERED_BUFFER: usize = 1 << 30;
 
 /// The pin; released (buffers unregistered with the ring) on drop.
 pub(super) struct LongTermPin {
@@ -34,11 +34,11 @@ impl LongTermPin {
     pub(super) unsafe fn new(base: *mut u8, len: usize) -> std::io::Result<Self> {
         let ring = IoUring::new(2)?;
         let iovecs: Vec<libc::iovec> = (0..len)
-            .step_by(MAX_PIECE)
+            .step_by(MAX_REGISTERED_BUFFER)
             .map(|off| libc::iovec {
                 // SAFETY: `off < len`, inside the caller's mapping.
                 iov_base: unsafe { base.add(off) }.cast(),
-                iov_len: MAX_PIECE.min(len - off),
+                iov_len: MAX_REGISTERED_BUFFER.min(len - off),
             })
             .collect();
         // SAFETY: every iovec lies inside the caller's mapping, which outlives the ring (the

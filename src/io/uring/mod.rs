@@ -43,8 +43,9 @@ use crate::region::PrimaryRegion;
 /// Default submission queue size.
 pub const DEFAULT_QUEUE_DEPTH: u32 = 128;
 
-/// The largest single registered buffer the kernel accepts.
-pub const MAX_REGISTERED_BUFFER: usize = 1 << 30;
+/// The largest single registered buffer the kernel accepts (the region pins with the same
+/// limit).
+pub const MAX_REGISTERED_BUFFER: usize = crate::region::MAX_REGISTERED_BUFFER;
 
 /// The most bytes one SQE moves (larger unregistered requests continue in further SQEs).
 const MAX_SQE_LEN: usize = 1 << 30;

@@ -39,7 +39,7 @@ use crate::contract::secondary::SecondaryTier;
 use crate::error::{Error, ErrorKind, Result};
 use crate::io::{EngineOptions, open_engine};
 use crate::key::ChunkKey;
-use crate::node::engines::{EngineEntry, RegionInfo, StagedBytes};
+use crate::node::engines::{EngineEntry, RegionInfo};
 use crate::node::protocol::{JobDone, JobRequest, Reply, Request};
 use crate::node::region_file::{CRC_CHUNK, RegionFile};
 use crate::node::socket::{FrameReader, is_read_write};
@@ -278,7 +278,7 @@ impl Session {
             io_engine: engine.info.name.clone(),
             huge_page_share: region.huge_page_share(),
             small_pages_reason: region.small_pages_reason().map(str::to_string),
-            staged_bytes: engine.engine.staged_bytes().map(StagedBytes),
+            staged_bytes: engine.engine.staged_bytes(),
         });
         let mapped = Arc::new(MappedRegion {
             region,
