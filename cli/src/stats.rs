@@ -35,6 +35,16 @@ pub fn process_cpu_seconds() -> f64 {
     t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
 }
 
+/// (max - min) / median of `v`; NaN when empty or the median is not positive.
+pub fn spread_of(v: &[f64]) -> f64 {
+    let Some(m) = median(v) else {
+        return f64::NAN;
+    };
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if m > 0.0 { (hi - lo) / m } else { f64::NAN }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

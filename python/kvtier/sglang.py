@@ -422,7 +422,7 @@ def _build_class():
                     f"{len(keys)} pages of {ps} tokens need {len(keys) * ps} host indices, "
                     f"got {len(host_indices)}"
                 )
-            return [int(i) for i in host_indices[::ps].tolist()]
+            return host_indices[::ps].tolist()
 
         def _record(self, pages, bandwidth, ok, nbytes, seconds):
             if not self._metrics:
@@ -498,7 +498,7 @@ def _build_class():
             if idx is None:
                 return False
             try:
-                starts = [int(i) for i in idx[::ps].tolist()]
+                starts = idx[::ps].tolist()
                 for start, value in zip(starts, values):
                     pool.set_from_flat_data_page(start, value)
                 ok, nbytes, seconds = store.store([str(k) for k in keys], starts)
@@ -514,7 +514,7 @@ def _build_class():
                 return [None] * len(keys)
             out = []
             try:
-                starts = [int(i) for i in idx[::ps].tolist()]
+                starts = idx[::ps].tolist()
                 ok, nbytes, seconds = store.load([str(k) for k in keys], starts)
                 targets = target_locations or [None] * len(keys)
                 for good, start, target in zip(ok, starts, targets):

@@ -149,7 +149,7 @@ def _chunk_ids(chunk_ids) -> bytes | None:
         return b""
     if ids.dtype.kind not in "iu":
         return None
-    return ids.astype("<i8").tobytes()
+    return ids.astype("<i8", copy=False).tobytes()
 
 
 def _build_class():

@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use crate::output::Table;
 use crate::size::{format_gbps, format_size};
-use crate::stats::median;
+use crate::stats::{median, spread_of};
 use kvtier::size::count;
 
 /// Timing of one direction.
@@ -163,21 +163,11 @@ impl RegionSummary {
         self.load_gb_per_s = med(&|r| r.load.gb_per_s);
         self.store_cpu_seconds_per_gb = med(&|r| r.store.cpu_seconds_per_gb);
         self.load_cpu_seconds_per_gb = med(&|r| r.load.cpu_seconds_per_gb);
-        let spread = |f: &dyn Fn(&RegionRound) -> f64, m: f64| {
-            let v: Vec<f64> = self.rounds.iter().map(f).collect();
-            let (lo, hi) = v
-                .iter()
-                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| {
-                    (lo.min(x), hi.max(x))
-                });
-            if v.is_empty() || m <= 0.0 {
-                f64::NAN
-            } else {
-                (hi - lo) / m
-            }
+        let spread = |f: &dyn Fn(&RegionRound) -> f64| {
+            spread_of(&self.rounds.iter().map(f).collect::<Vec<f64>>())
         };
-        self.store_spread = spread(&|r| r.store.gb_per_s, self.store_gb_per_s);
-        self.load_spread = spread(&|r| r.load.gb_per_s, self.load_gb_per_s);
+        self.store_spread = spread(&|r| r.store.gb_per_s);
+        self.load_spread = spread(&|r| r.load.gb_per_s);
     }
 }
 

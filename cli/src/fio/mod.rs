@@ -38,8 +38,8 @@ use crate::fio::report::{DepthPoint, ProfileComparison, render_report};
 use crate::fio::runner::{FioRun, Profile};
 use crate::output::{display_paths, out, outln, print_json, progress_bar};
 use crate::size::format_size;
-use crate::stats::median;
 use crate::stats::process_cpu_seconds;
+use crate::stats::{median, spread_of};
 use kvtier::error::{Error, ErrorKind, Result};
 use kvtier::region::PrimaryRegion;
 
@@ -412,17 +412,7 @@ fn pair_ratios(kvtier: &[Sample], reference: &[Sample]) -> Vec<f64> {
         .collect()
 }
 
-/// (max - min) / median of `v`; NaN when empty.
-pub(crate) fn spread_of(v: &[f64]) -> f64 {
-    let Some(m) = median(v) else {
-        return f64::NAN;
-    };
-    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    if m > 0.0 { (hi - lo) / m } else { f64::NAN }
-}
-
-/// [`spread_of`] the pair ratios so far (0 with fewer than two rounds).
+/// [`spread_of`](crate::stats::spread_of) the pair ratios so far (0 with fewer than two rounds).
 fn pair_spread(kvtier: &[Sample], reference: &[Sample]) -> f64 {
     let r = pair_ratios(kvtier, reference);
     if r.len() < 2 { 0.0 } else { spread_of(&r) }
