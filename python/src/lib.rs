@@ -17,7 +17,7 @@ use pyo3::types::PyBytes;
 use kvtier::canonical::VllmSpecFields;
 use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob};
 use kvtier::contract::secondary::{SecondaryTier, TierMetric, TierMetricKind};
-use kvtier::tiering::factory::VLLM_TIER_CLASS;
+use kvtier::tiering::VLLM_TIER_CLASS;
 use kvtier::{Builder, ChunkKey, Error, ErrorKind, PrimaryRegion};
 
 mod sglang;
