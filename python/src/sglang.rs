@@ -28,7 +28,10 @@ use kvtier::contract::job::{JobResult, LookupResult, RequestContext, TransferJob
 use kvtier::contract::secondary::SecondaryTier;
 use kvtier::{Builder, ChunkKey, Error, PrimaryRegion};
 
-use crate::{ConfigError, KvtierError, MetricTuple, install_logger, metric_tuples, to_py};
+use crate::{
+    ConfigError, KvtierError, MetricTuple, PyErrorClass, error_class, install_logger,
+    metric_tuples, to_py,
+};
 
 /// The key path kvtier's configuration errors give the entry; SGLang users wrote its keys in
 /// `--hicache-storage-backend-extra-config`.
@@ -43,16 +46,14 @@ const READY_WAIT: Duration = Duration::from_secs(60);
 const LOOKUP_WAIT: Duration = Duration::from_secs(5);
 
 /// A kvtier error, with the entry's key path renamed to SGLang's `extra_config`.
-fn sg_err(py: Python<'_>, e: Error) -> PyErr {
+fn sg_err(e: Error) -> PyErr {
     let msg = e
         .to_string()
         .replace(&format!("{ENTRY_PATH}."), &format!("{SGLANG_PATH}."))
         .replace(ENTRY_PATH, SGLANG_PATH);
-    let err = to_py(e);
-    if err.is_instance_of::<ConfigError>(py) {
-        ConfigError::new_err(msg)
-    } else {
-        KvtierError::new_err(msg)
+    match error_class(e.kind()) {
+        PyErrorClass::Config => ConfigError::new_err(msg),
+        PyErrorClass::Path | PyErrorClass::Kvtier => KvtierError::new_err(msg),
     }
 }
 
@@ -277,8 +278,8 @@ impl SglangStore {
         )?;
         let entry: serde_json::Value = serde_json::from_str(tier_entry)
             .map_err(|e| ConfigError::new_err(format!("{SGLANG_PATH}: invalid JSON: {e}")))?;
-        let config = kvtier::config::resolve_tier_entry(0, &entry).map_err(|e| sg_err(py, e))?;
-        let huge_pages = kvtier::embed::region_huge_pages(&config).map_err(|e| sg_err(py, e))?;
+        let config = kvtier::config::resolve_tier_entry(0, &entry).map_err(sg_err)?;
+        let huge_pages = kvtier::embed::region_huge_pages(&config).map_err(sg_err)?;
         let digest = parse_digest(namespace)?;
         let rows = length / piece_bytes as usize;
         let cfg = config.clone();
@@ -294,7 +295,7 @@ impl SglangStore {
                 }?);
                 Self::open(cfg, region.clone(), digest).map(|t| (t, region))
             })
-            .map_err(|e| sg_err(py, e))?;
+            .map_err(sg_err)?;
         Ok(SglangStore {
             tier: Mutex::new(Some(tier)),
             finished: Mutex::new(HashMap::new()),
@@ -378,7 +379,7 @@ impl SglangStore {
                     None,
                 )
             })
-            .map_err(|e| sg_err(py, e))?;
+            .map_err(sg_err)?;
         Ok(SglangStore {
             tier: Mutex::new(Some(Box::new(tier))),
             finished: Mutex::new(HashMap::new()),
@@ -556,7 +557,7 @@ fn geometry(
 ) -> PyResult<PageGeometry> {
     let bad = |what: String| ConfigError::new_err(format!("SGLang host pool: {what}"));
     let align = kvtier::geometry::ROW_ALIGNMENT as u64;
-    if piece_bytes == 0 || !piece_bytes.is_multiple_of(align) {
+    if !kvtier::geometry::ChunkGeometry::is_row_aligned(piece_bytes) {
         return Err(bad(format!(
             "a page is stored as pieces of {piece_bytes} bytes, not a multiple of {align} \
              (what O_DIRECT needs); with layer_first a piece is one layer of a page: use \
