@@ -538,12 +538,9 @@ impl SglangStore {
 
 /// A namespace digest given as 64 hex digits.
 fn parse_digest(namespace: &str) -> PyResult<[u8; 32]> {
-    hex::decode(namespace)
-        .ok()
-        .and_then(|d| d.try_into().ok())
-        .ok_or_else(|| {
-            PyValueError::new_err(format!("namespace {namespace:?}: expected 64 hex digits"))
-        })
+    kvtier::canonical::digest_from_hex(namespace).ok_or_else(|| {
+        PyValueError::new_err(format!("namespace {namespace:?}: expected 64 hex digits"))
+    })
 }
 
 /// Checks the page geometry SGLang's pool describes and turns it into rows.

@@ -405,6 +405,12 @@ pub fn namespace_hex(desc: &LayoutDescriptor, params: &NamespaceParams) -> Strin
     hex::encode(namespace_digest(desc, params))
 }
 
+/// A namespace digest written as 64 hex digits (either case), as [`namespace_hex`] and the
+/// command line write it; `None` for anything else.
+pub fn digest_from_hex(text: &str) -> Option<[u8; 32]> {
+    hex::decode(text).ok()?.try_into().ok()
+}
+
 /// Refuses stored data whose namespace differs from the current one. `what` names the store
 /// (a path or tier) for the message.
 #[cfg(any(test, feature = "test-support"))]
@@ -634,6 +640,16 @@ impl VllmSpecFields {
 #[cfg(test)]
 mod vllm_spec_tests {
     use super::*;
+
+    #[test]
+    fn a_digest_reads_from_64_hex_digits_only() {
+        let text = "00112233445566778899aabbccddeeff00112233445566778899AABBCCDDEEFF";
+        let d = digest_from_hex(text).unwrap();
+        assert_eq!((d[0], d[1], d[15], d[31]), (0x00, 0x11, 0xff, 0xff));
+        assert_eq!(digest_from_hex(&text[..62]), None);
+        assert_eq!(digest_from_hex(&format!("{text}00")), None);
+        assert_eq!(digest_from_hex(&text.replace('a', "g")), None);
+    }
 
     fn fields(tp: u32, canonical: bool, agnostic: bool) -> VllmSpecFields {
         VllmSpecFields {

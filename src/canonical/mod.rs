@@ -36,8 +36,8 @@ mod spec_area;
 
 pub use descriptor::{AttentionKind, KvLayout, KvSplit, LayoutDescriptor};
 pub use digest::{
-    NamespaceParams, VllmDigestFields, VllmSpecFields, engine_pool_namespace, namespace_digest,
-    namespace_hex, vllm_digest,
+    NamespaceParams, VllmDigestFields, VllmSpecFields, digest_from_hex, engine_pool_namespace,
+    namespace_digest, namespace_hex, vllm_digest,
 };
 pub use gather::{ByteCopy, Direction, RowPlan, gather, rank_page_range, scatter};
 pub use mapping::{

@@ -91,6 +91,8 @@ pub struct Index {
     /// entries in its order). An entry is evictable while committed, unpinned and on a live
     /// path. `None`: LRU.
     arc: Option<Box<ArcPolicy>>,
+    /// Where ARC puts the victim it picks (kept, so that an eviction allocates nothing).
+    arc_victims: Vec<Slot>,
 }
 
 const _: () = assert!(std::mem::size_of::<SlotEntry>() == 64);
@@ -135,6 +137,7 @@ impl Index {
             valid: 0,
             readers: HashMap::new(),
             arc: None,
+            arc_victims: Vec::with_capacity(1),
         }
     }
 

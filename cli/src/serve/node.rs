@@ -65,15 +65,12 @@ pub fn run_for_namespace(
             "only for the node service: the configuration needs a service section",
         ));
     }
-    let digest: [u8; 32] = hex::decode(namespace)
-        .ok()
-        .and_then(|d| d.try_into().ok())
-        .ok_or_else(|| {
-            Error::config(
-                "--namespace",
-                format!("{namespace:?} is not 64 hex digits (a namespace digest)"),
-            )
-        })?;
+    let digest = kvtier::canonical::digest_from_hex(namespace).ok_or_else(|| {
+        Error::config(
+            "--namespace",
+            format!("{namespace:?} is not 64 hex digits (a namespace digest)"),
+        )
+    })?;
     kvtier::metrics::Registry::new(args.metrics_prefix.as_str())
         .map_err(|e| Error::config("--metrics-prefix", e.message().to_string()))?;
     let listener = crate::serve::http::bind(&args.metrics_addr)?;

@@ -42,10 +42,10 @@ impl Index {
         let Some(arc) = &mut self.arc else {
             return self.lru_victim();
         };
-        let (slots, hasher) = (&self.slots, &self.hasher);
-        let mut v = Vec::with_capacity(1);
+        let (slots, hasher, v) = (&self.slots, &self.hasher, &mut self.arc_victims);
+        v.clear();
         let mut fp = |s: u32| slots[s as usize].key.bytes().map_or(0, |k| hasher.hash(k));
-        arc.evict(1, &[], &mut fp, &mut v).then(|| v[0])
+        arc.evict(1, &[], &mut fp, v).then(|| v[0])
     }
 
     fn lru_victim(&self) -> Option<Slot> {

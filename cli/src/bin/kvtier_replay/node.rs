@@ -26,9 +26,7 @@ pub fn run(input: &Value) -> Result<Value, String> {
         Some(_) => Some(uint(input, "slot_bytes")?),
     };
     let digest_hex = string(input, "digest")?;
-    let digest: [u8; 32] = hex::decode(digest_hex)
-        .ok()
-        .and_then(|d| d.try_into().ok())
+    let digest = kvtier::canonical::digest_from_hex(digest_hex)
         .ok_or_else(|| format!("digest {digest_hex:?} is not 64 hex digits"))?;
     let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
         .map_err(|e| format!("signal handlers: {e}"))?;
