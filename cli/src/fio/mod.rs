@@ -12,9 +12,11 @@
 //!   JSON output). [`files`]: the test files, prepared identically for both sides.
 //! * [`kvtier_workload`], [`g3_workload`]: kvtier's side, through its I/O engine alone or the
 //!   whole G3 tier.
+//! * [`device`]: what the block device saw during each pass (requests queued, their latency).
 //! * [`report`], [`plot`]: the `--json` objects, the tables and the SVG chart.
 
 pub mod args;
+pub mod device;
 pub mod files;
 pub mod g3_workload;
 pub mod kvtier_workload;
@@ -29,6 +31,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 pub use crate::fio::args::{FioCompareArgs, KvtierSide};
+use crate::fio::device::{DeviceSampler, DeviceView};
 use crate::fio::g3_workload::{G3Shape, G3Workload};
 use crate::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
 use crate::fio::memory::FioChoice;
@@ -199,6 +202,9 @@ fn comparisons(
             fio_samples: main.fio_samples,
             pair_ratios: main.pair_ratios.clone(),
             ratio_spread: main.ratio_spread,
+            kvtier_device: main.kvtier_device,
+            fio_device: main.fio_device,
+            devices: main.devices.clone(),
             sweep: if args.plot.is_some() {
                 sweep
             } else {
@@ -281,6 +287,8 @@ fn write_plot(
 struct Sample {
     bytes_per_sec: f64,
     cpu_seconds_per_gb: f64,
+    /// What the block device saw during the pass (none without a block device).
+    device: Option<DeviceView>,
 }
 
 /// Runs `plan.pairs` rounds of kvtier, fio on the same memory and (when it differs) fio's best
@@ -307,6 +315,7 @@ fn measure(
     let like = fio_run(&choice.like);
     let best = choice.best.as_ref().map(fio_run);
     let sides = if best.is_some() { 3 } else { 2 };
+    let devices = DeviceSampler::of(&plan.paths);
     let mut samples: [Vec<Sample>; 3] = [Vec::new(), Vec::new(), Vec::new()];
     // The reference each round's kvtier sample is compared with: fio's best where it runs
     // separately, else fio on the same memory.
@@ -323,22 +332,32 @@ fn measure(
         for k in 0..sides {
             crate::interrupt::check("fio-compare")?;
             let side = (k + pair) % sides;
-            let sample = match side {
+            let (sample, device) = match side {
                 0 => {
                     let cpu0 = process_cpu_seconds();
-                    let pass = workload.run_pass(profile, depth)?;
+                    let (pass, device) = devices.around(|| workload.run_pass(profile, depth));
+                    let pass = pass?;
                     let cpu = process_cpu_seconds() - cpu0;
-                    Sample {
+                    let sample = Sample {
                         bytes_per_sec: pass.bytes_per_sec(),
                         cpu_seconds_per_gb: cpu / (pass.bytes as f64 / 1e9).max(1e-12),
-                    }
+                        device: None,
+                    };
+                    (sample, device)
                 }
-                1 => fio_sample(&runner::run_fio(&like, scratch)?),
+                1 => {
+                    let (report, device) = devices.around(|| runner::run_fio(&like, scratch));
+                    (fio_sample(&report?), device)
+                }
                 _ => match &best {
-                    Some(b) => fio_sample(&runner::run_fio(b, scratch)?),
+                    Some(b) => {
+                        let (report, device) = devices.around(|| runner::run_fio(b, scratch));
+                        (fio_sample(&report?), device)
+                    }
                     None => continue,
                 },
             };
+            let sample = Sample { device, ..sample };
             samples[side].push(sample);
             bar.inc(1);
         }
@@ -367,6 +386,9 @@ fn measure(
         )
     };
     let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { f64::NAN };
+    let device_of = |v: &[Sample]| {
+        DeviceView::median_of(&v.iter().filter_map(|s| s.device).collect::<Vec<_>>())
+    };
     Ok(DepthPoint {
         row_size,
         iodepth: depth,
@@ -390,6 +412,9 @@ fn measure(
             .or_else(|| best_is_like.then(|| choice.like.clone())),
         kvtier_pages: String::new(),
         kvtier_engine: String::new(),
+        kvtier_device: device_of(&samples[0]),
+        fio_device: device_of(&samples[reference]),
+        devices: devices.names.clone(),
         ratio_spread: spread_of(&pair_ratios),
         pair_ratios,
     })
@@ -423,6 +448,7 @@ fn fio_sample(r: &runner::FioReport) -> Sample {
     Sample {
         bytes_per_sec: r.total_bytes_per_sec(),
         cpu_seconds_per_gb: r.cpu_seconds / (bytes / 1e9).max(1e-12),
+        device: None,
     }
 }
 

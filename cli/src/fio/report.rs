@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use crate::fio::device::DeviceView;
 use crate::fio::memory::FioSetup;
 use crate::fio::plan::Plan;
 use crate::output::{Table, display_paths};
@@ -59,6 +60,14 @@ pub struct DepthPoint {
     /// (max - min) / median of `pair_ratios`: how far one round's ratio can be trusted.
     /// Above 10 % more rounds were taken (up to 3 x `--pairs`).
     pub ratio_spread: f64,
+    /// What the block device saw during kvtier's passes (medians; see
+    /// [`crate::fio::device`]); null where the paths have no block device.
+    pub kvtier_device: Option<DeviceView>,
+    /// The same for the reference the ratios are taken against (fio's best where it ran
+    /// separately, else fio on the same memory).
+    pub fio_device: Option<DeviceView>,
+    /// The block devices those figures are summed over.
+    pub devices: Vec<String>,
 }
 
 /// The `--json` object for one profile.
@@ -122,6 +131,12 @@ pub struct ProfileComparison {
     /// Their spread, (max - min) / median; `pair_ratios.len()` rounds ran (more than
     /// `pairs` when the spread was wide).
     pub ratio_spread: f64,
+    /// What the block device saw during kvtier's passes at the main depth (medians).
+    pub kvtier_device: Option<DeviceView>,
+    /// The same for the reference (see `DepthPoint::fio_device`).
+    pub fio_device: Option<DeviceView>,
+    /// The block devices those figures are summed over.
+    pub devices: Vec<String>,
     /// The depth sweep (with `--plot`), ascending depth.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub sweep: Vec<DepthPoint>,
@@ -152,9 +167,41 @@ pub(crate) fn render_report(
         table.row(std::iter::once(r.profile.to_string()).chain(c));
     }
     out.push_str(&table.render());
+    out.push_str(&render_devices(results));
     if results.iter().any(|r| !r.sweep.is_empty()) {
         out.push('\n');
         out.push_str(&render_sweep(results));
+    }
+    out
+}
+
+/// What the block device saw, per profile: kvtier's passes and the reference's (empty
+/// without a block device).
+fn render_devices(results: &[ProfileComparison]) -> String {
+    let Some(first) = results.iter().find(|r| r.kvtier_device.is_some()) else {
+        return String::new();
+    };
+    let mut out = format!(
+        "\ndevice ({}, medians): requests in the device while busy, latency per request, bytes \
+         per request after merging (docs/performance.md)\n",
+        first.devices.join(", ")
+    );
+    let view = |v: &Option<DeviceView>| match v {
+        Some(v) => format!(
+            "{:.1} queued, {:.0} us, {}",
+            v.queue_while_busy,
+            v.request_latency_us,
+            format_size(v.request_bytes.round() as u64)
+        ),
+        None => "-".to_string(),
+    };
+    for r in results {
+        out.push_str(&format!(
+            "  {:<6} kvtier {} | reference {}\n",
+            r.profile,
+            view(&r.kvtier_device),
+            view(&r.fio_device)
+        ));
     }
     out
 }
@@ -349,6 +396,9 @@ mod tests {
             kvtier_engine: "G3 tier".into(),
             pair_ratios: vec![0.5],
             ratio_spread: 0.0,
+            kvtier_device: None,
+            fio_device: None,
+            devices: Vec::new(),
         }
     }
 
@@ -388,6 +438,14 @@ mod tests {
             fio_samples: vec![2e9],
             pair_ratios: vec![0.5],
             ratio_spread: 0.0,
+            kvtier_device: Some(DeviceView {
+                queue_while_busy: 27.64,
+                request_latency_us: 1260.4,
+                request_bytes: 65_536.0,
+                requests: 16_384,
+            }),
+            fio_device: None,
+            devices: vec!["vda".into()],
             sweep: vec![like, unlike],
         };
         let text = render_report(&plan, &[result], "fio-3.33");
@@ -404,6 +462,12 @@ mod tests {
         );
         assert!(
             text.contains("fio best (device reference): could not run"),
+            "{text}"
+        );
+        assert!(text.contains("\ndevice (vda, medians): "), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l == "  store  kvtier 27.6 queued, 1260 us, 64 KiB | reference -"),
             "{text}"
         );
     }
