@@ -603,3 +603,56 @@ fn a_journal_poisoned_while_empty_is_repaired() {
     assert!(run(&mut t, job(2, &[0], &[0], false)).success);
     assert_eq!(lookup(&mut t, 0), LookupResult::Hit);
 }
+
+/// The evictions of the store jobs a worker starts together are journaled in one write before
+/// their slab writes are submitted. When that write fails, the jobs' keys fail and no slab
+/// write is made: the evicted keys' bytes stay intact in their slots, so a restart that
+/// replays the journal (which never learned of the evictions) serves them with their own
+/// bytes, not the failed jobs'.
+#[test]
+fn an_eviction_the_journal_could_not_record_never_overwrites_its_slot() {
+    let d = tmpdir();
+    let r = region(12);
+    let mut cfg = config(&[d.path()], 4);
+    cfg.checkpoint_interval = None;
+    let gate = Arc::new(AtomicBool::new(false));
+    let plan = FaultPlan::new().meta(
+        MetaFault::new(MetaFile::Journal, MetaOp::Write, libc::ENOSPC).while_set(gate.clone()),
+    );
+    let mut t = open_faulty(cfg.clone(), &r, plan);
+    for k in 0..4u64 {
+        fill_row(&r, k as u32, k);
+    }
+    assert!(run(&mut t, job(1, &[0, 1, 2, 3], &[0, 1, 2, 3], false)).success);
+    // Every slot is taken: each of these six keys (in three jobs, submitted together so that
+    // the worker starts them together) evicts one.
+    gate.store(true, Ordering::SeqCst);
+    for (i, k) in (10..16u64).enumerate() {
+        fill_row(&r, 4 + i as u32, k);
+    }
+    for (n, pair) in [[10u64, 11], [12, 13], [14, 15]].iter().enumerate() {
+        let rows = [4 + 2 * n as u32, 5 + 2 * n as u32];
+        t.submit_store(job(2 + n as u64, pair, &rows, false));
+    }
+    for res in results(&mut t, 3) {
+        assert!(!res.success, "{res:?}");
+        assert_eq!(
+            res.error.as_ref().unwrap().kind(),
+            ErrorKind::NoSpace,
+            "{res:?}"
+        );
+    }
+    for k in 10..16 {
+        assert_eq!(lookup(&mut t, k), LookupResult::Miss, "key {k}");
+    }
+    // Closed while the journal still refuses records: it holds the four stores only.
+    t.close_without_checkpoint().unwrap();
+    let mut t = open(cfg, &r);
+    for k in 0..4u64 {
+        assert_eq!(lookup(&mut t, k), LookupResult::Hit, "key {k}");
+        clear_row(&r, 10);
+        let res = run(&mut t, job(10 + k, &[k], &[10], true));
+        assert!(res.success, "key {k} came back damaged: {res:?}");
+        assert!(row_is(&r, 10, k), "key {k}");
+    }
+}

@@ -105,7 +105,7 @@ impl Worker {
         } else if s.load {
             self.prepare_load(&mut a);
         } else {
-            self.prepare_store(&mut a);
+            self.prepare_store(&mut a, super::store::EvictionFlush::Now);
         }
         let stride = self.set.row_stride();
         let n_files = self.set.files.len();

@@ -209,6 +209,9 @@ pub(crate) struct Worker {
     completed: Vec<Active>,
     /// Granted transfers started and not finished, by serial.
     grants: HashMap<u32, Active>,
+    /// Store jobs started since the last submission whose evictions wait in the journal's
+    /// buffer (written by `flush_evictions` before their writes are submitted).
+    evicting: Vec<u32>,
 }
 
 impl Worker {
@@ -238,6 +241,7 @@ impl Worker {
             commits: Vec::new(),
             completed: Vec::new(),
             grants: HashMap::new(),
+            evicting: Vec::new(),
         }
     }
 
@@ -316,6 +320,12 @@ impl Worker {
                 Ok(c) => {
                     self.last_work = Instant::now();
                     self.complete(c);
+                    // Completions come in bursts (a merged device request ends many
+                    // transfers): take every one that is there, so that the next `pump`
+                    // starts the jobs they make room for together.
+                    while let Ok(c) = self.completions.try_recv() {
+                        self.complete(c);
+                    }
                 }
                 Err(_) => {
                     // Never select on a disconnected channel again (it would spin).
@@ -406,7 +416,9 @@ impl Worker {
     }
 
     /// Submits queued operations while the byte budget allows, starting queued jobs as their
-    /// turn comes.
+    /// turn comes. The evictions of the store jobs started here are journaled in one write
+    /// before any transfer is submitted; a transfer whose key failed meanwhile (its eviction
+    /// could not be journaled) is dropped, not submitted.
     fn pump(&mut self) {
         let mut batch = std::mem::take(&mut self.batch);
         while let Some(next) = self.jobs.next(&self.sh.metrics) {
@@ -415,6 +427,8 @@ impl Worker {
                 Next::Job(job, load) => self.start(job, load),
             }
         }
+        self.flush_evictions();
+        batch.retain(|op| self.unit_wanted(op.tag));
         self.jobs.publish(&self.sh.metrics);
         if !batch.is_empty() {
             match self.engine.submit(&batch) {
@@ -432,6 +446,26 @@ impl Worker {
         }
         batch.clear();
         self.batch = batch;
+    }
+
+    /// Whether the transfer tagged `tag` is still to be made: false once its key failed
+    /// (then its budget is returned and its job finishes when nothing else of it is left).
+    fn unit_wanted(&mut self, tag: u64) -> bool {
+        let (serial, i) = split_job_tag(tag);
+        let Some(a) = self.active.get_mut(&serial) else {
+            return true;
+        };
+        if a.status.get(i) != Some(&KeyStatus::Failed) {
+            return true;
+        }
+        self.jobs.release();
+        a.remaining -= 1;
+        if a.remaining == 0
+            && let Some(a) = self.active.remove(&serial)
+        {
+            self.completed.push(a);
+        }
+        false
     }
 
     fn start(&mut self, job: TransferJob, load: bool) {
@@ -452,8 +486,8 @@ impl Worker {
             (0..n).for_each(|i| a.fail(i, e.duplicate()));
         } else if load {
             self.prepare_load(&mut a);
-        } else {
-            self.prepare_store(&mut a);
+        } else if self.prepare_store(&mut a, store::EvictionFlush::BeforeSubmit) {
+            self.evicting.push(serial);
         }
         let stride = self.set.row_stride();
         // Slots may hold only a prefix of each row (`G3TierConfig::slot_bytes`).

@@ -11,13 +11,28 @@ use crate::g3::record::{MAX_KEY_LEN, chunk_crc};
 use crate::io::{IoDir, IoRequest};
 use crate::key::ChunkKey;
 
+/// When the removal records of the slots a store job evicts are written to the journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum EvictionFlush {
+    /// Before `prepare_store` returns (a grant: another data path overwrites the slots as soon
+    /// as it has them).
+    Now,
+    /// Once for every job started in the same `pump`, before any of their writes is
+    /// submitted (`Worker::flush_evictions`); the caller records the job.
+    BeforeSubmit,
+}
+
 impl Worker {
-    pub(super) fn prepare_store(&mut self, a: &mut Active) {
+    /// Reserves a slot per key (evicting where needed) and journals the evictions, now or
+    /// before the next submission (`flush`). Returns whether the job evicted any slot.
+    pub(super) fn prepare_store(&mut self, a: &mut Active, flush: EvictionFlush) -> bool {
         let refusal = self.store_refusal();
         let mut evicted = Vec::new();
         {
             let mut guard = self.sh.index.lock();
-            let Some(ix) = guard.as_mut() else { return };
+            let Some(ix) = guard.as_mut() else {
+                return false;
+            };
             let mut seen = HashSet::new();
             for i in 0..a.keys.len() {
                 let key = &a.keys[i];
@@ -67,40 +82,82 @@ impl Worker {
             }
             self.refresh_slot_gauges(ix);
         }
-        if !evicted.is_empty() {
-            self.sh
-                .metrics
-                .evictions
-                .fetch_add(evicted.len() as u64, Ordering::Relaxed);
-            let keys: Vec<ChunkKey> = evicted.iter().map(|(k, _)| k.clone()).collect();
-            self.event(keys, true);
-            // An eviction is journaled (and, under fsync = always, made durable) before the
-            // slot is overwritten.
-            let sync = self.cfg.fsync == FsyncPolicy::Always;
-            let res = match self.journal.as_mut() {
-                Some(j) => {
-                    evicted.iter().for_each(|(_, s)| j.remove(*s));
-                    j.flush(sync)
-                }
-                None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
-            };
-            self.note_journal_len();
-            if let Err(e) = res {
-                self.publish_journal_state();
-                let mut guard = self.sh.index.lock();
-                for i in 0..a.keys.len() {
-                    if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
-                        if let Some(ix) = guard.as_mut() {
-                            ix.abort(slot);
-                        }
-                        a.tier.slots[i] = None;
-                        a.fail(i, e.duplicate());
-                    }
-                }
+        if evicted.is_empty() {
+            return false;
+        }
+        self.sh
+            .metrics
+            .evictions
+            .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+        let keys: Vec<ChunkKey> = evicted.iter().map(|(k, _)| k.clone()).collect();
+        self.event(keys, true);
+        // An eviction is journaled (and, under fsync = always, made durable) before the slot
+        // is overwritten: the records are appended now and written now or before the job's
+        // writes are submitted.
+        match self.journal.as_mut() {
+            Some(j) => evicted.iter().for_each(|(_, s)| j.remove(*s)),
+            None => {
+                let e = Error::new(ErrorKind::Closed, "G3 journal is not open");
+                self.fail_reserved(a, &e);
+                return true;
             }
+        }
+        if flush == EvictionFlush::Now
+            && let Err(e) = self.write_journal()
+        {
+            self.fail_reserved(a, &e);
         }
         // The rows' CRCs are computed once their writes are submitted
         // (`checksum_submitted_writes`), so that hashing overlaps the device's work.
+        true
+    }
+
+    /// Writes the journal's appended records (under `fsync = always` durably).
+    fn write_journal(&mut self) -> crate::error::Result<()> {
+        let sync = self.cfg.fsync == FsyncPolicy::Always;
+        let res = match self.journal.as_mut() {
+            Some(j) => j.flush(sync),
+            None => Err(Error::new(ErrorKind::Closed, "G3 journal is not open")),
+        };
+        self.note_journal_len();
+        if res.is_err() {
+            self.publish_journal_state();
+        }
+        res
+    }
+
+    /// Fails every key of `a` that holds a reserved slot and has not moved yet, releasing the
+    /// slot (its eviction could not be journaled, so it must not be overwritten).
+    fn fail_reserved(&mut self, a: &mut Active, e: &Error) {
+        let mut guard = self.sh.index.lock();
+        for i in 0..a.keys.len() {
+            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
+                if let Some(ix) = guard.as_mut() {
+                    ix.abort(slot);
+                }
+                a.tier.slots[i] = None;
+                a.fail(i, e.duplicate());
+            }
+        }
+    }
+
+    /// Writes the eviction records of the store jobs started since the last submission
+    /// (`EvictionFlush::BeforeSubmit`) in one journal write. When it fails, those jobs' keys
+    /// fail and their slots are released; their writes are then never submitted (see
+    /// `Worker::pump`).
+    pub(super) fn flush_evictions(&mut self) {
+        if self.evicting.is_empty() {
+            return;
+        }
+        let serials = std::mem::take(&mut self.evicting);
+        if let Err(e) = self.write_journal() {
+            for serial in serials {
+                if let Some(mut a) = self.active.remove(&serial) {
+                    self.fail_reserved(&mut a, &e);
+                    self.active.insert(serial, a);
+                }
+            }
+        }
     }
 
     /// [`chunk_crc`] (key, then row) of the rows whose writes were just submitted, computed
