@@ -124,6 +124,41 @@ fn a_pinned_engine_region_is_staged_and_round_trips_through_the_service() {
             .unwrap();
         assert!(got == payload_of(&keys[i], STRIDE), "row {}", 4 + n);
     }
+    // A second connection under the same engine name, with a pinned region of its own: the
+    // engine's staged bytes are the two connections' together, as its other counters are.
+    let before = staged_of(&service.metrics_text("kvtier:").unwrap());
+    assert_eq!(before, Some((8 * STRIDE) as f64));
+    let other = PrimaryRegion::create_vllm_shaped_pinned(
+        ROWS as usize,
+        STRIDE,
+        shm,
+        AdoptHugePages::Never,
+        true,
+    )
+    .unwrap();
+    let other_file = region_file_of(&other);
+    let c2 = NodeClient::connect(&dir.path().join("kvtier.sock"), &hello).unwrap();
+    c2.register_fd(other_file.as_fd(), ROWS).unwrap();
+    let more: Vec<ChunkKey> = (10..12).map(|i| key("pinned", i)).collect();
+    for (row, k) in more.iter().enumerate() {
+        other_file
+            .write_all_at(&payload_of(k, STRIDE), row as u64 * STRIDE)
+            .unwrap();
+    }
+    c2.submit_store(1, more, vec![0, 1]);
+    let r = c2.wait_finished(Duration::from_secs(30)).unwrap();
+    assert!(r.success, "{:?}", r.error);
+    let metrics = service.metrics_text("kvtier:").unwrap();
+    assert_eq!(staged_of(&metrics), Some((10 * STRIDE) as f64), "{metrics}");
+    drop(c2);
     drop(c);
     drop(service);
+}
+
+/// The `node_engine_staged_bytes_total` value of the engine named `pinned`.
+fn staged_of(metrics: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with("kvtier:node_engine_staged_bytes_total{engine=\"pinned\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
 }

@@ -131,9 +131,10 @@ fn region_series(reg: &mut Registry, sh: &ServiceShared, shares: &[(String, f64)
         MetricKind::Counter,
         &["engine"],
     )?;
+    // Connections under one engine name add up, as the engine's other counters do.
     for (name, bytes) in sh.engines.region_staged_bytes() {
         let id = reg.series(staged, &[name.as_str()])?;
-        reg.set(id, bytes as f64);
+        reg.inc(id, bytes as f64);
     }
     Ok(())
 }
