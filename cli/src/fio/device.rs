@@ -16,7 +16,7 @@
 //!
 //! The counters hold every request this machine makes to the device, not only the pass's: a
 //! quiet machine is assumed, as for the throughput. Files on a filesystem without a block
-//! device (tmpfs) give no view.
+//! device (tmpfs, overlayfs, btrfs: their device numbers name no block device) give no view.
 
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
