@@ -24,6 +24,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod block_device;
 pub mod config_cmd;
 pub mod exit;
 pub mod fio;

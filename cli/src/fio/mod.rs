@@ -12,11 +12,9 @@
 //!   JSON output). [`files`]: the test files, prepared identically for both sides.
 //! * [`kvtier_workload`], [`g3_workload`]: kvtier's side, through its I/O engine alone or the
 //!   whole G3 tier.
-//! * [`device`]: what the block device saw during each pass (requests queued, their latency).
 //! * [`report`], [`plot`]: the `--json` objects, the tables and the SVG chart.
 
 pub mod args;
-pub mod device;
 pub mod files;
 pub mod g3_workload;
 pub mod kvtier_workload;
@@ -30,8 +28,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use crate::block_device::{DeviceSampler, DeviceView};
 pub use crate::fio::args::{FioCompareArgs, KvtierSide};
-use crate::fio::device::{DeviceSampler, DeviceView};
 use crate::fio::g3_workload::{G3Shape, G3Workload};
 use crate::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
 use crate::fio::memory::FioChoice;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
-use crate::fio::device::DeviceView;
+use crate::block_device::DeviceView;
 use crate::fio::memory::FioSetup;
 use crate::fio::plan::Plan;
 use crate::output::{Table, display_paths};
@@ -61,7 +61,7 @@ pub struct DepthPoint {
     /// Above 10 % more rounds were taken (up to 3 x `--pairs`).
     pub ratio_spread: f64,
     /// What the block device saw during kvtier's passes (medians; see
-    /// [`crate::fio::device`]); null where the paths have no block device.
+    /// [`crate::block_device`]); null where the paths have no block device.
     pub kvtier_device: Option<DeviceView>,
     /// The same for the reference the ratios are taken against (fio's best where it ran
     /// separately, else fio on the same memory).

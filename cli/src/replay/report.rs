@@ -206,24 +206,8 @@ pub struct ReportBase {
     pub device_busy: std::result::Result<f64, String>,
 }
 
-/// The kernel's busy time (`io_ticks`, ms) of the block device holding `path`.
+/// The kernel's busy time (`io_ticks`, ms) of the block device holding `path`, or why it is
+/// unknown.
 pub fn io_ticks_ms(path: &Path) -> std::result::Result<u64, String> {
-    use std::os::unix::fs::MetadataExt;
-    let dev = std::fs::metadata(path)
-        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
-        .dev();
-    // The kernel's encoding of dev_t (glibc's gnu_dev_major / gnu_dev_minor).
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    let stat = format!("/sys/dev/block/{major}:{minor}/stat");
-    let text = std::fs::read_to_string(&stat).map_err(|_| {
-        format!(
-            "{} is on device {major}:{minor}, which has no {stat}",
-            path.display()
-        )
-    })?;
-    text.split_whitespace()
-        .nth(9)
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("{stat} has no io_ticks field"))
+    crate::block_device::counters_of(path).map(|c| c.busy_ms)
 }

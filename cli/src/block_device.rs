@@ -1,6 +1,7 @@
-//! What the block device itself saw during a pass, from its own counters
-//! (`/sys/dev/block/MAJ:MIN/stat`, described in the kernel's
-//! `Documentation/admin-guide/iostats.rst`), read before and after the pass.
+//! What a block device itself saw, from its own counters (`/sys/dev/block/MAJ:MIN/stat`,
+//! described in the kernel's `Documentation/admin-guide/iostats.rst`), read before and after
+//! some work: `kvtier fio-compare`'s passes ([`DeviceSampler`]) and `kvtier replay`'s busy time
+//! ([`counters_of`]).
 //!
 //! Throughput is requests in flight divided by the time each takes. Two passes can keep the
 //! same number of requests in the device and still differ because each request took longer
@@ -144,8 +145,7 @@ impl DeviceSampler {
         let mut stat_files = Vec::new();
         let mut names = Vec::new();
         for dev in devs {
-            let (maj, min) = (rustix::fs::major(dev), rustix::fs::minor(dev));
-            let base = PathBuf::from(format!("/sys/dev/block/{maj}:{min}"));
+            let base = sysfs_dir(dev);
             let stat = base.join("stat");
             if read_counters(&stat).is_none() {
                 continue;
@@ -153,7 +153,9 @@ impl DeviceSampler {
             let name = std::fs::read_link(&base)
                 .ok()
                 .and_then(|t| t.file_name().map(|n| n.to_string_lossy().into_owned()))
-                .unwrap_or_else(|| format!("{maj}:{min}"));
+                .unwrap_or_else(|| {
+                    format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev))
+                });
             stat_files.push(stat);
             names.push(name);
         }
@@ -185,6 +187,31 @@ impl DeviceSampler {
 
 fn read_counters(path: &Path) -> Option<DeviceCounters> {
     DeviceCounters::parse(&std::fs::read_to_string(path).ok()?)
+}
+
+/// The sysfs directory of block device `dev` (`/sys/dev/block/MAJ:MIN`).
+fn sysfs_dir(dev: u64) -> PathBuf {
+    let (major, minor) = (rustix::fs::major(dev), rustix::fs::minor(dev));
+    PathBuf::from(format!("/sys/dev/block/{major}:{minor}"))
+}
+
+/// The counters of the block device holding `path` now, or why there are none (the path
+/// cannot be read, or its device has no `stat` file: tmpfs, overlayfs, btrfs).
+pub fn counters_of(path: &Path) -> std::result::Result<DeviceCounters, String> {
+    let dev = std::fs::metadata(path)
+        .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
+        .dev();
+    let stat = sysfs_dir(dev).join("stat");
+    let text = std::fs::read_to_string(&stat).map_err(|_| {
+        format!(
+            "{} is on device {}:{}, which has no {}",
+            path.display(),
+            rustix::fs::major(dev),
+            rustix::fs::minor(dev),
+            stat.display()
+        )
+    })?;
+    DeviceCounters::parse(&text).ok_or_else(|| format!("{} has no io_ticks field", stat.display()))
 }
 
 #[cfg(test)]
@@ -255,6 +282,17 @@ mod tests {
         .unwrap();
         assert_eq!(m, v(2.0, 500.0, 20.0, 5));
         assert_eq!(DeviceView::median_of(&[]), None);
+    }
+
+    #[test]
+    fn counters_of_a_path_say_why_there_are_none() {
+        let e = counters_of(Path::new("/nonexistent/kvtier")).unwrap_err();
+        assert!(e.starts_with("cannot stat /nonexistent/kvtier"), "{e}");
+        // tmpfs numbers its files' device with no block device behind it.
+        if Path::new("/dev/shm").is_dir() {
+            let e = counters_of(Path::new("/dev/shm")).unwrap_err();
+            assert!(e.contains("which has no /sys/dev/block/"), "{e}");
+        }
     }
 
     #[test]
