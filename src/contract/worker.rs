@@ -108,6 +108,16 @@ impl<U> JobQueue<U> {
         self.units.push_back(unit);
     }
 
+    /// Takes out the waiting units `unwanted` picks (never charged to the budget) and returns
+    /// them.
+    pub fn take_units(&mut self, mut unwanted: impl FnMut(&U) -> bool) -> Vec<U> {
+        let (taken, kept): (VecDeque<U>, VecDeque<U>) = std::mem::take(&mut self.units)
+            .into_iter()
+            .partition(|u| unwanted(u));
+        self.units = kept;
+        taken.into()
+    }
+
     /// Queues a unit ahead of every other (it has waited already).
     pub fn push_unit_front(&mut self, unit: U) {
         self.units.push_front(unit);

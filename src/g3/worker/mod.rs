@@ -424,8 +424,8 @@ impl Worker {
 
     /// Submits queued operations while the byte budget allows, starting queued jobs as their
     /// turn comes. The evictions of the store jobs started here are journaled in one write
-    /// before any transfer is submitted; a transfer whose key failed meanwhile (its eviction
-    /// could not be journaled) is dropped, not submitted.
+    /// before any transfer is submitted (`flush_evictions`, which drops the transfers of the
+    /// keys that fail when it fails).
     fn pump(&mut self) {
         let mut batch = std::mem::take(&mut self.batch);
         while let Some(next) = self.jobs.next(&self.sh.metrics) {
@@ -434,8 +434,7 @@ impl Worker {
                 Next::Job(job, load) => self.start(job, load),
             }
         }
-        self.flush_evictions();
-        batch.retain(|op| self.unit_wanted(op.tag));
+        self.flush_evictions(&mut batch);
         self.jobs.publish(&self.sh.metrics);
         if !batch.is_empty() {
             match self.engine.submit(&batch) {
@@ -469,24 +468,25 @@ impl Worker {
         self.batch = batch;
     }
 
-    /// Whether the transfer tagged `tag` is still to be made: false once its key failed
-    /// (then its budget is returned and its job finishes when nothing else of it is left).
-    fn unit_wanted(&mut self, tag: u64) -> bool {
-        let (serial, i) = split_job_tag(tag);
-        let Some(a) = self.active.get_mut(&serial) else {
-            return true;
-        };
-        if a.status.get(i) != Some(&KeyStatus::Failed) {
-            return true;
+    /// Forgets the transfers tagged `tags`, never submitted (their keys failed): their jobs
+    /// finish once nothing else of them is left. `charged`: they were taken from the queue
+    /// (their bytes return to the budget).
+    fn drop_unsent(&mut self, tags: impl IntoIterator<Item = u64>, charged: bool) {
+        for tag in tags {
+            if charged {
+                self.jobs.release();
+            }
+            let (serial, _) = split_job_tag(tag);
+            let Some(a) = self.active.get_mut(&serial) else {
+                continue;
+            };
+            a.remaining -= 1;
+            if a.remaining == 0
+                && let Some(a) = self.active.remove(&serial)
+            {
+                self.completed.push(a);
+            }
         }
-        self.jobs.release();
-        a.remaining -= 1;
-        if a.remaining == 0
-            && let Some(a) = self.active.remove(&serial)
-        {
-            self.completed.push(a);
-        }
-        false
     }
 
     fn start(&mut self, job: TransferJob, load: bool) {

@@ -143,21 +143,36 @@ impl Worker {
 
     /// Writes the eviction records of the store jobs started since the last submission
     /// (`EvictionFlush::BeforeSubmit`) in one journal write. When it fails, those jobs' keys
-    /// fail and their slots are released; their writes are then never submitted (see
-    /// `Worker::pump`).
-    pub(super) fn flush_evictions(&mut self) {
+    /// fail and their slots are released, and their writes are never submitted: they leave
+    /// `batch` (taken from the queue, charged to the budget) and the queue.
+    pub(super) fn flush_evictions(&mut self, batch: &mut Vec<IoRequest>) {
         if self.evicting.is_empty() {
             return;
         }
         let serials = std::mem::take(&mut self.evicting);
-        if let Err(e) = self.write_journal() {
-            for serial in serials {
-                if let Some(mut a) = self.active.remove(&serial) {
-                    self.fail_reserved(&mut a, &e);
-                    self.active.insert(serial, a);
-                }
+        let Err(e) = self.write_journal() else {
+            return;
+        };
+        for serial in &serials {
+            if let Some(mut a) = self.active.remove(serial) {
+                self.fail_reserved(&mut a, &e);
+                self.active.insert(*serial, a);
             }
         }
+        let active = &self.active;
+        let failed = |op: &IoRequest| {
+            let (serial, i) = crate::io::split_job_tag(op.tag);
+            serials.contains(&serial)
+                && active
+                    .get(&serial)
+                    .is_some_and(|a| a.status.get(i) == Some(&KeyStatus::Failed))
+        };
+        let (dropped, kept): (Vec<IoRequest>, Vec<IoRequest>) =
+            std::mem::take(batch).into_iter().partition(|op| failed(op));
+        *batch = kept;
+        let waiting = self.jobs.take_units(|op| failed(op));
+        self.drop_unsent(dropped.iter().map(|op| op.tag), true);
+        self.drop_unsent(waiting.iter().map(|op| op.tag), false);
     }
 
     /// [`chunk_crc`] (key, then row) of the rows whose writes were just submitted, computed
