@@ -58,13 +58,6 @@ const QUIET_IN_FLIGHT_ROWS: u64 = 2;
 /// Most store jobs committed together (one fdatasync per slab, one journal append).
 const MAX_COMMIT_GROUP: usize = 64;
 
-/// Reads at least this long make the worker yield after submitting them, as writes always do
-/// (see `pump`). Measured on the 2-vCPU development VM, medians of alternating runs (6 each,
-/// 12 at 64 KiB): loads of 256 KiB rows 2.34 -> 2.58 GB/s and of 2 MiB rows 2.83 -> 3.09 GB/s
-/// with the yield, 1 and 8 MiB unchanged, 64 KiB 1.76 -> 1.54 (docs/performance.md, "Small
-/// rows").
-const YIELD_AFTER_READS_FROM: usize = 256 << 10;
-
 /// A message from the tier to its worker.
 pub(crate) enum Cmd {
     /// Slabs -> primary.
@@ -443,14 +436,10 @@ impl Worker {
                     // that completed (about 3 us per 64 KiB row). The engine thread that
                     // hands this batch to the kernel is often runnable on this same CPU (the
                     // scheduler woke this worker where the completions were reaped): it goes
-                    // first, so the device has the batch while the CRCs are computed
-                    // (docs/performance.md, "Small rows").
-                    if batch
-                        .iter()
-                        .any(|op| op.dir == IoDir::Write || op.len >= YIELD_AFTER_READS_FROM)
-                    {
-                        std::thread::yield_now();
-                    }
+                    // first, so the device has the batch while the CRCs are computed. For
+                    // reads too, at every row size: measured faster at 64 and 128 KiB as at
+                    // 256 KiB and up (docs/performance.md, "Small rows").
+                    std::thread::yield_now();
                     self.checksum_submitted_writes(&batch)
                 }
                 Err(e) => {
