@@ -182,6 +182,73 @@ fn compares_store_and_load_as_json_and_plots() {
     assert_eq!(left, [Path::new("depth.svg").as_os_str()]);
 }
 
+/// `--fio-verify`: fio checks a CRC-32C of every block it loads, in rounds of its own. It
+/// fails on a block without its verify header, so this also checks that its file was written
+/// with them at this row size.
+#[test]
+fn fio_checking_what_it_loads_runs_beside_the_others() {
+    if !fio_installed() {
+        kvtier::skip_test!("fio is not installed (apt-get install fio)");
+        return;
+    }
+    let dir = tempfile::tempdir_in("/tmp").unwrap();
+    let cwd = tempfile::tempdir_in("/tmp").unwrap();
+    let d = dir.path().to_str().unwrap();
+    let mut cmd = command(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--size",
+        "8MiB",
+        "--row-size",
+        "256KiB",
+        "--iodepth",
+        "4",
+        "--pairs",
+        "2",
+        "--fio-verify",
+        "--json",
+    ]);
+    let out = cmd.current_dir(cwd.path()).output().unwrap();
+    assert_success(&out);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let arr = v.as_array().unwrap();
+    assert_eq!(arr.len(), 2);
+    assert_eq!(arr[0]["profile"], "store");
+    assert!(arr[0].get("fio_verify").is_none(), "stores: {}", arr[0]);
+    let load = &arr[1];
+    assert_eq!(load["profile"], "load");
+    let verify = &load["fio_verify"];
+    let speed = verify["bytes_per_sec"].as_f64().unwrap();
+    assert!(speed > 0.0, "{load}");
+    assert_eq!(
+        verify["samples"].as_array().unwrap().len(),
+        load["kvtier_samples"].as_array().unwrap().len(),
+        "one verifying pass per round: {load}"
+    );
+    let k = load["kvtier_bytes_per_sec"].as_f64().unwrap();
+    assert!((verify["ratio"].as_f64().unwrap() - k / speed).abs() < 1e-9 * k / speed);
+    assert!(
+        verify["cpu_seconds_per_gb"]
+            .as_f64()
+            .is_some_and(|c| c >= 0.0)
+    );
+    // No fio verify state files in the working directory, and the test files are gone.
+    let left = |p: &Path| std::fs::read_dir(p).unwrap().count();
+    assert_eq!(left(cwd.path()), 0);
+    assert_eq!(left(dir.path()), 0);
+    // The table says it too.
+    let table = small_compare(d, &["--profile", "load", "--fio-verify"]);
+    assert_success(&table);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("fio checking what it loads"), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("  load   fio verifying ") && l.contains("kvtier/that")),
+        "{text}"
+    );
+}
+
 #[test]
 fn table_output_names_the_file_state_and_keep_keeps_files() {
     if !fio_installed() {

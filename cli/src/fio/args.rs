@@ -23,6 +23,7 @@ pub enum KvtierSide {
   kvtier fio-compare                                  # store and load, 2 MiB rows, on the temp dir
   kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
   kvtier fio-compare --profile load --pairs 5 --json
+  kvtier fio-compare --profile load --row-size 64KiB --fio-verify   # fio checking what it loads too
   kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
   kvtier fio-compare --region vllm --plot sweep.svg --row-sizes 64KiB,1MiB,16MiB --depths 1,8,64
 
@@ -69,6 +70,12 @@ pub struct FioCompareArgs {
     /// Depths for --plot (comma-separated). Default: powers of two up to the depth.
     #[arg(long, value_delimiter = ',', value_name = "N,N,...")]
     pub depths: Vec<u32>,
+    /// Also run fio checking what it loads: a CRC-32C of every block it reads
+    /// (`--verify=crc32c`, fio-profiles/load-verify.fio), the work of kvtier's load check,
+    /// with fio's best memory and batching; its file is written with fio's verify headers
+    /// first (untimed). Loads only.
+    #[arg(long)]
+    pub fio_verify: bool,
     /// Keep the test files afterwards.
     #[arg(long)]
     pub keep: bool,

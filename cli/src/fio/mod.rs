@@ -35,7 +35,7 @@ use crate::fio::kvtier_workload::{KvtierWorkload, PassStats, WorkloadShape};
 use crate::fio::memory::FioChoice;
 use crate::fio::plan::Plan;
 use crate::fio::plot::{Panel, Series, render_svg};
-use crate::fio::report::{DepthPoint, ProfileComparison, render_report};
+use crate::fio::report::{DepthPoint, ProfileComparison, VerifyingFio, render_report};
 use crate::fio::runner::{FioRun, Profile};
 use crate::output::{display_paths, out, outln, print_json, progress_bar};
 use crate::size::format_size;
@@ -101,12 +101,14 @@ fn measure_points(
     shm_file: &Path,
     scratch: &Path,
 ) -> Result<Vec<(Profile, DepthPoint)>> {
-    let fio_sides = 2;
-    let runs = plan.profiles.len()
-        * plan.depths.len()
-        * plan.row_sizes.len()
-        * plan.pairs
-        * (1 + fio_sides);
+    // fio on the same memory and fio's best in every round, and fio checking what it loads
+    // in load rounds with --fio-verify.
+    let sides_per_round: usize = plan
+        .profiles
+        .iter()
+        .map(|&p| 3 + usize::from(plan.fio_verify && p == Profile::Load))
+        .sum();
+    let runs = plan.depths.len() * plan.row_sizes.len() * plan.pairs * sides_per_round;
     let bar = progress_bar(runs as u64, "fio-compare", !args.json);
     let mut points: Vec<(Profile, DepthPoint)> = Vec::new();
     let jobs = if plan.profiles.contains(&Profile::Mixed) {
@@ -203,6 +205,7 @@ fn comparisons(
             kvtier_device: main.kvtier_device,
             fio_device: main.fio_device,
             devices: main.devices.clone(),
+            fio_verify: main.fio_verify.clone(),
             sweep: if args.plot.is_some() {
                 sweep
             } else {
@@ -239,6 +242,14 @@ fn write_plot(
                 series.push(Series::new(
                     "fio best (hugetlb)",
                     at.iter().map(|p| p.fio_best_bytes_per_sec).collect(),
+                ));
+            }
+            if at.iter().any(|p| p.fio_verify.is_some()) {
+                series.push(Series::new(
+                    "fio verifying",
+                    at.iter()
+                        .map(|p| p.fio_verify.as_ref().map_or(f64::NAN, |v| v.bytes_per_sec))
+                        .collect(),
                 ));
             }
             // Points where fio could not have the same memory are named in the title.
@@ -302,19 +313,43 @@ fn measure(
     scratch: &Path,
     bar: &indicatif::ProgressBar,
 ) -> Result<DepthPoint> {
-    let fio_run = |setup: &memory::FioSetup| FioRun {
+    let fio_run = |setup: &memory::FioSetup, verify: bool| FioRun {
         profile,
         files: plan.fio_files.clone(),
         size: plan.per_file * plan.fio_files.len() as u64,
         block_size: row_size,
         iodepth: depth,
         setup: setup.clone(),
+        verify,
     };
-    let like = fio_run(&choice.like);
-    let best = choice.best.as_ref().map(fio_run);
-    let sides = if best.is_some() { 3 } else { 2 };
+    let like = fio_run(&choice.like, false);
+    let best = choice.best.as_ref().map(|b| fio_run(b, false));
+    // fio checking what it loads, with fio's best memory and batching (`--fio-verify`): its
+    // file first gets fio's verify headers, written at this row size (untimed).
+    let verify = if plan.fio_verify && profile == Profile::Load {
+        let setup = choice.best.as_ref().unwrap_or(&choice.like);
+        let headers = FioRun {
+            profile: Profile::Store,
+            ..fio_run(setup, true)
+        };
+        runner::run_fio(&headers, scratch)?;
+        Some(fio_run(setup, true))
+    } else {
+        None
+    };
+    // The sides of a round (0 kvtier, 1 fio on the same memory, 2 fio's best, 3 fio
+    // verifying), in the order of the first round; each round starts one further.
+    let order: Vec<usize> = [
+        Some(0),
+        Some(1),
+        best.as_ref().map(|_| 2),
+        verify.as_ref().map(|_| 3),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let devices = DeviceSampler::of(&plan.paths);
-    let mut samples: [Vec<Sample>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+    let mut samples: [Vec<Sample>; 4] = Default::default();
     // The reference each round's kvtier sample is compared with: fio's best where it runs
     // separately, else fio on the same memory.
     let reference = if best.is_some() { 2 } else { 1 };
@@ -325,11 +360,11 @@ fn measure(
     {
         if pair >= plan.pairs {
             // A wide spread: one more round (the bar grows with it).
-            bar.inc_length(sides.max(2) as u64);
+            bar.inc_length(order.len().max(3) as u64);
         }
-        for k in 0..sides {
+        for k in 0..order.len() {
             crate::interrupt::check("fio-compare")?;
-            let side = (k + pair) % sides;
+            let side = order[(k + pair) % order.len()];
             let (sample, device) = match side {
                 0 => {
                     let cpu0 = process_cpu_seconds();
@@ -347,9 +382,9 @@ fn measure(
                     let (report, device) = devices.around(|| runner::run_fio(&like, scratch));
                     (fio_sample(&report?), device)
                 }
-                _ => match &best {
-                    Some(b) => {
-                        let (report, device) = devices.around(|| runner::run_fio(b, scratch));
+                _ => match if side == 2 { &best } else { &verify } {
+                    Some(run) => {
+                        let (report, device) = devices.around(|| runner::run_fio(run, scratch));
                         (fio_sample(&report?), device)
                     }
                     None => continue,
@@ -359,7 +394,8 @@ fn measure(
             samples[side].push(sample);
             bar.inc(1);
         }
-        if sides == 2 {
+        if best.is_none() {
+            // The bar counts fio's best in every round.
             bar.inc(1);
         }
         pair += 1;
@@ -415,6 +451,16 @@ fn measure(
         devices: devices.names.clone(),
         ratio_spread: spread_of(&pair_ratios),
         pair_ratios,
+        fio_verify: verify.map(|_| {
+            let v = &samples[3];
+            VerifyingFio {
+                bytes_per_sec: med(v, speed),
+                cpu_seconds_per_gb: med(v, cost),
+                ratio: ratio(k, med(v, speed)),
+                samples: v.iter().map(speed).collect(),
+                device: device_of(v),
+            }
+        }),
     })
 }
 

@@ -37,6 +37,8 @@ pub(crate) struct Plan {
     pub(crate) g3_dirs: Vec<PathBuf>,
     pub(crate) file_state: &'static str,
     pub(crate) side_name: &'static str,
+    /// Run fio checking what it loads too (`--fio-verify`; load profile only).
+    pub(crate) fio_verify: bool,
 }
 
 impl Plan {
@@ -65,6 +67,13 @@ impl Plan {
         check_plot_folder(args)?;
         let depths = depths(args, depth)?;
         let profiles = profiles(args)?;
+        if args.fio_verify && !profiles.contains(&Profile::Load) {
+            return Err(Error::config(
+                "--fio-verify",
+                "fio checks what it loads, so it needs the load profile: add --profile load \
+                 (or leave --profile out for store and load)",
+            ));
+        }
         let in_each = |name: &str| -> Vec<PathBuf> { paths.iter().map(|p| p.join(name)).collect() };
         let fio_files = in_each("kvtier-fio-compare.fio.dat");
         let (kvtier_files, g3_dirs, file_state, side_name) = match args.kvtier_side {
@@ -95,6 +104,7 @@ impl Plan {
             g3_dirs,
             file_state,
             side_name,
+            fio_verify: args.fio_verify,
         })
     }
 
@@ -239,6 +249,21 @@ mod tests {
         assert_eq!(p.paths, vec![std::env::temp_dir()]);
         assert_eq!(p.per_file, 1 << 30);
         assert_eq!(p.pairs, 3);
+    }
+
+    #[test]
+    fn fio_verify_needs_the_load_profile() {
+        assert!(!plan(&[]).unwrap().fio_verify);
+        assert!(plan(&["--fio-verify"]).unwrap().fio_verify);
+        assert!(
+            plan(&["--fio-verify", "--profile", "load"])
+                .unwrap()
+                .fio_verify
+        );
+        let e = plan(&["--fio-verify", "--profile", "store"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Config);
+        assert!(e.to_string().contains("--fio-verify"), "{e}");
+        assert!(e.to_string().contains("--profile load"), "{e}");
     }
 
     #[test]

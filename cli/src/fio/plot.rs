@@ -41,7 +41,8 @@ const MARGIN_L: f64 = 60.0;
 const MARGIN_R: f64 = 20.0;
 const MARGIN_T: f64 = 50.0;
 const MARGIN_B: f64 = 50.0;
-/// Series colours in order: kvtier, fio on the same memory, fio's best.
+/// Series colours in order: kvtier, fio on the same memory, fio's best, fio verifying what it
+/// loads.
 const COLORS: [&str; 4] = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"];
 
 /// Renders the panels as one SVG document, `columns` panels per row. `subtitle` describes the

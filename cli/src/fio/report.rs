@@ -10,6 +10,22 @@ use crate::fio::plan::Plan;
 use crate::output::{Table, display_paths};
 use crate::size::{format_gbps, format_size};
 
+/// fio checking what it loads (`--fio-verify`): `verify=crc32c` on every block read, with
+/// fio's best memory and batching, a side of its own in the rotating rounds.
+#[derive(Debug, Clone, Serialize)]
+pub struct VerifyingFio {
+    /// Median throughput, bytes per second.
+    pub bytes_per_sec: f64,
+    /// Its CPU seconds per GB (its jobs' `usr_cpu` + `sys_cpu`), median.
+    pub cpu_seconds_per_gb: f64,
+    /// kvtier / fio checking what it loads.
+    pub ratio: f64,
+    /// Every pass, in run order.
+    pub samples: Vec<f64>,
+    /// What the block device saw during its passes (medians); null without a block device.
+    pub device: Option<DeviceView>,
+}
+
 /// One measured point: medians of rounds whose order rotates.
 #[derive(Debug, Clone, Serialize)]
 pub struct DepthPoint {
@@ -68,6 +84,9 @@ pub struct DepthPoint {
     pub fio_device: Option<DeviceView>,
     /// The block devices those figures are summed over.
     pub devices: Vec<String>,
+    /// fio checking what it loads, with `--fio-verify` at a load point (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio_verify: Option<VerifyingFio>,
 }
 
 /// The `--json` object for one profile.
@@ -137,6 +156,10 @@ pub struct ProfileComparison {
     pub fio_device: Option<DeviceView>,
     /// The block devices those figures are summed over.
     pub devices: Vec<String>,
+    /// fio checking what it loads at the main depth (`--fio-verify`, load only; absent
+    /// otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fio_verify: Option<VerifyingFio>,
     /// The depth sweep (with `--plot`), ascending depth.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub sweep: Vec<DepthPoint>,
@@ -172,6 +195,7 @@ pub(crate) fn render_report(
         out.push('\n');
         out.push_str(&render_sweep(results));
     }
+    out.push_str(&render_verifying(results));
     out
 }
 
@@ -202,6 +226,47 @@ fn render_devices(results: &[ProfileComparison]) -> String {
             view(&r.kvtier_device),
             view(&r.fio_device)
         ));
+    }
+    out
+}
+
+/// fio checking what it loads (`--fio-verify`), per profile that ran it and, with `--plot`,
+/// per sweep point (empty without it).
+fn render_verifying(results: &[ProfileComparison]) -> String {
+    if results.iter().all(|r| r.fio_verify.is_none()) {
+        return String::new();
+    }
+    let mut out = String::from(
+        "\nfio checking what it loads (--fio-verify: verify=crc32c on every block read, fio \
+         best's memory and batching), medians:\n",
+    );
+    let line = |label: String, v: &VerifyingFio| {
+        let device = v.device.map_or_else(String::new, |d| {
+            format!(
+                "; device {:.1} queued, {:.0} us",
+                d.queue_while_busy, d.request_latency_us
+            )
+        });
+        format!(
+            "  {label} fio verifying {}, CPU {:.3} s/GB; kvtier/that {:.3}{device}\n",
+            format_gbps(v.bytes_per_sec),
+            v.cpu_seconds_per_gb,
+            v.ratio
+        )
+    };
+    for r in results {
+        if r.sweep.is_empty() {
+            if let Some(v) = &r.fio_verify {
+                out.push_str(&line(format!("{:<6}", r.profile), v));
+            }
+            continue;
+        }
+        for p in &r.sweep {
+            if let Some(v) = &p.fio_verify {
+                let at = format!("{} {} x {}:", r.profile, format_size(p.row_size), p.iodepth);
+                out.push_str(&line(at, v));
+            }
+        }
     }
     out
 }
@@ -399,6 +464,51 @@ mod tests {
             kvtier_device: None,
             fio_device: None,
             devices: Vec::new(),
+            fio_verify: None,
+        }
+    }
+
+    /// The comparison of `profile` whose main point is `main`, sweeping `sweep`.
+    fn comparison(
+        plan: &Plan,
+        profile: &'static str,
+        main: &DepthPoint,
+        sweep: Vec<DepthPoint>,
+    ) -> ProfileComparison {
+        ProfileComparison {
+            profile,
+            kvtier_bytes_per_sec: main.kvtier_bytes_per_sec,
+            fio_bytes_per_sec: main.fio_bytes_per_sec,
+            ratio: main.ratio,
+            fio_best_bytes_per_sec: main.fio_best_bytes_per_sec,
+            ratio_to_best: main.ratio_to_best,
+            kvtier_cpu_seconds_per_gb: 0.1,
+            fio_cpu_seconds_per_gb: 0.05,
+            fio_best_cpu_seconds_per_gb: 0.05,
+            row_size: main.row_size,
+            iodepth: main.iodepth,
+            file_size: 1 << 30,
+            paths: plan.paths.clone(),
+            file_state: plan.file_state,
+            kvtier_side: "g3",
+            pairs: 3,
+            kvtier_region: "own",
+            kvtier_pages: "2 MiB pages".into(),
+            kvtier_engine: "G3 tier".into(),
+            fio_setup: main.fio_setup.clone(),
+            fio_like_for_like: main.fio_like_for_like,
+            fio_note: main.fio_note.clone(),
+            fio_best_setup: None,
+            fio_version: "fio-3.33".into(),
+            kvtier_samples: vec![1e9],
+            fio_samples: vec![2e9],
+            pair_ratios: vec![0.5],
+            ratio_spread: 0.0,
+            kvtier_device: main.kvtier_device,
+            fio_device: None,
+            devices: vec!["vda".into()],
+            fio_verify: main.fio_verify.clone(),
+            sweep,
         }
     }
 
@@ -409,45 +519,14 @@ mod tests {
         let plan =
             Plan::from_args(&parse_for_test(&["--plot", "x.svg", "--depths", "1"])).expect("plan");
         let (like, unlike) = (point(1, true), point(32, false));
-        let result = ProfileComparison {
-            profile: "store",
-            kvtier_bytes_per_sec: unlike.kvtier_bytes_per_sec,
-            fio_bytes_per_sec: unlike.fio_bytes_per_sec,
-            ratio: unlike.ratio,
-            fio_best_bytes_per_sec: unlike.fio_best_bytes_per_sec,
-            ratio_to_best: unlike.ratio_to_best,
-            kvtier_cpu_seconds_per_gb: 0.1,
-            fio_cpu_seconds_per_gb: 0.05,
-            fio_best_cpu_seconds_per_gb: 0.05,
-            row_size: 2 << 20,
-            iodepth: 32,
-            file_size: 1 << 30,
-            paths: plan.paths.clone(),
-            file_state: plan.file_state,
-            kvtier_side: "g3",
-            pairs: 3,
-            kvtier_region: "own",
-            kvtier_pages: "2 MiB pages".into(),
-            kvtier_engine: "G3 tier".into(),
-            fio_setup: unlike.fio_setup.clone(),
-            fio_like_for_like: false,
-            fio_note: unlike.fio_note.clone(),
-            fio_best_setup: None,
-            fio_version: "fio-3.33".into(),
-            kvtier_samples: vec![1e9],
-            fio_samples: vec![2e9],
-            pair_ratios: vec![0.5],
-            ratio_spread: 0.0,
-            kvtier_device: Some(DeviceView {
-                queue_while_busy: 27.64,
-                request_latency_us: 1260.4,
-                request_bytes: 65_536.0,
-                requests: 16_384,
-            }),
-            fio_device: None,
-            devices: vec!["vda".into()],
-            sweep: vec![like, unlike],
-        };
+        let mut main = unlike.clone();
+        main.kvtier_device = Some(DeviceView {
+            queue_while_busy: 27.64,
+            request_latency_us: 1260.4,
+            request_bytes: 65_536.0,
+            requests: 16_384,
+        });
+        let result = comparison(&plan, "store", &main, vec![like, unlike]);
         let text = render_report(&plan, &[result], "fio-3.33");
         let marked: Vec<&str> = text
             .lines()
@@ -470,5 +549,52 @@ mod tests {
                 .any(|l| l == "  store  kvtier 27.6 queued, 1260 us, 64 KiB | reference -"),
             "{text}"
         );
+        assert!(!text.contains("fio checking what it loads"), "{text}");
+    }
+
+    /// fio checking what it loads is reported, in the table's notes and the JSON, only where
+    /// it ran (`--fio-verify`, load points).
+    #[test]
+    fn fio_checking_what_it_loads_is_reported_where_it_ran() {
+        let plan = Plan::from_args(&parse_for_test(&["--fio-verify"])).expect("plan");
+        let mut load = point(32, true);
+        load.fio_verify = Some(VerifyingFio {
+            bytes_per_sec: 1.25e9,
+            cpu_seconds_per_gb: 0.0914,
+            ratio: 0.8,
+            samples: vec![1.25e9],
+            device: Some(DeviceView {
+                queue_while_busy: 30.96,
+                request_latency_us: 1480.2,
+                request_bytes: 65_536.0,
+                requests: 8_192,
+            }),
+        });
+        let store = point(32, true);
+        let results = [
+            comparison(&plan, "store", &store, Vec::new()),
+            comparison(&plan, "load", &load, Vec::new()),
+        ];
+        let text = render_report(&plan, &results, "fio-3.33");
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("fio verifying"))
+            .collect();
+        assert_eq!(
+            lines,
+            [
+                "  load   fio verifying 1.25 GB/s, CPU 0.091 s/GB; kvtier/that 0.800; device \
+                 31.0 queued, 1480 us"
+            ],
+            "{text}"
+        );
+        let json = serde_json::to_value(&results).unwrap();
+        assert!(
+            json[0].get("fio_verify").is_none(),
+            "absent where it did not run"
+        );
+        assert_eq!(json[1]["fio_verify"]["bytes_per_sec"], 1.25e9);
+        assert_eq!(json[1]["fio_verify"]["ratio"], 0.8);
+        assert_eq!(json[1]["fio_verify"]["device"]["requests"], 8_192);
     }
 }

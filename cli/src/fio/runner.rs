@@ -48,6 +48,23 @@ impl Profile {
             Profile::Mixed => include_str!("../../../fio-profiles/mixed.fio"),
         }
     }
+
+    /// The job file's name and text with fio's data check (`verify=crc32c`): a store writes
+    /// blocks carrying fio's verify headers, a load checks every block it reads against
+    /// them. `None` for `mixed`.
+    pub fn verify_job_file(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Profile::Store => Some((
+                "store-verify",
+                include_str!("../../../fio-profiles/store-verify.fio"),
+            )),
+            Profile::Load => Some((
+                "load-verify",
+                include_str!("../../../fio-profiles/load-verify.fio"),
+            )),
+            Profile::Mixed => None,
+        }
+    }
 }
 
 /// One fio run's parameters.
@@ -65,6 +82,8 @@ pub struct FioRun {
     pub iodepth: u32,
     /// Buffer memory and submission batching.
     pub setup: crate::fio::memory::FioSetup,
+    /// With fio's data check (`Profile::verify_job_file`).
+    pub verify: bool,
 }
 
 /// What fio measured in one direction of one run, summed over its jobs.
@@ -137,9 +156,22 @@ pub fn fio_version() -> Result<String> {
 /// Runs fio once and returns what it measured. `scratch` holds the job and report files.
 pub fn run_fio(run: &FioRun, scratch: &Path) -> Result<FioReport> {
     let files: Vec<String> = run.files.iter().map(|f| f.display().to_string()).collect();
+    let (name, job) = match (run.verify, run.profile.verify_job_file()) {
+        (true, Some(verifying)) => verifying,
+        (true, None) => {
+            return Err(Error::new(
+                ErrorKind::Contract,
+                format!(
+                    "fio's {} profile has no verifying job file",
+                    run.profile.name()
+                ),
+            ));
+        }
+        (false, _) => (run.profile.name(), run.profile.job_file()),
+    };
     run_job_file(
-        run.profile.name(),
-        run.profile.job_file(),
+        name,
+        job,
         &[
             ("KVTIER_FIO_FILE", files.join(":")),
             ("KVTIER_FIO_SIZE", run.size.to_string()),
@@ -302,8 +334,13 @@ mod tests {
 
     #[test]
     fn job_files_use_the_documented_variables() {
-        for p in [Profile::Store, Profile::Load, Profile::Mixed] {
-            let text = p.job_file();
+        let verifying = [Profile::Store, Profile::Load]
+            .into_iter()
+            .filter_map(|p| p.verify_job_file().map(|(_, t)| (p, t)));
+        let plain = [Profile::Store, Profile::Load, Profile::Mixed]
+            .into_iter()
+            .map(|p| (p, p.job_file()));
+        for (p, text) in plain.chain(verifying) {
             for var in [
                 "KVTIER_FIO_FILE",
                 "KVTIER_FIO_SIZE",
@@ -320,5 +357,38 @@ mod tests {
             }
             assert!(text.contains("direct=1") && text.contains("ioengine=io_uring"));
         }
+    }
+
+    #[test]
+    fn verifying_job_files_are_the_plain_ones_with_fio_s_data_check() {
+        assert!(Profile::Mixed.verify_job_file().is_none());
+        for p in [Profile::Store, Profile::Load] {
+            let (name, text) = p.verify_job_file().unwrap();
+            assert_eq!(name, format!("{}-verify", p.name()));
+            assert!(text.contains("verify=crc32c"), "{name}");
+            assert!(
+                text.contains("verify_state_save=0"),
+                "{name} leaves no state files"
+            );
+            // The same workload as the plain job file: every line of its [global] and job
+            // sections is in the verifying one too.
+            let settings = |t: &'static str| {
+                t.lines()
+                    .filter(|l| !l.starts_with(';') && l.contains('='))
+                    .collect::<Vec<_>>()
+            };
+            for line in settings(p.job_file()) {
+                if !line.starts_with("end_fsync") {
+                    assert!(text.contains(line), "{name} lacks `{line}`");
+                }
+            }
+        }
+        let (_, store) = Profile::Store.verify_job_file().unwrap();
+        assert!(
+            store.contains("do_verify=0"),
+            "the store only writes the headers"
+        );
+        let (_, load) = Profile::Load.verify_job_file().unwrap();
+        assert!(load.contains("verify_fatal=1"), "a bad block fails the run");
     }
 }
