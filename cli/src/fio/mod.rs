@@ -360,7 +360,8 @@ fn measure(
     {
         if pair >= plan.pairs {
             // A wide spread: one more round (the bar grows with it).
-            bar.inc_length(order.len().max(3) as u64);
+            // (One step stands for fio's best where it does not run separately.)
+            bar.inc_length((order.len() + usize::from(best.is_none())) as u64);
         }
         for k in 0..order.len() {
             crate::interrupt::check("fio-compare")?;
