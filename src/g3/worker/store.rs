@@ -4,9 +4,12 @@
 use std::collections::{BTreeSet, HashSet};
 use std::sync::atomic::Ordering;
 
+use parking_lot::Mutex;
+
 use super::{Active, KeyStatus, Worker};
 use crate::error::{Error, ErrorKind};
 use crate::g3::config::FsyncPolicy;
+use crate::g3::index::Index;
 use crate::g3::record::{MAX_KEY_LEN, chunk_crc};
 use crate::io::{IoDir, IoRequest};
 use crate::key::ChunkKey;
@@ -98,14 +101,14 @@ impl Worker {
             Some(j) => evicted.iter().for_each(|(_, s)| j.remove(*s)),
             None => {
                 let e = Error::new(ErrorKind::Closed, "G3 journal is not open");
-                self.fail_reserved(a, &e);
+                fail_reserved(&self.sh.index, a, &e);
                 return true;
             }
         }
         if flush == EvictionFlush::Now
             && let Err(e) = self.write_journal()
         {
-            self.fail_reserved(a, &e);
+            fail_reserved(&self.sh.index, a, &e);
         }
         // The rows' CRCs are computed once their writes are submitted
         // (`checksum_submitted_writes`), so that hashing overlaps the device's work.
@@ -126,21 +129,6 @@ impl Worker {
         res
     }
 
-    /// Fails every key of `a` that holds a reserved slot and has not moved yet, releasing the
-    /// slot (its eviction could not be journaled, so it must not be overwritten).
-    fn fail_reserved(&mut self, a: &mut Active, e: &Error) {
-        let mut guard = self.sh.index.lock();
-        for i in 0..a.keys.len() {
-            if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
-                if let Some(ix) = guard.as_mut() {
-                    ix.abort(slot);
-                }
-                a.tier.slots[i] = None;
-                a.fail(i, e.duplicate());
-            }
-        }
-    }
-
     /// Writes the eviction records of the store jobs started since the last submission
     /// (`EvictionFlush::BeforeSubmit`) in one journal write. When it fails, those jobs' keys
     /// fail and their slots are released, and their writes are never submitted: they leave
@@ -154,9 +142,8 @@ impl Worker {
             return;
         };
         for serial in &serials {
-            if let Some(mut a) = self.active.remove(serial) {
-                self.fail_reserved(&mut a, &e);
-                self.active.insert(*serial, a);
+            if let Some(a) = self.active.get_mut(serial) {
+                fail_reserved(&self.sh.index, a, &e);
             }
         }
         let active = &self.active;
@@ -371,4 +358,19 @@ impl Worker {
 /// The path holding key `i`'s slot, of `n_paths`.
 fn path_of(a: &Active, i: usize, n_paths: usize) -> Option<usize> {
     a.tier.slots[i].map(|(s, _)| s as usize % n_paths)
+}
+
+/// Fails every key of `a` that holds a reserved slot in `index` and has not moved yet,
+/// releasing the slot (its eviction could not be journaled, so it must not be overwritten).
+fn fail_reserved(index: &Mutex<Option<Index>>, a: &mut Active, e: &Error) {
+    let mut guard = index.lock();
+    for i in 0..a.keys.len() {
+        if let (KeyStatus::Pending, Some((slot, _))) = (a.status[i], a.tier.slots[i]) {
+            if let Some(ix) = guard.as_mut() {
+                ix.abort(slot);
+            }
+            a.tier.slots[i] = None;
+            a.fail(i, e.duplicate());
+        }
+    }
 }
