@@ -337,17 +337,13 @@ fn measure(
     } else {
         None
     };
-    // The sides of a round (0 kvtier, 1 fio on the same memory, 2 fio's best, 3 fio
-    // verifying), in the order of the first round; each round starts one further.
-    let order: Vec<usize> = [
-        Some(0),
-        Some(1),
-        best.as_ref().map(|_| 2),
-        verify.as_ref().map(|_| 3),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    // The fio runs of a round by side (1 fio on the same memory, 2 fio's best, 3 fio
+    // verifying; 0 is kvtier), and the sides that run, in the order of the first round; each
+    // round starts one further.
+    let fio_runs: [Option<&FioRun>; 4] = [None, Some(&like), best.as_ref(), verify.as_ref()];
+    let order: Vec<usize> = (0..fio_runs.len())
+        .filter(|&side| side == 0 || fio_runs[side].is_some())
+        .collect();
     let devices = DeviceSampler::of(&plan.paths);
     let mut samples: [Vec<Sample>; 4] = Default::default();
     // The reference each round's kvtier sample is compared with: fio's best where it runs
@@ -366,32 +362,23 @@ fn measure(
         for k in 0..order.len() {
             crate::interrupt::check("fio-compare")?;
             let side = order[(k + pair) % order.len()];
-            let (sample, device) = match side {
-                0 => {
+            let sample = match fio_runs[side] {
+                None => {
                     let cpu0 = process_cpu_seconds();
                     let (pass, device) = devices.around(|| workload.run_pass(profile, depth));
                     let pass = pass?;
                     let cpu = process_cpu_seconds() - cpu0;
-                    let sample = Sample {
+                    Sample {
                         bytes_per_sec: pass.bytes_per_sec(),
                         cpu_seconds_per_gb: cpu / (pass.bytes as f64 / 1e9).max(1e-12),
-                        device: None,
-                    };
-                    (sample, device)
-                }
-                1 => {
-                    let (report, device) = devices.around(|| runner::run_fio(&like, scratch));
-                    (fio_sample(&report?), device)
-                }
-                _ => match if side == 2 { &best } else { &verify } {
-                    Some(run) => {
-                        let (report, device) = devices.around(|| runner::run_fio(run, scratch));
-                        (fio_sample(&report?), device)
+                        device,
                     }
-                    None => continue,
-                },
+                }
+                Some(run) => {
+                    let (report, device) = devices.around(|| runner::run_fio(run, scratch));
+                    fio_sample(&report?, device)
+                }
             };
-            let sample = Sample { device, ..sample };
             samples[side].push(sample);
             bar.inc(1);
         }
@@ -488,12 +475,12 @@ fn pair_spread(kvtier: &[Sample], reference: &[Sample]) -> f64 {
     if r.len() < 2 { 0.0 } else { spread_of(&r) }
 }
 
-fn fio_sample(r: &runner::FioReport) -> Sample {
+fn fio_sample(r: &runner::FioReport, device: Option<DeviceView>) -> Sample {
     let bytes = (r.read.io_bytes + r.write.io_bytes) as f64;
     Sample {
         bytes_per_sec: r.total_bytes_per_sec(),
         cpu_seconds_per_gb: r.cpu_seconds / (bytes / 1e9).max(1e-12),
-        device: None,
+        device,
     }
 }
 

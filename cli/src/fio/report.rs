@@ -212,9 +212,8 @@ fn render_devices(results: &[ProfileComparison]) -> String {
     );
     let view = |v: &Option<DeviceView>| match v {
         Some(v) => format!(
-            "{:.1} queued, {:.0} us, {}",
-            v.queue_while_busy,
-            v.request_latency_us,
+            "{}, {}",
+            queue_and_latency(v),
             format_size(v.request_bytes.round() as u64)
         ),
         None => "-".to_string(),
@@ -230,6 +229,15 @@ fn render_devices(results: &[ProfileComparison]) -> String {
     out
 }
 
+/// A device view's requests queued while busy and latency per request, as the report prints
+/// them.
+fn queue_and_latency(v: &DeviceView) -> String {
+    format!(
+        "{:.1} queued, {:.0} us",
+        v.queue_while_busy, v.request_latency_us
+    )
+}
+
 /// fio checking what it loads (`--fio-verify`), per profile that ran it and, with `--plot`,
 /// per sweep point (empty without it).
 fn render_verifying(results: &[ProfileComparison]) -> String {
@@ -242,10 +250,7 @@ fn render_verifying(results: &[ProfileComparison]) -> String {
     );
     let line = |label: String, v: &VerifyingFio| {
         let device = v.device.map_or_else(String::new, |d| {
-            format!(
-                "; device {:.1} queued, {:.0} us",
-                d.queue_while_busy, d.request_latency_us
-            )
+            format!("; device {}", queue_and_latency(&d))
         });
         format!(
             "  {label} fio verifying {}, CPU {:.3} s/GB; kvtier/that {:.3}{device}\n",
