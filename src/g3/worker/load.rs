@@ -10,7 +10,7 @@ use crate::region::mem_hints::evict_from_caches;
 
 /// Loaded rows up to this size leave the CPU caches once their CRC is checked
 /// ([`evict_from_caches`]). Measured on this project's VM, 64 KiB-row loads at depth 32 ran
-/// 1.79 against 1.38 GB/s and 256 KiB rows 2.59 against 2.35; from 512 KiB no gain, and at
+/// 1.74 against 1.27 GB/s and 256 KiB rows 2.56 against 1.91; from 512 KiB no gain, and at
 /// 16 MiB the flush cost more than it saved (`docs/performance.md`, "Small rows").
 const EVICT_CHECKED_ROWS_UP_TO: u64 = 256 << 10;
 
