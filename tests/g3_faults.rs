@@ -611,10 +611,9 @@ fn a_journal_poisoned_while_empty_is_repaired() {
 /// bytes, not the failed jobs'.
 #[test]
 fn an_eviction_the_journal_could_not_record_never_overwrites_its_slot() {
-    // Every write in flight at once, then one row at a time (the jobs' other writes wait in
-    // the worker's queue when the journal write fails).
-    // One row at a time, the jobs after the first start once the journal refuses records,
-    // and are refused (Poisoned) rather than failed by the write.
+    // Every write in flight at once; then one row at a time, so that the jobs' other writes
+    // wait in the worker's queue when the journal write fails (the jobs after the first then
+    // start once the journal refuses records, and may be refused as Poisoned).
     evictions_not_recorded_leave_their_slots(None, &[ErrorKind::NoSpace]);
     evictions_not_recorded_leave_their_slots(
         Some(STRIDE as u64),

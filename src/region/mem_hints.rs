@@ -22,26 +22,33 @@ pub(crate) fn prefetch<T>(value: &T) {
     let _ = value;
 }
 
-/// Bytes per cache line that [`evict_from_caches`] steps by (x86-64's line size; a larger line
-/// is flushed once per step, a smaller one cannot occur on x86-64).
+/// x86-64's cache line size, which [`evict_from_caches`] steps by.
 const CACHE_LINE: usize = 64;
 
-/// Writes back (when dirty) and drops every cache line of `bytes` from every CPU cache
-/// (`CLFLUSH`), so that the next device write into this memory does not meet copies of it in
-/// the caches. No effect on contents, and none off x86-64.
+/// Writes back (when dirty) and drops every cache line holding a byte of `bytes` from every
+/// CPU cache (`CLFLUSH`), so that the next device write into this memory does not meet copies
+/// of it in the caches. No effect on contents, and none off x86-64.
 ///
 /// Used on a loaded row after its CRC check has read it (`docs/performance.md`, "Small
 /// rows": on a virtualised disk, reads into rows whose lines were left in the caches took up to
 /// 1.5x as long).
 pub(crate) fn evict_from_caches(bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    // Counted from the start of the line holding the first byte: that byte, then the first
+    // byte of each further line, also when `bytes` does not start on a line boundary.
+    let misalignment = bytes.as_ptr() as usize % CACHE_LINE;
     #[cfg(target_arch = "x86_64")]
-    for offset in (0..bytes.len()).step_by(CACHE_LINE) {
-        // SAFETY: `CLFLUSH` needs SSE2, which every x86-64 CPU has; the address lies inside
-        // the borrowed slice, and flushing a line never changes what memory holds.
+    for from_line_start in (0..misalignment + bytes.len()).step_by(CACHE_LINE) {
+        let offset = from_line_start.saturating_sub(misalignment);
+        // SAFETY: `CLFLUSH` needs SSE2, which every x86-64 CPU has; `offset < bytes.len()`,
+        // so the address lies inside the borrowed slice, and flushing a line never changes
+        // what memory holds.
         unsafe { std::arch::x86_64::_mm_clflush(bytes.as_ptr().add(offset)) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
+    let _ = misalignment;
 }
 
 /// `MADV_HUGEPAGE` over the 2 MiB-aligned interior of `v`'s elements. `Ok` when there is no

@@ -70,12 +70,10 @@ impl Worker {
                 // The manager reserves a load job's rows (no other reader or writer)
                 // until the job is reported; our read into the row has completed.
                 None => region.read_row(a.rows[i] as usize).map(|row| {
-                    let crc = chunk_crc(
-                        a.keys[i].as_bytes(),
-                        &row[..(stride as usize).min(row.len())],
-                    );
+                    let loaded = &row[..(stride as usize).min(row.len())];
+                    let crc = chunk_crc(a.keys[i].as_bytes(), loaded);
                     if stride <= EVICT_CHECKED_ROWS_UP_TO {
-                        evict_from_caches(&row);
+                        evict_from_caches(loaded);
                     }
                     crc
                 }),
