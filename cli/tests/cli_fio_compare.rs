@@ -56,6 +56,9 @@ fn argument_mistakes_are_reported_before_fio_is_looked_for() {
     let d = dir.path().to_str().unwrap();
     let out = no_fio(&["fio-compare", "--path", d, "--iodepth", "0"]);
     assert_exit_2_one_line(&out, "--iodepth");
+    // The G3 side's rows are the tier's: --buffer-sets is for the engine side.
+    let out = no_fio(&["fio-compare", "--path", d, "--buffer-sets", "2"]);
+    assert_exit_2_one_line(&out, "--kvtier-side engine");
     // Correct arguments: then the missing fio is the error.
     let out = no_fio(&["fio-compare", "--path", d, "--size", "4MiB"]);
     assert!(
@@ -259,11 +262,23 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
     let d = dir.path().to_str().unwrap();
     let out = small_compare(
         d,
-        &["--profile", "mixed", "--kvtier-side", "engine", "--keep"],
+        &[
+            "--profile",
+            "mixed",
+            "--kvtier-side",
+            "engine",
+            "--buffer-sets",
+            "2",
+            "--keep",
+        ],
     );
     assert_success(&out);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("file state: preallocated"), "{text}");
+    assert!(
+        text.contains("2 sets of rows per direction used in turn"),
+        "{text}"
+    );
     assert!(
         text.contains("kvtier/fio") && text.contains("mixed"),
         "{text}"

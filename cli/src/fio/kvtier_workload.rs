@@ -5,6 +5,12 @@
 //! A store pass writes every row of the file(s) in slot order, striped across files
 //! (`slot % n_files`), as the G3 tier lays slots out; a load pass reads every row once in a
 //! random order; a mixed pass runs both at once, each with the full depth.
+//!
+//! Buffer rows: by default each direction has `depth` rows and a completed request's row takes
+//! the next request at once, as fio reuses its `iodepth` buffers. With `buffer_sets` N above 1
+//! each direction has N sets of `depth` rows and a completed request's successor takes the
+//! same place in the next set, so a row is used again only after N - 1 other sets: the reuse
+//! of a tier, whose caller names a different row for each transfer.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,9 +41,12 @@ pub struct WorkloadShape {
     pub engine: IoEngineKind,
     /// The kvtier region the buffer rows are in.
     pub region: crate::region_arg::BenchRegion,
+    /// Sets of `depth` buffer rows per direction, used in turn (1: a row is reused at once).
+    pub buffer_sets: u32,
 }
 
-/// An engine over the prepared files with a region of `2 * max_depth` rows as buffers.
+/// An engine over the prepared files with a region of `2 * max_depth * buffer_sets` rows as
+/// buffers.
 pub struct KvtierWorkload {
     engine: Arc<dyn IoEngine>,
     info: EngineInfo,
@@ -45,6 +54,7 @@ pub struct KvtierWorkload {
     slots: u64,
     row: usize,
     max_depth: u32,
+    buffer_sets: usize,
     passes: u64,
 }
 
@@ -75,15 +85,21 @@ struct Stream {
 impl KvtierWorkload {
     /// Opens the files with O_DIRECT and starts the engine.
     pub fn open(shape: &WorkloadShape) -> Result<Self> {
-        let region = buffer_region(shape.row_size, shape.max_depth, shape.region)?;
-        let (rows, row) = (region.num_rows(), region.row_stride() as usize);
+        let buffer_sets = shape.buffer_sets.max(1);
+        let region = buffer_region(
+            shape.row_size,
+            shape.max_depth.saturating_mul(buffer_sets),
+            shape.region,
+        )?;
+        let row = region.row_stride() as usize;
         let files = shape
             .files
             .iter()
             .map(|p| open_direct(p))
             .collect::<Result<Vec<_>>>()?;
         let opts = EngineOptions {
-            queue_depth: rows as u32,
+            // Both directions of a mixed pass in flight at the largest depth.
+            queue_depth: 2 * shape.max_depth.max(1),
             o_direct: true,
             ..EngineOptions::default()
         };
@@ -96,6 +112,7 @@ impl KvtierWorkload {
             slots: ChunkGeometry::rows_in(shape.file_size, shape.row_size) * n_files,
             row,
             max_depth: shape.max_depth,
+            buffer_sets: buffer_sets as usize,
             passes: 0,
         })
     }
@@ -115,6 +132,12 @@ impl KvtierWorkload {
         });
         s.push_str(", O_DIRECT, ");
         s.push_str(&crate::fio::files::page_note(self.engine.region()));
+        if self.buffer_sets > 1 {
+            s.push_str(&format!(
+                ", {} sets of rows per direction used in turn",
+                self.buffer_sets
+            ));
+        }
         if let Some(why) = &self.info.fallback_reason {
             s.push_str(&format!(", fell back: {why}"));
         }
@@ -138,7 +161,7 @@ impl KvtierWorkload {
             Profile::Load => vec![self.stream(IoDir::Read, Some(seed), 0)],
             Profile::Mixed => vec![
                 self.stream(IoDir::Write, None, 0),
-                self.stream(IoDir::Read, Some(seed), depth),
+                self.stream(IoDir::Read, Some(seed), depth * self.buffer_sets),
             ],
         };
         let start = Instant::now();
@@ -222,7 +245,8 @@ impl KvtierWorkload {
                     continue; // stop feeding; let what is in flight finish
                 }
                 let s = (c.tag >> 32) as usize;
-                let buffer = (c.tag & 0xFFFF_FFFF) as usize;
+                // The next request of this stream takes the same place in the next set.
+                let buffer = ((c.tag & 0xFFFF_FFFF) as usize + depth) % (depth * self.buffer_sets);
                 if let Some(stream) = streams.get_mut(s)
                     && let Some(req) = self.request(stream, s, buffer)
                 {
@@ -284,6 +308,7 @@ mod tests {
             max_depth: 4,
             engine: IoEngineKind::Auto,
             region: crate::region_arg::BenchRegion::Own,
+            buffer_sets: 1,
         }) {
             Ok(w) => w,
             Err(e) => {
@@ -304,6 +329,54 @@ mod tests {
             w.run_pass(Profile::Load, 5).unwrap_err().kind(),
             ErrorKind::Contract
         );
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn with_buffer_sets_each_set_takes_its_turn() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let files = vec![dir.path().join("a")];
+        let row = 64 << 10;
+        let rows_in_file = 12u64;
+        prepare(&files, rows_in_file * row, row).unwrap();
+        let (depth, sets) = (2u32, 3u32);
+        let mut w = match KvtierWorkload::open(&WorkloadShape {
+            files,
+            file_size: rows_in_file * row,
+            row_size: row,
+            max_depth: depth,
+            engine: IoEngineKind::Auto,
+            region: crate::region_arg::BenchRegion::Own,
+            buffer_sets: sets,
+        }) {
+            Ok(w) => w,
+            Err(e) => {
+                kvtier::skip_test!("cannot start an engine with O_DIRECT on /tmp: {e}");
+                return;
+            }
+        };
+        let region = w.region();
+        // Two directions of `sets` sets of `depth` rows.
+        assert_eq!(region.num_rows(), (2 * depth * sets) as usize);
+        assert!(w.describe().contains("3 sets of rows"), "{}", w.describe());
+        let zero_row = |i: usize| region.read_row(i).unwrap().iter().all(|&b| b == 0);
+        assert!((0..region.num_rows()).all(zero_row));
+        // A load pass of 12 rows at depth 2 goes through every row of all three sets of
+        // its direction (each holds file bytes afterwards) and leaves the other
+        // direction's rows alone.
+        let pass = w.run_pass(Profile::Load, depth).unwrap();
+        assert_eq!(pass.bytes, rows_in_file * row);
+        let load_rows = (depth * sets) as usize;
+        for i in 0..load_rows {
+            assert!(!zero_row(i), "row {i} of the load sets was never used");
+        }
+        for i in load_rows..region.num_rows() {
+            assert!(zero_row(i), "row {i} belongs to the store direction");
+        }
+        for depth in [1, 2] {
+            let pass = w.run_pass(Profile::Mixed, depth).unwrap();
+            assert_eq!(pass.bytes, 2 * rows_in_file * row, "mixed at depth {depth}");
+        }
         w.close().unwrap();
     }
 }

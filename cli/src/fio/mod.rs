@@ -529,6 +529,7 @@ impl Side {
                 max_depth: plan.max_depth(),
                 engine: args.io_engine,
                 region: args.region,
+                buffer_sets: args.buffer_sets,
             })?),
             KvtierSide::G3 => Side::G3(Box::new(G3Workload::open(&G3Shape {
                 dirs: plan.g3_dirs.clone(),

@@ -74,6 +74,7 @@ impl Plan {
                  (or leave --profile out for store and load)",
             ));
         }
+        check_buffer_sets(args, largest, depths.iter().copied().max().unwrap_or(depth))?;
         let in_each = |name: &str| -> Vec<PathBuf> { paths.iter().map(|p| p.join(name)).collect() };
         let fio_files = in_each("kvtier-fio-compare.fio.dat");
         let (kvtier_files, g3_dirs, file_state, side_name) = match args.kvtier_side {
@@ -212,6 +213,40 @@ fn depths(args: &FioCompareArgs, depth: u32) -> Result<Vec<u32>> {
 }
 
 /// The profiles to compare (default store and load); mixed only on the engine side.
+/// The most bytes of buffer rows `--buffer-sets` may ask for.
+const MAX_BUFFER_BYTES: u64 = 4 << 30;
+
+/// `--buffer-sets` applies to the engine side (the G3 side's rows are the tier's), and its
+/// rows (two directions of `sets x depth` rows of the largest size) must fit
+/// [`MAX_BUFFER_BYTES`].
+fn check_buffer_sets(args: &FioCompareArgs, largest_row: u64, max_depth: u32) -> Result<()> {
+    if args.buffer_sets == 1 {
+        return Ok(());
+    }
+    if args.kvtier_side == KvtierSide::G3 {
+        return Err(Error::config(
+            "--buffer-sets",
+            "applies to --kvtier-side engine only (through the G3 tier the driver gives each \
+             job a free row of its own, as a scheduler does)",
+        ));
+    }
+    let bytes = 2 * u64::from(args.buffer_sets) * u64::from(max_depth) * largest_row;
+    if bytes > MAX_BUFFER_BYTES {
+        return Err(Error::config(
+            "--buffer-sets",
+            format!(
+                "{} sets of {max_depth} rows of {} in each direction need {} of buffers; at \
+                 most {} (take fewer sets, a lower depth or smaller rows)",
+                args.buffer_sets,
+                format_size(largest_row),
+                format_size(bytes),
+                format_size(MAX_BUFFER_BYTES)
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn profiles(args: &FioCompareArgs) -> Result<Vec<Profile>> {
     let mut profiles = if args.profiles.is_empty() {
         vec![Profile::Store, Profile::Load]
@@ -249,6 +284,28 @@ mod tests {
         assert_eq!(p.paths, vec![std::env::temp_dir()]);
         assert_eq!(p.per_file, 1 << 30);
         assert_eq!(p.pairs, 3);
+    }
+
+    #[test]
+    fn buffer_sets_are_for_the_engine_side_and_bounded() {
+        let engine = |more: &[&str]| {
+            let mut argv = vec!["--kvtier-side", "engine", "--iodepth", "32"];
+            argv.extend_from_slice(more);
+            plan(&argv)
+        };
+        let ok = engine(&["--buffer-sets", "64", "--row-size", "64KiB"]);
+        assert!(ok.is_ok(), "{ok:?}");
+        let g3 = plan(&["--buffer-sets", "2"]).unwrap_err();
+        assert_eq!(g3.kind(), ErrorKind::Config);
+        assert!(g3.to_string().contains("--buffer-sets"), "{g3}");
+        assert!(g3.to_string().contains("--kvtier-side engine"), "{g3}");
+        // 2 directions x 64 sets x 32 rows x 2 MiB = 8 GiB.
+        let big = engine(&["--buffer-sets", "64"]).unwrap_err();
+        assert_eq!(big.kind(), ErrorKind::Config);
+        assert!(big.to_string().contains("8 GiB"), "{big}");
+        let zero = <FioCompareArgs as clap::Args>::augment_args(clap::Command::new("x"))
+            .try_get_matches_from(["x", "--buffer-sets", "0"]);
+        assert!(zero.is_err());
     }
 
     #[test]
