@@ -56,9 +56,17 @@ fn argument_mistakes_are_reported_before_fio_is_looked_for() {
     let d = dir.path().to_str().unwrap();
     let out = no_fio(&["fio-compare", "--path", d, "--iodepth", "0"]);
     assert_exit_2_one_line(&out, "--iodepth");
-    // The G3 side's rows are the tier's: --buffer-sets is for the engine side.
-    let out = no_fio(&["fio-compare", "--path", d, "--buffer-sets", "2"]);
-    assert_exit_2_one_line(&out, "--kvtier-side engine");
+    // 2 x 64 sets x 32 rows of 2 MiB.
+    let out = no_fio(&[
+        "fio-compare",
+        "--path",
+        d,
+        "--iodepth",
+        "32",
+        "--buffer-sets",
+        "64",
+    ]);
+    assert_exit_2_one_line(&out, "8 GiB");
     // Correct arguments: then the missing fio is the error.
     let out = no_fio(&["fio-compare", "--path", d, "--size", "4MiB"]);
     assert!(
@@ -287,8 +295,20 @@ fn table_output_names_the_file_state_and_keep_keeps_files() {
     assert!(dir.path().join("kvtier-fio-compare.kvtier.dat").exists());
 
     // The G3 side keeps its tier directory with --keep; mixed needs the engine side.
-    let out = small_compare(d, &["--profile", "store", "--keep", "--json"]);
+    let out = small_compare(
+        d,
+        &[
+            "--profile",
+            "store",
+            "--keep",
+            "--json",
+            "--buffer-sets",
+            "2",
+        ],
+    );
     assert_success(&out);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 sets of rows taken in turn"), "{text}");
     assert!(
         dir.path()
             .join("kvtier-fio-compare.g3/kvtier-g3.slab")

@@ -24,7 +24,7 @@ pub enum KvtierSide {
   kvtier fio-compare --path /mnt/nvme0 --path /mnt/nvme1 --size 8GiB
   kvtier fio-compare --profile load --pairs 5 --json
   kvtier fio-compare --profile load --row-size 64KiB --fio-verify   # fio checking what it loads too
-  kvtier fio-compare --kvtier-side engine --profile load --row-size 64KiB --buffer-sets 64
+  kvtier fio-compare --kvtier-side engine --profile load --row-size 64KiB --iodepth 32 --buffer-sets 64
   kvtier fio-compare --plot depth.svg --depths 1,2,4,8,16,32
   kvtier fio-compare --region vllm --plot sweep.svg --row-sizes 64KiB,1MiB,16MiB --depths 1,8,64
 
@@ -54,10 +54,11 @@ pub struct FioCompareArgs {
     /// What kvtier runs: the G3 tier's data path, or its I/O engine on a plain file.
     #[arg(long, value_enum, default_value = "g3", value_name = "SIDE")]
     pub kvtier_side: KvtierSide,
-    /// With --kvtier-side engine: the buffer rows are N sets of the depth, used in turn. 1
-    /// reuses each completed request's row at once, as fio reuses its iodepth buffers; with
-    /// more, a row is used again only after N - 1 other sets, as a tier's rows are (its caller
-    /// names them; docs/performance.md, "Reused buffers").
+    /// kvtier's buffer rows in N sets, taken in turn. 1: the engine side gives a completed
+    /// request's row to the next request at once, as fio reuses its iodepth buffers, and the
+    /// G3 side's driver gives a new job the row freed last. More: a row comes back only after
+    /// the other sets, as a tier's rows do (its caller names them; docs/performance.md,
+    /// "Reused buffers").
     #[arg(long, default_value_t = 1, value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub buffer_sets: u32,

@@ -3,6 +3,11 @@
 //! (O_DIRECT, io_uring with the region registered as fixed buffers), CRC32 on every row, index
 //! records in its journal, and `max_bytes_in_flight = depth * row` as its byte budget.
 //!
+//! Rows: the driver keeps twice the budget queued, so it has `2 x depth` rows and gives a new
+//! job the row freed last. With `buffer_sets` N above 1 it has `2 x N x depth` rows and gives a
+//! new job the row freed longest ago, so a row comes back only after about `2 x (N - 1) x
+//! depth` other jobs, as a scheduler's rows do (it names a free row of a large region).
+//!
 //! State: the tier preallocates its slabs (`posix_fallocate`) and a first, untimed store pass
 //! writes every slot, so every timed store pass overwrites written slots (each new key evicts
 //! the least recently used one) and every load pass reads written slots, as fio does on its
@@ -46,6 +51,8 @@ pub struct G3Shape {
     pub engine: IoEngineKind,
     /// The kvtier region the buffer rows are in.
     pub region: crate::region_arg::BenchRegion,
+    /// Sets of `2 x depth` rows the driver takes in turn (1: the row freed last is next).
+    pub buffer_sets: u32,
 }
 
 /// A G3 tier over fresh directories, reopened whenever the depth (its byte budget) changes.
@@ -69,7 +76,11 @@ impl G3Workload {
             }
             std::fs::create_dir_all(d).map_err(|e| Error::io("create", d, e))?;
         }
-        let region = buffer_region(shape.row_size, shape.max_depth, shape.region)?;
+        let region = buffer_region(
+            shape.row_size,
+            shape.max_depth.saturating_mul(shape.buffer_sets.max(1)),
+            shape.region,
+        )?;
         let slots =
             ChunkGeometry::rows_in(shape.bytes_per_path, shape.row_size) * shape.dirs.len() as u64;
         let mut w = G3Workload {
@@ -93,8 +104,12 @@ impl G3Workload {
 
     /// The data path as it runs.
     pub fn describe(&self) -> String {
+        let sets = match self.shape.buffer_sets {
+            0 | 1 => String::new(),
+            n => format!(", {n} sets of rows taken in turn"),
+        };
         format!(
-            "G3 tier ({}, O_DIRECT, {}, CRC32, journal, fsync never)",
+            "G3 tier ({}, O_DIRECT, {}, CRC32, journal, fsync never{sets})",
             self.engine_name,
             crate::fio::files::page_note(&self.region)
         )
@@ -138,7 +153,8 @@ impl G3Workload {
                 format!("depth {depth} is outside 1..={}", self.shape.max_depth),
             ));
         }
-        let rows = 2 * depth as usize;
+        let sets = self.shape.buffer_sets.max(1) as usize;
+        let rows = 2 * depth as usize * sets;
         let row = self.shape.row_size;
         let is_load = match profile {
             Profile::Store => false,
@@ -164,7 +180,7 @@ impl G3Workload {
         };
         let mut next_job = self.next_job;
         let tier = self.tier(depth)?;
-        let mut free_rows: Vec<u32> = (0..rows as u32).rev().collect();
+        let mut free_rows = RowPool::new(rows as u32, sets > 1);
         let mut row_of_job = std::collections::HashMap::new();
         let mut next = 0usize;
         let mut done = 0usize;
@@ -174,7 +190,7 @@ impl G3Workload {
         while done < keys.len() {
             // Keep twice the budget queued so the tier never waits for this driver.
             while next < keys.len() && failed.is_none() {
-                let Some(r) = free_rows.pop() else { break };
+                let Some(r) = free_rows.take() else { break };
                 let job = TransferJob {
                     job_id: next_job,
                     keys: vec![keys[next].clone()],
@@ -210,7 +226,7 @@ impl G3Workload {
             for r in finished {
                 done += 1;
                 if let Some(row) = row_of_job.remove(&r.job_id) {
-                    free_rows.push(row);
+                    free_rows.give_back(row);
                 }
                 if !r.success && failed.is_none() {
                     failed = Some(r.error.unwrap_or_else(|| {
@@ -246,6 +262,37 @@ impl G3Workload {
 }
 
 /// A distinct 36-byte key per (pass generation, index).
+/// The driver's free rows.
+struct RowPool {
+    free: std::collections::VecDeque<u32>,
+    /// Take the row freed longest ago (else the one freed last).
+    oldest_first: bool,
+}
+
+impl RowPool {
+    /// Rows `0..rows`, all free; the first taken is row 0.
+    fn new(rows: u32, oldest_first: bool) -> Self {
+        let free = if oldest_first {
+            (0..rows).collect()
+        } else {
+            (0..rows).rev().collect()
+        };
+        RowPool { free, oldest_first }
+    }
+
+    fn take(&mut self) -> Option<u32> {
+        if self.oldest_first {
+            self.free.pop_front()
+        } else {
+            self.free.pop_back()
+        }
+    }
+
+    fn give_back(&mut self, row: u32) {
+        self.free.push_back(row);
+    }
+}
+
 fn pass_key(generation: u64, index: u64) -> ChunkKey {
     let mut k = [0u8; 36];
     k[..8].copy_from_slice(b"fio-cmp\0");
@@ -269,6 +316,7 @@ mod tests {
             max_depth: 4,
             engine: IoEngineKind::Auto,
             region: crate::region_arg::BenchRegion::Own,
+            buffer_sets: 1,
         })
         .unwrap();
         assert!(w.describe().contains("G3 tier"));
@@ -284,6 +332,67 @@ mod tests {
             w.run_pass(Profile::Load, 9).unwrap_err().kind(),
             ErrorKind::Contract
         );
+        w.close().unwrap();
+    }
+
+    #[test]
+    fn the_row_pool_hands_out_the_last_freed_or_the_oldest_freed_row() {
+        let mut last = RowPool::new(4, false);
+        let mut oldest = RowPool::new(4, true);
+        for pool in [&mut last, &mut oldest] {
+            assert_eq!(pool.take(), Some(0));
+            assert_eq!(pool.take(), Some(1));
+        }
+        // Rows 2 and 3 are still free; 1 and then 0 come back.
+        for pool in [&mut last, &mut oldest] {
+            pool.give_back(1);
+            pool.give_back(0);
+        }
+        let order = |pool: &mut RowPool| std::iter::from_fn(|| pool.take()).collect::<Vec<_>>();
+        assert_eq!(order(&mut last), vec![0, 1, 2, 3]);
+        assert_eq!(order(&mut oldest), vec![2, 3, 1, 0]);
+    }
+
+    #[test]
+    fn with_buffer_sets_every_row_takes_its_turn() {
+        let dir = tempfile::tempdir_in("/tmp").unwrap();
+        let row = 64u64 << 10;
+        let (depth, sets) = (2u32, 3u32);
+        let mut w = G3Workload::open(&G3Shape {
+            dirs: vec![dir.path().join("a")],
+            bytes_per_path: 16 * row,
+            row_size: row,
+            max_depth: depth,
+            engine: IoEngineKind::Auto,
+            region: crate::region_arg::BenchRegion::Own,
+            buffer_sets: sets,
+        })
+        .unwrap();
+        assert!(w.describe().contains("3 sets of rows"), "{}", w.describe());
+        let region = w.region();
+        let rows = region.num_rows();
+        assert_eq!(rows, (2 * depth * sets) as usize);
+        // Each row a byte of its own, stored into the slots; then every row zeroed.
+        let fill = |v: u8| {
+            for i in 0..rows {
+                region
+                    .write_row(i)
+                    .unwrap()
+                    .fill(v.wrapping_mul(i as u8 + 1));
+            }
+        };
+        fill(1);
+        assert_eq!(w.run_pass(Profile::Store, depth).unwrap().bytes, 16 * row);
+        fill(0);
+        // 16 loads through the 12 rows: every row holds loaded bytes afterwards.
+        assert_eq!(w.run_pass(Profile::Load, depth).unwrap().bytes, 16 * row);
+        for i in 0..rows {
+            let data = region.read_row(i).unwrap();
+            assert!(
+                data.iter().any(|&b| b != 0),
+                "row {i} was never loaded into"
+            );
+        }
         w.close().unwrap();
     }
 }

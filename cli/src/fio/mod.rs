@@ -538,6 +538,7 @@ impl Side {
                 max_depth: plan.max_depth(),
                 engine: args.io_engine,
                 region: args.region,
+                buffer_sets: args.buffer_sets,
             })?)),
         })
     }
