@@ -35,9 +35,9 @@ pub fn prepare(files: &[PathBuf], len: u64, row_size: u64) -> Result<()> {
 }
 
 /// The buffer rows of kvtier's side: two rows of `row_size` bytes per request in flight at
-/// `max_depth` (a mixed pass runs a writer and a reader, each at the full depth; the engine
-/// side passes its depth times its buffer sets), in the region `kind` (kvtier's own, or one
-/// made and adopted as vLLM's).
+/// `max_depth` (a mixed pass runs a writer and a reader, each at the full depth; both sides
+/// pass their largest depth times their buffer sets), in the region `kind` (kvtier's own, or
+/// one made and adopted as vLLM's).
 pub fn buffer_region(
     row_size: u64,
     max_depth: u32,

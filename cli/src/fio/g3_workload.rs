@@ -261,7 +261,6 @@ impl G3Workload {
     }
 }
 
-/// A distinct 36-byte key per (pass generation, index).
 /// The driver's free rows.
 struct RowPool {
     free: std::collections::VecDeque<u32>,
@@ -293,6 +292,7 @@ impl RowPool {
     }
 }
 
+/// A distinct 36-byte key per (pass generation, index).
 fn pass_key(generation: u64, index: u64) -> ChunkKey {
     let mut k = [0u8; 36];
     k[..8].copy_from_slice(b"fio-cmp\0");
@@ -384,7 +384,8 @@ mod tests {
         fill(1);
         assert_eq!(w.run_pass(Profile::Store, depth).unwrap().bytes, 16 * row);
         fill(0);
-        // 16 loads through the 12 rows: every row holds loaded bytes afterwards.
+        // 16 loads through the 12 rows (in the pool's order, tested above): every row holds
+        // loaded bytes afterwards.
         assert_eq!(w.run_pass(Profile::Load, depth).unwrap().bytes, 16 * row);
         for i in 0..rows {
             let data = region.read_row(i).unwrap();
