@@ -74,7 +74,6 @@ impl Plan {
                  (or leave --profile out for store and load)",
             ));
         }
-        check_buffer_sets(args, largest, depths.iter().copied().max().unwrap_or(depth))?;
         let in_each = |name: &str| -> Vec<PathBuf> { paths.iter().map(|p| p.join(name)).collect() };
         let fio_files = in_each("kvtier-fio-compare.fio.dat");
         let (kvtier_files, g3_dirs, file_state, side_name) = match args.kvtier_side {
@@ -91,7 +90,7 @@ impl Plan {
                 "g3",
             ),
         };
-        Ok(Plan {
+        let plan = Plan {
             paths,
             profiles,
             row_size: args.row_size,
@@ -106,7 +105,9 @@ impl Plan {
             file_state,
             side_name,
             fio_verify: args.fio_verify,
-        })
+        };
+        check_buffer_sets(args.buffer_sets, plan.max_row_size(), plan.max_depth())?;
+        Ok(plan)
     }
 
     pub(crate) fn max_row_size(&self) -> u64 {
@@ -212,24 +213,23 @@ fn depths(args: &FioCompareArgs, depth: u32) -> Result<Vec<u32>> {
     Ok(depths)
 }
 
-/// The profiles to compare (default store and load); mixed only on the engine side.
 /// The most bytes of buffer rows `--buffer-sets` may ask for.
 const MAX_BUFFER_BYTES: u64 = 4 << 30;
 
 /// `--buffer-sets` above 1: its rows (2 x sets x depth of the largest row, on either side)
 /// must fit [`MAX_BUFFER_BYTES`].
-fn check_buffer_sets(args: &FioCompareArgs, largest_row: u64, max_depth: u32) -> Result<()> {
-    if args.buffer_sets == 1 {
+fn check_buffer_sets(sets: u32, largest_row: u64, max_depth: u32) -> Result<()> {
+    if sets == 1 {
         return Ok(()); // the rows of every run before --buffer-sets existed
     }
-    let bytes = 2 * u64::from(args.buffer_sets) * u64::from(max_depth) * largest_row;
+    let bytes = 2 * u64::from(sets) * u64::from(max_depth) * largest_row;
     if bytes > MAX_BUFFER_BYTES {
         return Err(Error::config(
             "--buffer-sets",
             format!(
                 "{} sets of 2 x {max_depth} rows of {} need {} of buffers; at most {} (take \
                  fewer sets, a lower depth or smaller rows)",
-                args.buffer_sets,
+                sets,
                 format_size(largest_row),
                 format_size(bytes),
                 format_size(MAX_BUFFER_BYTES)
@@ -239,6 +239,7 @@ fn check_buffer_sets(args: &FioCompareArgs, largest_row: u64, max_depth: u32) ->
     Ok(())
 }
 
+/// The profiles to compare (default store and load); mixed only on the engine side.
 fn profiles(args: &FioCompareArgs) -> Result<Vec<Profile>> {
     let mut profiles = if args.profiles.is_empty() {
         vec![Profile::Store, Profile::Load]
